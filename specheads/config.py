@@ -1,0 +1,176 @@
+"""One config dataclass per stage, loaded from YAML plus dotted command-line overrides.
+
+    cfg = load_config(TrainConfig, "configs/eagle3-smollm2.yaml", ["train.lr=3e-4", "data.max_length=1024"])
+
+Unknown keys fail with the file (or flag) and the key named; values are checked against the field types;
+`format_config(cfg)` prints the resolved config and `config_to_dict` is what gets written beside outputs.
+Nested dataclasses are sections. A YAML file may hold a top-level `command:` string (the command that runs it,
+torchtune style); it is documentation and is ignored here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+import yaml
+
+from specheads.utils import SpecheadsError
+
+T = TypeVar("T")
+DOC_KEYS = {"command", "description"}  # documentation keys allowed at the top level of a YAML recipe
+
+
+def _is_dc_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check/convert `value` to the annotated type `tp` (supports Optional, Union, list, dict, Literal, dataclasses)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except SpecheadsError as e:
+                errors.append(str(e))
+        raise SpecheadsError(f"{where}: {value!r} does not fit {tp}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise SpecheadsError(f"{where}: {value!r} is not one of {list(args)}")
+        return value
+    if origin in (list, tuple, Sequence):
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise SpecheadsError(f"{where}: expected a list, got {value!r}")
+        inner = args[0] if args else Any
+        out = [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple else out
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise SpecheadsError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if _is_dc_type(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise SpecheadsError(f"{where}: expected a section (mapping), got {value!r}")
+        return _from_dict(tp, value, where)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise SpecheadsError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise SpecheadsError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, str):
+                try:
+                    return float(value)  # YAML reads 3e-4 as a string
+                except ValueError:
+                    pass
+            raise SpecheadsError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return str(value)
+            raise SpecheadsError(f"{where}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _from_dict(cls: type[T], data: dict, where: str) -> T:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        raise SpecheadsError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(fields)}")
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
+    try:
+        obj = cls(**kwargs)
+    except TypeError as e:
+        raise SpecheadsError(f"{where or cls.__name__}: {e}") from None
+    return obj
+
+
+def config_to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _set_dotted(data: dict, cls: type, key: str, raw: str, flag: str) -> None:
+    parts = key.split(".")
+    cur_cls, cur = cls, data
+    for i, p in enumerate(parts):
+        fields = {f.name: f for f in dataclasses.fields(cur_cls)}
+        if p not in fields:
+            raise SpecheadsError(f"{flag}: unknown key {'.'.join(parts[: i + 1])!r}; known keys here: {sorted(fields)}")
+        tp = typing.get_type_hints(cur_cls)[p]
+        if i == len(parts) - 1:
+            cur[p] = yaml.safe_load(raw) if raw != "" else ""
+        else:
+            if not _is_dc_type(tp):
+                raise SpecheadsError(f"{flag}: {'.'.join(parts[: i + 1])!r} is not a section")
+            cur = cur.setdefault(p, {})
+            if not isinstance(cur, dict):
+                raise SpecheadsError(f"{flag}: {'.'.join(parts[: i + 1])!r} is not a section")
+            cur_cls = tp
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
+    """Build `cls` from a YAML file (optional) and `key.sub=value` overrides (values parsed as YAML)."""
+    data: dict = {}
+    where = ""
+    if path is not None:
+        path = Path(path)
+        where = str(path)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise SpecheadsError(f"{path}: config file not found") from None
+        except yaml.YAMLError as e:
+            raise SpecheadsError(f"{path}: not valid YAML ({e})") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise SpecheadsError(f"{path}: expected a mapping at the top level")
+        data = {k: v for k, v in loaded.items() if k not in DOC_KEYS}
+    data = _deepcopy(data)
+    for ov in overrides:
+        if "=" not in ov:
+            raise SpecheadsError(f"override {ov!r}: expected key.sub=value")
+        key, raw = ov.split("=", 1)
+        _set_dotted(data, cls, key.strip(), raw, f"override {ov!r}")
+    return _from_dict(cls, data, where)
+
+
+def _deepcopy(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _deepcopy(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_deepcopy(v) for v in d]
+    return d
+
+
+def format_config(cfg: Any) -> str:
+    """The resolved config as YAML (printed at start, nanoGPT style)."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=None).rstrip()
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    from specheads.utils import atomic_write_text
+
+    atomic_write_text(path, format_config(cfg) + "\n")

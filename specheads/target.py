@@ -1,0 +1,215 @@
+"""The frozen target model and the facts heads need about it.
+
+`load_target(name_or_path)` accepts a hub id, a local HF folder, a `.gguf` file, or the alias `smollm2-135m`.
+GGUF files are dequantised once (about 18 s for SmolLM2) and converted into `$SPECHEADS_CACHE/targets/<key>` as
+safetensors plus tokenizer, written atomically; later loads read that folder in well under a second.
+Architecture facts are read from the model and its config, never from per-architecture copies of modeling code.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from specheads.utils import SpecheadsError, atomic_dir, cache_root
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise SpecheadsError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}") from None
+
+
+@dataclass
+class Target:
+    """A frozen causal LM plus its tokenizer. B batch, T sequence, D hidden, V vocab."""
+
+    model: nn.Module  # *ForCausalLM, eval mode, requires_grad False
+    tokenizer: Any
+    name: str  # what the user asked for (alias, path or hub id); recorded in head configs
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def text_config(self):
+        cfg = self.model.config
+        return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text_config.hidden_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.text_config.num_hidden_layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.weight.shape[0])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def base(self) -> nn.Module:
+        """The decoder stack without the output head (calling it is ~30% cheaper than the full LM on small vocabularies)."""
+        get = getattr(self.model, "get_decoder", None)
+        dec = get() if get is not None else None
+        return dec if dec is not None else self.model.base_model
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @property
+    def final_norm(self) -> nn.Module:
+        for name in ("norm", "final_layernorm", "ln_f"):
+            m = getattr(self.base, name, None)
+            if isinstance(m, nn.Module):
+                return m
+        raise SpecheadsError(f"target {self.name}: cannot find the final norm of {type(self.base).__name__}")
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return self.embed_tokens.weight.data_ptr() == self.lm_head.weight.data_ptr()
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.text_config, "max_position_embeddings", None)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids: list[int] = []
+        for src in (getattr(self.model, "generation_config", None), self.config):
+            e = getattr(src, "eos_token_id", None) if src is not None else None
+            for i in ([e] if isinstance(e, int) else (e or [])):
+                if i not in ids:
+                    ids.append(int(i))
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.append(int(self.tokenizer.eos_token_id))
+        return ids
+
+    def fingerprint(self) -> dict:
+        """Shapes plus a hash of a few rows of the embedding and lm_head: heads record it and check it on load."""
+        return target_fingerprint(self.embed_tokens.weight, self.lm_head.weight)
+
+
+def target_fingerprint(embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, rows: int = 8) -> dict:
+    def h(w: torch.Tensor) -> str:
+        idx = torch.linspace(0, w.shape[0] - 1, steps=min(rows, w.shape[0])).long()
+        sample = w.detach()[idx].float().cpu()
+        # Round so that bf16 and fp32 copies of the same weights agree.
+        sample = torch.round(sample.to(torch.bfloat16).float() * 1e3).to(torch.int64)
+        return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
+
+    return {"embed_shape": list(embed_weight.shape), "lm_head_shape": list(lm_head_weight.shape),
+            "embed_hash": h(embed_weight), "lm_head_hash": h(lm_head_weight)}
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    return cache_root() / "targets" / f"{gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path, trust_remote_code: bool = False) -> Path:
+    """Dequantise a GGUF file once into a safetensors + tokenizer folder in the cache; return that folder."""
+    out = _gguf_cache_dir(gguf)
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s into %s (one time, ~20 s)", gguf, out)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                 trust_remote_code=trust_remote_code)
+    # transformers refuses save_pretrained on a dequantised GGUF model unless the quantizer is detached.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    return out
+
+
+def resolve_target_path(name_or_path: str) -> str:
+    """Map an alias or .gguf file to a loadable folder; hub ids and folders pass through."""
+    from specheads.assets import TARGET_ALIASES
+
+    if name_or_path in TARGET_ALIASES:
+        name_or_path = str(TARGET_ALIASES[name_or_path]())
+    p = Path(name_or_path)
+    if p.suffix == ".gguf":
+        if not p.exists():
+            raise SpecheadsError(f"{p}: GGUF file not found")
+        return str(convert_gguf(p))
+    if p.exists() and p.is_dir() and not (p / "config.json").exists():
+        raise SpecheadsError(f"{p}: folder has no config.json (not a Hugging Face model folder)")
+    return name_or_path
+
+
+def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str | None = None,
+                trust_remote_code: bool = False, attn_implementation: str | None = "sdpa") -> Target:
+    """Load a frozen target (eval mode, no gradients). See the module docstring for what `name_or_path` may be."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_target_path(name_or_path)
+    torch_dtype = resolve_dtype(dtype)
+    kwargs: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if not Path(path).exists() and os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise SpecheadsError(f"target {name_or_path!r}: not a local path and HF_HUB_OFFLINE=1")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise SpecheadsError(f"target {name_or_path!r}: cannot load ({str(e).splitlines()[0]})") from None
+    if device:
+        model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    if tok.pad_token_id is None and tok.eos_token_id is not None:
+        tok.pad_token = tok.eos_token
+    return Target(model=model, tokenizer=tok, name=name_or_path)
+
+
+def tiny_target(vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 4, seed: int = 0,
+                dtype: torch.dtype = torch.float32, tokenizer: Any = None, **overrides) -> Target:
+    """A random-weight Llama target for fast tests (no download). B batch, T sequence, D hidden=64, V vocab=256."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+                      num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0, **overrides)
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg).to(dtype).eval().requires_grad_(False)
+    return Target(model=model, tokenizer=tokenizer, name=f"tiny-llama-{seed}")

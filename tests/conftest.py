@@ -1,0 +1,30 @@
+"""Shared fixtures: a tiny random Llama target (fast) and the real SmolLM2 through the converted cache (slow)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture
+def tiny():
+    """Random-weight 4-layer Llama, hidden 64, vocab 256, fp32. No tokenizer."""
+    from specheads.target import tiny_target
+
+    return tiny_target()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct in fp32 from the converted cache (converted on first use, ~20 s)."""
+    from specheads import load_target
+
+    return load_target("smollm2-135m", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(smollm2):
+    return smollm2.tokenizer
