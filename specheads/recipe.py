@@ -1,0 +1,32 @@
+"""A recipe: one YAML read by both `specheads prepare` and `specheads train`.
+
+Each section's dataclass lives with the code that uses it; this file only assembles them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specheads.heads.base import HeadSpec
+from specheads.train.data import DataConfig
+from specheads.train.evaluate import EvalConfig
+from specheads.train.features import FeatureConfig
+from specheads.train.trainer import TrainConfig
+
+
+@dataclass
+class TargetConfig:
+    name: str = "smollm2-135m"  # hub id, local folder, .gguf file, or alias
+    dtype: str = "bfloat16"  # the frozen target runs in bf16 for features (fp32 for exactness checks)
+    trust_remote_code: bool = False  # off unless asked
+
+
+@dataclass
+class Recipe:
+    output_dir: str = "runs/default"  # prepare writes <output_dir>/data and /features; train writes checkpoints
+    seed: int = 0
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    features: FeatureConfig = field(default_factory=FeatureConfig)
+    head: HeadSpec = field(default_factory=HeadSpec)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
