@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.setup-stamp
 TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast clean speculators-venv
 
 setup: $(STAMP)
 
@@ -23,7 +23,12 @@ $(STAMP): pyproject.toml requirements-assets.txt
 demo: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh $(DEMO_OUT)
 
-test: setup
+# The speculators package (vLLM's draft format) needs its own venv (it pins transformers 5.19); a test loads our
+# export with it. The script is idempotent and fast once done.
+speculators-venv:
+	bash scripts/setup_speculators_venv.sh
+
+test: setup speculators-venv
 	$(BIN)/python -m pytest -q tests
 
 test-fast: setup

@@ -167,7 +167,7 @@ def _deepcopy(d: Any) -> Any:
 
 def format_config(cfg: Any) -> str:
     """The resolved config as YAML (printed at start, nanoGPT style)."""
-    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=None).rstrip()
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False).rstrip()
 
 
 def save_config(cfg: Any, path: str | Path) -> None:

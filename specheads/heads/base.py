@@ -1,13 +1,396 @@
-"""Common base for draft heads. (Owner: heads helper; stub.)"""
+"""Common base for draft heads: the recipe section (`HeadSpec`), what a head folder records (`HeadConfig`), the module
+base (`DraftHead`: binds the frozen target parts by reference, saves/loads safetensors), and the kind dispatch.
+
+A head folder is `config.json` (HeadConfig as JSON) + `model.safetensors` (the head's own weights only: the target's
+embedding / lm_head / final norm are bound by reference at load time, never saved, never in `parameters()`).
+
+Draft vocabulary (d2t / t2d). In memory and in the native folder, `d2t` is [V'] long holding the ABSOLUTE target id of
+each draft id (`d2t[i]` = target id), sorted ascending, and `t2d` is [V] bool (True where the target id is in the draft
+vocab). The EAGLE-3 repo, SGLang and speculators store `d2t` as OFFSETS (target id = i + d2t[i]; SGLang's
+llama_eagle3.py: "d2t stores diffs between draft id and target id"); heads/export.py converts at the border.
+Use `head.to_target_ids(ids)` rather than indexing by hand.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import nn
+
+from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json, read_json
+
+log = logging.getLogger(__name__)
+
+HEAD_KINDS = ("medusa", "eagle", "eagle3")
+FORMAT_VERSION = 1  # bump when config.json or the key layout of model.safetensors changes
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
 
 
 @dataclass
 class HeadSpec:
+    """The `head:` section of a recipe: what to build. Resolved against a target into a `HeadConfig`."""
+
     kind: str = "eagle3"  # medusa | eagle | eagle3
     num_heads: int = 4  # Medusa: K heads (Medusa paper default 4 in the repo's training script)
-    num_layers: int = 1  # residual blocks per Medusa head; decoder layers for EAGLE
+    num_layers: int = 1  # residual blocks per Medusa head; decoder layers for EAGLE (EAGLE-1/3 use 1)
     draft_vocab_size: int | None = None  # reduced draft vocabulary (EAGLE-3 d2t/t2d); None = target vocab
     feature_layers: list[int] | None = None  # None = the kind's default (docs/architecture.md)
+    bias: bool | None = None  # fc / ResBlock bias; None = the kind's paper default (Medusa True, EAGLE True, EAGLE-3 False)
+    medusa_lm_head: Literal["shared", "per_head"] = "shared"  # shared frozen target lm_head, or per head (Medusa-1 repo)
+    ttt_steps: int = 7  # EAGLE-3 training-time-test unroll (EAGLE-3 repo default length 7)
+
+    def __post_init__(self) -> None:
+        if self.kind not in HEAD_KINDS:
+            raise SpecheadsError(f"head.kind: {self.kind!r} is not one of {list(HEAD_KINDS)}")
+        for name in ("num_heads", "num_layers", "ttt_steps"):
+            if getattr(self, name) < 1:
+                raise SpecheadsError(f"head.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise SpecheadsError(f"head.draft_vocab_size: must be >= 1 or null, got {self.draft_vocab_size}")
+
+    def resolved_bias(self) -> bool:
+        return self.bias if self.bias is not None else self.kind != "eagle3"
+
+
+def default_feature_layers(kind: str, num_layers_of_target: int) -> list[int]:
+    """Indices into HF's hidden_states tuple (0 = embeddings, L = final post-norm state)."""
+    L = int(num_layers_of_target)
+    if kind in ("medusa", "eagle"):
+        return [L]
+    if kind == "eagle3":
+        return [2, L // 2, L - 3]  # EAGLE-3 repo / SGLang default (SGLang ids are these minus one)
+    raise SpecheadsError(f"head.kind: {kind!r} is not one of {list(HEAD_KINDS)}")
+
+
+@dataclass
+class HeadConfig:
+    """What a head folder records: the spec plus the target it was built against."""
+
+    kind: str
+    target_name: str
+    hidden_size: int  # D
+    vocab_size: int  # V (target)
+    feature_layers: list[int]  # resolved F ids (hidden_states tuple indices)
+    fingerprint: dict  # target.fingerprint(): shapes + hash of a few rows of embedding and lm_head
+    draft_vocab_size: int | None  # V' or None (= V)
+    spec: dict  # the HeadSpec fields
+    target_config: dict  # the target's text config (to_dict()): rebuilds the decoder layer and export configs
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def head_spec(self) -> HeadSpec:
+        return HeadSpec(**self.spec)
+
+    @property
+    def out_vocab(self) -> int:
+        return self.draft_vocab_size or self.vocab_size
+
+    @classmethod
+    def from_target(cls, spec: HeadSpec, target) -> "HeadConfig":
+        layers = list(spec.feature_layers) if spec.feature_layers else default_feature_layers(spec.kind, target.num_layers)
+        for i in layers:
+            if not 0 <= i <= target.num_layers:
+                raise SpecheadsError(f"head.feature_layers: {i} is outside 0..{target.num_layers} for {target.name}")
+        if spec.kind in ("medusa", "eagle") and layers != [target.num_layers]:
+            raise SpecheadsError(f"head.feature_layers: {spec.kind} reads the final state only ([{target.num_layers}])")
+        dv = spec.draft_vocab_size
+        if dv is not None and dv > target.vocab_size:
+            raise SpecheadsError(f"head.draft_vocab_size: {dv} exceeds the target vocab {target.vocab_size}")
+        if dv == target.vocab_size:
+            dv = None
+        d = dataclasses.asdict(spec)
+        d["feature_layers"] = layers
+        d["draft_vocab_size"] = dv
+        return cls(kind=spec.kind, target_name=target.name, hidden_size=target.hidden_size,
+                   vocab_size=target.vocab_size, feature_layers=layers, fingerprint=target.fingerprint(),
+                   draft_vocab_size=dv, spec=d, target_config=target.text_config.to_dict())
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> "HeadConfig":
+        if not isinstance(d, dict):
+            raise SpecheadsError(f"{where}: expected a JSON object")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in d if k not in names]
+        if unknown:
+            raise SpecheadsError(f"{where}: unknown key {unknown[0]!r} (known: {names})")
+        missing = [k for k in names if k not in d]
+        if missing:
+            raise SpecheadsError(f"{where}: missing key {missing[0]!r}")
+        if d["format_version"] != FORMAT_VERSION:
+            raise SpecheadsError(f"{where}: format_version {d['format_version']!r}, this build reads {FORMAT_VERSION}")
+        if d["kind"] not in HEAD_KINDS:
+            raise SpecheadsError(f"{where}: key 'kind': {d['kind']!r} is not one of {list(HEAD_KINDS)}")
+        spec_names = [f.name for f in dataclasses.fields(HeadSpec)]
+        bad = [k for k in d["spec"] if k not in spec_names] if isinstance(d["spec"], dict) else ["spec"]
+        if bad:
+            raise SpecheadsError(f"{where}: unknown key 'spec.{bad[0]}'")
+        return cls(**d)
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Load a safetensors file; any corruption is one SpecheadsError naming the file. Never unpickles."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.exists():
+        raise SpecheadsError(f"{path}: file not found")
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises its own SafetensorError / OSError / ValueError on bad bytes
+        raise SpecheadsError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path), metadata=metadata)
+
+
+class DraftHead(nn.Module):
+    """Base of all heads. B batch, T sequence, N tree nodes, D hidden, V vocab, V' draft vocab.
+
+    Frozen target modules live in `self._frozen` (a plain dict, so nn.Module neither registers them as submodules
+    nor puts them in `state_dict()` / `parameters()` / `.to()`).
+    """
+
+    kind: ClassVar[str] = ""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = config
+        self.spec = config.head_spec
+        self._frozen: dict[str, nn.Module] = {}
+        if config.draft_vocab_size:
+            # Placeholder map (the first V' ids) until set_draft_vocab is called with measured counts.
+            d2t = torch.arange(config.draft_vocab_size, dtype=torch.long)
+            self.register_buffer("d2t", d2t)  # [V'] long, absolute target ids
+            self.register_buffer("t2d", _t2d_from_d2t(d2t, config.vocab_size))  # [V] bool
+        else:
+            self.d2t = None
+            self.t2d = None
+
+    # ----- frozen target parts, shared by reference -----
+    def bind(self, target) -> "DraftHead":
+        """Share the target's embedding, lm_head and final norm by reference (not copied, not saved, not trained)."""
+        self._frozen = {"embed_tokens": target.embed_tokens, "lm_head": target.lm_head}
+        try:
+            self._frozen["final_norm"] = target.final_norm
+        except SpecheadsError:
+            pass
+        return self
+
+    def _get_frozen(self, name: str) -> nn.Module:
+        try:
+            return self._frozen[name]
+        except KeyError:
+            raise RuntimeError(f"{type(self).__name__}: call bind(target) before use ({name} missing)") from None
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self._get_frozen("embed_tokens")
+
+    @property
+    def lm_head(self) -> nn.Module:  # overridden by heads with their own projection
+        return self._get_frozen("lm_head")
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self._get_frozen("final_norm")
+
+    @property
+    def head_dtype(self) -> torch.dtype:
+        for p in self.parameters():
+            return p.dtype
+        return torch.float32
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target embedding of ids [...] -> [..., D], in the head's dtype (no gradient reaches the target)."""
+        return self.embed_tokens(ids).to(self.head_dtype)
+
+    def target_lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Frozen target lm_head over the draft vocab: h [..., D] -> [..., V'] (V' = V without a draft vocab)."""
+        w = self._get_frozen("lm_head").weight
+        if self.d2t is not None:
+            # Gathering V' rows costs a V'xD copy: keep it while the frozen weight and the map stay the same.
+            key = (w.data_ptr(), w.device, self.d2t.device, self.d2t._version)
+            cached = self._frozen.get("lm_rows")
+            if cached is None or cached[0] != key:
+                cached = (key, w.detach()[self.d2t.to(w.device)])
+                self._frozen["lm_rows"] = cached  # plain dict entry: never a parameter, never saved
+            w = cached[1]
+        return nn.functional.linear(h.to(w.dtype), w)
+
+    def init_from_target(self) -> None:
+        """Initialise trainable parts from the bound target (e.g. a per-head lm_head copied from it). Default: none."""
+
+    # ----- draft vocabulary -----
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids [...] -> target ids [...] (identity without a draft vocab)."""
+        return ids if self.d2t is None else self.d2t[ids]
+
+    def set_draft_vocab(self, d2t: torch.Tensor) -> None:
+        """Install a draft vocab ([V'] absolute target ids, e.g. from `build_draft_vocab`) in a FRESH head (projections
+        initialised from the target are re-initialised from the new rows)."""
+        if self.d2t is None or d2t.shape != self.d2t.shape:
+            raise SpecheadsError(f"draft vocab: expected {self.config.draft_vocab_size} ids, got {tuple(d2t.shape)}")
+        d2t = d2t.to(torch.long)
+        if not bool((d2t[1:] > d2t[:-1]).all()) or int(d2t.min()) < 0 or int(d2t.max()) >= self.config.vocab_size:
+            raise SpecheadsError("draft vocab: d2t must be strictly increasing target ids within the target vocab")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(_t2d_from_d2t(d2t, self.config.vocab_size))
+        if "lm_head" in self._frozen:  # fresh head: re-derive projections that copy target rows of the draft vocab
+            self.init_from_target()
+
+    # ----- save / load -----
+    def save_pretrained(self, out_dir: str | Path) -> Path:
+        """Write config.json + model.safetensors atomically (a half-written folder is never seen)."""
+        out_dir = Path(out_dir)
+        with atomic_dir(out_dir) as tmp:
+            atomic_write_json(tmp / CONFIG_NAME, self.config.to_dict())
+            write_safetensors(self.state_dict(), tmp / WEIGHTS_NAME, metadata={"format": "pt", "kind": self.kind})
+        return out_dir
+
+    @classmethod
+    def from_pretrained(cls, head_dir: str | Path, target, dtype: torch.dtype | None = None) -> "DraftHead":
+        """Load a head folder against `target` (checked: hidden size, vocab, fingerprint). dtype None = as saved."""
+        head_dir = Path(head_dir)
+        config = read_head_config(head_dir)
+        check_target(config, target, str(head_dir))
+        klass = head_class(config.kind)
+        if cls is not DraftHead and not issubclass(klass, cls):
+            raise SpecheadsError(f"{head_dir / CONFIG_NAME}: key 'kind' is {config.kind!r}, expected {cls.kind!r}")
+        tensors = read_safetensors(head_dir / WEIGHTS_NAME)
+        head = klass(config)
+        load_state_checked(head, tensors, head_dir / WEIGHTS_NAME)
+        if dtype is None:
+            dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
+        return head.to(device=target.device, dtype=dtype).bind(target)
+
+
+def _t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[d2t.cpu()] = True
+    return t2d
+
+
+def build_draft_vocab(token_counts, size: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The `size` most frequent tokens as a draft vocab (EAGLE-3 repo recipe: top-N by count, then sorted by id).
+
+    token_counts: [V] counts (tensor or sequence), e.g. of assistant tokens in the training set.
+    Returns (d2t [V'] long absolute target ids, ascending; t2d [V] bool; coverage = share of counted tokens covered).
+    """
+    counts = torch.as_tensor(token_counts, dtype=torch.float64).flatten()
+    if not 1 <= size <= counts.numel():
+        raise SpecheadsError(f"head.draft_vocab_size: {size} must be within 1..{counts.numel()}")
+    top = torch.topk(counts, size, sorted=True).indices  # ties broken by topk; ids sorted next
+    d2t = torch.sort(top).values.to(torch.long)
+    total = float(counts.sum())
+    coverage = float(counts[d2t].sum()) / total if total > 0 else 0.0
+    return d2t, _t2d_from_d2t(d2t, counts.numel()), coverage
+
+
+def read_head_config(head_dir: Path) -> HeadConfig:
+    path = Path(head_dir) / CONFIG_NAME
+    if not Path(head_dir).is_dir():
+        raise SpecheadsError(f"{head_dir}: head folder not found")
+    return HeadConfig.from_dict(read_json(path), str(path))
+
+
+def check_target(config: HeadConfig, target, where: str) -> None:
+    """One clear error naming both the head's recorded target and the given target when they differ."""
+    problems = []
+    if config.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {config.hidden_size} vs {target.hidden_size}")
+    if config.vocab_size != target.vocab_size:
+        problems.append(f"vocab {config.vocab_size} vs {target.vocab_size}")
+    if not problems and config.fingerprint != target.fingerprint():
+        problems.append(f"fingerprint {config.fingerprint} vs {target.fingerprint()}")
+    if problems:
+        raise SpecheadsError(f"{where}: head was trained for target {config.target_name!r} but the target given is "
+                             f"{target.name!r}: " + "; ".join(problems))
+
+
+def load_state_checked(head: nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Strict load: a missing, unexpected or misshapen key is one SpecheadsError naming the file and key."""
+    own = head.state_dict()
+    for k in tensors:
+        if k not in own:
+            raise SpecheadsError(f"{path}: unexpected key {k!r}")
+    for k, v in own.items():
+        if k not in tensors:
+            raise SpecheadsError(f"{path}: missing key {k!r}")
+        if tuple(tensors[k].shape) != tuple(v.shape):
+            raise SpecheadsError(f"{path}: key {k!r} has shape {tuple(tensors[k].shape)}, expected {tuple(v.shape)}")
+    head.load_state_dict(tensors, strict=True)
+
+
+def head_class(kind: str) -> type[DraftHead]:
+    if kind == "medusa":
+        from specheads.heads.medusa import MedusaHead
+        return MedusaHead
+    if kind == "eagle":
+        from specheads.heads.eagle import EagleHead
+        return EagleHead
+    if kind == "eagle3":
+        from specheads.heads.eagle3 import Eagle3Head
+        return Eagle3Head
+    raise SpecheadsError(f"head.kind: {kind!r} is not one of {list(HEAD_KINDS)}")
+
+
+def build_head(spec: HeadSpec, target, token_counts=None, dtype: torch.dtype = torch.float32) -> DraftHead:
+    """A fresh head for `target`, bound to it, on its device. dtype float32 by default (master weights for training).
+
+    token_counts ([V], optional): counts used to pick the draft vocab when spec.draft_vocab_size is set; without
+    them the draft vocab is a placeholder (the first V' ids) to be replaced by `head.set_draft_vocab`.
+    """
+    config = HeadConfig.from_target(spec, target)
+    head = head_class(spec.kind)(config)
+    if config.draft_vocab_size:
+        if token_counts is not None:
+            d2t, _, coverage = build_draft_vocab(token_counts, config.draft_vocab_size)
+            head.set_draft_vocab(d2t)
+            log.info("draft vocab: %d tokens cover %.2f%% of the counted tokens", config.draft_vocab_size, 100 * coverage)
+        else:
+            log.warning("draft vocab of %d tokens without token counts: placeholder ids 0..%d",
+                        config.draft_vocab_size, config.draft_vocab_size - 1)
+    head = head.to(device=target.device, dtype=dtype).bind(target)
+    head.init_from_target()
+    return head
+
+
+def load_head(head_dir: str | Path, target, dtype: torch.dtype | None = None) -> DraftHead:
+    """Load any head folder (native format), dispatching on config.kind."""
+    return DraftHead.from_pretrained(head_dir, target, dtype=dtype)
+
+
+def causal_mask_4d(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Right-padded [B,T] 0/1 mask -> [B,1,T,T] float (0 attend, -inf not). Every row keeps its own diagonal so that
+    padded rows never attend to nothing (sdpa would give NaN there)."""
+    B, T = attention_mask.shape
+    dev = attention_mask.device
+    causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+    allowed = causal[None] & attention_mask.bool()[:, None, :]  # [B,T,T]
+    allowed = allowed | torch.eye(T, dtype=torch.bool, device=dev)[None]
+    out = torch.zeros(B, 1, T, T, dtype=dtype, device=dev)
+    return out.masked_fill(~allowed[:, None], torch.finfo(dtype).min)
+
+
+def select_cache(cache, keep: torch.Tensor) -> None:
+    """Keep only the cached positions `keep` ([M] long, ascending, absolute cache columns) in every layer of a
+    DynamicCache, in place: after a tree step, the accepted path's entries (e.g. prefix + accepted nodes) stay and
+    the rejected branches go. Sliding-window layers are refused (their bookkeeping is not positional)."""
+    for layer in getattr(cache, "layers", []):
+        if getattr(layer, "is_sliding", False):
+            raise NotImplementedError("select_cache: sliding-window cache layers are not supported")
+        if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
+            idx = keep.to(layer.keys.device)
+            layer.keys = layer.keys.index_select(-2, idx)
+            layer.values = layer.values.index_select(-2, idx)

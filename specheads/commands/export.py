@@ -1,0 +1,58 @@
+"""`specheads export`: write a head folder in another layout, or import a foreign checkpoint as a native folder.
+
+    specheads export --head runs/x/head --format speculators --out runs/x/speculators
+    specheads export --import path/to/EAGLE3-checkpoint --target smollm2-135m --out runs/imported
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from specheads.utils import SpecheadsError
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from specheads.heads.export import FORMATS, SPECULATIVE_TOKENS
+
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--head", help="native head folder to export")
+    src.add_argument("--import", dest="import_dir",
+                     help="foreign checkpoint folder to import (eagle, eagle3, speculators, medusa-vllm, "
+                          "FasterDecoding Medusa; auto-detected) into a native folder; needs --target")
+    p.add_argument("--format", choices=FORMATS, default=None, help="export layout (required with --head)")
+    p.add_argument("--from-format", default=None,
+                   help="with --import: the layout, when auto-detection from config.json is not wanted")
+    p.add_argument("--out", required=True, help="output folder (written atomically)")
+    p.add_argument("--target", default=None,
+                   help="target (alias, folder, hub id or .gguf): required with --import, and to export a Medusa head "
+                        "with the shared lm_head as medusa-vllm")
+    p.add_argument("--dtype", default="float32", help="target dtype when --target is loaded (default float32)")
+    p.add_argument("--verifier", default=None,
+                   help="speculators: verifier name_or_path written in the config (default: the head's target; our aliases "
+                        "become their hub id)")
+    p.add_argument("--speculative-tokens", type=int, default=SPECULATIVE_TOKENS,
+                   help=f"speculators: greedy proposal length (default {SPECULATIVE_TOKENS}, speculators' own default)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from specheads.heads.export import export_head, import_head
+    from specheads.target import load_target
+
+    target = load_target(args.target, dtype=args.dtype) if args.target else None
+    if args.import_dir:
+        if target is None:
+            raise SpecheadsError("--import: needs --target (the head is checked against it and bound to it)")
+        head = import_head(args.import_dir, target, fmt=args.from_format)
+        head.save_pretrained(args.out)
+        print(f"imported {args.import_dir} as a {head.kind} head -> {args.out}")
+        return 0
+    if args.format is None:
+        raise SpecheadsError("--format: required with --head")
+    if args.speculative_tokens < 1:
+        raise SpecheadsError(f"--speculative-tokens {args.speculative_tokens}: must be >= 1")
+    export_head(args.head, args.format, args.out, target=target, verifier_name_or_path=args.verifier,
+                speculative_tokens=args.speculative_tokens)
+    print(f"exported {args.head} as {args.format} -> {args.out}")
+    return 0

@@ -1,0 +1,132 @@
+"""EAGLE-3 head (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
+Training-Time Test", arXiv:2503.01840).
+
+The head fuses low, middle and high target layers and predicts tokens directly (no feature regression):
+
+    g_t  = W_fc · [ h_t^(l1) ; h_t^(l2) ; h_t^(l3) ]                          W_fc: 3D -> D (no bias by default)
+    a_t  = g_t + Attn( [ RMSNorm_in(E(x_{t+1})) ; RMSNorm_h(g_t) ] )        q/k/v read 2D, residual on g
+    o_t  = a_t + MLP(RMSNorm_post(a_t))                                     (the "midlayer", Llama layout)
+    p(x_{t+2}) = softmax( W_lm · RMSNorm_final(o_t) )                       own lm_head over the draft vocab V'
+
+Training-time test (TTT, paper §3.2): the head is unrolled n steps (default 7). Step 0 row t reads (g_t, x_{t+1});
+step i > 0 row t reads the head's own output o_t of step i-1 and the ground-truth token x_{t+1+i}, at position t+i,
+and predicts x_{t+2+i}. Its attention sees the step-0 keys of rows <= t plus the keys of row t at steps 1..i (its
+own chain), exactly what a chain of drafts below row t sees at inference (cache = prefix rows, plus its ancestors).
+
+Layout matches SGLang's `LlamaForCausalLMEagle3` / the EAGLE-3 repo: `fc.weight`, `midlayer.{input_layernorm,
+hidden_norm,self_attn.{q,k,v,o}_proj,post_attention_layernorm,mlp.*}`, `norm.weight`, `lm_head.weight`, plus the
+draft-vocab buffers. In those files `d2t` holds OFFSETS (target id = i + d2t[i]); in memory and in our native folder
+it holds absolute target ids (heads/base.py); heads/export.py converts. The midlayer is always a Llama layer (what
+SGLang / vLLM / speculators build for EAGLE-3), sized from the target's config.
+Shapes: B batch, T sequence, N tree nodes, D hidden, F feature layers, V vocab, V' draft vocab, S attended length.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from specheads.heads.base import DraftHead, HeadConfig, build_draft_vocab, causal_mask_4d  # noqa: F401 (re-export)
+from specheads.heads.eagle import RotaryCache, build_layers
+
+LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "rope_theta",
+              "rope_scaling", "initializer_range")
+
+
+def eagle3_layer_config(target_config: dict, vocab_size: int):
+    """A one-layer LlamaConfig with the target's sizes (what EAGLE-3 consumers build)."""
+    from transformers import LlamaConfig
+
+    d = {k: target_config[k] for k in LLAMA_KEYS if target_config.get(k) is not None}
+    d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
+    cfg = LlamaConfig(**d, num_hidden_layers=1, vocab_size=vocab_size, tie_word_embeddings=False,
+                      attention_bias=False, mlp_bias=False)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+class Eagle3Head(DraftHead):
+    kind = "eagle3"
+
+    def __init__(self, config: HeadConfig):
+        super().__init__(config)
+        D, F = config.hidden_size, len(config.feature_layers)
+        self.layer_config = eagle3_layer_config(config.target_config, config.vocab_size)
+        self.fc = nn.Linear(F * D, D, bias=self.spec.resolved_bias())
+        layers, rotary = build_layers(self.layer_config)
+        mid = layers[0]
+        attn, std = mid.self_attn, self.layer_config.initializer_range
+        for name in ("q_proj", "k_proj", "v_proj"):  # attention reads [embed ; hidden]: 2D inputs
+            old = getattr(attn, name)
+            new = nn.Linear(2 * D, old.out_features, bias=False)
+            nn.init.normal_(new.weight, std=std)
+            setattr(attn, name, new)
+        mid.hidden_norm = copy.deepcopy(mid.input_layernorm)
+        self.midlayer = mid
+        self.norm = copy.deepcopy(mid.post_attention_layernorm)
+        self._modules["lm_head"] = nn.Linear(D, config.out_vocab, bias=False)  # own projection (V', not frozen)
+        self._rope = RotaryCache(rotary)
+
+    @property
+    def lm_head(self) -> nn.Linear:  # the head's own projection over V' (not the target's)
+        return self._modules["lm_head"]
+
+    def init_from_target(self) -> None:
+        """lm_head starts as the target lm_head rows of the draft vocab (a good start; training moves it)."""
+        w = self._get_frozen("lm_head").weight
+        if self.d2t is not None:
+            w = w[self.d2t]
+        with torch.no_grad():
+            self.lm_head.weight.copy_(w.to(self.lm_head.weight.dtype))
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.layer_config)
+
+    def project_features(self, features: torch.Tensor) -> torch.Tensor:
+        """features [..., F*D] (the feature layers concatenated in config order) -> [..., D]."""
+        return self.fc(features.to(self.head_dtype))
+
+    def _step(self, hidden, tokens, position_ids, mask, cache):
+        """One midlayer pass: hidden [B,N,D], tokens [B,N] -> (pre-norm hidden [B,N,D], logits [B,N,V'])."""
+        mid = self.midlayer
+        hidden = hidden.to(self.head_dtype)
+        x = torch.cat([mid.input_layernorm(self.embed(tokens)), mid.hidden_norm(hidden)], dim=-1)  # [B,N,2D]
+        pe = self._rope(hidden, position_ids)
+        a, _ = mid.self_attn(hidden_states=x, attention_mask=mask, position_embeddings=pe, cache=cache)
+        h = hidden + a
+        h = h + mid.mlp(mid.post_attention_layernorm(h))
+        return h, self.lm_head(self.norm(h))
+
+    def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                steps: int | None = None, pad_token_id: int = 0) -> list[torch.Tensor]:
+        """Training with TTT: features [B,T,F*D], next_tokens [B,T] (x_{t+1}), attention_mask [B,T] (right padding)
+        -> list of `steps` logits [B,T,V']; step i row t predicts x_{t+2+i} (rows past the end read pad tokens)."""
+        n = steps or self.spec.ttt_steps
+        B, T = next_tokens.shape
+        dev, dt = next_tokens.device, self.head_dtype
+        if attention_mask is None:
+            attention_mask = torch.ones(B, T, dtype=torch.long, device=dev)
+        hidden = self.project_features(features)  # [B,T,D]
+        first = causal_mask_4d(attention_mask, dt)  # [B,1,T,T]: step-0 keys, causal
+        eye = torch.eye(T, dtype=torch.bool, device=dev)
+        diag = torch.zeros(T, T, dtype=dt, device=dev).masked_fill(~eye, torch.finfo(dt).min).expand(B, 1, T, T)
+        cache = self.new_cache()
+        out = []
+        for i in range(n):
+            tokens = next_tokens if i == 0 else torch.cat(
+                [next_tokens[:, i:], next_tokens.new_full((B, min(i, T)), pad_token_id)], dim=1)[:, :T]
+            pos = (torch.arange(T, device=dev) + i).expand(B, T)
+            mask = torch.cat([first] + [diag] * i, dim=-1)  # [B,1,T,(i+1)T]
+            hidden, logits = self._step(hidden, tokens, pos, mask, cache)
+            out.append(logits)
+        return out
+
+    def draft_forward(self, hidden, tokens, position_ids, attention_mask, cache):
+        """Inference: hidden [B,N,D] (project_features output for target rows, the head's own output below),
+        tokens [B,N], position_ids [B,N], attention_mask [B,1,N,S] float, cache -> (hidden [B,N,D] pre-norm,
+        logits [B,N,V']); appends N entries to `cache`."""
+        return self._step(hidden, tokens, position_ids, attention_mask.to(self.head_dtype), cache)

@@ -1,0 +1,60 @@
+"""The config system: YAML + dotted overrides, unknown keys fail with the file/flag and key named."""
+from dataclasses import dataclass, field
+
+import pytest
+
+from specheads.config import config_to_dict, format_config, load_config
+from specheads.utils import SpecheadsError
+
+
+@dataclass
+class Inner:
+    lr: float = 1e-3
+    steps: int = 10
+    layers: list[int] | None = None
+    name: str = "x"
+
+
+@dataclass
+class Outer:
+    seed: int = 0
+    flag: bool = False
+    inner: Inner = field(default_factory=Inner)
+
+
+def test_yaml_and_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("command: specheads train --config c.yaml\nseed: 3\ninner:\n  lr: 3e-4\n  layers: [1, 2]\n")
+    cfg = load_config(Outer, p, ["inner.steps=7", "flag=true"])
+    assert cfg.seed == 3 and cfg.flag is True
+    assert cfg.inner.lr == pytest.approx(3e-4) and cfg.inner.steps == 7 and cfg.inner.layers == [1, 2]
+    assert "lr: 0.0003" in format_config(cfg)
+    assert config_to_dict(cfg)["inner"]["steps"] == 7
+
+
+def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("inner:\n  lrr: 1\n")
+    with pytest.raises(SpecheadsError, match=r"bad\.yaml\.inner.*lrr"):
+        load_config(Outer, p)
+
+
+def test_unknown_override_names_flag():
+    with pytest.raises(SpecheadsError, match=r"override 'inner\.nope=1'.*inner\.nope"):
+        load_config(Outer, None, ["inner.nope=1"])
+
+
+def test_type_errors_are_reported():
+    with pytest.raises(SpecheadsError, match=r"inner\.steps.*integer"):
+        load_config(Outer, None, ["inner.steps=abc"])
+    with pytest.raises(SpecheadsError, match="true/false"):
+        load_config(Outer, None, ["flag=3"])
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(SpecheadsError, match="not found"):
+        load_config(Outer, tmp_path / "none.yaml")
+    p = tmp_path / "broken.yaml"
+    p.write_text("a: [1, 2\n")
+    with pytest.raises(SpecheadsError, match="broken.yaml: not valid YAML"):
+        load_config(Outer, p)
