@@ -1,0 +1,333 @@
+"""Drafters: propose a DraftTree, then observe what the target accepted. Verification never asks which one it is.
+
+Interface (one small seam):
+  feature_layers: list[int] | None   target hidden-state layers the drafter needs (docs/architecture.md
+                                     "Feature layers"); None = none, the target then skips output_hidden_states
+  reset(prompt_ids [T], features [T-1, F*D] | None)   features of the cached prompt positions (all but the root)
+  propose(ctx) -> DraftTree                          ctx: DraftContext (ids so far, root last; sampling; room left)
+  observe(tree, accepted, features [A, F*D] | None)  features of the accepted nodes (root first), now cached
+B batch, T sequence, N tree nodes, K heads/depth, D hidden, V vocab (V' draft vocab), F feature layers.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from specheads.infer.tree import (DEFAULT_MEDUSA_CHOICES, DraftTree, chain_tree, dynamic_tree,
+                                  normalize_choices, tree_from_choices)
+from specheads.infer.verify import Accepted, SamplingParams, target_probs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DraftContext:
+    ids: list[int]  # every token so far (prompt + emitted); ids[-1] is the root, not yet in the target cache
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    generator: torch.Generator | None = None
+    max_depth: int = 1 << 30  # deepest node the context window still allows
+
+
+class Drafter:
+    feature_layers: list[int] | None = None
+    name = "none"
+
+    def reset(self, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None:
+        pass
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        return chain_tree(ctx.ids[-1], [])  # the root alone: plain decoding
+
+    def observe(self, tree: DraftTree, accepted: Accepted, features: torch.Tensor | None) -> None:
+        pass
+
+
+class NoDrafter(Drafter):
+    """Plain decoding through the same loop (τ = 1.00): the baseline every drafter is compared with."""
+    name = "plain"
+
+
+class PromptLookupDrafter(Drafter):
+    """Prompt lookup decoding: find the latest earlier occurrence of the context's last n-gram (n from max_ngram
+    down to min_ngram) and propose the k tokens that followed it, as a chain. No model, no training."""
+    name = "prompt-lookup"
+
+    def __init__(self, num_tokens: int = 8, max_ngram: int = 3, min_ngram: int = 1):
+        self.k, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram  # k: draft tokens per step
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        ids, k = ctx.ids, min(self.k, ctx.max_depth)
+        t = torch.tensor(ids)
+        for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
+            if n <= 0 or k <= 0:
+                break
+            windows = t.unfold(0, n, 1)[:-1]  # [T-n, n] every earlier n-gram (the last one is the query itself)
+            hits = (windows == t[-n:]).all(-1).nonzero().flatten()
+            if hits.numel():
+                start = int(hits[-1]) + n  # latest match
+                cont = ids[start:start + k]
+                if cont:
+                    return chain_tree(ids[-1], cont)
+        return chain_tree(ids[-1], [])
+
+
+class DraftModelDrafter(Drafter):
+    """An independent small causal LM drafts a chain of k tokens with its own KV cache (seed papers' speculative
+    decoding). Greedy: argmax chain, verified as point masses. Sampling: tokens drawn from the draft's own warped
+    distribution q (same temperature / top-p / top-k), q recorded in the tree so verification stays lossless."""
+    name = "draft-model"
+
+    def __init__(self, model, num_tokens: int = 4):
+        model = getattr(model, "model", model) if not isinstance(model, torch.nn.Module) else model  # Target ok
+        self.model, self.k = model, num_tokens  # k: chain length (draft forwards per step)
+        self.cache = None
+        self.cached: list[int] = []  # tokens whose keys/values are in self.cache
+
+    def reset(self, prompt_ids, features=None) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+        self.cached = []
+
+    def _forward(self, new: list[int]) -> torch.Tensor:
+        dev = next(self.model.parameters()).device
+        pos = torch.arange(len(self.cached), len(self.cached) + len(new), device=dev)[None]
+        out = self.model(input_ids=torch.tensor([new], device=dev), position_ids=pos, cache=self.cache,
+                         use_cache=True, logits_to_keep=1)
+        self.cached += new
+        return out.logits[0, -1].float()  # [V]
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        if self.cache is None:
+            self.reset(None)
+        ids, k = ctx.ids, min(self.k, ctx.max_depth)
+        common = 0  # longest common prefix of what is cached and the context (rejected drafts are cropped)
+        for a, b in zip(self.cached, ids):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(ids) - 1)  # the root's logits are needed, so at least it is fed again
+        if common < len(self.cached):
+            self.cache.crop(common - len(self.cached))
+            self.cached = self.cached[:common]
+        if k <= 0:
+            return chain_tree(ids[-1], [])
+        logits = self._forward(ids[common:])
+        drafts, qs = [], []
+        for i in range(k):
+            if ctx.sampling.greedy:
+                tok = int(logits.argmax())
+            else:
+                q = target_probs(logits[None], ctx.sampling)[0].cpu()  # [V] the draft's warped distribution
+                qs.append(q)
+                tok = int(torch.multinomial(q, 1, generator=ctx.generator))
+            drafts.append(tok)
+            if i + 1 < k:
+                logits = self._forward([tok])
+        q = None
+        if qs:
+            vocab = qs[0].numel()
+            q = torch.cat([torch.stack(qs), torch.full((1, vocab), 1.0 / vocab)])  # [1+k, V]; leaf row unused
+        return chain_tree(ids[-1], drafts, q)
+
+
+def truncated_draft_model(target, num_layers: int = 4):
+    """A cheap 'draft model' without training: a copy of the target keeping only its first num_layers decoder
+    layers (plus final norm and lm_head). Shares weights with the target (no copy of the tensors)."""
+    import copy
+
+    import torch.nn as nn
+
+    model = copy.copy(target.model)  # shallow: submodules are shared by reference ...
+    model._modules = dict(model._modules)  # ... but the module dicts are not (else the target would be cut too)
+    base = copy.copy(target.model.model)
+    base._modules = dict(base._modules)
+    model.model = base
+    model.model.layers = nn.ModuleList(list(target.model.model.layers[:num_layers]))
+    model.config = copy.deepcopy(target.model.config)
+    model.config.num_hidden_layers = num_layers
+    if hasattr(model.config, "layer_types") and model.config.layer_types is not None:
+        model.config.layer_types = model.config.layer_types[:num_layers]
+    model.model.config = model.config
+    return model
+
+
+class MedusaDrafter(Drafter):
+    """Medusa heads over the target's last (post-norm) hidden state at the last cached position. head k predicts
+    the token k+2 after that position, i.e. depth k+1 below the root. Static tree from rank `choices`."""
+    name = "medusa"
+
+    def __init__(self, head, choices=None):
+        self.head = head
+        self.num_heads = int(head.num_heads)  # K
+        choices = normalize_choices(choices or DEFAULT_MEDUSA_CHOICES)
+        self.choices = [c for c in choices if len(c) <= self.num_heads]  # never deeper than the heads
+        self.ranks = 1 + max(max(c) for c in self.choices)  # top-k per head: only as many ranks as the tree uses
+        self.feature_layers = list(head.config.feature_layers)
+        self.last: torch.Tensor | None = None  # [D] target feature at the last cached position
+
+    def reset(self, prompt_ids, features) -> None:
+        self.last = None if features is None or features.shape[0] == 0 else features[-1]
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        if self.last is None or ctx.max_depth <= 0:
+            return chain_tree(ctx.ids[-1], [])
+        p = next(self.head.parameters())
+        logits = self.head(self.last[None, None].to(p.device, p.dtype))[:, 0, 0]  # [K, V']
+        topk = self.head.to_target_ids(logits.topk(self.ranks, dim=-1).indices).cpu()  # [K, R] target ids
+        tree = tree_from_choices(ctx.ids[-1], topk, self.choices)
+        return tree.truncate_depth(ctx.max_depth) if tree.max_depth > ctx.max_depth else tree
+
+    def observe(self, tree, accepted, features) -> None:
+        self.last = features[-1]
+
+
+@torch.no_grad()
+def medusa_rank_accuracies(target, head, sequences: list[list[int]], ranks: int = 10) -> torch.Tensor:
+    """Measure acc [K, R]: how often head k's rank-r token is the true token k+2 positions ahead, over calibration
+    token sequences (ideally the target's own answers). Feed to tree.choices_from_accuracies."""
+    k_heads = int(head.num_heads)
+    hits = torch.zeros(k_heads, ranks, dtype=torch.float64)
+    total = torch.zeros(k_heads, dtype=torch.float64)
+    p = next(head.parameters())
+    for seq in sequences:
+        ids = torch.tensor([seq], device=target.device)
+        hs = target.model(ids, output_hidden_states=True).hidden_states
+        feat = hs[head.config.feature_layers[0]]  # [1, T, D] the final post-norm state
+        logits = head(feat.to(p.dtype))[:, 0]  # [K, T, V']
+        top = head.to_target_ids(logits.topk(ranks, dim=-1).indices)  # [K, T, R] target ids
+        for k in range(k_heads):
+            n = ids.shape[1] - (k + 2)  # rows t with a true token at t + k + 2
+            if n <= 0:
+                continue
+            truth = ids[0, k + 2:]  # [n]
+            match = top[k, :n] == truth[:, None]  # [n, R]
+            hits[k] += match.double().sum(0).cpu()
+            total[k] += n
+    return hits / total.clamp(min=1)[:, None]
+
+
+class EagleDrafter(Drafter):
+    """EAGLE-1 / EAGLE-3 heads with the EAGLE-2 dynamic tree. The head keeps its own KV cache of TRUE rows: row t
+    pairs the target feature f_t with token x_{t+1} at position t. Each step only the newly accepted rows run
+    through the head (with their true target features); the draft rows added while building the tree are cropped
+    away afterwards. Draft-vocab ids map back with head.to_target_ids. Defaults depth 5 / top_k 8 /
+    total_tokens 48: a little smaller than EAGLE-2's 6 / 10 / 60, sized for CPU targets."""
+    name = "eagle"
+
+    def __init__(self, head, depth: int = 5, top_k: int = 8, total_tokens: int = 48):
+        self.head, self.depth, self.top_k, self.total_tokens = head, depth, top_k, total_tokens
+        self.feature_layers = list(head.config.feature_layers)
+        self.cache = None
+        self.rows = 0  # true rows in the head cache (positions 0 .. rows-1)
+        self.pending: torch.Tensor | None = None  # [P, F*D] features of cached positions not yet run through the head
+
+    def reset(self, prompt_ids, features) -> None:
+        self.cache = self.head.new_cache()
+        self.rows = 0
+        self.pending = features
+
+    def observe(self, tree, accepted, features) -> None:
+        self.pending = features if self.pending is None else torch.cat([self.pending, features])
+
+    def _run(self, hidden, tokens, positions, draft_mask):
+        """Run n rows through the head: hidden [n, D], tokens [n] target ids, positions [n], draft_mask [n, R+n] bool
+        over the draft rows already cached plus these rows (True = attend); every true row is attended.
+        Returns (hidden out [n, D], log-probs [n, V'])."""
+        p = next(self.head.parameters())
+        n = tokens.numel()
+        allowed = torch.cat([torch.ones(n, self.rows, dtype=torch.bool), draft_mask], dim=1)  # [n, S]
+        mask = torch.zeros(allowed.shape, dtype=p.dtype).masked_fill_(~allowed, float("-inf"))[None, None]
+        h, logits = self.head.draft_forward(hidden[None].to(p.device, p.dtype), tokens[None].to(p.device),
+                                           positions[None].to(p.device), mask.to(p.device), self.cache)
+        return h[0], torch.log_softmax(logits[0].float(), dim=-1)
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        ids, root = ctx.ids, ctx.ids[-1]
+        cached = len(ids) - 1  # target positions 0 .. cached-1 have true features
+        p = 0 if self.pending is None else self.pending.shape[0]
+        if self.cache is None or cached == 0 or ctx.max_depth <= 0 or self.rows + p == 0:
+            return chain_tree(root, [])
+        assert self.rows + p == cached, (self.rows, p, cached)
+        param = next(self.head.parameters())
+        # 1. true rows (f_t, x_{t+1}) for the newly cached positions; the last pairs f_{cached-1} with the root
+        if p:
+            t0 = self.rows
+            feats = self.head.project_features(self.pending.to(param.device, param.dtype))  # [p, D]
+            h, lp = self._run(feats, torch.tensor(ids[t0 + 1:cached + 1]), torch.arange(t0, cached),
+                              torch.ones(p, p, dtype=torch.bool).tril())
+            self.rows, self.pending = cached, None
+            self._root = (h[-1], lp[-1])
+        out_h, out_lp = {0: self._root[0]}, {0: self._root[1]}  # node -> its row's hidden out / children log-probs
+        row_of: dict[int, int] = {}  # node -> index of its draft row in the head cache (after the true rows)
+
+        # 2. EAGLE-2 expansion: node i at depth d >= 1 is the row (hidden out of its parent's row, token_i) at
+        #    position cached - 1 + d, attending the true rows, its ancestors' draft rows and itself
+        def expand(frontier, tokens, parents):
+            todo = [i for i in frontier if i not in out_lp]
+            if todo:
+                r0 = len(row_of)
+                m = torch.zeros(len(todo), r0 + len(todo), dtype=torch.bool)
+                depth = []
+                for r, i in enumerate(todo):
+                    m[r, r0 + r] = True
+                    j, d = parents[i], 1
+                    while j > 0:
+                        m[r, row_of[j]] = True
+                        j, d = parents[j], d + 1
+                    depth.append(d)
+                hid = torch.stack([out_h[parents[i]] for i in todo])
+                h2, lp2 = self._run(hid, torch.tensor([tokens[i] for i in todo]),
+                                    cached - 1 + torch.tensor(depth), m)
+                for r, i in enumerate(todo):
+                    row_of[i] = r0 + r
+                    out_h[i], out_lp[i] = h2[r], lp2[r]
+            return torch.stack([out_lp[i] for i in frontier])  # [F, V']
+
+        to_target = self.head.to_target_ids if getattr(self.head, "d2t", None) is not None else None
+        try:
+            tree = dynamic_tree(root, expand, min(self.depth, ctx.max_depth), self.top_k, self.total_tokens,
+                                to_target=to_target)
+        finally:
+            if row_of:  # keep only the true rows in the head cache
+                self.cache.crop(-len(row_of))
+        return tree
+
+
+def load_drafter(kind: str, target, head_dir: str | None = None, **kw) -> Drafter:
+    """Build a drafter from a CLI-style description: 'plain', 'prompt-lookup', 'draft-model', or a head folder."""
+    from specheads.utils import SpecheadsError
+
+    if head_dir:
+        from specheads.heads.base import load_head
+
+        head = load_head(head_dir, target)
+        head.eval()
+        kind_h = head.config.kind
+        if kind_h == "medusa":
+            return MedusaDrafter(head, choices=kw.get("choices"))
+        if kind_h in ("eagle", "eagle3"):
+            return EagleDrafter(head, **{k: v for k, v in kw.items() if k in ("depth", "top_k", "total_tokens")})
+        raise SpecheadsError(f"{head_dir}/config.json: kind {kind_h!r} has no drafter (medusa, eagle, eagle3)")
+    if kind in ("plain", "none"):
+        return NoDrafter()
+    if kind == "prompt-lookup":
+        return PromptLookupDrafter(num_tokens=kw.get("num_tokens", 8))
+    if kind == "draft-model":
+        if kw.get("draft_target"):  # a separate small model sharing the target's vocabulary
+            from specheads.target import load_target
+
+            small = load_target(kw["draft_target"], dtype=target.dtype, device=str(target.device))
+            if small.vocab_size != target.vocab_size:
+                raise SpecheadsError(f"--draft-target {kw['draft_target']}: vocabulary {small.vocab_size} differs "
+                                     f"from the target's {target.vocab_size}")
+            model = small.model
+        else:  # no second model at hand: the target's first draft_layers layers
+            model = truncated_draft_model(target, kw.get("draft_layers", 4))
+        return DraftModelDrafter(model, num_tokens=kw.get("num_tokens", 4))
+    raise SpecheadsError(f"--drafter {kind!r}: expected plain, prompt-lookup or draft-model (or --head DIR)")

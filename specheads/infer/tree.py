@@ -1,0 +1,240 @@
+"""Draft trees: what a drafter proposes and the target verifies in one forward.
+
+N tree nodes, K heads/depth, V vocab. Node 0 is the root: the last emitted token, not yet in the target's cache.
+Parents always come before children (parents[i] < i), so one pass in index order visits a path top-down.
+The attention mask and position ids are derived from `parents` / `depth`, never stored.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from specheads.utils import SpecheadsError
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [N] long; tokens[0] = root
+    parents: torch.Tensor  # [N] long; parents[0] = -1, parents[i] < i
+    depth: torch.Tensor  # [N] long; depth[0] = 0, depth[i] = depth[parents[i]] + 1
+    q: torch.Tensor | None = None  # [N, V] draft distribution node i's children were drawn from; None = deterministic
+
+    def __post_init__(self):
+        self.tokens = torch.as_tensor(self.tokens, dtype=torch.long).reshape(-1)
+        self.parents = torch.as_tensor(self.parents, dtype=torch.long).reshape(-1)
+        self.depth = torch.as_tensor(self.depth, dtype=torch.long).reshape(-1)
+        n = self.tokens.numel()
+        if n == 0 or self.parents.numel() != n or self.depth.numel() != n:
+            raise ValueError(f"DraftTree: tokens/parents/depth must have the same length >= 1, got "
+                             f"{self.tokens.numel()}/{self.parents.numel()}/{self.depth.numel()}")
+        if int(self.parents[0]) != -1 or int(self.depth[0]) != 0:
+            raise ValueError("DraftTree: node 0 must be the root (parent -1, depth 0)")
+        if n > 1:
+            idx = torch.arange(1, n)
+            par = self.parents[1:]
+            if bool((par < 0).any()) or bool((par >= idx).any()):
+                raise ValueError("DraftTree: every parent must come before its child")
+            if not torch.equal(self.depth[1:], self.depth[par] + 1):
+                raise ValueError("DraftTree: depth[i] must equal depth[parents[i]] + 1")
+        if self.q is not None and self.q.shape[0] != n:
+            raise ValueError(f"DraftTree: q has {self.q.shape[0]} rows for {n} nodes")
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max())
+
+    def children(self, i: int) -> list[int]:
+        return (self.parents == i).nonzero().flatten().tolist()
+
+    def children_lists(self) -> list[list[int]]:
+        """children_lists()[i] = node i's children in index order (one pass; verification walks these)."""
+        kids: list[list[int]] = [[] for _ in range(len(self))]
+        for i, par in enumerate(self.parents.tolist()[1:], start=1):
+            kids[par].append(i)
+        return kids
+
+    def path(self, i: int) -> list[int]:
+        """Node indices from the root down to node i (inclusive)."""
+        out = []
+        while i >= 0:
+            out.append(i)
+            i = int(self.parents[i])
+        return out[::-1]
+
+    def ancestors(self) -> torch.Tensor:
+        """[N, N] bool: a[i, j] = node j is node i itself or one of its ancestors."""
+        n = len(self)
+        a = torch.eye(n, dtype=torch.bool)
+        for i in range(1, n):  # parents first, so a[parent] is already complete
+            a[i] |= a[int(self.parents[i])]
+        return a
+
+    def attention_mask(self, cache_len: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+        """[1, 1, N, cache_len + N] float: 0 where a node attends (whole cached prefix, ancestors, itself), -inf else."""
+        n = len(self)
+        allowed = torch.cat([torch.ones(n, cache_len, dtype=torch.bool), self.ancestors()], dim=1)
+        mask = torch.zeros(n, cache_len + n, dtype=dtype)
+        mask.masked_fill_(~allowed, float("-inf"))
+        return mask[None, None].to(device) if device is not None else mask[None, None]
+
+    def position_ids(self, cache_len: int, device=None) -> torch.Tensor:
+        """[1, N] long: position of node i = cache_len + depth[i] (the root sits right after the cached prefix)."""
+        pos = (cache_len + self.depth)[None]
+        return pos.to(device) if device is not None else pos
+
+    def truncate_depth(self, max_depth: int) -> "DraftTree":
+        """Drop nodes deeper than max_depth (used near the end of the context window)."""
+        keep = (self.depth <= max_depth).nonzero().flatten()
+        return self.select(keep)
+
+    def select(self, keep: torch.Tensor) -> "DraftTree":
+        """Sub-tree on the (sorted, ancestor-closed) node indices `keep`; node 0 must be kept."""
+        keep = torch.as_tensor(keep, dtype=torch.long).sort().values
+        remap = torch.full((len(self),), -1, dtype=torch.long)
+        remap[keep] = torch.arange(keep.numel())
+        par = self.parents[keep]
+        new_par = torch.where(par >= 0, remap[par.clamp(min=0)], par)
+        if int(keep[0]) != 0 or bool((new_par[1:] < 0).any()):
+            raise ValueError("DraftTree.select: the kept nodes must include the root and every kept node's parent")
+        return DraftTree(self.tokens[keep], new_par, self.depth[keep], None if self.q is None else self.q[keep])
+
+
+def chain_tree(root: int, tokens: Sequence[int], q: torch.Tensor | None = None) -> DraftTree:
+    """A chain (tree of width 1): root -> tokens[0] -> tokens[1] ...; q [1+len(tokens), V] or None."""
+    n = 1 + len(tokens)
+    return DraftTree(torch.tensor([root, *tokens], dtype=torch.long), torch.arange(-1, n - 1),
+                     torch.arange(n), q)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Static trees (Medusa "choices"): a choice is a path of per-head top-k ranks, e.g. [0, 1] = head 0's top-1 token,
+# then head 1's top-2 token under it.
+# ---------------------------------------------------------------------------------------------------------------
+
+def normalize_choices(choices: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    """Deduplicate, add missing prefixes (a tree must be connected) and sort parents before children."""
+    out: set[tuple[int, ...]] = set()
+    for c in choices:
+        c = tuple(int(r) for r in c)
+        if not c or any(r < 0 for r in c):
+            raise SpecheadsError(f"tree choice {list(c)}: must be a non-empty list of ranks >= 0")
+        for i in range(1, len(c) + 1):
+            out.add(c[:i])
+    return sorted(out, key=lambda c: (len(c), c))
+
+
+def tree_from_choices(root: int, topk_ids: torch.Tensor, choices: Sequence[Sequence[int]]) -> DraftTree:
+    """Medusa static tree. topk_ids [K, R]: head k's token ids by rank; choice (r_0..r_d) gets topk_ids[d, r_d]."""
+    choices = normalize_choices(choices)
+    k_heads, ranks = topk_ids.shape
+    index = {(): 0}
+    tokens, parents, depth = [root], [-1], [0]
+    for c in choices:
+        d = len(c)
+        if d > k_heads or c[-1] >= ranks:
+            continue  # deeper than the heads, or a rank beyond the computed top-k: not proposable
+        if c[:-1] not in index:
+            continue
+        index[c] = len(tokens)
+        tokens.append(int(topk_ids[d - 1, c[-1]]))
+        parents.append(index[c[:-1]])
+        depth.append(d)
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depth))
+
+
+def choices_from_accuracies(acc: torch.Tensor, num_nodes: int) -> list[list[int]]:
+    """Best-first static tree from measured per-head rank accuracies acc [K, R] (acc[k, r] = how often head k's
+    rank-r token was the right one). A path's score is the product of its ranks' accuracies, as Medusa does; since
+    every factor is <= 1 a child never outscores its parent, so best-first expansion yields a connected tree.
+    Never deeper than K (the number of heads). Returns num_nodes choices (root excluded), parents first."""
+    acc = torch.as_tensor(acc, dtype=torch.float64)
+    k_heads, ranks = acc.shape
+    heap = [(-float(acc[0, r]), (r,)) for r in range(ranks)]
+    heapq.heapify(heap)
+    chosen: list[tuple[int, ...]] = []
+    while heap and len(chosen) < num_nodes:
+        neg, path = heapq.heappop(heap)
+        chosen.append(path)
+        if len(path) < k_heads:
+            for r in range(ranks):
+                heapq.heappush(heap, (neg * float(acc[len(path), r]), path + (r,)))
+    return [list(c) for c in normalize_choices(chosen)]
+
+
+# Medusa's default-ish small tree: 1 + 25 nodes, 4 heads (a chain of top-1 plus top-k branches near the root).
+DEFAULT_MEDUSA_CHOICES = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
+                          [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [1, 0, 0], [1, 0, 1], [2, 0, 0],
+                          [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0]]
+
+
+def parse_choices(text: str) -> list[list[int]]:
+    """`--tree` values: 'chain:K' -> [[0],[0,0],...]; 'KxW' is handled by callers; else a JSON list of rank paths."""
+    import json
+
+    text = text.strip()
+    if text.startswith("chain:"):
+        k = int(text.split(":", 1)[1])
+        return [[0] * d for d in range(1, k + 1)]
+    try:
+        choices = json.loads(text)
+    except json.JSONDecodeError:
+        raise SpecheadsError(f"--tree {text!r}: expected 'chain:K' or a JSON list of rank paths like [[0],[0,0],[1]]") from None
+    if not isinstance(choices, list) or not all(isinstance(c, list) for c in choices):
+        raise SpecheadsError(f"--tree {text!r}: expected a JSON list of lists of ranks")
+    return [list(c) for c in normalize_choices(choices)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dynamic trees (EAGLE-2): expand the top-k children of the best frontier nodes by cumulative log-prob for `depth`
+# steps, then rerank every generated node and keep the `total_tokens` best (a connected tree, parents first).
+# ---------------------------------------------------------------------------------------------------------------
+
+def dynamic_tree(root: int, expand: Callable[[list[int], list[int], list[int]], torch.Tensor], depth: int,
+                 top_k: int, total_tokens: int, to_target: Callable | None = None) -> DraftTree:
+    """`expand(nodes, tokens, parents)` receives the nodes to expand (indices into the growing node list, plus the
+    full token/parent lists so far, target ids) and returns their children's log-probs [len(nodes), V'] (draft
+    vocab; `to_target` maps top-k draft ids [F, k] to target ids, None = same vocab).
+    depth: expansion steps (tree depth <= depth); top_k: children per expanded node and frontier width;
+    total_tokens: draft nodes kept after reranking (root excluded)."""
+    tokens, parents, score = [root], [-1], [0.0]  # score = cumulative log-prob of the path to the node
+    dep = [0]
+    frontier = [0]
+    for _ in range(depth):
+        logp = expand(frontier, tokens, parents)  # [F, V]
+        top_lp, top_ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)  # [F, k]
+        if to_target is not None:
+            top_ids = to_target(top_ids)
+        top_lp, top_ids = top_lp.cpu(), top_ids.cpu()
+        cand = []
+        for row, node in enumerate(frontier):
+            for lp, tok in zip(top_lp[row].tolist(), top_ids[row].tolist()):
+                tokens.append(tok)
+                parents.append(node)
+                dep.append(dep[node] + 1)
+                score.append(score[node] + lp)
+                cand.append(len(tokens) - 1)
+        # next frontier: the top_k candidates of this layer by cumulative log-prob (EAGLE-2 expansion)
+        cand.sort(key=lambda i: -score[i])
+        frontier = cand[:top_k]
+        if not frontier:
+            break
+    # rerank: the total_tokens best nodes by score; ties broken by depth so a parent precedes its child, and a node
+    # is only kept when its parent is (log-probs <= 0, so a child never outranks its parent otherwise)
+    order = sorted(range(1, len(tokens)), key=lambda i: (-score[i], dep[i], i))
+    kept = {0}
+    for i in order:
+        if len(kept) > total_tokens:
+            break
+        if parents[i] in kept:
+            kept.add(i)
+    keep = sorted(kept, key=lambda i: (dep[i], i))
+    remap = {old: new for new, old in enumerate(keep)}
+    return DraftTree(torch.tensor([tokens[i] for i in keep]),
+                     torch.tensor([-1] + [remap[parents[i]] for i in keep[1:]]),
+                     torch.tensor([dep[i] for i in keep]))

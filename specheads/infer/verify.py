@@ -1,0 +1,142 @@
+"""Verification of a draft tree against the target's logits at every node (one target forward).
+
+N tree nodes, V vocab. logits[i] is the target's next-token distribution after the path root..i.
+- verify_greedy: exact; the longest path whose tokens equal the target's argmax, plus the bonus argmax.
+- verify_sampling: lossless; SpecInfer / Sequoia recursive rejection sampling over each node's children.
+- verify_typical_lossy: Medusa's typical acceptance; LOSSY (output distribution differs from the target's).
+Every function returns Accepted(nodes starting with 0, bonus token). None of them knows which drafter proposed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specheads.infer.tree import DraftTree
+
+
+@dataclass
+class Accepted:
+    nodes: list[int]  # accepted node indices, root (0) first, along one root-to-node path
+    bonus: int  # the token the target itself supplies after the last accepted node
+
+    @property
+    def length(self) -> int:
+        """Tokens emitted by this step: accepted draft nodes (root excluded) + the bonus."""
+        return len(self.nodes)
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy (argmax); > 0 = sampling
+    top_p: float = 1.0  # nucleus mass kept; 1.0 = off
+    top_k: int = 0  # tokens kept; 0 = off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+def target_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """[N, V] logits -> [N, V] fp32 probabilities exactly as HF generate samples them: temperature, then top-k, then
+    top-p (transformers' own warpers, in generate's order), then softmax."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    scores = logits.float()
+    if sampling.temperature > 0 and sampling.temperature != 1.0:
+        scores = TemperatureLogitsWarper(sampling.temperature)(None, scores)
+    if sampling.top_k and sampling.top_k > 0:
+        scores = TopKLogitsWarper(top_k=sampling.top_k)(None, scores)
+    if sampling.top_p < 1.0:
+        scores = TopPLogitsWarper(top_p=sampling.top_p)(None, scores)
+    return torch.softmax(scores, dim=-1)
+
+
+def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Accepted:
+    """Accept the longest path whose every token equals the target's argmax at its parent; bonus = argmax there."""
+    best = logits.argmax(dim=-1).tolist()  # [N] the target's own greedy choice after each node
+    tokens, kids, nodes, cur = tree.tokens.tolist(), tree.children_lists(), [0], 0
+    while True:
+        nxt = [c for c in kids[cur] if tokens[c] == best[cur]]
+        if not nxt:  # no child equals the target's token: the target's token is the bonus
+            return Accepted(nodes, best[cur])
+        cur = nxt[0]
+        nodes.append(cur)
+
+
+def _sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(p, 1, generator=generator))
+
+
+def verify_sampling(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams,
+                    generator: torch.Generator | None = None, probs: torch.Tensor | None = None) -> Accepted:
+    """Lossless multi-candidate speculative sampling (SpecInfer / Sequoia recursive rejection).
+
+    At node `cur` with target distribution p and draft distribution q (tree.q[cur]; the children were drawn from q
+    without replacement, in index order), try the children in turn:
+      accept child x with probability min(1, p(x) / q(x));
+      on rejection p <- norm(max(p - q, 0)) and q <- norm(q with x removed) (the next child was drawn from that q).
+    Deterministic proposals (tree.q None) are point masses: accept x with probability p(x); on rejection p(x) <- 0
+    and renormalise. If every child is rejected the bonus is drawn from the residual p; at a leaf from p itself.
+    Each emitted token is therefore distributed exactly as the target's own sampling distribution."""
+    probs = target_probs(logits, sampling) if probs is None else probs  # [N, V]
+    tokens, kids, nodes, cur = tree.tokens.tolist(), tree.children_lists(), [0], 0
+    while True:
+        p = probs[cur].to("cpu", torch.float64)  # float64 on CPU: exact-enough residuals, CPU generator
+        q = None if tree.q is None else tree.q[cur].to("cpu", torch.float64)
+        accepted = None
+        for child in kids[cur]:
+            x = tokens[child]
+            u = float(torch.rand((), generator=generator))
+            if q is None:  # point mass at x: accept with p(x); else zero p(x) and renormalise
+                if u < float(p[x]):
+                    accepted = child
+                    break
+                p = p.clone()
+                p[x] = 0.0
+            else:  # accept with min(1, p(x)/q(x)); else p <- max(p - q, 0), q <- q without x (both renormalised)
+                px, qx = float(p[x]), float(q[x])
+                if (qx > 0 and u < px / qx) or (qx <= 0 and px > 0):
+                    accepted = child
+                    break
+                p = (p - q).clamp_(min=0)
+                q = q.clone()
+                q[x] = 0.0
+                qs = float(q.sum())
+                if qs > 0:
+                    q /= qs
+            s = float(p.sum())
+            if s <= 0:  # cannot happen with exact arithmetic; guard against round-off
+                p = probs[cur].to("cpu", torch.float64)
+                break
+            p = p / s
+        if accepted is None:  # every child rejected (or a leaf): the target supplies the token
+            return Accepted(nodes, _sample(p.float(), generator))
+        nodes.append(accepted)
+        cur = accepted
+
+
+def verify_typical_lossy(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams,
+                         generator: torch.Generator | None = None, posterior_threshold: float = 0.09,
+                         posterior_alpha: float = 0.3) -> Accepted:
+    """Medusa typical acceptance. LOSSY: a token is accepted if the target gives it probability above
+    min(posterior_threshold, posterior_alpha * exp(-entropy)), so the output is NOT distributed as the target's
+    sampling. Defaults are Medusa's (threshold 0.09, alpha 0.3 = sqrt of 0.09). The longest accepted path wins; the
+    bonus is sampled from the target (argmax when greedy)."""
+    t = max(sampling.temperature, 1e-5)
+    p_all = torch.softmax(logits.float() / t, dim=-1)  # [N, V]
+    ent = -(p_all * torch.log(p_all.clamp_min(1e-12))).sum(-1)  # [N]
+    thresh = torch.minimum(torch.full_like(ent, posterior_threshold), posterior_alpha * torch.exp(-ent))
+    tokens = tree.tokens.tolist()
+    ok = [True] + [bool(p_all[int(tree.parents[i]), tokens[i]] > thresh[int(tree.parents[i])])
+                   for i in range(1, len(tree))]
+    good = [True] * len(tree)  # accepted itself and all ancestors accepted
+    for i in range(1, len(tree)):
+        good[i] = ok[i] and good[int(tree.parents[i])]
+    best = max(range(len(tree)), key=lambda i: (int(tree.depth[i]) if good[i] else -1, -i))
+    nodes = tree.path(best)
+    if sampling.greedy:
+        bonus = int(logits[best].argmax())
+    else:
+        bonus = _sample(target_probs(logits[best:best + 1], sampling)[0].cpu(), generator)
+    return Accepted(nodes, bonus)

@@ -1,0 +1,123 @@
+"""DraftTree structure: masks, positions, static (Medusa choices), automatic choices, dynamic (EAGLE-2) trees."""
+import math
+
+import pytest
+import torch
+
+from specheads.infer.tree import (DraftTree, chain_tree, choices_from_accuracies, dynamic_tree, normalize_choices,
+                                  parse_choices, tree_from_choices)
+from specheads.utils import SpecheadsError
+
+NEG = float("-inf")
+
+
+def small_tree():
+    #        0(root=10)
+    #       /        \
+    #    1(11)       2(12)
+    #    /   \         \
+    #  3(13) 4(14)     5(15)
+    return DraftTree([10, 11, 12, 13, 14, 15], [-1, 0, 0, 1, 1, 2], [0, 1, 1, 2, 2, 2])
+
+
+def test_mask_attends_prefix_ancestors_and_self_only():
+    m = small_tree().attention_mask(cache_len=3)
+    assert m.shape == (1, 1, 6, 9) and m.dtype == torch.float32
+    allowed = (m[0, 0] == 0)
+    assert allowed[:, :3].all()  # every node sees the whole cached prefix
+    tree_part = allowed[:, 3:].int().tolist()
+    assert tree_part == [[1, 0, 0, 0, 0, 0],
+                         [1, 1, 0, 0, 0, 0],
+                         [1, 0, 1, 0, 0, 0],
+                         [1, 1, 0, 1, 0, 0],
+                         [1, 1, 0, 0, 1, 0],
+                         [1, 0, 1, 0, 0, 1]]
+    assert (m[0, 0][~allowed] == NEG).all()
+
+
+def test_positions_follow_depth_and_paths():
+    t = small_tree()
+    assert t.position_ids(7).tolist() == [[7, 8, 8, 9, 9, 9]]
+    assert t.path(4) == [0, 1, 4] and t.path(5) == [0, 2, 5]
+    assert t.children(1) == [3, 4] and t.children(3) == []
+
+
+def test_invalid_trees_are_rejected():
+    with pytest.raises(ValueError):
+        DraftTree([1, 2], [-1, 1], [0, 1])  # a node is its own parent
+    with pytest.raises(ValueError):
+        DraftTree([1, 2, 3], [-1, 0, 0], [0, 1, 2])  # wrong depth
+    with pytest.raises(ValueError):
+        DraftTree([1, 2], [0, 0], [0, 1])  # root has a parent
+
+
+def test_truncate_and_chain():
+    t = small_tree().truncate_depth(1)
+    assert t.tokens.tolist() == [10, 11, 12] and t.parents.tolist() == [-1, 0, 0]
+    c = chain_tree(5, [6, 7])
+    assert c.parents.tolist() == [-1, 0, 1] and c.depth.tolist() == [0, 1, 2]
+
+
+def test_tree_from_choices_uses_ranks_per_depth():
+    topk = torch.tensor([[100, 101, 102], [200, 201, 202]])  # [K=2 heads, R=3 ranks]
+    t = tree_from_choices(7, topk, [[1, 0], [0], [2], [0, 2], [0, 0, 0]])  # [1] missing: added; depth 3 > K: dropped
+    assert t.tokens.tolist() == [7, 100, 101, 102, 200, 202, 200]
+    assert t.parents.tolist() == [-1, 0, 0, 0, 1, 1, 2]
+    assert t.depth.tolist() == [0, 1, 1, 1, 2, 2, 2]
+
+
+def test_choices_from_accuracies_best_first_by_product():
+    acc = torch.tensor([[0.6, 0.2, 0.1], [0.5, 0.1, 0.05]])  # [K=2, R=3]
+    # products: [0]=.6 [1]=.2 [0,0]=.3 [2]=.1 [1,0]=.1 [0,1]=.06 ...
+    ch = choices_from_accuracies(acc, num_nodes=4)
+    assert ch == [[0], [1], [2], [0, 0]] or ch == [[0], [1], [0, 0], [1, 0]]
+    ch = choices_from_accuracies(acc, num_nodes=3)
+    assert ch == [[0], [1], [0, 0]]
+    deep = choices_from_accuracies(torch.ones(2, 1), num_nodes=10)  # never deeper than the 2 heads
+    assert deep == [[0], [0, 0]]
+
+
+def test_parse_choices():
+    assert parse_choices("chain:3") == [[0], [0, 0], [0, 0, 0]]
+    assert parse_choices("[[0,1]]") == [[0], [0, 1]]
+    with pytest.raises(SpecheadsError, match="--tree"):
+        parse_choices("nonsense")
+    assert normalize_choices([[1], [0]]) == [(0,), (1,)]
+
+
+def test_dynamic_tree_keeps_best_connected_nodes():
+    # a fixed "draft model": after token x the next-token log-probs are those of `table[x % 4]` over 4 tokens
+    table = torch.log(torch.tensor([[0.7, 0.2, 0.05, 0.05],
+                                    [0.1, 0.8, 0.05, 0.05],
+                                    [0.25, 0.25, 0.25, 0.25],
+                                    [0.4, 0.3, 0.2, 0.1]]))
+    calls = []
+
+    def expand(frontier, tokens, parents):
+        calls.append(list(frontier))
+        return torch.stack([table[tokens[i] % 4] for i in frontier])
+
+    t = dynamic_tree(3, expand, depth=2, top_k=2, total_tokens=3)
+    # depth 1 under root 3: tokens 0 (.4), 1 (.3); depth 2: under 0: 0 (.28), 1 (.08); under 1: 1 (.24), 0 (.03)
+    # best 3 by cumulative prob: 0 (.4), 1 (.3), 0->0 (.28)
+    assert t.tokens.tolist() == [3, 0, 1, 0]
+    assert t.parents.tolist() == [-1, 0, 0, 1]
+    assert calls[0] == [0] and len(calls) == 2
+    scores = [0.4, 0.3, 0.28]
+    assert math.isclose(scores[2], 0.4 * 0.7)
+    big = dynamic_tree(3, expand, depth=3, top_k=2, total_tokens=100)  # everything generated is kept
+    assert len(big) == 1 + 2 + 4 + 4
+    assert bool((big.parents[1:] < torch.arange(1, len(big))).all())
+
+
+def test_medusa_calibration_builds_choices(tiny):
+    from specheads.heads.base import HeadSpec, build_head
+    from specheads.infer.drafters import medusa_rank_accuracies
+
+    head = build_head(HeadSpec(kind="medusa", num_heads=2), tiny)
+    g = torch.Generator().manual_seed(0)
+    acc = medusa_rank_accuracies(tiny, head, [torch.randint(3, 256, (20,), generator=g).tolist()], ranks=256)
+    assert acc.shape == (2, 256)
+    torch.testing.assert_close(acc.sum(1), torch.ones(2, dtype=torch.float64))  # full ranking: every truth found once
+    ch = choices_from_accuracies(acc[:, :5] + 1e-3, num_nodes=8)
+    assert len(ch) == 8 and max(len(c) for c in ch) <= 2
