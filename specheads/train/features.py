@@ -1,7 +1,44 @@
-"""Target hidden states for the heads: offline shards or online per batch. (Owner: data helper; stub.)"""
+"""Target hidden states for the heads: offline shards or online per batch.
+
+Feature layer ids index HF's `output_hidden_states` tuple (0 = embeddings, i = output of decoder layer i-1,
+L = num_layers = the final post-norm state, the lm_head input). Defaults: Medusa / EAGLE-1/2 `[L]`; EAGLE-3
+`[2, L//2, L-3]`. Offline shards always store layer L too: the target's next-token distribution is **not stored**;
+it is recomputed from the layer-L state through the frozen lm_head (exact, and far smaller than top-k logits).
+
+Offline layout (`<output_dir>/features`):
+    manifest.json            format, plan_key, target, fingerprint, layers, hidden_size, dtype, counts, shards[]
+    shard-00000.safetensors  input_ids [Ts] int32, loss_mask [Ts] uint8, offsets [n+1] int64, hidden [Ts,F,D] bf16
+Samples are sorted by length and cut into shards of about `shard_tokens` tokens (plan fixed before the first shard,
+so a restarted run rebuilds the same plan). A shard is written to a temporary name, fsynced and renamed; only then
+is it added to the manifest (itself replaced atomically), with its sha256. A killed run therefore leaves only whole,
+listed shards; a restart skips them and never reads a partial file.
+
+Online mode: `OnlineFeatures(target, layers)(batch)` adds `batch["hidden"] [B,T,F,D]` computed by
+`extract_features` on the batch (no grad), for data too big to cache; the trainer calls it per batch on the
+tokenised dataset (`<output_dir>/data/tokens`) collated with `collate`.
+"""
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from specheads.utils import SpecheadsError, atomic_write_json
+
+log = logging.getLogger(__name__)
+
+FORMAT = "specheads-features/1"
+MANIFEST = "manifest.json"
+DISK_MARGIN = 1.05  # extra share of the estimate required free (safetensors headers, filesystem slack)
+DISK_RESERVE = 256 << 20  # bytes always left free besides the estimate (256 MiB: logs, temp files of others)
 
 
 @dataclass
@@ -9,4 +46,376 @@ class FeatureConfig:
     mode: str = "offline"  # offline: sharded safetensors on disk; online: computed inside training
     layers: list[int] | None = None  # None = what the head kind needs (see docs/architecture.md)
     shard_tokens: int = 262144  # tokens per shard (about 300 MB at hidden 576 bf16 and 1 layer)
-    batch_tokens: int = 8192  # tokens per target forward during extraction
+    batch_tokens: int = 8192  # tokens per target forward during extraction (padded B*T)
+
+    def __post_init__(self):
+        if self.mode not in ("offline", "online"):
+            raise SpecheadsError(f"features.mode: {self.mode!r} is not one of ['offline', 'online']")
+        if self.shard_tokens <= 0 or self.batch_tokens <= 0:
+            raise SpecheadsError("features.shard_tokens and features.batch_tokens must be positive")
+
+
+# ------------------------------------------------------------------------------------------------------------ layers
+
+def default_feature_layers(kind: str, num_layers: int) -> list[int]:
+    """The head kind's default feature layers (docs/architecture.md), as hidden-state tuple indices."""
+    try:  # the heads module may own this mapping; use it when present
+        from specheads.heads import base as _hb
+
+        fn = getattr(_hb, "default_feature_layers", None)
+        if fn is not None and fn is not default_feature_layers:
+            return list(fn(kind, num_layers))
+    except ImportError:
+        pass
+    L = num_layers
+    if kind in ("medusa", "eagle", "eagle1", "eagle2"):
+        return [L]
+    if kind == "eagle3":
+        return [2, L // 2, L - 3]
+    raise SpecheadsError(f"head.kind: {kind!r} is not one of ['medusa', 'eagle', 'eagle3']")
+
+
+def resolve_layers(num_layers: int, layers: Sequence[int] | None = None, kind: str | None = None) -> list[int]:
+    """Layers to store: explicit `layers` or the kind's default, plus L (always stored), sorted, unique."""
+    L = num_layers
+    wanted = list(layers) if layers is not None else default_feature_layers(kind or "eagle", L)
+    for i in wanted:
+        if not isinstance(i, int) or not 0 <= i <= L:
+            raise SpecheadsError(f"features.layers: {i!r} is out of range 0..{L} (0 = embeddings, {L} = final "
+                                 f"post-norm state)")
+    return sorted(set(wanted) | {L})
+
+
+# -------------------------------------------------------------------------------------------------------- extraction
+
+def _hidden_state_selection() -> bool:
+    """transformers >= 5.2x lets `output_hidden_states` be a list of indices: only those are kept by its capture
+    hooks (the last one still tied to the post-norm state). Older versions take a flag and return all L+1."""
+    try:
+        from transformers.utils.output_capturing import selected_hidden_states  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_SELECTS_LAYERS = _hidden_state_selection()
+
+
+@torch.no_grad()
+def extract_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                     layers: Sequence[int]) -> torch.Tensor:
+    """Hidden states [B,T,F,D] of the given layer ids (target dtype), from one call of the decoder stack without
+    the lm_head. Layer L is the post-norm state (HF's last `hidden_states` entry)."""
+    if attention_mask is not None and bool(attention_mask.all()):
+        attention_mask = None  # no padding: the causal fast path (samples cut at max_length often share a length)
+    out = target.base(input_ids=input_ids.to(target.device),
+                      attention_mask=None if attention_mask is None else attention_mask.to(target.device),
+                      output_hidden_states=list(layers) if _SELECTS_LAYERS else True, use_cache=False,
+                      return_dict=True)
+    hs = out.hidden_states  # tuple of L+1 [B,T,D] (None where not selected)
+    return torch.stack([hs[i] for i in layers], dim=2)  # [B,T,F,D]
+
+
+class OnlineFeatures:
+    """Online mode: `batch = OnlineFeatures(target, layers)(batch)` adds `hidden` [B,T,F,D] (no grad, target dtype)
+    to a collated batch (`input_ids`, `attention_mask`). Same contract as a FeatureDataset batch."""
+
+    def __init__(self, target, layers: Sequence[int]):
+        self.target = target
+        self.layers = list(layers)
+
+    def __call__(self, batch: dict) -> dict:
+        batch = dict(batch)
+        batch["hidden"] = extract_features(self.target, batch["input_ids"], batch.get("attention_mask"), self.layers)
+        return batch
+
+
+def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Index batches with padded size B*max(T) <= batch_tokens, over indices sorted by length (least padding)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        if cur and (len(cur) + 1) * max(lengths[i], lengths[cur[-1]]) > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def _pad(seqs: Sequence[Sequence[int]] | Sequence[torch.Tensor], value: int = 0) -> torch.Tensor:
+    T = max(len(s) for s in seqs)
+    out = torch.full((len(seqs), T), value, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        out[b, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ offline write
+
+def bytes_per_token(num_layers_stored: int, hidden_size: int) -> int:
+    return num_layers_stored * hidden_size * 2 + 4 + 1  # bf16 hidden + int32 id + uint8 mask
+
+
+def _plan(lengths: Sequence[int], shard_tokens: int) -> list[list[int]]:
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    shards: list[list[int]] = []
+    cur: list[int] = []
+    n = 0
+    for i in order:
+        cur.append(i)
+        n += lengths[i]
+        if n >= shard_tokens:
+            shards.append(cur)
+            cur, n = [], 0
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def _data_hash(input_ids: Sequence[Sequence[int]], loss_mask: Sequence[Sequence[int]]) -> str:
+    import numpy as np
+
+    h = hashlib.sha256()
+    for ids, m in zip(input_ids, loss_mask):
+        h.update(np.asarray(ids, dtype=np.int32).tobytes())
+        h.update(np.asarray(m, dtype=np.uint8).tobytes())
+        h.update(b"|")
+    return h.hexdigest()
+
+
+def _shard_name(k: int) -> str:
+    return f"shard-{k:05d}.safetensors"
+
+
+def write_features(target, tokens, folder: str | os.PathLike, layers: Sequence[int], cfg: FeatureConfig,
+                   val_fraction: float = 0.0, progress: bool = True, after_shard=None) -> dict:
+    """Offline extraction of `tokens` (Dataset or list of dicts with input_ids, loss_mask, conversation_id) into
+    `folder`. Resumable; refuses to start when free disk is short. Returns the manifest.
+
+    `after_shard(k)` is called after shard k is committed (tests use it to simulate a kill)."""
+    from safetensors.torch import save_file as st_save_file
+    from tqdm.auto import tqdm
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    layers = list(layers)
+    input_ids = list(tokens["input_ids"]) if not isinstance(tokens, list) else [t["input_ids"] for t in tokens]
+    loss_mask = list(tokens["loss_mask"]) if not isinstance(tokens, list) else [t["loss_mask"] for t in tokens]
+    conv_ids = list(tokens["conversation_id"]) if not isinstance(tokens, list) else [t["conversation_id"] for t in tokens]
+    lengths = [len(x) for x in input_ids]
+    if not lengths:
+        raise SpecheadsError("features: no samples to extract (all conversations were dropped)")
+    D = target.hidden_size
+    plan = _plan(lengths, cfg.shard_tokens)
+    fp = target.fingerprint()
+    key_src = json.dumps({"data": _data_hash(input_ids, loss_mask), "layers": layers, "fingerprint": fp,
+                          "shard_tokens": cfg.shard_tokens, "format": FORMAT}, sort_keys=True)
+    plan_key = hashlib.sha256(key_src.encode()).hexdigest()[:32]
+
+    mpath = folder / MANIFEST
+    manifest = None
+    if mpath.exists():
+        try:
+            manifest = json.loads(mpath.read_text())
+        except json.JSONDecodeError:
+            raise SpecheadsError(f"{mpath}: not valid JSON; remove {folder} to start over") from None
+        if manifest.get("plan_key") != plan_key:
+            raise SpecheadsError(f"{folder}: holds features of other data, target or layers (plan_key "
+                                 f"{manifest.get('plan_key')} != {plan_key}); remove it or choose another output_dir")
+    for stray in folder.glob(".shard-*.tmp*"):  # partial shards of a killed run: never read, removed
+        stray.unlink(missing_ok=True)
+    if manifest is None:
+        manifest = {"format": FORMAT, "plan_key": plan_key, "target": target.name, "fingerprint": fp,
+                    "layers": layers, "hidden_size": D, "dtype": "bfloat16", "val_fraction": val_fraction,
+                    "num_samples": len(lengths), "num_tokens": sum(lengths),
+                    "num_masked_tokens": int(sum(sum(m) for m in loss_mask)), "planned_shards": len(plan),
+                    "complete": False, "shards": []}
+    done: dict[int, dict] = {}
+    for s in manifest["shards"]:
+        p = folder / s["file"]
+        if p.exists() and p.stat().st_size == s["bytes"]:
+            done[s["index"]] = s
+        else:
+            log.warning("%s: listed shard %s missing or wrong size; it will be rewritten", folder, s["file"])
+    manifest["shards"] = [done[k] for k in sorted(done)]
+
+    bpt = bytes_per_token(len(layers), D)
+    todo = [k for k in range(len(plan)) if k not in done]
+    need = int(sum(lengths[i] for k in todo for i in plan[k]) * bpt * DISK_MARGIN) + DISK_RESERVE
+    free = shutil.disk_usage(folder).free
+    if todo and free < need:
+        raise SpecheadsError(f"{folder}: not enough free disk for features: need about {need / 2**30:.2f} GiB "
+                             f"({len(todo)} shards, {len(layers)} layers x hidden {D} bf16), {free / 2**30:.2f} GiB "
+                             f"free; use features.mode=online, fewer conversations or a smaller data.max_length")
+    log.info("features: %d samples, %d tokens, layers %s -> %d shards (%d done, %d to write, ~%.1f MiB)",
+             len(lengths), sum(lengths), layers, len(plan), len(done), len(todo),
+             sum(lengths[i] for k in todo for i in plan[k]) * bpt / 2**20)
+    atomic_write_json(mpath, manifest)
+
+    bar = tqdm(total=sum(lengths[i] for k in todo for i in plan[k]), unit="tok", desc="features",
+               disable=not progress)
+    for k in todo:
+        idx = plan[k]
+        hidden: dict[int, torch.Tensor] = {}
+        for b in length_batches([lengths[i] for i in idx], cfg.batch_tokens):
+            rows = [idx[j] for j in b]
+            ids = _pad([input_ids[i] for i in rows])
+            am = _pad([[1] * lengths[i] for i in rows])
+            h = extract_features(target, ids, am, layers).to("cpu", torch.bfloat16)  # [B,T,F,D]
+            for r, i in enumerate(rows):
+                hidden[i] = h[r, : lengths[i]]
+            bar.update(sum(lengths[i] for i in rows))
+        offsets = [0]
+        for i in idx:
+            offsets.append(offsets[-1] + lengths[i])
+        tensors = {"input_ids": torch.tensor([t for i in idx for t in input_ids[i]], dtype=torch.int32),
+                   "loss_mask": torch.tensor([t for i in idx for t in loss_mask[i]], dtype=torch.uint8),
+                   "offsets": torch.tensor(offsets, dtype=torch.int64),
+                   "hidden": torch.cat([hidden[i] for i in idx], 0).contiguous()}  # [Ts,F,D]
+        name = _shard_name(k)
+        tmp = folder / f".{name}.tmp-{os.getpid()}"
+        st_save_file(tensors, str(tmp), metadata={"format": FORMAT, "layers": json.dumps(layers)})
+        del tensors, hidden
+        digest, size = _sha256_file(tmp)  # read back from the page cache: checks what is on disk, not in memory
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, folder / name)
+        entry = {"index": k, "file": name, "num_samples": len(idx), "num_tokens": offsets[-1],
+                 "bytes": size, "sha256": digest,
+                 "conversation_ids": [conv_ids[i] for i in idx]}
+        manifest["shards"].append(entry)
+        manifest["shards"].sort(key=lambda s: s["index"])
+        atomic_write_json(mpath, manifest)
+        if after_shard is not None:
+            after_shard(k)
+    bar.close()
+    manifest["complete"] = len(manifest["shards"]) == len(plan)
+    manifest["bytes"] = sum(s["bytes"] for s in manifest["shards"])
+    atomic_write_json(mpath, manifest)
+    return manifest
+
+
+def _sha256_file(path: Path) -> tuple[str, int]:
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):  # 16 MiB reads
+            h.update(chunk)
+            n += len(chunk)
+    return h.hexdigest(), n
+
+
+def verify_features(folder: str | os.PathLike) -> list[str]:
+    """Recompute every shard's sha256; returns the files that do not match the manifest (empty = all good)."""
+    folder = Path(folder)
+    manifest = _read_manifest(folder)
+    bad = []
+    for s in manifest["shards"]:
+        try:
+            digest, _ = _sha256_file(folder / s["file"])
+        except FileNotFoundError:
+            bad.append(s["file"])
+            continue
+        if digest != s["sha256"]:
+            bad.append(s["file"])
+    return bad
+
+
+# ------------------------------------------------------------------------------------------------------- offline read
+
+def _read_manifest(folder: Path) -> dict:
+    p = folder / MANIFEST
+    if not p.exists():
+        raise SpecheadsError(f"{folder}: no {MANIFEST} (run `specheads prepare` first)")
+    try:
+        m = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise SpecheadsError(f"{p}: not valid JSON ({e.msg})") from None
+    if m.get("format") != FORMAT:
+        raise SpecheadsError(f"{p}: format {m.get('format')!r}, expected {FORMAT!r}")
+    return m
+
+
+class FeatureDataset(torch.utils.data.Dataset):
+    """Offline features: sample = {input_ids [T] long, loss_mask [T] long, hidden [T,F,D] bf16, conversation_id}.
+
+    `split`: None = all samples, "train" / "val" = by `data.is_val(conversation_id, manifest val_fraction)`.
+    Shards are opened lazily (memory-mapped by safetensors), one handle per shard per process."""
+
+    def __init__(self, folder: str | os.PathLike, split: str | None = None):
+        from specheads.train.data import is_val
+
+        self.folder = Path(folder)
+        self.manifest = _read_manifest(self.folder)
+        if not self.manifest.get("complete"):
+            raise SpecheadsError(f"{self.folder}: features are incomplete ({len(self.manifest['shards'])}/"
+                                 f"{self.manifest['planned_shards']} shards); rerun `specheads prepare` to finish")
+        if split not in (None, "train", "val"):
+            raise SpecheadsError(f"split {split!r}: expected None, 'train' or 'val'")
+        self.layers: list[int] = list(self.manifest["layers"])
+        vf = float(self.manifest.get("val_fraction", 0.0))
+        self.index: list[tuple[int, int, str]] = []
+        for si, s in enumerate(self.manifest["shards"]):
+            for j, cid in enumerate(s["conversation_ids"]):
+                if split is None or (split == "val") == is_val(cid, vf):
+                    self.index.append((si, j, cid))
+        self._handles: dict[int, Any] = {}
+        self._offsets: dict[int, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _handle(self, si: int):
+        h = self._handles.get(si)
+        if h is None:
+            from safetensors import safe_open
+
+            h = safe_open(str(self.folder / self.manifest["shards"][si]["file"]), framework="pt")
+            self._handles[si] = h
+            self._offsets[si] = h.get_tensor("offsets").tolist()
+        return h
+
+    def __getitem__(self, i: int) -> dict:
+        si, j, cid = self.index[i]
+        h = self._handle(si)
+        a, b = self._offsets[si][j], self._offsets[si][j + 1]
+        return {"input_ids": h.get_slice("input_ids")[a:b].long(), "loss_mask": h.get_slice("loss_mask")[a:b].long(),
+                "hidden": h.get_slice("hidden")[a:b], "conversation_id": cid}
+
+    def lengths(self) -> list[int]:
+        """Sample lengths (tokens) without reading the hidden states (for length-grouped batching)."""
+        out = []
+        for si, j, _ in self.index:
+            self._handle(si)
+            out.append(self._offsets[si][j + 1] - self._offsets[si][j])
+        return out
+
+    def __getstate__(self):  # DataLoader workers reopen shards themselves
+        d = dict(self.__dict__)
+        d["_handles"] = {}
+        return d
+
+
+def collate(samples: Sequence[dict]) -> dict:
+    """Right-pad samples -> {input_ids [B,T], loss_mask [B,T], attention_mask [B,T], hidden [B,T,F,D] (if present)}.
+    Works for FeatureDataset samples and for tokenised rows (lists) used with OnlineFeatures."""
+    ids = [torch.as_tensor(s["input_ids"], dtype=torch.long) for s in samples]
+    T = max(len(x) for x in ids)
+    B = len(samples)
+    out = {"input_ids": torch.zeros(B, T, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.long),
+           "attention_mask": torch.zeros(B, T, dtype=torch.long)}
+    for b, s in enumerate(samples):
+        n = len(ids[b])
+        out["input_ids"][b, :n] = ids[b]
+        out["loss_mask"][b, :n] = torch.as_tensor(s["loss_mask"], dtype=torch.long)
+        out["attention_mask"][b, :n] = 1
+    if "hidden" in samples[0]:
+        h0 = samples[0]["hidden"]
+        hid = torch.zeros(B, T, *h0.shape[1:], dtype=h0.dtype)
+        for b, s in enumerate(samples):
+            hid[b, : len(ids[b])] = s["hidden"]
+        out["hidden"] = hid
+    return out

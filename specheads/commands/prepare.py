@@ -1,0 +1,28 @@
+"""`specheads prepare --config RECIPE.yaml [key=value ...]`: data -> (regenerate) -> tokens -> features."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="recipe YAML (sections target, data, features, head, ...)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotted overrides, e.g. data.max_conversations=200 output_dir=runs/x")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from specheads.config import format_config, load_config
+    from specheads.recipe import Recipe
+    from specheads.train.prepare import format_summary, prepare
+
+    recipe = load_config(Recipe, args.config, args.overrides)
+    print(f"# specheads prepare --config {args.config} {' '.join(args.overrides)}".rstrip())
+    print(format_config(recipe), flush=True)
+    summary = prepare(recipe, progress=not args.no_progress)
+    print(format_summary(summary))
+    print(f"summary written to {recipe.output_dir}/prepare_summary.json")
+    return 0

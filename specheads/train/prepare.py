@@ -1,0 +1,160 @@
+"""`specheads prepare`: conversations -> (optional regenerate) -> tokens + assistant masks -> target features.
+
+Writes under `recipe.output_dir`:
+    data/regenerated.jsonl   the target's own answers (data.regenerate: true), resumable by conversation id
+    data/tokens/             datasets.Dataset (input_ids, loss_mask, conversation_id), saved atomically
+    features/                offline shards + manifest.json (features.mode: offline), resumable
+    prepare_config.yaml      the resolved recipe
+    prepare_summary.json     counts, sizes and timings (also printed as a table)
+Every step is resumable or cheap to redo: rerunning after a kill continues the features where they stopped.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json
+
+log = logging.getLogger(__name__)
+
+
+def _du(path: Path) -> int:
+    if not path.exists():
+        return 0
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def feature_layers_for(recipe, num_layers: int) -> list[int]:
+    """features.layers if set, else head.feature_layers, else the head kind's default; layer L always added."""
+    from specheads.train.features import resolve_layers
+
+    layers = recipe.features.layers if recipe.features.layers is not None else recipe.head.feature_layers
+    return resolve_layers(num_layers, layers, recipe.head.kind)
+
+
+def prepare(recipe, target=None, progress: bool = True, after_shard=None) -> dict:
+    """Run the whole preparation for a Recipe; returns the summary (also written to prepare_summary.json)."""
+    import datasets
+
+    from specheads.config import save_config
+    from specheads.target import load_target
+    from specheads.train.data import load_conversations, tokenize_conversations
+    from specheads.train.features import write_features
+
+    t_start = time.perf_counter()
+    if not progress:
+        datasets.disable_progress_bars()
+    out = Path(recipe.output_dir)
+    data_dir, feat_dir = out / "data", out / "features"
+    dc = recipe.data
+    if dc.max_length < 2:
+        raise SpecheadsError(f"data.max_length: must be at least 2, got {dc.max_length}")
+    if dc.max_conversations is not None and dc.max_conversations < 1:
+        raise SpecheadsError(f"data.max_conversations: must be >= 1 or null, got {dc.max_conversations}")
+    if not 0.0 <= dc.val_fraction < 1.0:
+        raise SpecheadsError(f"data.val_fraction: must be in [0, 1), got {dc.val_fraction}")
+    timings: dict[str, float] = {}
+    data_dir.mkdir(parents=True, exist_ok=True)
+    save_config(recipe, out / "prepare_config.yaml")
+
+    t = time.perf_counter()  # data first: a bad source fails before the target is loaded
+    convs, lstats = load_conversations(dc.source, dc.max_conversations)
+    timings["read_s"] = time.perf_counter() - t
+    if len(convs) == 0:
+        raise SpecheadsError(f"data.source {dc.source!r}: no usable conversation ({lstats.skipped} malformed rows; "
+                             f"first reasons: {'; '.join(lstats.examples) or 'none'})")
+
+    t = time.perf_counter()
+    if target is None:
+        target = load_target(recipe.target.name, dtype=recipe.target.dtype,
+                             trust_remote_code=recipe.target.trust_remote_code)
+    if target.tokenizer is None:
+        raise SpecheadsError(f"target {target.name}: has no tokenizer (needed for the chat template)")
+    timings["load_target_s"] = time.perf_counter() - t
+    max_length = dc.max_length
+    if target.max_positions and max_length > target.max_positions:
+        log.warning("data.max_length %d > the target's %d positions; using %d", max_length, target.max_positions,
+                    target.max_positions)
+        max_length = target.max_positions
+
+    summary: dict[str, Any] = {"output_dir": str(out), "target": target.name, "source": lstats.source,
+                               "conversations_read": lstats.rows_read, "conversations_skipped": lstats.skipped,
+                               "conversations_kept": lstats.kept, "skip_reasons": dict(lstats.reasons),
+                               "source_tail_cut": lstats.truncated_tail}
+
+    if dc.regenerate:
+        from specheads.train.regenerate import regenerate
+
+        t = time.perf_counter()
+        regen_path = data_dir / "regenerated.jsonl"
+        rstats = regenerate(target, convs, regen_path, max_length=max_length, max_new_tokens=dc.regen_max_new_tokens,
+                            batch_size=dc.regen_batch_size, temperature=dc.regen_temperature, top_p=dc.regen_top_p,
+                            seed=recipe.seed, progress=progress)
+        wanted = set(convs["conversation_id"])
+        regen, _ = load_conversations(str(regen_path))
+        convs = regen.filter(lambda c: c in wanted, input_columns="conversation_id", desc="select regenerated")
+        timings["regenerate_s"] = time.perf_counter() - t
+        summary.update({"regenerated_new_tokens": rstats["new_tokens"],
+                        "regenerate_tokens_per_s": rstats["tokens_per_s"]})
+
+    t = time.perf_counter()
+    tokens, tstats = tokenize_conversations(convs, target.tokenizer, max_length)
+    with atomic_dir(data_dir / "tokens") as tmp:
+        tokens.save_to_disk(str(tmp))
+    tokens = datasets.load_from_disk(str(data_dir / "tokens"))
+    timings["tokenize_s"] = time.perf_counter() - t
+    summary.update({"samples": tstats["samples"], "samples_truncated": tstats["truncated"],
+                    "dropped_empty_mask": tstats["dropped_empty_mask"], "dropped_template": tstats["dropped_template"],
+                    "tokens": tstats["tokens"], "masked_tokens": tstats["masked_tokens"], "max_length": max_length})
+    if tstats["samples"] == 0:
+        raise SpecheadsError(f"data: every sample was dropped (empty loss mask after truncation to {max_length} "
+                             f"tokens); raise data.max_length")
+
+    layers = feature_layers_for(recipe, target.num_layers)
+    summary["feature_layers"] = layers
+    summary["feature_mode"] = recipe.features.mode
+    if recipe.features.mode == "offline":
+        t = time.perf_counter()
+        manifest = write_features(target, tokens, feat_dir, layers, recipe.features, val_fraction=dc.val_fraction,
+                                  progress=progress, after_shard=after_shard)
+        timings["features_s"] = time.perf_counter() - t
+        summary.update({"shards": len(manifest["shards"]), "features_complete": manifest["complete"],
+                        "features_bytes": manifest.get("bytes", 0)})
+    summary["disk_bytes"] = _du(data_dir) + _du(feat_dir)
+    timings["total_s"] = time.perf_counter() - t_start
+    summary["timings"] = {k: round(v, 2) for k, v in timings.items()}
+    atomic_write_json(out / "prepare_summary.json", summary)
+    return summary
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def format_summary(s: dict) -> str:
+    rows = [("conversations read", s["conversations_read"]),
+            ("conversations skipped", f"{s['conversations_skipped']} {s.get('skip_reasons') or ''}".strip()),
+            ("source tail cut", "yes" if s.get("source_tail_cut") else "no")]
+    if "regenerated_new_tokens" in s:
+        rows += [("regenerated tokens", s["regenerated_new_tokens"]),
+                 ("regenerate tokens/s", s["regenerate_tokens_per_s"])]
+    rows += [("samples", s["samples"]), ("samples truncated", s["samples_truncated"]),
+             ("dropped (empty mask)", s["dropped_empty_mask"]), ("tokens", s["tokens"]),
+             ("masked tokens", f"{s['masked_tokens']} ({100 * s['masked_tokens'] / max(1, s['tokens']):.1f}%)"),
+             ("feature layers", f"{s['feature_layers']} ({s['feature_mode']})")]
+    if "shards" in s:
+        rows.append(("shards", f"{s['shards']}{'' if s['features_complete'] else ' (incomplete)'}"))
+    rows += [("disk used", _human_bytes(s["disk_bytes"])), ("wall time", f"{s['timings']['total_s']:.1f} s"),
+             ("output", s["output_dir"])]
+    w = max(len(k) for k, _ in rows)
+    line = "-" * (w + 2 + max(len(str(v)) for _, v in rows))
+    return "\n".join([line] + [f"{k:<{w}}  {v}" for k, v in rows] + [line])

@@ -1,0 +1,207 @@
+"""`specheads prepare` end to end (tiny target with SmolLM2's tokenizer), kill + resume, regeneration, bad inputs."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+
+from specheads.utils import SpecheadsError
+
+
+def _sha(p):
+    return hashlib.sha256(open(p, "rb").read()).hexdigest()
+
+
+@pytest.fixture
+def tiny_chat(smol_tokenizer):
+    """A random 4-layer Llama (hidden 64) over SmolLM2's vocabulary and chat template: fast, real tokenizer."""
+    from specheads.target import tiny_target
+
+    return tiny_target(vocab_size=len(smol_tokenizer), tokenizer=smol_tokenizer)
+
+
+def _sharegpt_file(tmp_path, n=20):
+    rows = []
+    for i in range(n):
+        turns = [{"from": "human", "value": f"Question {i}: " + "why? " * (i % 5)},
+                 {"from": "gpt", "value": f"Answer {i}. " + "Because. " * (i % 7 + 1)}]
+        if i % 3 == 0:
+            turns += [{"from": "human", "value": "More?"}, {"from": "gpt", "value": "Yes, more " * (i % 4 + 1)}]
+        rows.append({"id": f"c{i}", "conversations": turns})
+    rows.append({"id": "broken", "conversations": [{"from": "robot", "value": "beep"}]})
+    p = tmp_path / "convs.json"
+    p.write_text(json.dumps(rows))
+    return p
+
+
+def _recipe(tmp_path, source, *extra):
+    from specheads.config import load_config
+    from specheads.recipe import Recipe
+
+    return load_config(Recipe, None, [f"output_dir={tmp_path / 'run'}", f"data.source={source}", "data.max_length=48",
+                                      "data.val_fraction=0.2", "features.shard_tokens=120", "features.batch_tokens=96",
+                                      "head.kind=eagle3", *extra])
+
+
+class _Killed(RuntimeError):
+    pass
+
+
+def test_prepare_killed_midway_resumes(tiny_chat, tmp_path):
+    from specheads.train.features import FeatureDataset, verify_features
+    from specheads.train.prepare import format_summary, prepare
+
+    recipe = _recipe(tmp_path, _sharegpt_file(tmp_path))
+
+    def kill(k):
+        if k == 0:
+            raise _Killed
+
+    with pytest.raises(_Killed):
+        prepare(recipe, target=tiny_chat, progress=False, after_shard=kill)
+    feat = tmp_path / "run" / "features"
+    first = json.loads((feat / "manifest.json").read_text())["shards"]
+    assert len(first) == 1
+    stamp = (os.stat(feat / first[0]["file"]).st_mtime_ns, _sha(feat / first[0]["file"]))
+
+    written = []
+    s = prepare(recipe, target=tiny_chat, progress=False, after_shard=written.append)
+    assert 0 not in written and len(written) == s["shards"] - 1 > 0
+    assert (os.stat(feat / first[0]["file"]).st_mtime_ns, _sha(feat / first[0]["file"])) == stamp
+    assert s["features_complete"] and verify_features(feat) == []
+    assert s["conversations_read"] == 21 and s["conversations_skipped"] == 1 and s["skip_reasons"] == {"unknown role": 1}
+    L = tiny_chat.num_layers
+    assert s["feature_layers"] == sorted({2, L // 2, L - 3, L})  # EAGLE-3 default + L
+    ds = FeatureDataset(feat)
+    assert len(ds) == s["samples"] and sum(len(x["input_ids"]) for x in ds) == s["tokens"]
+    assert sum(int(x["loss_mask"].sum()) for x in ds) == s["masked_tokens"] > 0
+    on_disk = json.loads((tmp_path / "run" / "prepare_summary.json").read_text())
+    assert on_disk["tokens"] == s["tokens"] and on_disk["disk_bytes"] > 0
+    table = format_summary(s)
+    for label in ("conversations read", "conversations skipped", "tokens", "masked tokens", "disk used"):
+        assert label in table
+    import datasets
+
+    tok = datasets.load_from_disk(str(tmp_path / "run" / "data" / "tokens"))
+    assert set(tok.column_names) == {"input_ids", "loss_mask", "conversation_id"}
+    again = []  # a third run over a finished folder writes nothing and reports the same
+    s3 = prepare(recipe, target=tiny_chat, progress=False, after_shard=again.append)
+    assert again == [] and s3["tokens"] == s["tokens"] and s3["features_complete"]
+
+
+def test_prepare_online_mode_writes_no_shards(tiny_chat, tmp_path):
+    from specheads.train.prepare import prepare
+
+    s = prepare(_recipe(tmp_path, _sharegpt_file(tmp_path, 4), "features.mode=online"), target=tiny_chat,
+                progress=False)
+    assert s["feature_mode"] == "online" and "shards" not in s
+    assert not (tmp_path / "run" / "features").exists()
+
+
+def test_generate_batch_equals_one_by_one_greedy(tiny):
+    from specheads.train.regenerate import generate_batch
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 9, 5)]
+    caps = [4, 2, 5]
+    got = generate_batch(tiny, prompts, caps)
+    for p, cap, out in zip(prompts, caps, got):
+        ids, ref = list(p), []
+        for _ in range(cap):
+            nxt = int(tiny.model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            if nxt in tiny.eos_token_ids:
+                break
+            ref.append(nxt)
+            ids.append(nxt)
+        assert out == ref
+
+
+def test_regenerate_resumes_by_id_and_survives_cut_line(tiny_chat, tmp_path):
+    from specheads.train.data import load_conversations
+    from specheads.train.regenerate import regenerate
+
+    convs, _ = load_conversations(str(_sharegpt_file(tmp_path, 6)))
+    out = tmp_path / "regen.jsonl"
+    s1 = regenerate(tiny_chat, convs.select(range(3)), out, max_length=64, max_new_tokens=4, batch_size=2,
+                    progress=False)
+    assert s1["regenerated"] == 3 and s1["new_tokens"] > 0
+    with open(out, "a") as f:
+        f.write('{"id": "c4", "messages": [{"role": "us')  # a kill in the middle of a line
+    s2 = regenerate(tiny_chat, convs, out, max_length=64, max_new_tokens=4, batch_size=4, progress=False)
+    assert s2["already_done"] == 3 and s2["regenerated"] == 3
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(x["id"] for x in lines) == sorted(convs["conversation_id"])
+    src = {c["conversation_id"]: c["messages"] for c in convs}
+    for row in lines:
+        orig = src[row["id"]]
+        assert [m["role"] for m in row["messages"]] == [m["role"] for m in orig]
+        assert [m["content"] for m in row["messages"] if m["role"] == "user"] == \
+               [m["content"] for m in orig if m["role"] == "user"]
+        # answers are the target's own (random weights: never the original text), at most 4 tokens each
+        for m, o in zip(row["messages"], orig):
+            if m["role"] == "assistant":
+                assert m["content"] != o["content"]
+                assert len(tiny_chat.tokenizer(m["content"], add_special_tokens=False)["input_ids"]) <= 6
+    re_read, st = load_conversations(str(out))  # the output is valid input
+    assert len(re_read) == 6 and st.skipped == 0
+
+
+def test_prepare_with_regenerate(tiny_chat, tmp_path):
+    from specheads.train.prepare import prepare
+
+    s = prepare(_recipe(tmp_path, _sharegpt_file(tmp_path, 4), "data.regenerate=true", "data.regen_max_new_tokens=3",
+                        "features.mode=online"), target=tiny_chat, progress=False)
+    assert s["regenerated_new_tokens"] > 0 and s["samples"] == 4
+    assert (tmp_path / "run" / "data" / "regenerated.jsonl").exists()
+
+
+@pytest.mark.parametrize("override,match", [
+    ("data.source=/nonexistent/convs.json", "file not found"),
+    ("data.max_length=1", "data.max_length"),
+    ("data.val_fraction=1.5", "data.val_fraction"),
+])
+def test_prepare_bad_settings_one_message(tiny_chat, tmp_path, override, match):
+    from specheads.train.prepare import prepare
+
+    recipe = _recipe(tmp_path, _sharegpt_file(tmp_path, 2), override)
+    with pytest.raises(SpecheadsError, match=match):
+        prepare(recipe, target=tiny_chat, progress=False)
+
+
+def test_bad_feature_mode_and_all_rows_malformed(tiny_chat, tmp_path):
+    from specheads.train.prepare import prepare
+
+    with pytest.raises(SpecheadsError, match="features.mode"):
+        _recipe(tmp_path, "x.json", "features.mode=sometimes")
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"messages": []}\n{"messages": [{"role": "user"}]}\n')
+    with pytest.raises(SpecheadsError, match="no usable conversation"):
+        prepare(_recipe(tmp_path, p), target=tiny_chat, progress=False)
+
+
+def test_cli_prepare_bad_source_is_one_line(tmp_path, capsys):
+    from specheads.cli import main
+
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(f"command: specheads prepare --config {cfg}\noutput_dir: {tmp_path / 'o'}\n"
+                   f"data:\n  source: {tmp_path / 'nope.jsonl'}\n")
+    rc = main(["prepare", "--config", str(cfg), "--no-progress", "target.dtype=float32"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert err.strip().splitlines() == [f"specheads prepare: error: data.source '{tmp_path / 'nope.jsonl'}': file not found"]
+
+
+@pytest.mark.slow
+def test_cli_prepare_smollm2_small(tmp_path, capsys):
+    """The real command on SmolLM2 (bf16) and 6 packaged ShareGPT conversations cut to 64 tokens."""
+    from specheads.cli import main
+
+    rc = main(["prepare", "--config", "configs/prepare-smollm2-200.yaml", "--no-progress",
+               f"output_dir={tmp_path / 'run'}", "data.max_conversations=6", "data.max_length=64"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "masked tokens" in out and "disk used" in out and "max_conversations: 6" in out
+    s = json.loads((tmp_path / "run" / "prepare_summary.json").read_text())
+    assert s["conversations_kept"] == 6 and s["features_complete"] and s["feature_layers"] == [2, 15, 27, 30]
