@@ -1,0 +1,83 @@
+"""`specheads bench`: tokens/s, τ and speedup against plain decoding and peers, in one run."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from specheads.utils import SpecheadsError
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="smollm2-135m", help="hub id, local folder, .gguf file or alias (default: smollm2-135m)")
+    p.add_argument("--head", default=None, help="head folder (needed by the `head` method)")
+    p.add_argument("--draft-model", default=None, help="small draft model for the `draft-model` method")
+    p.add_argument("--draft-tokens", type=int, default=4, help="draft-model: chain length per step (default 4 tokens)")
+    p.add_argument("--dataset", default="mt-bench", help="mt-bench | humaneval | FILE.jsonl (\"prompt\" or \"turns\" per line)")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated: vanilla,prompt-lookup,head,draft-model,plain,prompt-lookup-ours "
+                        "(default: vanilla,prompt-lookup plus head / draft-model when given)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; outputs checked against vanilla)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per turn (default 256)")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts (MT-bench: categories interleaved)")
+    p.add_argument("--both-turns", action="store_true",
+                   help="MT-bench: also the second turn, conditioned on the method's own first answer (FastChat)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "bfloat16", "float32"],
+                   help="target dtype (default bf16; use fp32 for the identical-output check)")
+    p.add_argument("--tree", default="auto",
+                   help="auto (profile this machine, choose size/depth; default) or TOTAL,DEPTH,TOPK e.g. 16,4,4")
+    p.add_argument("--refresh-profile", action="store_true", help="re-measure the cached hardware profile")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (the same for every method)")
+    p.add_argument("--warmup-tokens", type=int, default=16, help="untimed warm-up tokens per method (default 16)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is steadier on a machine shared with other jobs)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: where the target loads)")
+    p.add_argument("--out", required=True, help="output folder: results.json, results.md, PNG plots, outputs.jsonl")
+
+
+def run(args: argparse.Namespace) -> int:
+    from specheads.infer.bench import BenchSettings, run_bench
+    from specheads.infer.bench import build_methods
+    from specheads.infer.prompts import load_prompts
+    from specheads.target import load_target
+
+    if args.max_new_tokens < 1:
+        raise SpecheadsError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+    if args.temperature < 0:
+        raise SpecheadsError(f"--temperature {args.temperature}: must be >= 0")
+    if args.methods:
+        names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    else:
+        names = ["vanilla", "prompt-lookup"] + (["head"] if args.head else []) + (["draft-model"] if args.draft_model else [])
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SpecheadsError(f"--threads {args.threads}: must be at least 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from specheads.infer.bench import KNOWN_METHODS
+
+    unknown = [n for n in names if n not in KNOWN_METHODS]
+    if unknown:  # checked before the target loads
+        raise SpecheadsError(f"--methods: unknown method(s) {unknown}; choose from {list(KNOWN_METHODS)}")
+    if "head" in names and not args.head:
+        raise SpecheadsError("--methods head: needs --head DIR (a head folder written by `specheads train`)")
+    if "draft-model" in names and not args.draft_model:
+        raise SpecheadsError("--methods draft-model: needs --draft-model NAME (or truncated:N)")
+    prompts = load_prompts(args.dataset, args.limit, args.both_turns)
+    dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype, args.dtype)
+    target = load_target(args.target, dtype=dtype, device=args.device)
+    from specheads.infer.prompts import encode_turn
+
+    calib = [encode_turn(target.tokenizer, prompts[0], 0, [])] if prompts else []
+    methods, extra = build_methods(names, target, args, calib_ids=calib)
+    settings = BenchSettings(target=args.target, dataset=args.dataset, dtype=dtype, temperature=args.temperature,
+                             max_new_tokens=args.max_new_tokens, limit=args.limit, both_turns=args.both_turns,
+                             seed=args.seed, warmup_tokens=args.warmup_tokens)
+    results = run_bench(prompts, methods, settings, target.tokenizer, out_dir=args.out, extra=extra)
+    from specheads.infer.bench import markdown_table
+
+    print(markdown_table(results))
+    print(f"wrote {args.out}/results.json, results.md, {', '.join(results.get('plots', []))}")
+    return 130 if results.get("interrupted") else 0

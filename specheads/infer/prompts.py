@@ -1,0 +1,141 @@
+"""Benchmark prompts: MT-bench (FastChat question.jsonl), HumanEval (plain completions) or a JSONL file.
+
+A `BenchPrompt` holds the user turns; `encode_turn` turns the conversation so far into token ids (chat template
+for chat prompts, plain text for completions). Multi-turn MT-bench conditions turn 2 on the *method's own* turn-1
+answer, as FastChat's `gen_model_answer.py` does, so each method sees its own history.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specheads.utils import SpecheadsError
+
+log = logging.getLogger(__name__)
+
+MT_BENCH_CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
+
+
+@dataclass
+class BenchPrompt:
+    id: str
+    category: str
+    turns: list[str]  # user turns; only the first is used unless both turns were asked for
+    chat: bool = True  # True: chat template; False: the text is a plain completion prefix
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _interleave_by_category(prompts: list[BenchPrompt]) -> list[BenchPrompt]:
+    """Round-robin over categories (first of each, then second of each, ...), so `--limit 8` covers all 8
+    MT-bench categories instead of the first 8 writing questions."""
+    by_cat: dict[str, list[BenchPrompt]] = {}
+    for p in prompts:
+        by_cat.setdefault(p.category, []).append(p)
+    out: list[BenchPrompt] = []
+    i = 0
+    while len(out) < len(prompts):
+        for cat in by_cat:
+            if i < len(by_cat[cat]):
+                out.append(by_cat[cat][i])
+        i += 1
+    return out
+
+
+def load_mt_bench(path: str | Path | None = None, both_turns: bool = False) -> list[BenchPrompt]:
+    from specheads.assets import mtbench_questions
+
+    path = Path(path) if path else mtbench_questions()
+    out = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        q = json.loads(line)
+        turns = list(q["turns"]) if both_turns else list(q["turns"][:1])
+        out.append(BenchPrompt(id=str(q.get("question_id", i)), category=q.get("category", "all"), turns=turns, chat=True))
+    return out
+
+
+def load_humaneval(path: str | Path | None = None) -> list[BenchPrompt]:
+    from specheads.assets import humaneval_gz
+
+    path = Path(path) if path else humaneval_gz()
+    opener = gzip.open if str(path).endswith(".gz") else open
+    out = []
+    with opener(path, "rt") as f:
+        for line in f:
+            if line.strip():
+                p = json.loads(line)
+                out.append(BenchPrompt(id=p["task_id"], category="humaneval", turns=[p["prompt"]], chat=False,
+                                       meta={"entry_point": p.get("entry_point")}))
+    return out
+
+
+def load_jsonl_prompts(path: str | Path, both_turns: bool = False) -> list[BenchPrompt]:
+    """One JSON object per line with "prompt" (str: a plain completion) or "turns" (list of str: chat turns);
+    optional "category" and "id" / "question_id". A "chat": true|false field overrides the default."""
+    path = Path(path)
+    if not path.exists():
+        raise SpecheadsError(f"--dataset {path}: file not found (expected mt-bench, humaneval or a JSONL file)")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecheadsError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise SpecheadsError(f"{path}:{n}: expected a JSON object with a \"prompt\" or \"turns\" field")
+        if isinstance(obj.get("turns"), list) and obj["turns"] and all(isinstance(t, str) for t in obj["turns"]):
+            turns, chat = list(obj["turns"]), True
+        elif isinstance(obj.get("prompt"), str):
+            turns, chat = [obj["prompt"]], False
+        else:
+            raise SpecheadsError(f"{path}:{n}: needs a \"prompt\" string or a non-empty \"turns\" list of strings")
+        chat = bool(obj.get("chat", chat))
+        if not both_turns:
+            turns = turns[:1]
+        pid = str(obj.get("id", obj.get("question_id", n)))
+        out.append(BenchPrompt(id=pid, category=str(obj.get("category", "all")), turns=turns, chat=chat))
+    if not out:
+        raise SpecheadsError(f"{path}: no prompts")
+    return out
+
+
+def load_prompts(dataset: str, limit: int | None = None, both_turns: bool = False) -> list[BenchPrompt]:
+    """`dataset`: "mt-bench", "humaneval" or a JSONL path. `limit` takes the first N after interleaving
+    categories (MT-bench: one question per category first)."""
+    if dataset in ("mt-bench", "mt_bench", "mtbench"):
+        prompts = _interleave_by_category(load_mt_bench(both_turns=both_turns))
+    elif dataset in ("humaneval", "human-eval"):
+        prompts = load_humaneval()
+    else:
+        prompts = _interleave_by_category(load_jsonl_prompts(dataset, both_turns=both_turns))
+    if limit is not None:
+        if limit < 1:
+            raise SpecheadsError(f"--limit {limit}: must be at least 1")
+        prompts = prompts[:limit]
+    return prompts
+
+
+def encode_turn(tokenizer, prompt: BenchPrompt, turn: int, answers: list[str]) -> list[int]:
+    """Token ids for user turn `turn` given this method's own earlier `answers` (one per earlier turn)."""
+    if tokenizer is None:
+        raise SpecheadsError("the target has no tokenizer: bench needs one to encode prompts")
+    if not prompt.chat:
+        text = prompt.turns[0] if turn == 0 else "".join(
+            t + a for t, a in zip(prompt.turns[:turn], answers)) + prompt.turns[turn]
+        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise SpecheadsError("the target's tokenizer has no chat template; use a JSONL file with \"prompt\" fields "
+                             "(plain completions) or a chat model")
+    messages = []
+    for t in range(turn):
+        messages += [{"role": "user", "content": prompt.turns[t]}, {"role": "assistant", "content": answers[t]}]
+    messages.append({"role": "user", "content": prompt.turns[turn]})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -1,0 +1,263 @@
+"""`specheads bench`: figure arithmetic on hand-made runs, prompt loading, outputs (JSON schema, Markdown, PNG),
+an end-to-end run on the tiny target, and (slow) a real SmolLM2 run through the CLI."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from specheads.infer.bench import (BenchSettings, HFGenerate, RunRecord, accept_histogram, build_methods, build_results,
+                                   compare, forward_token_counts, markdown_table, record_from_generation, run_bench,
+                                   step_breakdown, summarize, write_outputs)
+from specheads.infer.prompts import BenchPrompt, encode_turn, load_jsonl_prompts, load_prompts
+from specheads.utils import SpecheadsError
+
+
+def rec(method, pid, tokens, time_s, steps=None, out=None, cat="writing", turn=0, phases=None):
+    return RunRecord(method=method, prompt_id=pid, category=cat, turn=turn, prompt_tokens=10, new_tokens=tokens,
+                     time_s=time_s, target_forwards=None if steps is None else len(steps), step_tokens=steps,
+                     output_ids=out if out is not None else list(range(tokens)), phase_times=phases)
+
+
+# ------------------------------------------------------------------------------------------------ arithmetic
+def test_tau_speedup_histogram_on_hand_made_runs():
+    van = [rec("vanilla", "a", 10, 2.0, [1] * 10), rec("vanilla", "b", 30, 4.0, [1] * 30)]
+    # head: a in 4 forwards (3+3+2+2), b in 12 forwards; 2x less time in total
+    head = [rec("head", "a", 10, 1.0, [3, 3, 2, 2]), rec("head", "b", 30, 2.0, [3] * 8 + [1, 1, 2, 2])]
+    s = compare(head, van, greedy=True)
+    assert s["new_tokens"] == 40 and s["target_forwards"] == 16
+    assert s["tau"] == pytest.approx(40 / 16)
+    assert s["tokens_per_s"] == pytest.approx(40 / 3.0)
+    # ratio of totals (40/3) / (40/6) = 2, not the mean of per-prompt ratios (2 and 2 here, see next test)
+    assert s["speedup"] == pytest.approx(2.0)
+    assert s["accept_hist"] == {"1": 2, "2": 4, "3": 10}
+    assert sum(int(k) * v for k, v in s["accept_hist"].items()) == 40  # the histogram's mean is τ
+    assert s["identical"] == 1.0
+    v = compare(van, van, greedy=True)
+    assert v["tau"] == 1.0 and v["speedup"] == 1.0
+
+
+def test_speedup_is_ratio_of_totals_not_mean_of_ratios():
+    van = [rec("vanilla", "a", 100, 10.0, [1] * 100), rec("vanilla", "b", 10, 1.0, [1] * 10)]
+    m = [rec("m", "a", 100, 5.0, None), rec("m", "b", 10, 2.0, None)]  # 2x on the long one, 0.5x on the short
+    s = compare(m, van, greedy=False)
+    assert s["speedup"] == pytest.approx((110 / 7.0) / (110 / 11.0))
+    assert s["tau"] is None and s["accept_hist"] is None and s["target_forwards"] is None  # n/a, never guessed
+    assert s["identical"] is None  # sampling: no identical check
+
+
+def test_identical_share_matches_prompt_and_turn():
+    van = [rec("vanilla", "a", 3, 1, [1, 1, 1], out=[1, 2, 3]), rec("vanilla", "b", 2, 1, [1, 1], out=[4, 5])]
+    m = [rec("m", "a", 3, 1, [3], out=[1, 2, 3]), rec("m", "b", 2, 1, [2], out=[4, 6])]
+    assert compare(m, van, greedy=True)["identical"] == 0.5
+
+
+def test_accept_histogram_unknown_when_any_record_lacks_counts():
+    assert accept_histogram([rec("m", "a", 2, 1, [2]), rec("m", "b", 1, 1, None)]) is None
+    assert summarize([])["tokens_per_s"] is None
+
+
+def test_forward_token_counts_from_call_positions():
+    # vanilla: prefill at 0 over a 5-token prompt, then one call per token at positions 5, 6, 7
+    assert forward_token_counts([0, 5, 6, 7], prompt_len=5, new_tokens=4) == [1, 1, 1, 1]
+    # HF prompt lookup: the first call verifies candidates together with the prompt and keeps 3 tokens,
+    # then a call at 7 keeps 1, then a call at 8 keeps 4 (capped by the end)
+    assert forward_token_counts([0, 7, 8], prompt_len=5, new_tokens=8) == [3, 1, 4]
+    assert forward_token_counts([], 5, 3) is None
+    assert forward_token_counts([0, 9], 5, 3) is None  # inconsistent: never guessed
+
+
+def test_step_breakdown_non_model_share():
+    phases = {"draft": 1.0, "tree": 0.1, "target": 3.0, "verify": 0.2, "cache": 0.1, "other": 0.1, "prefill": 5.0}
+    b = step_breakdown([rec("head", "a", 10, 10, [2] * 5, phases=phases)])
+    assert b["non_model_share"] == pytest.approx(0.5 / 4.5)  # prefill is not a step phase
+    assert b["step_share"]["target"] == pytest.approx(3.0 / 4.5)
+    assert b["ms_per_step"] == pytest.approx(1000 * 4.5 / 5)
+
+
+def test_record_from_generation_adapts_our_stats():
+    stats = SimpleNamespace(new_tokens=5, target_forwards=3, accept_hist=[0, 1, 2, 0], prefill_s=0.5,
+                            timings={"draft": 0.1, "target": 0.3})
+    res = SimpleNamespace(ids=[7, 8, 9, 10, 11], text="x", stats=stats)
+    r = record_from_generation("head", res, prompt_len=4, dt=1.0, tokenizer=None)
+    assert r.new_tokens == 5 and r.target_forwards == 3 and r.output_ids == [7, 8, 9, 10, 11]
+    assert sorted(r.step_tokens) == [1, 2, 2]
+    assert r.phase_times == {"draft": 0.1, "target": 0.3, "prefill": 0.5}
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+def test_mt_bench_prompts_interleave_categories():
+    ps = load_prompts("mt-bench", limit=8)
+    assert len({p.category for p in ps}) == 8 and all(p.chat and len(p.turns) == 1 for p in ps)
+    assert len(load_prompts("mt-bench")) == 80
+    assert all(len(p.turns) == 2 for p in load_prompts("mt-bench", limit=3, both_turns=True))
+
+
+def test_humaneval_prompts_are_plain_completions():
+    ps = load_prompts("humaneval")
+    assert len(ps) == 164 and not ps[0].chat and ps[0].turns[0].startswith("from typing import List")
+
+
+def test_jsonl_prompts_and_errors(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "def f():", "category": "code"}\n\n{"turns": ["hi", "more"], "id": "x"}\n')
+    ps = load_jsonl_prompts(f)
+    assert [p.chat for p in ps] == [False, True] and ps[1].id == "x" and ps[1].turns == ["hi"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt field"}\n')
+    with pytest.raises(SpecheadsError, match="bad.jsonl:1"):
+        load_jsonl_prompts(bad)
+    with pytest.raises(SpecheadsError, match="not found"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_second_turn_carries_the_methods_own_answer(smol_tokenizer):
+    p = BenchPrompt(id="1", category="writing", turns=["Say hi.", "Say it again."], chat=True)
+    ids = encode_turn(smol_tokenizer, p, 1, ["Hi there!"])
+    text = smol_tokenizer.decode(ids)
+    assert text.index("Say hi.") < text.index("Hi there!") < text.index("Say it again.")
+    assert text.rstrip().endswith("assistant")
+
+
+# ------------------------------------------------------------------------------------------------ end to end (tiny)
+class ByteTok:
+    """A stand-in tokenizer for the tiny target: one id per byte (mod 256), no chat template."""
+    pad_token_id = 0
+    eos_token_id = 2
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [1] + [3 + b % 250 for b in text.encode()]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def test_run_bench_tiny_end_to_end(tiny, tmp_path):
+    tiny.tokenizer = ByteTok()
+    prompts = [BenchPrompt(id=str(i), category=c, turns=[t], chat=False)
+               for i, (c, t) in enumerate([("a", "abc abc abc abc"), ("b", "hello hello hello")])]
+    args = SimpleNamespace(temperature=0.0, head=None, draft_model="truncated:2", draft_tokens=3, tree="auto")
+    methods, extra = build_methods(["prompt-lookup", "draft-model", "plain", "prompt-lookup-ours"], tiny, args)
+    assert [m.name for m in methods] == ["vanilla", "prompt-lookup", "draft-model", "plain", "prompt-lookup-ours"]
+    settings = BenchSettings(target="tiny", dataset="inline", dtype="float32", max_new_tokens=8, warmup_tokens=2)
+    res = run_bench(prompts, methods, settings, tiny.tokenizer, out_dir=tmp_path, extra=extra, progress=False)
+    assert res["complete"] and res["num_prompts"] == 2 and res["categories"] == ["a", "b"]
+    for name in ("vanilla", "prompt-lookup", "draft-model", "plain", "prompt-lookup-ours"):
+        o = res["methods"][name]["overall"]
+        assert o["identical"] == 1.0, name  # greedy fp32: lossless
+        assert o["target_forwards"] <= o["new_tokens"] and o["tau"] >= 1.0
+        assert sum(int(k) * v for k, v in o["accept_hist"].items()) >= o["new_tokens"]
+    assert res["methods"]["vanilla"]["overall"]["tau"] == 1.0
+    assert res["methods"]["draft-model"]["step_breakdown"]["non_model_share"] is not None
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    check_schema(on_disk)
+    assert sum(line.startswith("| vanilla |") for line in (tmp_path / "results.md").read_text().splitlines()) == 1
+    assert (tmp_path / "speedup_tau.png").stat().st_size > 1000
+    assert res["methods"]["plain"]["overall"]["tau"] == 1.0
+    assert len((tmp_path / "outputs.jsonl").read_text().splitlines()) == 10
+
+
+def test_interrupt_keeps_finished_prompts(tiny, tmp_path):
+    tiny.tokenizer = ByteTok()
+
+    class Boom(HFGenerate):
+        calls = 0
+
+        def generate(self, ids, n):
+            Boom.calls += 1
+            if Boom.calls == 3:  # warm-up, prompt 0, then prompt 1 (this method runs first there) is interrupted
+                raise KeyboardInterrupt
+            return super().generate(ids, n)
+
+    prompts = [BenchPrompt(id=str(i), category="c", turns=["abcabc"], chat=False) for i in range(3)]
+    methods = [HFGenerate("vanilla", tiny, 0.0), Boom("prompt-lookup", tiny, 0.0, prompt_lookup_num_tokens=3)]
+    res = run_bench(prompts, methods, BenchSettings("tiny", "inline", "float32", max_new_tokens=4, warmup_tokens=1),
+                    tiny.tokenizer, out_dir=tmp_path, progress=False)
+    assert res["interrupted"] and not res["complete"] and res["num_prompts"] == 1
+    assert json.loads((tmp_path / "results.json").read_text())["num_prompts"] == 1
+
+
+def check_schema(r):
+    for k in ("schema", "command", "date", "environment", "settings", "complete", "definitions", "num_prompts",
+              "categories", "methods"):
+        assert k in r, k
+    assert r["schema"] == "specheads.bench/1"
+    for k in ("torch", "transformers", "specheads", "cpu"):
+        assert k in r["environment"], k
+    assert r["settings"]["dtype"] in ("float32", "bfloat16")
+    for name, m in r["methods"].items():
+        assert set(m) >= {"overall", "categories", "step_breakdown"}
+        for f in [m["overall"], *m["categories"].values()]:
+            assert set(f) >= {"turns", "new_tokens", "time_s", "tokens_per_s", "target_forwards", "tau", "speedup",
+                              "accept_hist", "identical"}
+        assert set(m["categories"]) == set(r["categories"])
+
+
+def test_markdown_and_plots_from_hand_made_results(tmp_path):
+    van = [rec("vanilla", "a", 10, 2.0, [1] * 10), rec("vanilla", "b", 10, 2.0, [1] * 10, cat="math")]
+    head = [rec("head", "a", 10, 1.0, [3, 3, 4]), rec("head", "b", 10, 1.5, [2] * 5, cat="math")]
+    pl = [rec("prompt-lookup", "a", 10, 1.5, None), rec("prompt-lookup", "b", 10, 2.5, None, cat="math")]
+    meta = {"command": "x", "date": "d", "environment": {"cpu": "cpu", "torch_threads": 2},
+            "tree": {"summary": "3 nodes", "reason": "because"}}
+    res = build_results(van + head + pl, ["vanilla", "head", "prompt-lookup"],
+                        BenchSettings("t", "mt-bench", "float32"), meta, True)
+    md = markdown_table(res)
+    assert "| head | 8.0 | 2.50 | 1.60x | 100% |" in md  # 20 tokens / 2.5 s; 20 / 8 forwards; 8.0 / 5.0
+    assert "| prompt-lookup |" in md and "n/a" in md and "Why: because" in md
+    write_outputs(res, van + head + pl, tmp_path)
+    assert (tmp_path / "accept_hist.png").exists() and (tmp_path / "speedup_tau.png").exists()
+
+
+# ------------------------------------------------------------------------------------------------ CLI (real)
+@pytest.mark.slow
+def test_cli_smollm2_vanilla_and_prompt_lookup(smollm2, tmp_path):
+    from specheads.cli import main
+
+    out = tmp_path / "b"
+    rc = main(["bench", "--target", "smollm2-135m", "--dtype", "fp32", "--dataset", "mt-bench", "--limit", "2",
+               "--max-new-tokens", "8", "--warmup-tokens", "2", "--methods", "vanilla,prompt-lookup", "--out", str(out)])
+    assert rc == 0
+    r = json.loads((out / "results.json").read_text())
+    check_schema(r)
+    assert r["num_prompts"] == 2 and len(r["categories"]) == 2
+    assert r["methods"]["prompt-lookup"]["overall"]["identical"] == 1.0
+    assert r["methods"]["vanilla"]["overall"]["tau"] == 1.0
+
+
+def test_cli_rejects_unknown_method(tmp_path):
+    from specheads.infer.bench import build_methods
+
+    with pytest.raises(SpecheadsError, match="--methods"):
+        build_methods(["medusa-magic"], None, SimpleNamespace(temperature=0.0))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_head_method_tree_auto_on_tiny(tiny, tmp_path, monkeypatch, kind):
+    from specheads.heads.base import HeadSpec, build_head
+
+    import specheads.infer.bench as bench_mod
+    import specheads.infer.profile as prof_mod
+
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(prof_mod, "PROFILE_CONTEXT", 32)
+    monkeypatch.setattr(prof_mod, "PROFILE_REPEATS", 1)
+    monkeypatch.setattr(bench_mod, "CALIBRATION_TOKENS", 8)
+    tiny.tokenizer = ByteTok()
+    build_head(HeadSpec(kind=kind), tiny).save_pretrained(tmp_path / "head")
+    args = SimpleNamespace(temperature=0.0, head=str(tmp_path / "head"), draft_model=None, tree="auto",
+                           refresh_profile=False)
+    methods, extra = build_methods(["head"], tiny, args, calib_ids=[[1, 5, 6, 7, 5, 6, 7, 5, 6]])
+    tree = extra["tree"]
+    assert tree["mode"] == "auto" and tree["total_tokens"] >= 1 and tree["reason"]
+    assert set(tree["profile"]["verify_relative"]) == {"1", "2", "4", "8", "16", "32"}
+    assert len(tree["acceptance"]["acc"]) == tree["acceptance"]["probe"]["depth"]
+    assert tree["acceptance"]["probe_steps"] > 0 and tree["draft_cost"]["seconds_per_step"] > 0
+    prompts = [BenchPrompt(id="0", category="a", turns=["abcabcabc"], chat=False)]
+    res = run_bench(prompts, methods, BenchSettings("tiny", "x", "float32", max_new_tokens=10, warmup_tokens=2),
+                    tiny.tokenizer, out_dir=tmp_path / "out", extra=extra, progress=False)
+    head = res["methods"]["head"]
+    assert head["overall"]["identical"] == 1.0 and head["overall"]["tau"] >= 1.0
+    assert 0 <= head["step_breakdown"]["non_model_share"] < 1
+    assert res["tree"]["summary"] and "## Tree" in (tmp_path / "out" / "results.md").read_text()

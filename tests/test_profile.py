@@ -1,0 +1,110 @@
+"""Hardware-aware tree size: expected-τ arithmetic, the choice on synthetic cost profiles, acceptance counting,
+and the cached profile on the tiny target."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from specheads.infer.profile import (acceptance_matrix, best_first_paths, choose_tree, expected_tau, interp_cost,
+                                     isotonic, load_or_profile, measure_verify_cost)
+from specheads.infer.tree import DraftTree
+
+
+def test_expected_tau_hand_computed():
+    acc = [[0.6, 0.2], [0.5, 0.1]]
+    # 1 (bonus) + 0.6 + 0.2 + 0.6*0.5 + 0.6*0.1 + 0.2*0.5
+    assert expected_tau(acc, [[0], [1], [0, 0], [0, 1], [1, 0]]) == pytest.approx(1 + 0.6 + 0.2 + 0.3 + 0.06 + 0.1)
+    assert expected_tau(acc, []) == 1.0
+    assert expected_tau(acc, [[0, 0, 0]]) == 1.0  # depth 3 not measured: adds nothing
+
+
+def _connected_trees(acc, n):
+    nodes = [p for d in range(1, len(acc) + 1) for p in itertools.product(range(len(acc[0])), repeat=d)]
+    for combo in itertools.combinations(nodes, n):
+        s = set(combo)
+        if all(len(p) == 1 or p[:-1] in s for p in combo):
+            yield combo
+
+
+def test_best_first_is_the_best_tree_of_each_size():
+    acc = [[0.55, 0.25], [0.7, 0.15], [0.8, 0.1]]
+    paths = best_first_paths(acc, 6, 3)
+    for n in range(1, 7):
+        greedy = expected_tau(acc, [p for p, _ in paths[:n]])
+        brute = max(expected_tau(acc, t) for t in _connected_trees(acc, n))
+        assert greedy == pytest.approx(brute)
+        prefix = {p for p, _ in paths[:n]}
+        assert all(len(p) == 1 or p[:-1] in prefix for p in prefix)  # connected
+
+
+def test_interp_cost():
+    costs = {1: 1.0, 2: 1.1, 4: 1.2, 8: 2.0}
+    assert interp_cost(costs, 1) == 1.0
+    assert interp_cost(costs, 3) == pytest.approx(1.15)
+    assert interp_cost(costs, 6) == pytest.approx(1.6)
+    assert interp_cost(costs, 12) == pytest.approx(2.8)  # extrapolated with the last slope (0.2 per node)
+
+
+def test_choice_free_up_to_four_tokens_perfect_chain():
+    # the top-1 draft is always right, nothing else ever is; verifying up to 4 tokens costs the same as 1,
+    # more costs 10x: the obvious best tree is the chain of 3 draft nodes (root + 3 = 4 tokens), τ = 4
+    acc = [[1.0, 0.0, 0.0]] * 6
+    costs = {1: 1.0, 2: 1.0, 4: 1.0, 5: 10.0, 64: 10.0}
+    ch = choose_tree(acc, costs, draft_cost=0.0, kind="eagle")
+    assert (ch.total_tokens, ch.depth) == (3, 3)
+    assert ch.choices == [[0], [0, 0], [0, 0, 0]]
+    assert ch.expected_tau == pytest.approx(4.0)
+    assert ch.expected_speedup == pytest.approx(4.0)
+    assert "expected speedup" in ch.reason
+
+
+def test_choice_draft_cost_limits_depth_for_eagle_not_medusa():
+    # every top-1 draft accepted with 0.5; cost flat: EAGLE pays c per depth, Medusa once
+    acc = [[0.5]] * 6
+    costs = {1: 1.0, 64: 1.0}
+    eagle = choose_tree(acc, costs, draft_cost=0.5, kind="eagle")
+    medusa = choose_tree(acc, costs, draft_cost=0.5, kind="medusa")
+    # eagle: value(D) = (2 - 0.5^D) / (1 + 0.5 D): D=1 -> 1.5/1.5 = 1.0, D=2 -> 1.75/2 ... best D = 1
+    assert eagle.depth == 1 and eagle.expected_speedup == pytest.approx(1.0)
+    assert medusa.depth == 6  # deeper is free for Medusa: every extra node adds expected τ
+    assert medusa.expected_speedup == pytest.approx((2 - 0.5 ** 6) / 1.5)
+
+
+def test_choice_untrained_head_takes_smallest_tree_and_says_why():
+    ch = choose_tree([[0.0, 0.0]] * 4, {1: 1.0, 2: 1.2, 4: 1.3}, draft_cost=0.1)
+    assert (ch.total_tokens, ch.depth) == (1, 1)
+    assert ch.expected_speedup < 1
+    assert "no tree beats plain decoding" in ch.reason
+
+
+def test_acceptance_matrix_counts_ranks_along_the_accepted_path():
+    # root 0 -> children 1 (rank 0), 2 (rank 1); 1 -> 3 (rank 0); 2 -> 4 (rank 0)
+    tree = DraftTree(torch.tensor([5, 6, 7, 8, 9]), torch.tensor([-1, 0, 0, 1, 2]), torch.tensor([0, 1, 1, 2, 2]))
+    steps = [(tree, [0, 2, 4]),  # rank 1 at depth 1, then rank 0 at depth 2
+             (tree, [0, 1]),  # rank 0 at depth 1, depth-2 child rejected
+             (tree, [0])]  # nothing accepted
+    acc, seen = acceptance_matrix(steps, max_depth=2, max_rank=2)
+    assert seen == [[3, 3], [2, 0]]
+    assert acc[0] == pytest.approx([1 / 3, 1 / 3])
+    assert acc[1] == pytest.approx([0.5, 0.0])
+
+
+def test_profile_tiny_target_is_cached(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    m = measure_verify_cost(tiny, sizes=(1, 4), context=32, repeats=1)
+    assert m["relative"]["1"] == 1.0 and m["seconds"]["4"] > 0
+    p1 = load_or_profile(tiny, sizes=(1, 2), context=32, repeats=1)
+    p2 = load_or_profile(tiny, sizes=(1, 2), context=32, repeats=1)
+    assert p1["cached"] is False and p2["cached"] is True
+    assert p2["verify"]["relative"] == p1["verify"]["relative"]
+    assert str(tmp_path / "profiles") in p2["path"]
+
+
+def test_isotonic_smooths_noisy_costs():
+    assert isotonic([1, 1.5, 1.1, 2]) == pytest.approx([1, 1.3, 1.3, 2])
+    assert isotonic([1.0, 1.2, 1.4]) == [1.0, 1.2, 1.4]
+    out = isotonic([1, 5.2, 3.2, 0.7, 2.4, 1.05])
+    assert all(a <= b + 1e-12 for a, b in zip(out, out[1:]))
+    assert sum(out) == pytest.approx(1 + 5.2 + 3.2 + 0.7 + 2.4 + 1.05)
