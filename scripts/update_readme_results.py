@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""Copy a `specheads bench` results.md (and its command line) into README.md between the results markers.
+
+    python scripts/update_readme_results.py runs/demo/bench [docs/results/demo]
+
+It also copies results.json, results.md and the PNG plots into the docs folder (second argument) so that the
+README's plots render and the figures it shows stay next to the file they came from.
+
+The README's numbers are never typed by hand: they come from the results.json/results.md this reads.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) not in (1, 2):
+        print(__doc__)
+        return 2
+    out = Path(argv[0])
+    docs = Path(argv[1] if len(argv) == 2 else "docs/results/demo")
+    docs.mkdir(parents=True, exist_ok=True)
+    res = json.loads((out / "results.json").read_text())
+    table = (out / "results.md").read_text().strip()
+    table = "\n".join(line for line in table.splitlines() if not line.startswith("# "))  # drop the H1
+    env = res.get("environment", {})
+    block = [START, "", f"Produced by `{res['command']}` on {res['date'][:10]} "
+             f"({env.get('cpu', 'this CPU')}, torch {env.get('torch', '?')}, transformers {env.get('transformers', '?')});",
+             f"copied from `{out}/results.md` into `{docs}/` by `python scripts/update_readme_results.py {out} {docs}`.",
+             "", table, ""]
+    for name in ["results.json", "results.md"] + list(res.get("plots", [])):
+        shutil.copy(out / Path(name).name, docs / Path(name).name)
+    for png in res.get("plots", []):
+        block.append(f"![{Path(png).stem}]({docs / Path(png).name})")
+    block.append(END)
+    readme = Path("README.md")
+    text = readme.read_text()
+    if START not in text or END not in text:
+        print("README.md has no results markers", file=sys.stderr)
+        return 2
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(head + "\n".join(block) + tail)
+    print(f"README.md: results section replaced from {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
