@@ -1,0 +1,179 @@
+"""Losses per head kind, plus the per-step correctness that evaluation turns into a simulated τ.
+
+One alignment for every kind (docs/architecture.md): draft step k (0-based; Medusa head k, EAGLE TTT step k) at row t
+predicts token t+2+k. The target's own next-token distribution at row j is `target_logits[:, j]` (the frozen lm_head
+applied to the stored layer-L state, predicting token j+1), so the target's distribution for the token step k
+predicts at row t is `target_logits[:, t+1+k]`.
+
+Shapes: B batch, T sequence, K heads / TTT steps, D hidden, V target vocab, V' draft vocab.
+A row counts only when the token it predicts is inside the sequence and carries loss_mask == 1 (assistant token).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+DECAY = 0.8  # per-head / per-step weight 0.8^k (Medusa paper λ_k; EAGLE-3 TTT step weight)
+EAGLE_W_REG = 1.0  # EAGLE-1 paper: SmoothL1 feature regression weight
+EAGLE_W_CE = 0.1  # EAGLE-1 paper: classification (soft CE) weight
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # scalar, differentiable
+    metrics: dict[str, float] = field(default_factory=dict)  # detached floats for logging (per-step acc, parts)
+
+
+def step_mask(loss_mask: torch.Tensor, k: int) -> torch.Tensor:
+    """[B,T] bool: rows t whose step-k prediction (token t+2+k) exists and is an assistant token."""
+    B, T = loss_mask.shape
+    out = torch.zeros(B, T, dtype=torch.bool, device=loss_mask.device)
+    s = 2 + k
+    if s < T:
+        out[:, : T - s] = loss_mask[:, s:].bool()
+    return out
+
+
+def shift_rows(x: torch.Tensor, s: int) -> torch.Tensor:
+    """x[:, t+s] placed at row t (rows past the end are zero; they are always masked). x: [B,T,...]."""
+    if s == 0:
+        return x
+    out = torch.zeros_like(x)
+    if s < x.shape[1]:
+        out[:, : x.shape[1] - s] = x[:, s:]
+    return out
+
+
+def soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """[N,V] x [N,V] -> [N]: cross-entropy of the draft against the target's softmax (fp32)."""
+    p = torch.softmax(target_logits.float(), dim=-1)
+    return -(p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+
+
+def _mean(x: torch.Tensor) -> torch.Tensor:
+    # an empty selection contributes 0 while keeping the graph (every rank must run backward under DDP)
+    return x.sum() / max(1, x.numel())
+
+
+def medusa_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                target_logits: torch.Tensor | None = None, decay: float = DECAY,
+                d2t: torch.Tensor | None = None) -> LossOutput:
+    """Σ_k decay^k CE_k. logits [K,B,T,V']; head k at row t predicts token t+2+k.
+
+    Hard labels (the data's tokens) when target_logits is None, else soft CE against the target's distribution
+    target_logits [B,T,V] (row j predicts token j+1). With a draft vocab (d2t [V'] target ids), hard labels are
+    mapped to draft ids (labels outside it are masked) and soft targets restricted to it and renormalised.
+    """
+    K = logits.shape[0]
+    total = logits.new_zeros((), dtype=torch.float32)
+    metrics: dict[str, float] = {}
+    ids = input_ids
+    if d2t is not None:
+        d2t = d2t.to(input_ids.device)
+        to_draft = torch.full((max(int(input_ids.max()), int(d2t.max())) + 1,), -1, dtype=torch.long,
+                              device=input_ids.device)
+        to_draft[d2t] = torch.arange(len(d2t), device=input_ids.device)
+        ids = to_draft[input_ids]  # [B,T] draft ids, -1 outside the draft vocab
+        if target_logits is not None:
+            target_logits = target_logits[..., d2t]
+    for k in range(K):
+        m = step_mask(loss_mask, k)  # [B,T]
+        if d2t is not None and target_logits is None:
+            m = m & (shift_rows(ids, 2 + k) >= 0)
+        lk = logits[k][m]  # [N,V']
+        labels = shift_rows(ids, 2 + k)[m]  # [N]
+        if target_logits is None:
+            ce = F.cross_entropy(lk.float(), labels, reduction="none")
+        else:
+            ce = soft_ce(lk, shift_rows(target_logits, 1 + k)[m])
+        ce_k = _mean(ce)
+        total = total + (decay ** k) * ce_k
+        metrics[f"ce_{k}"] = float(ce_k.detach())
+        if lk.shape[0]:
+            metrics[f"acc_{k}"] = float((lk.argmax(-1) == labels).float().mean())
+    return LossOutput(total, metrics)
+
+
+def eagle_loss(pred_hidden: torch.Tensor, logits: torch.Tensor, target_hidden: torch.Tensor,
+               target_logits: torch.Tensor, loss_mask: torch.Tensor, w_reg: float = EAGLE_W_REG,
+               w_ce: float = EAGLE_W_CE) -> LossOutput:
+    """EAGLE-1: w_reg SmoothL1(f̂_{t+1}, f_{t+1}) + w_ce soft-CE(draft, target) for token t+2.
+
+    pred_hidden [B,T,D] (row t predicts f_{t+1}), logits [B,T,V] (row t predicts x_{t+2}),
+    target_hidden [B,T,D] = the stored layer-L states, target_logits [B,T,V] = lm_head(target_hidden).
+    """
+    m = step_mask(loss_mask, 0)
+    tgt_h = shift_rows(target_hidden, 1)[m].float()  # [N,D]
+    reg = _mean(F.smooth_l1_loss(pred_hidden[m].float(), tgt_h, reduction="none").mean(-1))
+    tl = shift_rows(target_logits, 1)[m]  # [N,V]
+    lk = logits[m]
+    ce = _mean(soft_ce(lk, tl))
+    metrics = {"reg": float(reg.detach()), "ce_0": float(ce.detach())}
+    if lk.shape[0]:
+        metrics["acc_0"] = float((lk.argmax(-1) == tl.argmax(-1)).float().mean())
+    return LossOutput(w_reg * reg + w_ce * ce, metrics)
+
+
+def eagle3_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, loss_mask: torch.Tensor,
+                d2t: torch.Tensor | None, decay: float = DECAY) -> LossOutput:
+    """EAGLE-3 training-time test: Σ_i decay^i soft-CE over the draft vocabulary, no feature regression.
+
+    step_logits: list of n tensors [B,T,V'] (step i row t predicts x_{t+2+i}); target_logits [B,T,V];
+    d2t [V'] long (draft id -> target id) or None (draft vocab = target vocab). The target distribution is its
+    logits restricted to the draft vocabulary and renormalised; rows whose target argmax lies outside the draft
+    vocabulary are masked (EAGLE-3 repo).
+    """
+    V = target_logits.shape[-1]
+    ok = torch.ones(target_logits.shape[:2], dtype=torch.bool, device=target_logits.device)  # [B,T]
+    if d2t is not None:
+        d2t = d2t.to(target_logits.device)
+        in_draft = torch.zeros(V, dtype=torch.bool, device=target_logits.device)
+        in_draft[d2t] = True
+        ok = in_draft[target_logits.argmax(-1)]  # row j: the target's token j+1 lies in the draft vocab
+        target_logits = target_logits[..., d2t]  # [B,T,V'], sliced once for all steps
+    total = target_logits.new_zeros((), dtype=torch.float32)
+    metrics: dict[str, float] = {}
+    for i, lg in enumerate(step_logits):
+        tl = shift_rows(target_logits, 1 + i)  # [B,T,V']
+        m = step_mask(loss_mask, i) & shift_rows(ok, 1 + i)
+        ce = _mean(soft_ce(lg[m], tl[m]))
+        total = total + (decay ** i) * ce
+        metrics[f"ce_{i}"] = float(ce.detach())
+        if m.any():
+            metrics[f"acc_{i}"] = float((lg[m].argmax(-1) == tl[m].argmax(-1)).float().mean())
+    return LossOutput(total, metrics)
+
+
+def step_correct(step_logits: list[torch.Tensor] | torch.Tensor, target_argmax: torch.Tensor,
+                 loss_mask: torch.Tensor, d2t: torch.Tensor | None = None, topk: int = 5):
+    """Teacher-forced correctness of each draft step against the target's greedy token.
+
+    step_logits: K tensors [B,T,V'] (step k row t predicts token t+2+k); target_argmax [B,T] (row j: the target's
+    greedy token j+1). Returns (valid, top1, topk) as [K,B,T] bool; a step outside the sequence or on a
+    non-assistant token is invalid (and not correct).
+    """
+    valid, top1, topkc = [], [], []
+    for k, lg in enumerate(step_logits):
+        m = step_mask(loss_mask, k)
+        want = shift_rows(target_argmax, 1 + k)  # [B,T]
+        kk = min(topk, lg.shape[-1])
+        idx = lg.topk(kk, dim=-1).indices  # [B,T,k]
+        if d2t is not None:
+            idx = d2t.to(idx.device)[idx]
+        hit = idx == want.unsqueeze(-1)
+        valid.append(m)
+        top1.append(hit[..., 0] & m)
+        topkc.append(hit.any(-1) & m)
+    return torch.stack(valid), torch.stack(top1), torch.stack(topkc)
+
+
+def simulated_tau(correct: torch.Tensor, start: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+    """[K,B,T] bool -> [N] accepted length per start row: 1 (the target's own token) + consecutive correct steps.
+
+    `start` [B,T] bool selects the rows where drafting starts; depth caps the steps counted (tree depth).
+    """
+    c = correct if depth is None else correct[:depth]
+    run = torch.cumprod(c.long(), dim=0).sum(0)  # [B,T] consecutive correct from step 0
+    return (1 + run)[start].float()
