@@ -88,7 +88,7 @@ def test_greedy_identical_to_hf_generate_every_drafter(tiny):
             r = generate(tiny, d, p, max_new_tokens=24)  # both stop at the target's eos, if it comes
             assert r.ids == ref, name
             assert r.stats.new_tokens == len(ref) and sum(r.stats.accept_hist) == r.stats.target_forwards
-            assert sum(n * c for n, c in enumerate(r.stats.accept_hist)) >= len(ref)  # last step may be cut
+            assert sum(n * c for n, c in enumerate(r.stats.accept_hist)) == len(ref)  # mean = tau, last step too
         if name == "plain":
             assert r.stats.tau == 1.0
         if name == "oracle-tree":
@@ -342,3 +342,31 @@ def test_eagle_tree_rows_equal_sequential_head_runs(tiny, monkeypatch):
 
         for path, lp in seen:
             torch.testing.assert_close(lp, chain_run(path), atol=1e-5, rtol=0)
+
+
+def test_cli_tree_auto_needs_a_head(capsys, monkeypatch):
+    import specheads.target
+    from specheads.cli import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(specheads.target, "load_target", no_load)  # refused before any model is loaded
+    assert main(["generate", "--prompt", "Hi", "--drafter", "prompt-lookup", "--tree", "auto"]) == 2
+    assert "--tree auto: needs --head" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_generate_tree_auto_smollm2(smollm2, tmp_path, capsys):
+    import json
+
+    from specheads.cli import main
+    from specheads.heads.base import HeadSpec, build_head
+
+    build_head(HeadSpec(kind="eagle3", draft_vocab_size=1024), smollm2).save_pretrained(tmp_path / "head")
+    assert main(["generate", "--target", "smollm2-135m", "--head", str(tmp_path / "head"), "--tree", "auto",
+                 "--prompt", "Count to five.", "--max-new-tokens", "8", "--json"]) == 0
+    cap = capsys.readouterr()
+    assert "--tree auto: EAGLE-2 dynamic tree" in cap.err
+    out = json.loads(cap.out.strip().splitlines()[-1])
+    assert out["stats"]["new_tokens"] == 8

@@ -309,3 +309,25 @@ def test_gradients_reach_every_head_parameter_and_no_target_weight(tiny, kind):
     # Medusa blocks start at W = 0, b = 0: SiLU'(0) = 0.5, so their grads are non-zero too
     assert missing == []
     assert all(p.grad is None for p in tiny.model.parameters())
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_draft_forward_last_only_equals_last_row(tiny, kind):
+    F = 1 if kind == "eagle" else 3
+    head = build_head(HeadSpec(kind=kind, draft_vocab_size=100, feature_layers=None if F == 1 else [1, 2, 3]), tiny)
+    f, x = _inputs(F=F)
+    args = (head.project_features(f), x, torch.arange(T).expand(B, T), _chain_mask(0, T))
+    h_all, l_all = head.draft_forward(*args, head.new_cache())
+    h_last, l_last = head.draft_forward(*args, head.new_cache(), last_only=True)
+    assert l_last.shape == (B, 1, 100) and h_last.shape == (B, T, D)
+    torch.testing.assert_close(h_last, h_all, atol=0, rtol=0)
+    torch.testing.assert_close(l_last[:, 0], l_all[:, -1], atol=1e-6, rtol=1e-6)
+
+
+def test_last_row_is_a_dense_copy():
+    from specheads.heads.base import last_row
+
+    h = torch.randn(2, 5, 8)
+    r = last_row(h)
+    assert r.shape == (2, 1, 8) and r.stride() == (8, 8, 1)  # not h's batch stride 40 (slow bf16 linear on CPU)
+    assert torch.equal(r[:, 0], h[:, -1])

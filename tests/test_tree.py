@@ -121,3 +121,18 @@ def test_medusa_calibration_builds_choices(tiny):
     torch.testing.assert_close(acc.sum(1), torch.ones(2, dtype=torch.float64))  # full ranking: every truth found once
     ch = choices_from_accuracies(acc[:, :5] + 1e-3, num_nodes=8)
     assert len(ch) == 8 and max(len(c) for c in ch) <= 2
+
+
+def test_ancestors_equal_paths_on_a_random_deep_tree():
+    g = torch.Generator().manual_seed(3)
+    parents, depth = [-1], [0]
+    for i in range(1, 40):
+        p = int(torch.randint(0, i, (1,), generator=g))
+        parents.append(p)
+        depth.append(depth[p] + 1)
+    t = DraftTree(torch.arange(40), parents, depth)
+    ref = torch.zeros(40, 40, dtype=torch.bool)
+    for i in range(40):
+        ref[i, t.path(i)] = True
+    assert t.max_depth >= 4
+    assert torch.equal(t.ancestors(), ref)

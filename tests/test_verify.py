@@ -149,3 +149,41 @@ def test_tree_forward_equals_sequential_tiny(tiny):
 @pytest.mark.slow
 def test_tree_forward_equals_sequential_smollm2(smollm2):
     check_tree_forward(smollm2, atol=1e-3)  # fp32 logits of magnitude ~20: 1e-3 absolute
+
+
+def test_greedy_reads_only_path_rows_and_breaks_ties_like_hf():
+    # root(1) -> a(2) -> c(4); root -> b(3) -> d(5). bf16 logits with a tie at the root between 2 and 3: HF's greedy
+    # (fp32 argmax) takes the first index, 2. Rows off the walked path (b, d) are NaN: they must never be read.
+    lg = onehot_logits([2, 4, 0, 6, 0]).to(torch.bfloat16)
+    lg[0, 3] = 10.0
+    lg[2] = float("nan")
+    lg[4] = float("nan")
+    acc = verify_greedy(tree(), lg)
+    assert acc.nodes == [0, 1, 3] and acc.bonus == 6
+
+
+def test_sampling_lazy_rows_equal_precomputed_probs():
+    g = torch.Generator().manual_seed(0)
+    lg = torch.randn(5, V, generator=g) * 2
+    sp = SamplingParams(temperature=0.8, top_p=0.9, top_k=5)
+    for seed in range(20):
+        a = verify_sampling(tree(), lg, sp, torch.Generator().manual_seed(seed))
+        b = verify_sampling(tree(), lg, sp, torch.Generator().manual_seed(seed), probs=target_probs(lg, sp))
+        assert (a.nodes, a.bonus) == (b.nodes, b.bonus)
+
+
+@pytest.mark.parametrize("keep", [[0, 1, 2], [0, 2, 4], [0], [0, 3]])
+def test_keep_accepted_equals_index_select(keep):
+    from transformers import DynamicCache
+
+    from specheads.target import tiny_target
+
+    model = tiny_target().model
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.arange(3, 14)[None], cache=cache, use_cache=True)  # 6 prefix + 5 "tree" entries
+    n_old, idx = 6, torch.tensor([0, 1, 2, 3, 4, 5] + [6 + k for k in keep])
+    ref = [(l.keys.index_select(-2, idx).clone(), l.values.index_select(-2, idx).clone()) for l in cache.layers]
+    keep_accepted(cache, 5, keep)
+    assert cache.get_seq_length() == n_old + len(keep)
+    for layer, (k, v) in zip(cache.layers, ref):
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)

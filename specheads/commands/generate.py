@@ -25,7 +25,8 @@ def add_arguments(p) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--tree", default=None,
                    help="Medusa: 'chain:K' or JSON rank paths; EAGLE: 'depth,top_k,total_tokens' (default 5,8,48); "
-                        "draft-model / prompt-lookup: tokens per step")
+                        "draft-model / prompt-lookup: tokens per step; 'auto' (with --head): the size and depth "
+                        "that pay on this machine (cached cost profile + a short acceptance probe, as bench does)")
     p.add_argument("--draft-layers", type=int, default=4, help="draft-model: target layers kept in the draft copy")
     p.add_argument("--draft-target", default=None, help="draft-model: a separate small model with the same vocabulary")
     p.add_argument("--typical-acceptance", action="store_true",
@@ -37,7 +38,7 @@ def add_arguments(p) -> None:
 
 def drafter_kwargs(args) -> dict:
     kw: dict = {"draft_layers": args.draft_layers, "draft_target": args.draft_target}
-    if not args.tree:
+    if not args.tree or args.tree == "auto":  # auto: chosen after loading (auto_tree)
         return kw
     if args.head:
         from specheads.heads.base import read_head_config
@@ -62,6 +63,23 @@ def drafter_kwargs(args) -> dict:
     return kw
 
 
+def auto_tree(target, drafter):
+    """`--tree auto`: the bench's choice (specheads.infer.bench.choose_tree_for_head: the cached verify-cost profile
+    of this machine + the head's acceptance on a short probe of the first MT-bench question) -> a new drafter."""
+    from specheads.infer.bench import choose_tree_for_head
+    from specheads.infer.drafters import EagleDrafter, MedusaDrafter
+    from specheads.infer.prompts import encode_turn, load_prompts
+
+    head = drafter.head
+    kind = "medusa" if head.config.kind == "medusa" else "eagle"
+    calib = [encode_turn(target.tokenizer, load_prompts("mt-bench", limit=1)[0], 0, [])]
+    choice, tree = choose_tree_for_head(target, head, kind, calib)
+    print(f"--tree auto: {tree['summary']} ({choice.reason})", file=sys.stderr)
+    if kind == "medusa":
+        return MedusaDrafter(head, choices=choice.choices)
+    return EagleDrafter(head, depth=choice.depth, top_k=choice.top_k, total_tokens=choice.total_tokens)
+
+
 def run(args) -> int:
     from specheads.infer.drafters import load_drafter
     from specheads.infer.generate import generate
@@ -71,8 +89,12 @@ def run(args) -> int:
         raise SpecheadsError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         raise SpecheadsError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
+    if args.tree == "auto" and not args.head:
+        raise SpecheadsError("--tree auto: needs --head DIR (training-free drafters take a number of tokens per step)")
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     drafter = load_drafter(args.drafter or "prompt-lookup", target, head_dir=args.head, **drafter_kwargs(args))
+    if args.tree == "auto":
+        drafter = auto_tree(target, drafter)
     verification = "typical-lossy" if args.typical_acceptance else "auto"
     streamer = None
     if not args.json:

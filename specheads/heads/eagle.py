@@ -24,7 +24,7 @@ import copy
 import torch
 from torch import nn
 
-from specheads.heads.base import DraftHead, HeadConfig, causal_mask_4d
+from specheads.heads.base import DraftHead, HeadConfig, causal_mask_4d, last_row
 
 
 def decoder_config(target_config: dict, num_layers: int):
@@ -94,7 +94,7 @@ class EagleHead(DraftHead):
         """features [..., F*D] with F = 1 -> [..., D] (identity; EAGLE-1 reads the final state only)."""
         return features.to(self.head_dtype)
 
-    def _run(self, hidden, tokens, position_ids, mask, cache):
+    def _run(self, hidden, tokens, position_ids, mask, cache, last_only: bool = False):
         x = self.fc(torch.cat([self.embed(tokens), hidden.to(self.head_dtype)], dim=-1))  # [B,T,D]
         pe = self._rope(x, position_ids)
         for layer in self.layers:
@@ -102,7 +102,7 @@ class EagleHead(DraftHead):
                       position_embeddings=pe)
             if isinstance(x, tuple):
                 x = x[0]
-        return x, self.target_lm_logits(x)
+        return x, self.target_lm_logits(last_row(x) if last_only else x)
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, attention_mask: torch.Tensor | None = None):
         """Training: features [B,T,D] (f_t), next_tokens [B,T] (x_{t+1}), attention_mask [B,T] (right padding)
@@ -114,7 +114,9 @@ class EagleHead(DraftHead):
         mask = causal_mask_4d(attention_mask, self.head_dtype)  # [B,1,T,T]
         return self._run(self.project_features(features), next_tokens, pos, mask, None)
 
-    def draft_forward(self, hidden, tokens, position_ids, attention_mask, cache):
+    def draft_forward(self, hidden, tokens, position_ids, attention_mask, cache, last_only: bool = False):
         """Inference: hidden [B,N,D], tokens [B,N], position_ids [B,N], attention_mask [B,1,N,S] float (0 attend,
-        -inf not; S = cached + N), cache from new_cache() -> (hidden [B,N,D], logits [B,N,V']); appends N entries."""
-        return self._run(hidden, tokens, position_ids, attention_mask.to(self.head_dtype), cache)
+        -inf not; S = cached + N), cache from new_cache() -> (hidden [B,N,D], logits [B,N,V'], or [B,1,V'] for the
+        last row only with last_only: the drafter reads only that row after feeding newly accepted rows);
+        appends N entries."""
+        return self._run(hidden, tokens, position_ids, attention_mask.to(self.head_dtype), cache, last_only)

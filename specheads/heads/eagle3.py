@@ -27,7 +27,8 @@ import copy
 import torch
 from torch import nn
 
-from specheads.heads.base import DraftHead, HeadConfig, build_draft_vocab, causal_mask_4d  # noqa: F401 (re-export)
+from specheads.heads.base import (DraftHead, HeadConfig, build_draft_vocab, causal_mask_4d,  # noqa: F401 (re-export)
+                                  last_row)
 from specheads.heads.eagle import RotaryCache, build_layers
 
 LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -90,8 +91,9 @@ class Eagle3Head(DraftHead):
         """features [..., F*D] (the feature layers concatenated in config order) -> [..., D]."""
         return self.fc(features.to(self.head_dtype))
 
-    def _step(self, hidden, tokens, position_ids, mask, cache):
-        """One midlayer pass: hidden [B,N,D], tokens [B,N] -> (pre-norm hidden [B,N,D], logits [B,N,V'])."""
+    def _step(self, hidden, tokens, position_ids, mask, cache, last_only: bool = False):
+        """One midlayer pass: hidden [B,N,D], tokens [B,N] -> (pre-norm hidden [B,N,D], logits [B,N,V'] or, with
+        last_only, [B,1,V'] of the last row only)."""
         mid = self.midlayer
         hidden = hidden.to(self.head_dtype)
         x = torch.cat([mid.input_layernorm(self.embed(tokens)), mid.hidden_norm(hidden)], dim=-1)  # [B,N,2D]
@@ -99,7 +101,7 @@ class Eagle3Head(DraftHead):
         a, _ = mid.self_attn(hidden_states=x, attention_mask=mask, position_embeddings=pe, cache=cache)
         h = hidden + a
         h = h + mid.mlp(mid.post_attention_layernorm(h))
-        return h, self.lm_head(self.norm(h))
+        return h, self.lm_head(self.norm(last_row(h) if last_only else h))
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 steps: int | None = None, pad_token_id: int = 0) -> list[torch.Tensor]:
@@ -125,8 +127,8 @@ class Eagle3Head(DraftHead):
             out.append(logits)
         return out
 
-    def draft_forward(self, hidden, tokens, position_ids, attention_mask, cache):
+    def draft_forward(self, hidden, tokens, position_ids, attention_mask, cache, last_only: bool = False):
         """Inference: hidden [B,N,D] (project_features output for target rows, the head's own output below),
         tokens [B,N], position_ids [B,N], attention_mask [B,1,N,S] float, cache -> (hidden [B,N,D] pre-norm,
-        logits [B,N,V']); appends N entries to `cache`."""
-        return self._step(hidden, tokens, position_ids, attention_mask.to(self.head_dtype), cache)
+        logits [B,N,V'], or [B,1,V'] for the last row with last_only); appends N entries to `cache`."""
+        return self._step(hidden, tokens, position_ids, attention_mask.to(self.head_dtype), cache, last_only)

@@ -18,18 +18,25 @@ def prepare_cache(cache) -> None:
 
 
 def keep_accepted(cache, num_nodes: int, accepted_nodes: list[int] | torch.Tensor) -> None:
-    """Drop the rejected tree nodes: each layer keeps its prefix entries and the accepted ones (node order kept)."""
-    acc = torch.as_tensor(accepted_nodes, dtype=torch.long)
+    """Drop the rejected tree nodes: each layer keeps its prefix entries and the accepted ones (node order kept).
+    The prefix is never copied: accepted entries move down into the first free slots (nothing moves when they
+    already are the first A nodes, e.g. an accepted chain prefix) and the layer becomes a view of the first
+    prefix + A entries (the next forward's torch.cat copies it once, as it always does)."""
+    acc = [int(i) for i in accepted_nodes]
+    a = len(acc)
+    moved = acc != list(range(a))
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
             continue
-        s = layer.keys.shape[-2]
-        n_old = s - num_nodes
-        idx = torch.cat([torch.arange(n_old), n_old + acc]).to(layer.keys.device)
-        layer.keys = layer.keys.index_select(-2, idx)
-        layer.values = layer.values.index_select(-2, idx)
+        n_old = layer.keys.shape[-2] - num_nodes
+        if moved:  # [..., n_old + acc, :] is gathered (a copy) before it is written, so overlap is safe
+            src = torch.tensor(acc, device=layer.keys.device) + n_old
+            layer.keys[..., n_old:n_old + a, :] = layer.keys.index_select(-2, src)
+            layer.values[..., n_old:n_old + a, :] = layer.values.index_select(-2, src)
+        layer.keys = layer.keys[..., :n_old + a, :]
+        layer.values = layer.values[..., :n_old + a, :]
         if getattr(layer, "is_sliding", False):
-            layer.cumulative_length = layer.cumulative_length - num_nodes + acc.numel()
+            layer.cumulative_length = layer.cumulative_length - num_nodes + a
             w = layer.sliding_window - 1  # entries a sliding layer needs for the next forward
             layer.keys = layer.keys[:, :, -w:, :]
             layer.values = layer.values[:, :, -w:, :]

@@ -94,8 +94,11 @@ class DraftModelDrafter(Drafter):
     def _forward(self, new: list[int]) -> torch.Tensor:
         dev = next(self.model.parameters()).device
         pos = torch.arange(len(self.cached), len(self.cached) + len(new), device=dev)[None]
+        # logits of the last row only, asked for by index: HF's logits_to_keep=1 slices hidden[:, -1:], a strided
+        # input on which torch's CPU bf16 linear is ~15x slower (heads/base.py last_row); an index gathers a copy
+        keep = torch.tensor([len(new) - 1], device=dev)
         out = self.model(input_ids=torch.tensor([new], device=dev), position_ids=pos, cache=self.cache,
-                         use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=keep)
         self.cached += new
         return out.logits[0, -1].float()  # [V]
 
@@ -234,16 +237,17 @@ class EagleDrafter(Drafter):
     def observe(self, tree, accepted, features) -> None:
         self.pending = features if self.pending is None else torch.cat([self.pending, features])
 
-    def _run(self, hidden, tokens, positions, draft_mask):
+    def _run(self, hidden, tokens, positions, draft_mask, last_only: bool = False):
         """Run n rows through the head: hidden [n, D], tokens [n] target ids, positions [n], draft_mask [n, R+n] bool
         over the draft rows already cached plus these rows (True = attend); every true row is attended.
-        Returns (hidden out [n, D], log-probs [n, V'])."""
+        Returns (hidden out [n, D], log-probs [n, V'] or, with last_only, [1, V'] of the last row)."""
         p = next(self.head.parameters())
         n = tokens.numel()
         allowed = torch.cat([torch.ones(n, self.rows, dtype=torch.bool), draft_mask], dim=1)  # [n, S]
         mask = torch.zeros(allowed.shape, dtype=p.dtype).masked_fill_(~allowed, float("-inf"))[None, None]
         h, logits = self.head.draft_forward(hidden[None].to(p.device, p.dtype), tokens[None].to(p.device),
-                                           positions[None].to(p.device), mask.to(p.device), self.cache)
+                                           positions[None].to(p.device), mask.to(p.device), self.cache,
+                                           last_only=last_only)
         return h[0], torch.log_softmax(logits[0].float(), dim=-1)
 
     @torch.no_grad()
@@ -260,7 +264,7 @@ class EagleDrafter(Drafter):
             t0 = self.rows
             feats = self.head.project_features(self.pending.to(param.device, param.dtype))  # [p, D]
             h, lp = self._run(feats, torch.tensor(ids[t0 + 1:cached + 1]), torch.arange(t0, cached),
-                              torch.ones(p, p, dtype=torch.bool).tril())
+                              torch.ones(p, p, dtype=torch.bool).tril(), last_only=True)  # only the last row drafts
             self.rows, self.pending = cached, None
             self._root = (h[-1], lp[-1])
         out_h, out_lp = {0: self._root[0]}, {0: self._root[1]}  # node -> its row's hidden out / children log-probs

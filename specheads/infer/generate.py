@@ -34,7 +34,8 @@ class GenerationStats:
     tokens_per_s: float = 0.0  # new_tokens / (wall_s - prefill_s)
     wall_s: float = 0.0  # whole call, prefill included
     prefill_s: float = 0.0
-    accept_hist: list[int] = field(default_factory=list)  # accept_hist[n] = steps that emitted n tokens (n >= 1)
+    accept_hist: list[int] = field(default_factory=list)  # accept_hist[n] = steps that emitted n tokens (n >= 1; the
+    # last step counts what it emitted after a stop cut), so sum(hist) = target_forwards, sum(n * hist[n]) = new_tokens
     timings: dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})  # seconds per phase
     tree_nodes: int = 0  # total tree nodes sent to the target (root included)
     stop_reason: str = ""  # eos | stop_token | stop_string | max_new_tokens | context_window
@@ -191,8 +192,8 @@ class SpeculativeGenerator:
             new.extend(emit)
             stats.target_forwards += 1
             stats.tree_nodes += len(tree)
-            stats.accept_hist.extend([0] * (len(step) + 1 - len(stats.accept_hist)))
-            stats.accept_hist[len(step)] += 1
+            stats.accept_hist.extend([0] * (len(emit) + 1 - len(stats.accept_hist)))
+            stats.accept_hist[len(emit)] += 1  # emitted (after a stop cut): sum(n * hist[n]) = new_tokens, mean = tau
             for phase, dt in (("draft", t1 - t0 + t6 - t5), ("tree", t2 - t1), ("target", t3 - t2),
                               ("verify", t4 - t3), ("cache", t5 - t4), ("other", time.perf_counter() - t6)):
                 tm[phase] += dt

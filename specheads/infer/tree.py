@@ -68,11 +68,14 @@ class DraftTree:
         return out[::-1]
 
     def ancestors(self) -> torch.Tensor:
-        """[N, N] bool: a[i, j] = node j is node i itself or one of its ancestors."""
+        """[N, N] bool: a[i, j] = node j is node i itself or one of its ancestors (one vectorised hop per depth)."""
         n = len(self)
         a = torch.eye(n, dtype=torch.bool)
-        for i in range(1, n):  # parents first, so a[parent] is already complete
-            a[i] |= a[int(self.parents[i])]
+        rows, up = torch.arange(n), self.parents.clone()  # up[i] = the ancestor of i one more hop up (-1: none)
+        for _ in range(self.max_depth):
+            ok = up >= 0
+            a[rows[ok], up[ok]] = True
+            up = torch.where(ok, self.parents[up.clamp(min=0)], up)
         return a
 
     def attention_mask(self, cache_len: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:

@@ -53,14 +53,16 @@ def target_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor
 
 
 def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Accepted:
-    """Accept the longest path whose every token equals the target's argmax at its parent; bonus = argmax there."""
-    best = logits.argmax(dim=-1).tolist()  # [N] the target's own greedy choice after each node
+    """Accept the longest path whose every token equals the target's argmax at its parent; bonus = argmax there.
+    Only the rows on the walked path are reduced (depth + 1 of N), each in fp32 as HF generate does (bf16 argmax on
+    CPU is ~7x slower; the fp32 copy is exact, so the first maximal index is the same)."""
     tokens, kids, nodes, cur = tree.tokens.tolist(), tree.children_lists(), [0], 0
     while True:
-        nxt = [c for c in kids[cur] if tokens[c] == best[cur]]
-        if not nxt:  # no child equals the target's token: the target's token is the bonus
-            return Accepted(nodes, best[cur])
-        cur = nxt[0]
+        best = int(logits[cur].float().argmax())  # the target's own greedy choice after node cur
+        nxt = next((c for c in kids[cur] if tokens[c] == best), None)
+        if nxt is None:  # no child equals the target's token: the target's token is the bonus
+            return Accepted(nodes, best)
+        cur = nxt
         nodes.append(cur)
 
 
@@ -79,10 +81,12 @@ def verify_sampling(tree: DraftTree, logits: torch.Tensor, sampling: SamplingPar
     Deterministic proposals (tree.q None) are point masses: accept x with probability p(x); on rejection p(x) <- 0
     and renormalise. If every child is rejected the bonus is drawn from the residual p; at a leaf from p itself.
     Each emitted token is therefore distributed exactly as the target's own sampling distribution."""
-    probs = target_probs(logits, sampling) if probs is None else probs  # [N, V]
+    def row(i: int) -> torch.Tensor:  # p at node i, warped only for the rows the walk visits (depth + 1 of N)
+        return (target_probs(logits[i:i + 1], sampling)[0] if probs is None else probs[i]).to("cpu", torch.float64)
+
     tokens, kids, nodes, cur = tree.tokens.tolist(), tree.children_lists(), [0], 0
     while True:
-        p = probs[cur].to("cpu", torch.float64)  # float64 on CPU: exact-enough residuals, CPU generator
+        p = row(cur)  # float64 on CPU: exact-enough residuals, CPU generator
         q = None if tree.q is None else tree.q[cur].to("cpu", torch.float64)
         accepted = None
         for child in kids[cur]:
@@ -107,7 +111,7 @@ def verify_sampling(tree: DraftTree, logits: torch.Tensor, sampling: SamplingPar
                     q /= qs
             s = float(p.sum())
             if s <= 0:  # cannot happen with exact arithmetic; guard against round-off
-                p = probs[cur].to("cpu", torch.float64)
+                p = row(cur)
                 break
             p = p / s
         if accepted is None:  # every child rejected (or a leaf): the target supplies the token
