@@ -28,3 +28,12 @@ def smollm2():
 @pytest.fixture(scope="session")
 def smol_tokenizer(smollm2):
     return smollm2.tokenizer
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for tests made of many small sequential ops (several times faster on a shared CPU)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -11,13 +11,8 @@ from specheads.target import tiny_target
 from specheads.utils import SpecheadsError
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small sequential forwards: one intra-op thread is several times faster than two on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Small sequential forwards: one intra-op thread is several times faster than two on a shared CPU.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 

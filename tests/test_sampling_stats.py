@@ -16,13 +16,8 @@ V = 8
 SAMPLES = 10_000
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Thousands of tiny ops: one intra-op thread is several times faster than two on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Small sequential forwards: one intra-op thread is several times faster than two on a shared CPU.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def markov_logits(seed=0):

@@ -10,13 +10,8 @@ from specheads.infer.verify import (SamplingParams, target_probs, verify_greedy,
 V = 8
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small sequential forwards: one intra-op thread is several times faster than two on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Small sequential forwards: one intra-op thread is several times faster than two on a shared CPU.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 
