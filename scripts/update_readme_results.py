@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Copy a `specheads bench` results.md (and its command line) into README.md between the results markers.
+"""Copy a `specheads bench` results.md (and its command line) into README.md between named results markers.
 
     python scripts/update_readme_results.py runs/demo/bench [docs/results/demo]
 
@@ -15,7 +15,6 @@ import shutil
 import sys
 from pathlib import Path
 
-START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 
 def main(argv: list[str]) -> int:
@@ -25,6 +24,8 @@ def main(argv: list[str]) -> int:
     out = Path(argv[0])
     docs = Path(argv[1] if len(argv) == 2 else "docs/results/demo")
     docs.mkdir(parents=True, exist_ok=True)
+    # README markers are named after the docs folder: <!-- results:demo:start --> ... <!-- results:demo:end -->
+    START, END = f"<!-- results:{docs.name}:start -->", f"<!-- results:{docs.name}:end -->"
     res = json.loads((out / "results.json").read_text())
     table = (out / "results.md").read_text().strip()
     table = "\n".join(line for line in table.splitlines() if not line.startswith("# "))  # drop the H1
@@ -41,7 +42,7 @@ def main(argv: list[str]) -> int:
     readme = Path("README.md")
     text = readme.read_text()
     if START not in text or END not in text:
-        print("README.md has no results markers", file=sys.stderr)
+        print(f"README.md has no {START} / {END} markers", file=sys.stderr)
         return 2
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
