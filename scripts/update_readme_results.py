@@ -28,7 +28,9 @@ def main(argv: list[str]) -> int:
     START, END = f"<!-- results:{docs.name}:start -->", f"<!-- results:{docs.name}:end -->"
     res = json.loads((out / "results.json").read_text())
     table = (out / "results.md").read_text().strip()
-    table = "\n".join(line for line in table.splitlines() if not line.startswith("# "))  # drop the H1
+    # Drop the H1 and demote the H2s so that the block nests under the README's own section.
+    table = "\n".join("###" + line[1:] if line.startswith("## ") else line
+                      for line in table.splitlines() if not line.startswith("# "))
     env = res.get("environment", {})
     block = [START, "", f"Produced by `{res['command']}` on {res['date'][:10]} "
              f"({env.get('cpu', 'this CPU')}, torch {env.get('torch', '?')}, transformers {env.get('transformers', '?')});",
