@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
+from specheads.heads.base import default_feature_layers
 from specheads.utils import SpecheadsError, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -56,24 +57,6 @@ class FeatureConfig:
 
 
 # ------------------------------------------------------------------------------------------------------------ layers
-
-def default_feature_layers(kind: str, num_layers: int) -> list[int]:
-    """The head kind's default feature layers (docs/architecture.md), as hidden-state tuple indices."""
-    try:  # the heads module may own this mapping; use it when present
-        from specheads.heads import base as _hb
-
-        fn = getattr(_hb, "default_feature_layers", None)
-        if fn is not None and fn is not default_feature_layers:
-            return list(fn(kind, num_layers))
-    except ImportError:
-        pass
-    L = num_layers
-    if kind in ("medusa", "eagle", "eagle1", "eagle2"):
-        return [L]
-    if kind == "eagle3":
-        return [2, L // 2, L - 3]
-    raise SpecheadsError(f"head.kind: {kind!r} is not one of ['medusa', 'eagle', 'eagle3']")
-
 
 def resolve_layers(num_layers: int, layers: Sequence[int] | None = None, kind: str | None = None) -> list[int]:
     """Layers to store: explicit `layers` or the kind's default, plus L (always stored), sorted, unique."""

@@ -492,17 +492,10 @@ class Trainer:
 
 
 def default_extract(target, input_ids, attention_mask, layers):
-    """Online features: the data helper's extract_features when present, else the target's hidden_states tuple."""
-    try:
-        from specheads.train.features import extract_features
-    except ImportError:
-        extract_features = None
-    if extract_features is not None:
-        return extract_features(target, input_ids, attention_mask, layers)
-    with torch.no_grad():
-        hs = target.model(input_ids=input_ids.to(target.device), attention_mask=attention_mask.to(target.device),
-                          output_hidden_states=True).hidden_states
-        return torch.stack([hs[i] for i in layers], dim=2)  # [B,T,F,D]
+    """Online features: the same extraction the offline shards use (features.extract_features) -> [B,T,F,D]."""
+    from specheads.train.features import extract_features
+
+    return extract_features(target, input_ids, attention_mask, layers)
 
 
 def _wandb_defaults(output_dir: Path) -> None:
