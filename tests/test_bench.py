@@ -261,3 +261,57 @@ def test_head_method_tree_auto_on_tiny(tiny, tmp_path, monkeypatch, kind):
     assert head["overall"]["identical"] == 1.0 and head["overall"]["tau"] >= 1.0
     assert 0 <= head["step_breakdown"]["non_model_share"] < 1
     assert res["tree"]["summary"] and "## Tree" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_several_heads_in_one_run(tiny, tmp_path, monkeypatch):
+    """Two --head values become methods head:eagle and head:medusa (labels from the folders' kinds), each with its
+    own tree, both checked against vanilla in the same run."""
+    from specheads.heads.base import HeadSpec, build_head
+    from specheads.infer.bench import head_entries
+
+    import specheads.infer.bench as bench_mod
+    import specheads.infer.profile as prof_mod
+
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(prof_mod, "PROFILE_CONTEXT", 32)
+    monkeypatch.setattr(prof_mod, "PROFILE_REPEATS", 1)
+    monkeypatch.setattr(bench_mod, "CALIBRATION_TOKENS", 8)
+    tiny.tokenizer = ByteTok()
+    for kind in ("eagle", "medusa"):
+        build_head(HeadSpec(kind=kind), tiny).save_pretrained(tmp_path / kind)
+    assert head_entries(str(tmp_path / "eagle")) == {"head": str(tmp_path / "eagle")}
+    assert head_entries([f"fast={tmp_path / 'eagle'}"]) == {"head:fast": str(tmp_path / "eagle")}
+    with pytest.raises(SpecheadsError, match="used twice"):
+        head_entries([str(tmp_path / "eagle"), str(tmp_path / "eagle")])
+    with pytest.raises(SpecheadsError, match="no readable head config"):
+        head_entries([str(tmp_path / "eagle"), str(tmp_path / "nothing")])
+    args = SimpleNamespace(temperature=0.0, head=[str(tmp_path / "eagle"), str(tmp_path / "medusa")],
+                           draft_model=None, tree="auto", refresh_profile=False)
+    with pytest.raises(SpecheadsError, match="head:nope"):
+        build_methods(["head:nope"], tiny, args)
+    methods, extra = build_methods(["head"], tiny, args, calib_ids=[[1, 5, 6, 7, 5, 6, 7, 5, 6]])
+    assert [m.name for m in methods] == ["vanilla", "head:eagle", "head:medusa"]
+    assert set(extra["trees"]) == {"head:eagle", "head:medusa"}
+    prompts = [BenchPrompt(id="0", category="a", turns=["abcabcabc"], chat=False)]
+    res = run_bench(prompts, methods, BenchSettings("tiny", "x", "float32", max_new_tokens=8, warmup_tokens=2),
+                    tiny.tokenizer, out_dir=tmp_path / "out", extra=extra, progress=False)
+    for n in ("head:eagle", "head:medusa"):
+        assert res["methods"][n]["overall"]["identical"] == 1.0
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "## Tree: head:eagle" in md and "## Tree: head:medusa" in md
+
+
+def test_head_lookup_merges_prompt_lookup_and_names_the_method(tiny, tmp_path):
+    from specheads.heads.base import HeadSpec, build_head
+
+    tiny.tokenizer = ByteTok()
+    build_head(HeadSpec(kind="eagle"), tiny).save_pretrained(tmp_path / "head")
+    args = SimpleNamespace(temperature=0.0, head=str(tmp_path / "head"), draft_model=None, tree="4,2,2",
+                           refresh_profile=False, head_lookup=3)
+    methods, extra = build_methods(["head"], tiny, args)
+    assert [m.name for m in methods] == ["vanilla", "head+lookup"]
+    assert extra["methods_info"]["head+lookup"]["lookup_tokens"] == 3 and "prompt-lookup" in extra["tree"]["summary"]
+    prompts = [BenchPrompt(id="0", category="a", turns=["abcabcabcabc"], chat=False)]
+    res = run_bench(prompts, methods, BenchSettings("tiny", "x", "float32", max_new_tokens=12, warmup_tokens=2),
+                    tiny.tokenizer, out_dir=tmp_path / "out", extra=extra, progress=False)
+    assert res["methods"]["head+lookup"]["overall"]["identical"] == 1.0

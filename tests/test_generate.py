@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from specheads.heads.base import HeadSpec, build_head
-from specheads.infer.drafters import (DraftContext, DraftModelDrafter, Drafter, EagleDrafter, MedusaDrafter,
-                                      NoDrafter, PromptLookupDrafter, load_drafter, truncated_draft_model)
+from specheads.infer.drafters import (DraftContext, DraftModelDrafter, Drafter, EagleDrafter, LookupMergedDrafter,
+                                      MedusaDrafter, NoDrafter, PromptLookupDrafter, load_drafter,
+                                      truncated_draft_model)
 from specheads.infer.generate import SpeculativeGenerator, generate
 from specheads.infer.tree import DraftTree
 from specheads.target import tiny_target
@@ -72,6 +73,10 @@ def tiny_drafters(target):
         "eagle": EagleDrafter(build_head(HeadSpec(kind="eagle"), target), depth=3, top_k=3, total_tokens=8),
         "eagle3": EagleDrafter(build_head(HeadSpec(kind="eagle3", draft_vocab_size=64), target, token_counts=torch.arange(256.0)),
                                depth=3, top_k=3, total_tokens=8),
+        "eagle+lookup": LookupMergedDrafter(EagleDrafter(build_head(HeadSpec(kind="eagle"), target), depth=2,
+                                                         top_k=2, total_tokens=4), num_tokens=4, max_ngram=2),
+        "medusa+lookup": LookupMergedDrafter(MedusaDrafter(build_head(HeadSpec(kind="medusa", num_heads=2), target)),
+                                             num_tokens=4, max_ngram=2),
     }
 
 

@@ -149,6 +149,19 @@ def test_regenerate_resumes_by_id_and_survives_cut_line(tiny_chat, tmp_path):
     assert len(re_read) == 6 and st.skipped == 0
 
 
+def test_regenerate_max_turns_keeps_first_exchange(tiny_chat, tmp_path):
+    from specheads.train.data import load_conversations
+    from specheads.train.regenerate import regenerate
+
+    convs, _ = load_conversations(str(_sharegpt_file(tmp_path, 6)))  # c0 and c3 have two exchanges
+    out = tmp_path / "regen1.jsonl"
+    regenerate(tiny_chat, convs, out, max_length=64, max_new_tokens=3, batch_size=4, progress=False, max_turns=1)
+    rows = {r["id"]: r["messages"] for r in map(json.loads, out.read_text().splitlines())}
+    assert len(rows) == 6
+    for cid, msgs in rows.items():
+        assert [m["role"] for m in msgs] == ["user", "assistant"], cid
+
+
 def test_prepare_with_regenerate(tiny_chat, tmp_path):
     from specheads.train.prepare import prepare
 
@@ -205,3 +218,48 @@ def test_cli_prepare_smollm2_small(tmp_path, capsys):
     assert rc == 0 and "masked tokens" in out and "disk used" in out and "max_conversations: 6" in out
     s = json.loads((tmp_path / "run" / "prepare_summary.json").read_text())
     assert s["conversations_kept"] == 6 and s["features_complete"] and s["feature_layers"] == [2, 15, 27, 30]
+
+
+def test_shared_features_dir_trains_medusa_from_eagle3_extraction(tiny_chat, tmp_path):
+    """features.dir: a Medusa recipe reads the EAGLE-3 recipe's shards (they hold layer L) and extracts nothing;
+    its draft vocabulary is counted from the training split only."""
+    from specheads.config import load_config
+    from specheads.heads.base import load_head
+    from specheads.recipe import Recipe
+    from specheads.target import tiny_target
+    from specheads.train.features import FeatureDataset
+    from specheads.train.prepare import format_summary, prepare
+    from specheads.train.trainer import run_training
+
+    e3 = prepare(_recipe(tmp_path, _sharegpt_file(tmp_path)), target=tiny_chat, progress=False)
+    feat = tmp_path / "run" / "features"
+
+    def medusa(*extra):
+        return load_config(Recipe, None, [f"output_dir={tmp_path / 'medusa'}", f"features.dir={feat}",
+                                          "head.kind=medusa", "head.num_heads=2", "head.draft_vocab_size=4",
+                                          "train.max_steps=2", "train.batch_size=2", "train.tracker=none",
+                                          "eval.max_samples=2", *extra])
+
+    s = prepare(medusa(), target=tiny_chat, progress=False)
+    assert s["features_dir"] == str(feat) and s["feature_layers"] == [tiny_chat.num_layers]
+    assert s["tokens"] == e3["tokens"] and not (tmp_path / "medusa" / "features").exists()
+    assert "shared" in format_summary(s)
+    res = run_training(medusa(), target=tiny_chat)
+    assert res.steps == 2
+    summ = json.loads((tmp_path / "medusa" / "train_summary.json").read_text())
+    assert summ["steps"] == 2 and summ["kind"] == "medusa" and summ["tokens_this_run"] > 0 and summ["history"]
+    head = load_head(tmp_path / "medusa" / "best", tiny_chat)
+    train_ids = set()
+    for x in FeatureDataset(feat, "train"):
+        train_ids |= set(x["input_ids"][x["loss_mask"].bool()].tolist())
+    assert set(head.d2t.tolist()) <= train_ids
+    # an EAGLE-3 head cannot read a Medusa-only folder; another target's folder is refused
+    with pytest.raises(SpecheadsError, match="features.dir .*missing"):
+        prepare(load_config(Recipe, None, [f"output_dir={tmp_path / 'x'}", f"features.dir={feat}",
+                                           "head.kind=eagle3", "head.feature_layers=[1,3]"]),
+                target=tiny_chat, progress=False)
+    other = tiny_target(vocab_size=len(tiny_chat.tokenizer), tokenizer=tiny_chat.tokenizer, seed=1)
+    with pytest.raises(SpecheadsError, match="fingerprints differ"):
+        prepare(medusa(), target=other, progress=False)
+    with pytest.raises(SpecheadsError, match="features.dir .*no manifest"):
+        prepare(medusa(f"features.dir={tmp_path / 'nothing'}"), target=tiny_chat, progress=False)

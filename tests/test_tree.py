@@ -136,3 +136,18 @@ def test_ancestors_equal_paths_on_a_random_deep_tree():
         ref[i, t.path(i)] = True
     assert t.max_depth >= 4
     assert torch.equal(t.ancestors(), ref)
+
+
+def test_merge_trees_is_a_trie_union():
+    from specheads.infer.tree import chain_tree, merge_trees
+
+    # a: root 9 -> {1 -> 2, 3}; b: the chain 9 -> 1 -> 4 -> 5 shares node "1" and adds 4 -> 5 under it
+    a = DraftTree(torch.tensor([9, 1, 3, 2]), torch.tensor([-1, 0, 0, 1]), torch.tensor([0, 1, 1, 2]))
+    m = merge_trees(a, chain_tree(9, [1, 4, 5]))
+    assert m.tokens.tolist() == [9, 1, 3, 2, 4, 5] and m.parents.tolist() == [-1, 0, 0, 1, 1, 4]
+    assert m.depth.tolist() == [0, 1, 1, 2, 2, 3]
+    assert merge_trees(a, chain_tree(9, [1, 2])).tokens.tolist() == a.tokens.tolist()  # nothing new: unchanged
+    with pytest.raises(ValueError, match="roots"):
+        merge_trees(a, chain_tree(8, [1]))
+    with pytest.raises(ValueError, match="deterministic"):
+        merge_trees(a, chain_tree(9, [1], q=torch.ones(2, 4) / 4))

@@ -11,7 +11,9 @@ log = logging.getLogger(__name__)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="smollm2-135m", help="hub id, local folder, .gguf file or alias (default: smollm2-135m)")
-    p.add_argument("--head", default=None, help="head folder (needed by the `head` method)")
+    p.add_argument("--head", action="append", default=None, metavar="[LABEL=]DIR",
+                   help="head folder for the `head` method; repeat to compare heads in one run (methods "
+                        "head:LABEL, LABEL defaulting to the head kind, e.g. head:eagle3, head:medusa)")
     p.add_argument("--draft-model", default=None, help="small draft model for the `draft-model` method")
     p.add_argument("--draft-tokens", type=int, default=4, help="draft-model: chain length per step (default 4 tokens)")
     p.add_argument("--dataset", default="mt-bench", help="mt-bench | humaneval | FILE.jsonl (\"prompt\" or \"turns\" per line)")
@@ -27,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="target dtype (default bf16; use fp32 for the identical-output check)")
     p.add_argument("--tree", default="auto",
                    help="auto (profile this machine, choose size/depth; default) or TOTAL,DEPTH,TOPK e.g. 16,4,4")
+    p.add_argument("--head-lookup", type=int, default=0, metavar="N",
+                   help="greedy: merge a prompt-lookup chain of up to N tokens into each head's tree (methods named "
+                        "...+lookup; default 0 = off)")
     p.add_argument("--refresh-profile", action="store_true", help="re-measure the cached hardware profile")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the same for every method)")
     p.add_argument("--warmup-tokens", type=int, default=16, help="untimed warm-up tokens per method (default 16)")
@@ -58,10 +63,10 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     from specheads.infer.bench import KNOWN_METHODS
 
-    unknown = [n for n in names if n not in KNOWN_METHODS]
+    unknown = [n for n in names if n not in KNOWN_METHODS and not n.startswith("head:")]
     if unknown:  # checked before the target loads
         raise SpecheadsError(f"--methods: unknown method(s) {unknown}; choose from {list(KNOWN_METHODS)}")
-    if "head" in names and not args.head:
+    if any(n == "head" or n.startswith("head:") for n in names) and not args.head:
         raise SpecheadsError("--methods head: needs --head DIR (a head folder written by `specheads train`)")
     if "draft-model" in names and not args.draft_model:
         raise SpecheadsError("--methods draft-model: needs --draft-model NAME (or truncated:N)")

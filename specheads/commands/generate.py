@@ -27,6 +27,8 @@ def add_arguments(p) -> None:
                    help="Medusa: 'chain:K' or JSON rank paths; EAGLE: 'depth,top_k,total_tokens' (default 5,8,48); "
                         "draft-model / prompt-lookup: tokens per step; 'auto' (with --head): the size and depth "
                         "that pay on this machine (cached cost profile + a short acceptance probe, as bench does)")
+    p.add_argument("--lookup", type=int, default=0, metavar="N",
+                   help="with --head, greedy: also merge a prompt-lookup chain of up to N tokens into the tree")
     p.add_argument("--draft-layers", type=int, default=4, help="draft-model: target layers kept in the draft copy")
     p.add_argument("--draft-target", default=None, help="draft-model: a separate small model with the same vocabulary")
     p.add_argument("--typical-acceptance", action="store_true",
@@ -95,6 +97,12 @@ def run(args) -> int:
     drafter = load_drafter(args.drafter or "prompt-lookup", target, head_dir=args.head, **drafter_kwargs(args))
     if args.tree == "auto":
         drafter = auto_tree(target, drafter)
+    if args.lookup > 0:
+        if not args.head:
+            raise SpecheadsError("--lookup: merges prompt lookup into a head's tree; needs --head DIR")
+        from specheads.infer.drafters import LookupMergedDrafter
+
+        drafter = LookupMergedDrafter(drafter, num_tokens=args.lookup)
     verification = "typical-lossy" if args.typical_acceptance else "auto"
     streamer = None
     if not args.json:

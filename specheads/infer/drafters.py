@@ -303,6 +303,34 @@ class EagleDrafter(Drafter):
         return tree
 
 
+class LookupMergedDrafter(Drafter):
+    """A drafter's tree plus prompt lookup's chain, merged as a trie (tree.merge_trees): the head covers what is
+    predictable from meaning, lookup covers spans copied from the context (code, quotes, lists) that heads rarely
+    draft deep. Greedy only: with sampling (or a tree carrying its own q) the inner tree goes out alone.
+    Both drafters observe every step; neither depends on which nodes the other proposed."""
+
+    def __init__(self, inner: Drafter, num_tokens: int = 4, max_ngram: int = 3):
+        self.inner = inner
+        self.lookup = PromptLookupDrafter(num_tokens=num_tokens, max_ngram=max_ngram)
+        self.feature_layers = inner.feature_layers
+        self.name = f"{inner.name}+lookup"
+
+    def reset(self, prompt_ids, features) -> None:
+        self.inner.reset(prompt_ids, features)
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        from specheads.infer.tree import merge_trees
+
+        tree = self.inner.propose(ctx)
+        if ctx.sampling.temperature > 0 or tree.q is not None:
+            return tree
+        extra = self.lookup.propose(ctx)
+        return merge_trees(tree, extra) if len(extra) > 1 else tree
+
+    def observe(self, tree, accepted, features) -> None:
+        self.inner.observe(tree, accepted, features)
+
+
 def load_drafter(kind: str, target, head_dir: str | None = None, **kw) -> Drafter:
     """Build a drafter from a CLI-style description: 'plain', 'prompt-lookup', 'draft-model', or a head folder."""
     from specheads.utils import SpecheadsError

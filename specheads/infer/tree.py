@@ -115,6 +115,28 @@ def chain_tree(root: int, tokens: Sequence[int], q: torch.Tensor | None = None) 
                      torch.arange(n), q)
 
 
+def merge_trees(a: DraftTree, b: DraftTree) -> DraftTree:
+    """Union of two deterministic trees over the same root, as a trie: a's nodes keep their indices, b's nodes
+    that a lacks (same token under the same parent) are appended in b's order. q must be None on both (mixing
+    sampled and point-mass proposals per node would need their mixture as q)."""
+    if a.q is not None or b.q is not None:
+        raise ValueError("merge_trees: only deterministic trees (q None) can be merged")
+    if int(a.tokens[0]) != int(b.tokens[0]):
+        raise ValueError("merge_trees: the trees have different roots")
+    toks, pars, deps = a.tokens.tolist(), a.parents.tolist(), a.depth.tolist()
+    index = {(p, t): i for i, (p, t) in enumerate(zip(pars, toks)) if i > 0}  # (parent, token) -> node
+    where = [0]  # b's node j -> merged node
+    for j in range(1, len(b)):
+        key = (where[int(b.parents[j])], int(b.tokens[j]))
+        if key not in index:
+            index[key] = len(toks)
+            toks.append(key[1])
+            pars.append(key[0])
+            deps.append(deps[key[0]] + 1)
+        where.append(index[key])
+    return DraftTree(torch.tensor(toks), torch.tensor(pars), torch.tensor(deps))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Static trees (Medusa "choices"): a choice is a path of per-head top-k ranks, e.g. [0, 1] = head 0's top-1 token,
 # then head 1's top-2 token under it.

@@ -48,6 +48,8 @@ class FeatureConfig:
     layers: list[int] | None = None  # None = what the head kind needs (see docs/architecture.md)
     shard_tokens: int = 262144  # tokens per shard (about 300 MB at hidden 576 bf16 and 1 layer)
     batch_tokens: int = 8192  # tokens per target forward during extraction (padded B*T)
+    dir: str | None = None  # offline features folder; None = <output_dir>/features. Another recipe's folder shares
+    # one extraction between heads: every folder stores layer L, all Medusa / EAGLE-1 read (EAGLE-3's also has 3 more)
 
     def __post_init__(self):
         if self.mode not in ("offline", "online"):
@@ -402,3 +404,36 @@ def collate(samples: Sequence[dict]) -> dict:
             hid[b, : len(ids[b])] = s["hidden"]
         out["hidden"] = hid
     return out
+
+
+def check_shared_features(folder: str | os.PathLike, target, layers: Sequence[int]) -> dict:
+    """`features.dir` set to another recipe's folder: it must be complete, hold `layers` and come from this target.
+    Returns its manifest."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).exists():
+        raise SpecheadsError(f"features.dir {folder}: no {MANIFEST}; run `specheads prepare` on the recipe that "
+                             f"writes it first")
+    m = _read_manifest(folder)
+    if not m.get("complete"):
+        raise SpecheadsError(f"features.dir {folder}: incomplete ({len(m['shards'])}/{m['planned_shards']} shards); "
+                             f"finish the `specheads prepare` that writes it")
+    missing = [i for i in layers if i not in m["layers"]]
+    if missing:
+        raise SpecheadsError(f"features.dir {folder}: holds layers {m['layers']}, this head needs {list(layers)} "
+                             f"(missing {missing})")
+    if m.get("fingerprint") != target.fingerprint():
+        raise SpecheadsError(f"features.dir {folder}: extracted from target {m.get('target')!r}, not from "
+                             f"{target.name!r} (fingerprints differ)")
+    return m
+
+
+def masked_token_counts(ds: "FeatureDataset", vocab_size: int) -> torch.Tensor:
+    """[V] counts of loss-masked tokens in offline features (ids and masks only; hidden states are not read)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for si, j, _ in ds.index:
+        h = ds._handle(si)
+        a, b = ds._offsets[si][j], ds._offsets[si][j + 1]
+        ids = h.get_slice("input_ids")[a:b].long()
+        lm = h.get_slice("loss_mask")[a:b].bool()
+        counts += torch.bincount(ids[lm], minlength=vocab_size)
+    return counts

@@ -37,6 +37,36 @@ def feature_layers_for(recipe, num_layers: int) -> list[int]:
     return resolve_layers(num_layers, layers, recipe.head.kind)
 
 
+def features_dir(recipe) -> Path:
+    """Where the offline features are: features.dir, or <output_dir>/features."""
+    return Path(recipe.features.dir) if recipe.features.dir else Path(recipe.output_dir) / "features"
+
+
+def _prepare_shared(recipe, target=None) -> dict:
+    """features.dir names another recipe's finished features: check them, extract nothing (data is theirs)."""
+    from specheads.config import save_config
+    from specheads.target import load_target
+    from specheads.train.features import check_shared_features
+
+    out = Path(recipe.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(recipe, out / "prepare_config.yaml")
+    if target is None:
+        target = load_target(recipe.target.name, dtype=recipe.target.dtype,
+                             trust_remote_code=recipe.target.trust_remote_code)
+    layers = feature_layers_for(recipe, target.num_layers)
+    m = check_shared_features(recipe.features.dir, target, layers)
+    log.info("features: reusing %s (layers %s; this head reads %s); data.* is that recipe's", recipe.features.dir,
+             m["layers"], layers)
+    summary = {"output_dir": str(out), "target": target.name, "feature_mode": "offline",
+               "features_dir": str(recipe.features.dir), "feature_layers": layers, "shared_layers": m["layers"],
+               "shards": len(m["shards"]), "features_complete": True, "features_bytes": m.get("bytes", 0),
+               "samples": m.get("num_samples"), "tokens": m.get("num_tokens"),
+               "masked_tokens": m.get("num_masked_tokens")}
+    atomic_write_json(out / "prepare_summary.json", summary)
+    return summary
+
+
 def prepare(recipe, target=None, progress: bool = True, after_shard=None) -> dict:
     """Run the whole preparation for a Recipe; returns the summary (also written to prepare_summary.json)."""
     import datasets
@@ -50,8 +80,10 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None) -> dic
     if not progress:
         datasets.disable_progress_bars()
     out = Path(recipe.output_dir)
-    data_dir, feat_dir = out / "data", out / "features"
+    data_dir, feat_dir = out / "data", features_dir(recipe)
     dc = recipe.data
+    if recipe.features.dir and recipe.features.mode == "offline":
+        return _prepare_shared(recipe, target)
     if dc.max_length < 2:
         raise SpecheadsError(f"data.max_length: must be at least 2, got {dc.max_length}")
     if dc.max_conversations is not None and dc.max_conversations < 1:
@@ -92,9 +124,14 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None) -> dic
 
         t = time.perf_counter()
         regen_path = data_dir / "regenerated.jsonl"
-        rstats = regenerate(target, convs, regen_path, max_length=max_length, max_new_tokens=dc.regen_max_new_tokens,
+        gen_target = target
+        if dc.regen_dtype and dc.regen_dtype != recipe.target.dtype:
+            gen_target = load_target(recipe.target.name, dtype=dc.regen_dtype,
+                                     trust_remote_code=recipe.target.trust_remote_code)
+        rstats = regenerate(gen_target, convs, regen_path, max_length=max_length, max_new_tokens=dc.regen_max_new_tokens,
                             batch_size=dc.regen_batch_size, temperature=dc.regen_temperature, top_p=dc.regen_top_p,
-                            seed=recipe.seed, progress=progress)
+                            seed=recipe.seed, progress=progress, max_turns=dc.regen_max_turns)
+        del gen_target
         wanted = set(convs["conversation_id"])
         regen, _ = load_conversations(str(regen_path))
         convs = regen.filter(lambda c: c in wanted, input_columns="conversation_id", desc="select regenerated")
@@ -141,6 +178,12 @@ def _human_bytes(n: int) -> str:
 
 
 def format_summary(s: dict) -> str:
+    if "features_dir" in s:  # features.dir: another recipe's extraction, nothing prepared here
+        rows = [("features", f"shared from {s['features_dir']}"), ("samples", s["samples"]), ("tokens", s["tokens"]),
+                ("feature layers", f"{s['feature_layers']} of {s['shared_layers']}"), ("output", s["output_dir"])]
+        w = max(len(k) for k, _ in rows)
+        line = "-" * (w + 2 + max(len(str(v)) for _, v in rows))
+        return "\n".join([line] + [f"{k:<{w}}  {v}" for k, v in rows] + [line])
     rows = [("conversations read", s["conversations_read"]),
             ("conversations skipped", f"{s['conversations_skipped']} {s.get('skip_reasons') or ''}".strip()),
             ("source tail cut", "yes" if s.get("source_tail_cut") else "no")]

@@ -130,9 +130,11 @@ def _drop_partial_tail(path: Path) -> None:
 
 def regenerate(target, conversations, out_path: str | os.PathLike, max_length: int = 2048,
                max_new_tokens: int = 512, batch_size: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int = 0, progress: bool = True) -> dict:
+               seed: int = 0, progress: bool = True, max_turns: int | None = None) -> dict:
     """Regenerate every conversation's assistant turns into `out_path` (JSONL); resumable by conversation id.
-    `conversations`: Dataset/list with conversation_id and messages. Returns stats (tokens generated, tokens/s)."""
+    `conversations`: Dataset/list with conversation_id and messages. `max_turns`: keep only the first N exchanges
+    (1 = single-turn samples: one full batch round per chunk instead of several shrinking ones).
+    Returns stats (tokens generated, tokens/s)."""
     from tqdm.auto import tqdm
 
     tok = target.tokenizer
@@ -172,6 +174,11 @@ def regenerate(target, conversations, out_path: str | os.PathLike, max_length: i
                         hist[j].append(dict(msgs[cursor[j]]))
                         cursor[j] += 1
                     if cursor[j] >= len(msgs):
+                        continue
+                    if max_turns is not None and sum(m["role"] == "assistant" for m in hist[j]) >= max_turns:
+                        while hist[j] and hist[j][-1]["role"] != "assistant":  # drop the unanswered prompt
+                            hist[j].pop()
+                        cursor[j] = len(msgs)
                         continue
                     p = tok.apply_chat_template(hist[j], tokenize=False, add_generation_prompt=True)
                     ids = tok(p, add_special_tokens=False)["input_ids"]

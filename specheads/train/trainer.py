@@ -418,9 +418,16 @@ class Trainer:
                     done = True
                     break
         bar.close()
+        train_s = time.perf_counter() - t0 - eval_s
         record_eval(run_eval())
         self._save(step, best, best_step, history)
         self._export(out / "final")
+        if acc.is_main_process:  # what this run did (a resumed run counts its own part), for reports
+            atomic_write_json(out / "train_summary.json", {
+                "kind": self.kind, "steps": step, "epochs": cfg.epochs, "train_seconds": round(train_s, 1),
+                "eval_seconds": round(eval_s, 1), "tokens_this_run": tokens,
+                "tokens_per_s": round(tokens / max(1e-9, train_s), 1), "last_loss": last_loss,
+                "best_metric": best, "best_step": best_step, "select": ecfg.select, "history": history})
         if cfg.lora and cfg.lora_merge and acc.is_main_process:
             from specheads.train.lora import save_merged_target
 
@@ -546,9 +553,11 @@ def load_training_data(recipe, target):
     from specheads.train.features import FeatureDataset, collate, extract_features
     from specheads.train.prepare import feature_layers_for
 
+    from specheads.train.prepare import features_dir
+
     out = Path(recipe.output_dir)
     if recipe.features.mode == "offline":
-        folder = out / "features"
+        folder = features_dir(recipe)
         if not (folder / "manifest.json").exists():
             raise SpecheadsError(f"{folder}: no offline features; run `specheads prepare --config <recipe>` first "
                                  f"(or set features.mode=online)")
@@ -582,12 +591,13 @@ def run_training(recipe, resume: bool = False, target=None) -> TrainResult:
                              trust_remote_code=recipe.target.trust_remote_code)
     train_ds, val_ds, collate_fn, layers, extract_fn = load_training_data(recipe, target)
     counts = None
-    if recipe.head.draft_vocab_size:
-        import datasets
+    if recipe.head.draft_vocab_size:  # chosen from the training split's assistant tokens (held-out rows excluded)
+        from specheads.train.features import FeatureDataset, masked_token_counts
 
-        tok_dir = Path(recipe.output_dir) / "data" / "tokens"
-        if tok_dir.exists():
-            counts = assistant_token_counts(datasets.load_from_disk(str(tok_dir)), target.vocab_size)
+        if isinstance(train_ds, FeatureDataset):
+            counts = masked_token_counts(train_ds, target.vocab_size)
+        else:
+            counts = assistant_token_counts(train_ds.ds, target.vocab_size)
     set_seed(recipe.seed)  # the same initial head on every process
     head = build_head(recipe.head, target, token_counts=counts)
     trainer = Trainer(recipe, target, head, train_ds, val_ds, collate_fn=collate_fn, layers=layers,
