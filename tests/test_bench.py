@@ -306,10 +306,12 @@ def test_head_lookup_merges_prompt_lookup_and_names_the_method(tiny, tmp_path):
 
     tiny.tokenizer = ByteTok()
     build_head(HeadSpec(kind="eagle"), tiny).save_pretrained(tmp_path / "head")
-    args = SimpleNamespace(temperature=0.0, head=str(tmp_path / "head"), draft_model=None, tree="4,2,2",
+    args = SimpleNamespace(temperature=0.0, head=str(tmp_path / "head"), draft_model=None, tree="2,2,4",
                            refresh_profile=False, head_lookup=3)
     methods, extra = build_methods(["head"], tiny, args)
     assert [m.name for m in methods] == ["vanilla", "head+lookup"]
+    t = extra["tree"]
+    assert (t["depth"], t["top_k"], t["total_tokens"]) == (2, 2, 4)  # DEPTH,TOP_K,TOTAL as in specheads generate
     assert extra["methods_info"]["head+lookup"]["lookup_tokens"] == 3 and "prompt-lookup" in extra["tree"]["summary"]
     prompts = [BenchPrompt(id="0", category="a", turns=["abcabcabcabc"], chat=False)]
     res = run_bench(prompts, methods, BenchSettings("tiny", "x", "float32", max_new_tokens=12, warmup_tokens=2),

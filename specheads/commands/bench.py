@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "bfloat16", "float32"],
                    help="target dtype (default bf16; use fp32 for the identical-output check)")
     p.add_argument("--tree", default="auto",
-                   help="auto (profile this machine, choose size/depth; default) or TOTAL,DEPTH,TOPK e.g. 16,4,4")
+                   help="auto (profile this machine, choose size/depth; default) or, for EAGLE heads, DEPTH,TOP_K,TOTAL as in `specheads generate` (e.g. 4,4,16), or Medusa rank paths / chain:K")
     p.add_argument("--head-lookup", type=int, default=0, metavar="N",
                    help="greedy: merge a prompt-lookup chain of up to N tokens into each head's tree (methods named "
                         "...+lookup; default 0 = off)")

@@ -655,9 +655,9 @@ def build_head_method(target, args, calib_ids: list[list[int]], head_dir: str | 
             drafter = EagleDrafter(head, depth=choice.depth, top_k=choice.top_k, total_tokens=choice.total_tokens)
     elif kind == "eagle" and spec.count(",") == 2:
         try:
-            total, depth, top_k = (int(x) for x in spec.split(","))
+            depth, top_k, total = (int(x) for x in spec.split(","))  # the order `specheads generate --tree` takes
         except ValueError:
-            raise SpecheadsError(f"--tree {spec!r}: expected auto or TOTAL,DEPTH,TOPK integers") from None
+            raise SpecheadsError(f"--tree {spec!r}: expected auto or DEPTH,TOP_K,TOTAL integers (as specheads generate)") from None
         drafter = EagleDrafter(head, depth=depth, top_k=top_k, total_tokens=total)
         tree.update(total_tokens=total, depth=depth, top_k=top_k, reason="given with --tree",
                     summary=f"EAGLE-2 dynamic tree, {total} nodes, depth {depth}, top-k {top_k} (given)")
