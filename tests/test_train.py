@@ -127,10 +127,12 @@ def test_train_config_rejects_bad_values(tmp_path):
         make_recipe(tmp_path, "train.learning_rate=1")
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
-def test_other_kinds_train_and_evaluate(tiny, tmp_path, kind):
+@pytest.mark.parametrize("case", ["eagle", "eagle-draft-vocab", "eagle3", "medusa"])
+def test_other_kinds_train_and_evaluate(tiny, tmp_path, case):
+    kind = case.split("-")[0]
     extra = {"eagle3": ["head.draft_vocab_size=64", "head.ttt_steps=2"], "eagle": ["eval.eagle_steps=2"],
-             "medusa": ["head.draft_vocab_size=64"]}[kind]  # Medusa over a draft vocab: labels mapped / masked
+             "eagle-draft-vocab": ["eval.eagle_steps=2", "head.draft_vocab_size=64"],  # CE over the draft vocab
+             "medusa": ["head.draft_vocab_size=64"]}[case]  # Medusa over a draft vocab: labels mapped / masked
     recipe = make_recipe(tmp_path, f"head.kind={kind}", "train.max_steps=2", "eval.at_start=false", *extra)
     head = make_head(recipe, tiny)
     before = state(head)

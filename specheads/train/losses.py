@@ -98,17 +98,25 @@ def medusa_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.
 
 def eagle_loss(pred_hidden: torch.Tensor, logits: torch.Tensor, target_hidden: torch.Tensor,
                target_logits: torch.Tensor, loss_mask: torch.Tensor, w_reg: float = EAGLE_W_REG,
-               w_ce: float = EAGLE_W_CE) -> LossOutput:
+               w_ce: float = EAGLE_W_CE, d2t: torch.Tensor | None = None) -> LossOutput:
     """EAGLE-1: w_reg SmoothL1(f̂_{t+1}, f_{t+1}) + w_ce soft-CE(draft, target) for token t+2.
 
-    pred_hidden [B,T,D] (row t predicts f_{t+1}), logits [B,T,V] (row t predicts x_{t+2}),
+    pred_hidden [B,T,D] (row t predicts f_{t+1}), logits [B,T,V'] (row t predicts x_{t+2}),
     target_hidden [B,T,D] = the stored layer-L states, target_logits [B,T,V] = lm_head(target_hidden).
+    With a draft vocabulary (d2t [V']) the CE term is taken as in EAGLE-3: the target's logits restricted to the
+    draft vocabulary, rows whose target argmax lies outside it left out; the regression term keeps every row.
     """
     m = step_mask(loss_mask, 0)
     tgt_h = shift_rows(target_hidden, 1)[m].float()  # [N,D]
     reg = _mean(F.smooth_l1_loss(pred_hidden[m].float(), tgt_h, reduction="none").mean(-1))
     tl = shift_rows(target_logits, 1)[m]  # [N,V]
     lk = logits[m]
+    if d2t is not None:
+        d2t = d2t.to(tl.device)
+        in_draft = torch.zeros(tl.shape[-1], dtype=torch.bool, device=tl.device)
+        in_draft[d2t] = True
+        keep = in_draft[tl.argmax(-1)]  # [N]
+        tl, lk = tl[keep][:, d2t], lk[keep]  # [N',V']
     ce = _mean(soft_ce(lk, tl))
     metrics = {"reg": float(reg.detach()), "ce_0": float(ce.detach())}
     if lk.shape[0]:

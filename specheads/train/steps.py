@@ -71,7 +71,8 @@ def train_loss(kind: str, head, batch: dict, target, layers: list[int], head_lay
     next_tokens = shift_rows(ids, 1)  # row t pairs f_t with x_{t+1}
     if kind == "eagle":
         pred, logits = head(feats, next_tokens, amask)
-        return eagle_loss(pred, logits, h_last, tl, lmask, w_reg=settings.w_reg, w_ce=settings.w_ce)
+        return eagle_loss(pred, logits, h_last, tl, lmask, w_reg=settings.w_reg, w_ce=settings.w_ce,
+                          d2t=_d2t(_unwrap(head)))
     if kind == "eagle3":
         steps = head(feats, next_tokens, amask)  # list of [B,T,V'], step i row t predicts x_{t+2+i}
         return eagle3_loss(list(steps), tl, lmask, _d2t(_unwrap(head)), decay=settings.decay)
