@@ -200,6 +200,14 @@ def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype = "
     return Target(model=model, tokenizer=tok, name=name_or_path)
 
 
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` through the tokenizer's chat template, ending with the assistant generation prompt.
+    The one prompt encoder: `generate`, `bench` and regeneration all call it (render text, then tokenise without
+    adding special tokens again: the template already holds them)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
 def tiny_target(vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 4, seed: int = 0,
                 dtype: torch.dtype = torch.float32, tokenizer: Any = None, **overrides) -> Target:
     """A random-weight Llama target for fast tests (no download). B batch, T sequence, D hidden=64, V vocab=256."""

@@ -64,10 +64,9 @@ def encode_prompt(target, input_ids=None, messages=None, prompt: str | None = No
         if tok is None:
             raise SpecheadsError(f"target {target.name}: has no tokenizer; pass input_ids")
         if messages is not None:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-            if hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            ids = list(ids)
+            from specheads.target import chat_prompt_ids
+
+            ids = chat_prompt_ids(tok, messages)
         else:
             ids = tok(prompt, add_special_tokens=True)["input_ids"]
     if not ids:

@@ -137,5 +137,6 @@ def encode_turn(tokenizer, prompt: BenchPrompt, turn: int, answers: list[str]) -
     for t in range(turn):
         messages += [{"role": "user", "content": prompt.turns[t]}, {"role": "assistant", "content": answers[t]}]
     messages.append({"role": "user", "content": prompt.turns[turn]})
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    from specheads.target import chat_prompt_ids
+
+    return chat_prompt_ids(tokenizer, messages)

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
+from specheads.target import chat_prompt_ids
 from specheads.utils import SpecheadsError
 
 log = logging.getLogger(__name__)
@@ -180,8 +181,7 @@ def regenerate(target, conversations, out_path: str | os.PathLike, max_length: i
                             hist[j].pop()
                         cursor[j] = len(msgs)
                         continue
-                    p = tok.apply_chat_template(hist[j], tokenize=False, add_generation_prompt=True)
-                    ids = tok(p, add_special_tokens=False)["input_ids"]
+                    ids = chat_prompt_ids(tok, hist[j])
                     room = min(max_new_tokens, max_length - len(ids))
                     if room <= 0:  # the prompt alone fills max_length: later turns would be cut anyway
                         cursor[j] = len(msgs)
