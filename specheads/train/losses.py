@@ -96,6 +96,13 @@ def medusa_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.
     return LossOutput(total, metrics)
 
 
+def in_draft_vocab(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[V] bool: True for the target ids in the draft vocabulary d2t [V']."""
+    m = torch.zeros(vocab_size, dtype=torch.bool, device=d2t.device)
+    m[d2t] = True
+    return m
+
+
 def eagle_loss(pred_hidden: torch.Tensor, logits: torch.Tensor, target_hidden: torch.Tensor,
                target_logits: torch.Tensor, loss_mask: torch.Tensor, w_reg: float = EAGLE_W_REG,
                w_ce: float = EAGLE_W_CE, d2t: torch.Tensor | None = None) -> LossOutput:
@@ -113,9 +120,7 @@ def eagle_loss(pred_hidden: torch.Tensor, logits: torch.Tensor, target_hidden: t
     lk = logits[m]
     if d2t is not None:
         d2t = d2t.to(tl.device)
-        in_draft = torch.zeros(tl.shape[-1], dtype=torch.bool, device=tl.device)
-        in_draft[d2t] = True
-        keep = in_draft[tl.argmax(-1)]  # [N]
+        keep = in_draft_vocab(d2t, tl.shape[-1])[tl.argmax(-1)]  # [N]
         tl, lk = tl[keep][:, d2t], lk[keep]  # [N',V']
     ce = _mean(soft_ce(lk, tl))
     metrics = {"reg": float(reg.detach()), "ce_0": float(ce.detach())}
@@ -137,9 +142,7 @@ def eagle3_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, lo
     ok = torch.ones(target_logits.shape[:2], dtype=torch.bool, device=target_logits.device)  # [B,T]
     if d2t is not None:
         d2t = d2t.to(target_logits.device)
-        in_draft = torch.zeros(V, dtype=torch.bool, device=target_logits.device)
-        in_draft[d2t] = True
-        ok = in_draft[target_logits.argmax(-1)]  # row j: the target's token j+1 lies in the draft vocab
+        ok = in_draft_vocab(d2t, V)[target_logits.argmax(-1)]  # row j: the target's token j+1 lies in the draft vocab
         target_logits = target_logits[..., d2t]  # [B,T,V'], sliced once for all steps
     total = target_logits.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}

@@ -179,11 +179,9 @@ def _human_bytes(n: int) -> str:
 
 def format_summary(s: dict) -> str:
     if "features_dir" in s:  # features.dir: another recipe's extraction, nothing prepared here
-        rows = [("features", f"shared from {s['features_dir']}"), ("samples", s["samples"]), ("tokens", s["tokens"]),
-                ("feature layers", f"{s['feature_layers']} of {s['shared_layers']}"), ("output", s["output_dir"])]
-        w = max(len(k) for k, _ in rows)
-        line = "-" * (w + 2 + max(len(str(v)) for _, v in rows))
-        return "\n".join([line] + [f"{k:<{w}}  {v}" for k, v in rows] + [line])
+        return _box([("features", f"shared from {s['features_dir']}"), ("samples", s["samples"]),
+                     ("tokens", s["tokens"]), ("feature layers", f"{s['feature_layers']} of {s['shared_layers']}"),
+                     ("output", s["output_dir"])])
     rows = [("conversations read", s["conversations_read"]),
             ("conversations skipped", f"{s['conversations_skipped']} {s.get('skip_reasons') or ''}".strip()),
             ("source tail cut", "yes" if s.get("source_tail_cut") else "no")]
@@ -198,6 +196,11 @@ def format_summary(s: dict) -> str:
         rows.append(("shards", f"{s['shards']}{'' if s['features_complete'] else ' (incomplete)'}"))
     rows += [("disk used", _human_bytes(s["disk_bytes"])), ("wall time", f"{s['timings']['total_s']:.1f} s"),
              ("output", s["output_dir"])]
+    return _box(rows)
+
+
+def _box(rows: list[tuple[str, object]]) -> str:
+    """Two aligned columns between dashed lines."""
     w = max(len(k) for k, _ in rows)
     line = "-" * (w + 2 + max(len(str(v)) for _, v in rows))
     return "\n".join([line] + [f"{k:<{w}}  {v}" for k, v in rows] + [line])
