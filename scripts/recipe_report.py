@@ -75,18 +75,14 @@ def main(argv: list[str]) -> int:
     (a.out / "recipes.md").write_text(md + "\n")
     print(md)
     if a.readme:
-        start, end = "<!-- results:recipes:start -->", "<!-- results:recipes:end -->"
-        readme = Path("README.md")
-        text = readme.read_text()
-        if start not in text or end not in text:
-            print(f"README.md has no {start} / {end} markers", file=sys.stderr)
-            return 2
-        head, rest = text.split(start, 1)
-        _, tail = rest.split(end, 1)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from update_readme_results import replace_block
+
         cmd = "python scripts/recipe_report.py " + " ".join(str(r) for r in a.runs) + f" --out {a.out} --readme"
-        readme.write_text(f"{head}{start}\n\nProduced by `{cmd}` from each run's prepare_summary.json and "
-                          f"train_summary.json (simulated τ on the held-out split, at the first and last "
-                          f"evaluation).\n\n{md}\n\n{end}{tail}")
+        body = (f"\nProduced by `{cmd}` from each run's prepare_summary.json and train_summary.json (simulated τ on "
+                f"the held-out split, at the first and last evaluation).\n\n{md}\n")
+        if not replace_block("recipes", body):
+            return 2
     return 0
 
 

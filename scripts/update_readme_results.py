@@ -41,16 +41,23 @@ def main(argv: list[str]) -> int:
     for png in res.get("plots", []):
         block.append(f"![{Path(png).stem}]({docs / Path(png).name})")
     block.append(END)
-    readme = Path("README.md")
-    text = readme.read_text()
-    if START not in text or END not in text:
-        print(f"README.md has no {START} / {END} markers", file=sys.stderr)
+    if not replace_block(docs.name, "\n".join(block[1:-1])):
         return 2
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    readme.write_text(head + "\n".join(block) + tail)
     print(f"README.md: results section replaced from {out}")
     return 0
+
+
+def replace_block(name: str, body: str, readme: Path = Path("README.md")) -> bool:
+    """Put `body` between README's `<!-- results:NAME:start -->` and `<!-- results:NAME:end -->` markers."""
+    start, end = f"<!-- results:{name}:start -->", f"<!-- results:{name}:end -->"
+    text = readme.read_text()
+    if start not in text or end not in text:
+        print(f"{readme} has no {start} / {end} markers", file=sys.stderr)
+        return False
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{start}\n{body}\n{end}{tail}")
+    return True
 
 
 if __name__ == "__main__":
