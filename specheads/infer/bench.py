@@ -616,13 +616,12 @@ def head_entries(spec) -> dict[str, str]:
 
 
 def _kind_from_folder(path: str) -> str:
-    import json
+    from specheads.heads.base import read_head_config
 
-    cfg = Path(path) / "config.json"
     try:
-        return str(json.loads(cfg.read_text())["kind"])
-    except (OSError, ValueError, KeyError, TypeError):
-        raise SpecheadsError(f"--head {path}: no readable head config ({cfg}); give it as LABEL=DIR") from None
+        return str(read_head_config(Path(path)).kind)
+    except SpecheadsError as e:
+        raise SpecheadsError(f"--head {path}: no readable head config ({e}); give it as LABEL=DIR") from None
 
 
 def _head_kind(head) -> str:
