@@ -4,6 +4,10 @@
     .venv/bin/python scripts/eval_head_on_prompts.py --head runs/eagle3-smollm2/best [--dataset mt-bench]
         [--limit 8] [--max-new-tokens 64] [--dtype bf16]
 
+--dataset: mt-bench, humaneval, a JSONL file (as `specheads bench`), or sharegpt:START = first user turns of the
+packaged ShareGPT conversations from index START on (the recipes train on the first `data.max_conversations`, so a
+START past that gives unseen prompts of the training distribution).
+
 The target answers each prompt greedily (HF generate); the head is then scored exactly as `specheads train`
 scores it on its held-out split (specheads.train.evaluate: per-step top-1/top-5, simulated τ chain and tree).
 Comparing the two numbers separates a data shift (held-out ShareGPT vs the benchmark's prompts) from an
@@ -18,6 +22,22 @@ import json
 import torch
 
 
+def sharegpt_prompts(start: int, limit: int):
+    """First user turns (20-1500 characters) of ShareGPT conversations start, start+1, ... as chat prompts."""
+    from specheads.infer.prompts import BenchPrompt
+    from specheads.train.data import load_conversations
+
+    convs, _ = load_conversations("sharegpt", start + 20 * limit)
+    out = []
+    for i in range(start, len(convs)):
+        users = [m["content"] for m in convs[i]["messages"] if m["role"] == "user"]
+        if users and 20 < len(users[0]) < 1500:
+            out.append(BenchPrompt(id=str(i), category="sharegpt", turns=[users[0]], chat=True))
+        if len(out) == limit:
+            break
+    return out
+
+
 def main() -> int:
     from specheads.heads.base import load_head
     from specheads.infer.prompts import encode_turn, load_prompts
@@ -28,7 +48,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--head", required=True)
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--dataset", default="mt-bench")
+    ap.add_argument("--dataset", default="mt-bench", help="mt-bench | humaneval | FILE.jsonl | sharegpt:START")
     ap.add_argument("--limit", type=int, default=8, help="prompts (MT-bench: categories interleaved)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
@@ -41,7 +61,8 @@ def main() -> int:
     kind = head.config.kind
     layers = resolve_layers(target.num_layers, head.config.feature_layers, kind)
     batches = []
-    for p in load_prompts(a.dataset, a.limit, False):
+    for p in (sharegpt_prompts(int(a.dataset.split(":", 1)[1]), a.limit) if a.dataset.startswith("sharegpt:")
+              else load_prompts(a.dataset, a.limit, False)):
         ids = encode_turn(target.tokenizer, p, 0, [])
         with torch.no_grad():
             out = target.model.generate(torch.tensor([ids]), max_new_tokens=a.max_new_tokens, do_sample=False)[0]

@@ -308,12 +308,21 @@ def test_head_lookup_merges_prompt_lookup_and_names_the_method(tiny, tmp_path):
     build_head(HeadSpec(kind="eagle"), tiny).save_pretrained(tmp_path / "head")
     args = SimpleNamespace(temperature=0.0, head=str(tmp_path / "head"), draft_model=None, tree="2,2,4",
                            refresh_profile=False, head_lookup=3)
-    methods, extra = build_methods(["head"], tiny, args)
-    assert [m.name for m in methods] == ["vanilla", "head+lookup"]
+    methods, extra = build_methods(["head", "head+lookup"], tiny, args)
+    assert [m.name for m in methods] == ["vanilla", "head", "head+lookup"]  # plain and merged side by side
     t = extra["tree"]
     assert (t["depth"], t["top_k"], t["total_tokens"]) == (2, 2, 4)  # DEPTH,TOP_K,TOTAL as in specheads generate
-    assert extra["methods_info"]["head+lookup"]["lookup_tokens"] == 3 and "prompt-lookup" in extra["tree"]["summary"]
+    assert extra["methods_info"]["head+lookup"]["lookup_tokens"] == 3
+    assert "prompt-lookup" in extra["trees"]["head+lookup"]["summary"] and "lookup" not in extra["trees"]["head"]["summary"]
     prompts = [BenchPrompt(id="0", category="a", turns=["abcabcabcabc"], chat=False)]
     res = run_bench(prompts, methods, BenchSettings("tiny", "x", "float32", max_new_tokens=12, warmup_tokens=2),
                     tiny.tokenizer, out_dir=tmp_path / "out", extra=extra, progress=False)
     assert res["methods"]["head+lookup"]["overall"]["identical"] == 1.0
+    assert res["methods"]["head"]["overall"]["identical"] == 1.0
+    assert "lookup_tokens" not in extra["methods_info"]["head"]
+    with pytest.raises(SpecheadsError, match="--methods head:nope\\+lookup: no such head"):
+        build_methods(["head:nope+lookup"], tiny, args)
+    with pytest.raises(SpecheadsError, match="greedy only"):
+        build_methods(["head+lookup"], tiny, SimpleNamespace(**{**vars(args), "temperature": 0.7}))
+    with pytest.raises(SpecheadsError, match="--head-lookup 0"):
+        build_methods(["head+lookup"], tiny, SimpleNamespace(**{**vars(args), "head_lookup": 0}))

@@ -18,7 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-tokens", type=int, default=4, help="draft-model: chain length per step (default 4 tokens)")
     p.add_argument("--dataset", default="mt-bench", help="mt-bench | humaneval | FILE.jsonl (\"prompt\" or \"turns\" per line)")
     p.add_argument("--methods", default=None,
-                   help="comma-separated: vanilla,prompt-lookup,head,draft-model,plain,prompt-lookup-ours "
+                   help="comma-separated: vanilla,prompt-lookup,head,draft-model,plain,prompt-lookup-ours; "
+                        "head:LABEL picks one --head; +lookup after a head method (head+lookup, head:LABEL+lookup) "
+                        "merges a prompt-lookup chain into its tree, greedy only "
                         "(default: vanilla,prompt-lookup plus head / draft-model when given)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; outputs checked against vanilla)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per turn (default 256)")
@@ -29,9 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="target dtype (default bf16; use fp32 for the identical-output check)")
     p.add_argument("--tree", default="auto",
                    help="auto (profile this machine, choose size/depth; default) or, for EAGLE heads, DEPTH,TOP_K,TOTAL as in `specheads generate` (e.g. 4,4,16), or Medusa rank paths / chain:K")
-    p.add_argument("--head-lookup", type=int, default=0, metavar="N",
-                   help="greedy: merge a prompt-lookup chain of up to N tokens into each head's tree (methods named "
-                        "...+lookup; default 0 = off)")
+    p.add_argument("--head-lookup", type=int, default=None, metavar="N",
+                   help="chain length of the +lookup methods: up to N prompt-lookup tokens merged into the head's "
+                        "tree (default 10, HF prompt lookup's candidate tokens per step)")
     p.add_argument("--refresh-profile", action="store_true", help="re-measure the cached hardware profile")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the same for every method)")
     p.add_argument("--warmup-tokens", type=int, default=16, help="untimed warm-up tokens per method (default 16)")

@@ -12,7 +12,8 @@ Figures (all computed by the pure functions `summarize` / `compare`, tested on h
 
 Methods: `vanilla` = HF `model.generate`; `prompt-lookup` = HF `model.generate(prompt_lookup_num_tokens=...)` (the
 peer users already have; target forwards counted with a forward pre-hook); `head` = ours (specheads.infer.generate
-with the head's drafter); `draft-model` = ours with a small draft model as drafter.
+with the head's drafter; `head+lookup` = the same tree with a prompt-lookup chain merged in, greedy only);
+`draft-model` = ours with a small draft model as drafter.
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ KNOWN_METHODS = ("vanilla", "prompt-lookup", "head", "draft-model", "plain", "pr
 # PromptLookupDrafter (compare with HF's prompt-lookup)
 PROMPT_LOOKUP_NUM_TOKENS = 10  # HF docs' example value for prompt_lookup_num_tokens (candidate tokens per step)
 PROMPT_LOOKUP_MAX_NGRAM = 2  # HF default max_matching_ngram_size
+LOOKUP_SUFFIX = "+lookup"  # head:LABEL+lookup = that head's tree with a prompt-lookup chain merged in
+HEAD_LOOKUP_TOKENS = PROMPT_LOOKUP_NUM_TOKENS  # +lookup chain length by default: the same chain as HF prompt lookup
 DEFINITIONS = {
     "tokens_per_s": "total new tokens / total wall time of the generate calls (prefill included)",
     "tau": "total new tokens / total target forwards that emit tokens (bonus included; HF's prefill emits the first "
@@ -556,14 +559,23 @@ def build_methods(names: list[str], target, args, calib_ids: list[list[int]] | N
                   ) -> tuple[list[Method], dict[str, Any]]:
     """Methods in the order asked (vanilla always included, first), plus extra results fields: the tree chosen
     for `head` and why. `calib_ids`: prompt(s) for the head's acceptance probe (`--tree auto`)."""
-    unknown = [n for n in names if n not in KNOWN_METHODS and not n.startswith("head:")]
+    unknown = [n for n in names if n not in KNOWN_METHODS and not n.startswith("head")]
     if unknown:
-        raise SpecheadsError(f"--methods: unknown method(s) {unknown}; choose from {list(KNOWN_METHODS)}")
+        raise SpecheadsError(f"--methods: unknown method(s) {unknown}; choose from {list(KNOWN_METHODS)} "
+                             "or head:LABEL, with +lookup after a head method to merge a prompt-lookup chain")
     names = ["vanilla"] + [n for n in names if n != "vanilla"]  # speedup and identical are measured against it
     heads = head_entries(getattr(args, "head", None))
+    lookup = getattr(args, "head_lookup", None)
+    lookup = HEAD_LOOKUP_TOKENS if lookup is None else int(lookup)
+    if lookup < 1:
+        raise SpecheadsError(f"--head-lookup {lookup}: must be at least 1 (tokens of the prompt-lookup chain)")
+    if args.temperature > 0 and any(n.endswith(LOOKUP_SUFFIX) for n in names):
+        raise SpecheadsError(f"--methods {','.join(names)}: {LOOKUP_SUFFIX} methods are greedy only "
+                             "(use --temperature 0)")
     expanded: list[str] = []
-    for n in names:  # `head` stands for every --head given
-        expanded += list(heads) if n == "head" and heads else [n]
+    for n in names:  # `head` / `head+lookup` stand for every --head given
+        base, plus = (n[:-len(LOOKUP_SUFFIX)], LOOKUP_SUFFIX) if n.endswith(LOOKUP_SUFFIX) else (n, "")
+        expanded += [h + plus for h in heads] if base == "head" and heads else [n]
     names = expanded
     factories = hf_methods(target, args.temperature)
     methods: list[Method] = []
@@ -578,10 +590,12 @@ def build_methods(names: list[str], target, args, calib_ids: list[list[int]] | N
                                                                            max_ngram=PROMPT_LOOKUP_MAX_NGRAM)
             m = OursGenerate(n, target, drafter, args.temperature,
                              {"implementation": f"specheads.infer.generate + {type(drafter).__name__}"})
-        elif n == "head" or n.startswith("head:"):
-            if n not in heads:
+        elif n.startswith("head"):
+            base = n[:-len(LOOKUP_SUFFIX)] if n.endswith(LOOKUP_SUFFIX) else n
+            if base not in heads:
                 raise SpecheadsError(f"--methods {n}: no such head; given: {list(heads) or 'none (use --head DIR)'}")
-            m, tree = build_head_method(target, args, calib_ids or [], head_dir=heads[n], name=n)
+            m, tree = build_head_method(target, args, calib_ids or [], head_dir=heads[base], name=base,
+                                        lookup=lookup if n.endswith(LOOKUP_SUFFIX) else 0)
             extra.setdefault("trees", {})[m.name] = tree
             extra.setdefault("tree", tree)  # the first head's tree (results.json schema 1)
         else:
@@ -629,9 +643,10 @@ def _head_kind(head) -> str:
 
 
 def build_head_method(target, args, calib_ids: list[list[int]], head_dir: str | None = None,
-                      name: str = "head") -> tuple[Method, dict[str, Any]]:
+                      name: str = "head", lookup: int = 0) -> tuple[Method, dict[str, Any]]:
     """`head`: our loop with the head's drafter. `--tree auto`: measured verify cost (cached profile) + the head's
-    acceptance on a probe run -> tree size and depth (specheads.infer.profile.choose_tree)."""
+    acceptance on a probe run -> tree size and depth (specheads.infer.profile.choose_tree). `lookup` > 0: a
+    prompt-lookup chain of up to that many tokens merged into the head's tree (method NAME+lookup; greedy only)."""
     from specheads.heads.base import load_head
     from specheads.infer.drafters import EagleDrafter, MedusaDrafter
     from specheads.infer.tree import DEFAULT_MEDUSA_CHOICES, parse_choices
@@ -673,12 +688,11 @@ def build_head_method(target, args, calib_ids: list[list[int]], head_dir: str | 
         tree.update(choices=[list(c) for c in choices], total_tokens=len(choices), reason="given with --tree",
                     summary=f"static Medusa tree, {len(choices)} nodes (given)")
     info["tree"] = {k: tree.get(k) for k in ("total_tokens", "depth", "top_k") if k in tree}
-    lookup = int(getattr(args, "head_lookup", 0) or 0)
     if lookup > 0:  # greedy: prompt lookup's chain merged into the head's tree (drafters.LookupMergedDrafter)
         from specheads.infer.drafters import LookupMergedDrafter
 
         drafter = LookupMergedDrafter(drafter, num_tokens=lookup, max_ngram=PROMPT_LOOKUP_MAX_NGRAM)
-        name += "+lookup"
+        name += LOOKUP_SUFFIX
         info["lookup_tokens"] = lookup
         tree["summary"] = f"{tree.get('summary', '')} + a prompt-lookup chain of up to {lookup} tokens merged in"
     tree["method"] = name
