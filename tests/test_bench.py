@@ -226,11 +226,18 @@ def test_cli_smollm2_vanilla_and_prompt_lookup(smollm2, tmp_path):
     assert r["methods"]["vanilla"]["overall"]["tau"] == 1.0
 
 
-def test_cli_rejects_unknown_method(tmp_path):
+def test_cli_rejects_unknown_method(tmp_path, capsys):
+    from specheads.cli import main
     from specheads.infer.bench import build_methods
 
     with pytest.raises(SpecheadsError, match="--methods"):
         build_methods(["medusa-magic"], None, SimpleNamespace(temperature=0.0))
+    # The CLI checks names before the target loads: +lookup head methods pass it (and then need --head)
+    base = ["bench", "--target", "no-such-target", "--out", str(tmp_path / "b"), "--methods"]
+    assert main(base + ["vanilla,head+magic"]) != 0
+    assert "unknown method(s) ['head+magic']" in capsys.readouterr().err
+    assert main(base + ["vanilla,head+lookup"]) != 0
+    assert "needs --head DIR" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])

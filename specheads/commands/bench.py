@@ -63,12 +63,10 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from specheads.infer.bench import KNOWN_METHODS
+    from specheads.infer.bench import check_method_names, is_head_method
 
-    unknown = [n for n in names if n not in KNOWN_METHODS and not n.startswith("head:")]
-    if unknown:  # checked before the target loads
-        raise SpecheadsError(f"--methods: unknown method(s) {unknown}; choose from {list(KNOWN_METHODS)}")
-    if any(n == "head" or n.startswith("head:") for n in names) and not args.head:
+    check_method_names(names)  # before the target loads
+    if any(is_head_method(n) for n in names) and not args.head:
         raise SpecheadsError("--methods head: needs --head DIR (a head folder written by `specheads train`)")
     if "draft-model" in names and not args.draft_model:
         raise SpecheadsError("--methods draft-model: needs --draft-model NAME (or truncated:N)")

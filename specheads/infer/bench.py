@@ -555,14 +555,25 @@ def hf_methods(target, temperature: float) -> dict[str, Callable[[], Method]]:
     }
 
 
+def is_head_method(name: str) -> bool:
+    """head, head:LABEL, and either with +lookup."""
+    base = name[:-len(LOOKUP_SUFFIX)] if name.endswith(LOOKUP_SUFFIX) else name
+    return base == "head" or (base.startswith("head:") and len(base) > len("head:"))
+
+
+def check_method_names(names: list[str]) -> None:
+    """One clear error for unknown --methods names (checked before the target loads)."""
+    unknown = [n for n in names if n not in KNOWN_METHODS and not is_head_method(n)]
+    if unknown:
+        raise SpecheadsError(f"--methods: unknown method(s) {unknown}; choose from {list(KNOWN_METHODS)} "
+                             f"or head:LABEL, with {LOOKUP_SUFFIX} after a head method to merge a prompt-lookup chain")
+
+
 def build_methods(names: list[str], target, args, calib_ids: list[list[int]] | None = None
                   ) -> tuple[list[Method], dict[str, Any]]:
     """Methods in the order asked (vanilla always included, first), plus extra results fields: the tree chosen
     for `head` and why. `calib_ids`: prompt(s) for the head's acceptance probe (`--tree auto`)."""
-    unknown = [n for n in names if n not in KNOWN_METHODS and not n.startswith("head")]
-    if unknown:
-        raise SpecheadsError(f"--methods: unknown method(s) {unknown}; choose from {list(KNOWN_METHODS)} "
-                             "or head:LABEL, with +lookup after a head method to merge a prompt-lookup chain")
+    check_method_names(names)
     names = ["vanilla"] + [n for n in names if n != "vanilla"]  # speedup and identical are measured against it
     heads = head_entries(getattr(args, "head", None))
     lookup = getattr(args, "head_lookup", None)
@@ -590,7 +601,7 @@ def build_methods(names: list[str], target, args, calib_ids: list[list[int]] | N
                                                                            max_ngram=PROMPT_LOOKUP_MAX_NGRAM)
             m = OursGenerate(n, target, drafter, args.temperature,
                              {"implementation": f"specheads.infer.generate + {type(drafter).__name__}"})
-        elif n.startswith("head"):
+        elif is_head_method(n):
             base = n[:-len(LOOKUP_SUFFIX)] if n.endswith(LOOKUP_SUFFIX) else n
             if base not in heads:
                 raise SpecheadsError(f"--methods {n}: no such head; given: {list(heads) or 'none (use --head DIR)'}")
