@@ -555,9 +555,14 @@ def hf_methods(target, temperature: float) -> dict[str, Callable[[], Method]]:
     }
 
 
+def split_lookup(name: str) -> tuple[str, bool]:
+    """'head:eagle3+lookup' -> ('head:eagle3', True); names without the suffix -> (name, False)."""
+    return (name[:-len(LOOKUP_SUFFIX)], True) if name.endswith(LOOKUP_SUFFIX) else (name, False)
+
+
 def is_head_method(name: str) -> bool:
     """head, head:LABEL, and either with +lookup."""
-    base = name[:-len(LOOKUP_SUFFIX)] if name.endswith(LOOKUP_SUFFIX) else name
+    base, _ = split_lookup(name)
     return base == "head" or (base.startswith("head:") and len(base) > len("head:"))
 
 
@@ -580,13 +585,13 @@ def build_methods(names: list[str], target, args, calib_ids: list[list[int]] | N
     lookup = HEAD_LOOKUP_TOKENS if lookup is None else int(lookup)
     if lookup < 1:
         raise SpecheadsError(f"--head-lookup {lookup}: must be at least 1 (tokens of the prompt-lookup chain)")
-    if args.temperature > 0 and any(n.endswith(LOOKUP_SUFFIX) for n in names):
+    if args.temperature > 0 and any(split_lookup(n)[1] for n in names):
         raise SpecheadsError(f"--methods {','.join(names)}: {LOOKUP_SUFFIX} methods are greedy only "
                              "(use --temperature 0)")
     expanded: list[str] = []
     for n in names:  # `head` / `head+lookup` stand for every --head given
-        base, plus = (n[:-len(LOOKUP_SUFFIX)], LOOKUP_SUFFIX) if n.endswith(LOOKUP_SUFFIX) else (n, "")
-        expanded += [h + plus for h in heads] if base == "head" and heads else [n]
+        base, merged = split_lookup(n)
+        expanded += [h + LOOKUP_SUFFIX * merged for h in heads] if base == "head" and heads else [n]
     names = expanded
     factories = hf_methods(target, args.temperature)
     methods: list[Method] = []
@@ -602,11 +607,11 @@ def build_methods(names: list[str], target, args, calib_ids: list[list[int]] | N
             m = OursGenerate(n, target, drafter, args.temperature,
                              {"implementation": f"specheads.infer.generate + {type(drafter).__name__}"})
         elif is_head_method(n):
-            base = n[:-len(LOOKUP_SUFFIX)] if n.endswith(LOOKUP_SUFFIX) else n
+            base, merged = split_lookup(n)
             if base not in heads:
                 raise SpecheadsError(f"--methods {n}: no such head; given: {list(heads) or 'none (use --head DIR)'}")
             m, tree = build_head_method(target, args, calib_ids or [], head_dir=heads[base], name=base,
-                                        lookup=lookup if n.endswith(LOOKUP_SUFFIX) else 0)
+                                        lookup=lookup if merged else 0)
             extra.setdefault("trees", {})[m.name] = tree
             extra.setdefault("tree", tree)  # the first head's tree (results.json schema 1)
         else:
