@@ -61,8 +61,14 @@ def main() -> int:
     kind = head.config.kind
     layers = resolve_layers(target.num_layers, head.config.feature_layers, kind)
     batches = []
-    for p in (sharegpt_prompts(int(a.dataset.split(":", 1)[1]), a.limit) if a.dataset.startswith("sharegpt:")
-              else load_prompts(a.dataset, a.limit, False)):
+    if a.dataset.startswith("sharegpt:"):
+        start = a.dataset.split(":", 1)[1]
+        if not start.isdigit():
+            ap.error(f"--dataset {a.dataset}: expected sharegpt:START with START a conversation index, e.g. sharegpt:2000")
+        prompts = sharegpt_prompts(int(start), a.limit)
+    else:
+        prompts = load_prompts(a.dataset, a.limit, False)
+    for p in prompts:
         ids = encode_turn(target.tokenizer, p, 0, [])
         with torch.no_grad():
             out = target.model.generate(torch.tensor([ids]), max_new_tokens=a.max_new_tokens, do_sample=False)[0]

@@ -268,6 +268,13 @@ def test_head_method_tree_auto_on_tiny(tiny, tmp_path, monkeypatch, kind):
     assert head["overall"]["identical"] == 1.0 and head["overall"]["tau"] >= 1.0
     assert 0 <= head["step_breakdown"]["non_model_share"] < 1
     assert res["tree"]["summary"] and "## Tree" in (tmp_path / "out" / "results.md").read_text()
+    # A head's plain and +lookup methods share one load and one acceptance probe, so they get the same tree
+    calls = []
+    real = bench_mod.choose_tree_for_head
+    monkeypatch.setattr(bench_mod, "choose_tree_for_head", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _, extra = build_methods(["head", "head+lookup"], tiny, args, calib_ids=[[1, 5, 6, 7, 5, 6, 7, 5, 6]])
+    assert len(calls) == 1
+    assert extra["trees"]["head"]["total_tokens"] == extra["trees"]["head+lookup"]["total_tokens"]
 
 
 def test_several_heads_in_one_run(tiny, tmp_path, monkeypatch):

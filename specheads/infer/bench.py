@@ -594,6 +594,7 @@ def build_methods(names: list[str], target, args, calib_ids: list[list[int]] | N
         expanded += [h + LOOKUP_SUFFIX * merged for h in heads] if base == "head" and heads else [n]
     names = expanded
     factories = hf_methods(target, args.temperature)
+    probes: dict[str, Any] = {}  # head folder -> (head, tree choice, tree record): one probe per head
     methods: list[Method] = []
     extra: dict[str, Any] = {"methods_info": {}}
     for n in names:
@@ -611,7 +612,7 @@ def build_methods(names: list[str], target, args, calib_ids: list[list[int]] | N
             if base not in heads:
                 raise SpecheadsError(f"--methods {n}: no such head; given: {list(heads) or 'none (use --head DIR)'}")
             m, tree = build_head_method(target, args, calib_ids or [], head_dir=heads[base], name=base,
-                                        lookup=lookup if merged else 0)
+                                        lookup=lookup if merged else 0, probes=probes)
             extra.setdefault("trees", {})[m.name] = tree
             extra.setdefault("tree", tree)  # the first head's tree (results.json schema 1)
         else:
@@ -659,10 +660,12 @@ def _head_kind(head) -> str:
 
 
 def build_head_method(target, args, calib_ids: list[list[int]], head_dir: str | None = None,
-                      name: str = "head", lookup: int = 0) -> tuple[Method, dict[str, Any]]:
+                      name: str = "head", lookup: int = 0, probes: dict | None = None) -> tuple[Method, dict[str, Any]]:
     """`head`: our loop with the head's drafter. `--tree auto`: measured verify cost (cached profile) + the head's
     acceptance on a probe run -> tree size and depth (specheads.infer.profile.choose_tree). `lookup` > 0: a
-    prompt-lookup chain of up to that many tokens merged into the head's tree (method NAME+lookup; greedy only)."""
+    prompt-lookup chain of up to that many tokens merged into the head's tree (method NAME+lookup; greedy only).
+    `probes`: {head_dir: (head, choice, tree)} shared by one run's methods, so that a head's plain and +lookup
+    methods load it and run the `--tree auto` probe once."""
     from specheads.heads.base import load_head
     from specheads.infer.drafters import EagleDrafter, MedusaDrafter
     from specheads.infer.tree import DEFAULT_MEDUSA_CHOICES, parse_choices
@@ -670,7 +673,8 @@ def build_head_method(target, args, calib_ids: list[list[int]], head_dir: str | 
     head_dir = head_dir or getattr(args, "head", None)
     if not head_dir:
         raise SpecheadsError("--methods head: needs --head DIR (a head folder written by `specheads train`)")
-    head = load_head(head_dir, target)
+    reuse = probes.get(str(head_dir)) if probes is not None else None  # this head's earlier method in the run
+    head = reuse[0] if reuse else load_head(head_dir, target)
     head.eval()
     kind = _head_kind(head)
     spec = str(getattr(args, "tree", "auto") or "auto")
@@ -678,7 +682,10 @@ def build_head_method(target, args, calib_ids: list[list[int]], head_dir: str | 
                             "head_kind": head.config.kind}
     tree: dict[str, Any] = {"mode": spec, "kind": kind}
     if spec == "auto":
-        choice, tree = choose_tree_for_head(target, head, kind, calib_ids, refresh=getattr(args, "refresh_profile", False))
+        choice, tree = (reuse[1], dict(reuse[2])) if reuse else choose_tree_for_head(
+            target, head, kind, calib_ids, refresh=getattr(args, "refresh_profile", False))
+        if probes is not None:
+            probes[str(head_dir)] = (head, choice, dict(tree))
         if kind == "medusa":
             drafter = MedusaDrafter(head, choices=choice.choices)
         else:
