@@ -340,3 +340,11 @@ def test_head_lookup_merges_prompt_lookup_and_names_the_method(tiny, tmp_path):
         build_methods(["head+lookup"], tiny, SimpleNamespace(**{**vars(args), "temperature": 0.7}))
     with pytest.raises(SpecheadsError, match="--head-lookup 0"):
         build_methods(["head+lookup"], tiny, SimpleNamespace(**{**vars(args), "head_lookup": 0}))
+
+
+def test_calibration_prompts_spread_over_the_set():
+    from specheads.infer.bench import calibration_prompts
+
+    assert calibration_prompts(list(range(80))) == [0, 20, 40, 60]  # one per two MT-bench categories
+    assert calibration_prompts([7, 8]) == [7, 8]  # fewer prompts than asked: all of them
+    assert calibration_prompts([]) == []

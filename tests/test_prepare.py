@@ -171,8 +171,20 @@ def test_prepare_with_regenerate(tiny_chat, tmp_path):
     assert (tmp_path / "run" / "data" / "regenerated.jsonl").exists()
 
 
+def test_prepare_regenerates_only_the_first_n(tiny_chat, tmp_path):
+    from specheads.train.prepare import prepare
+
+    s = prepare(_recipe(tmp_path, _sharegpt_file(tmp_path, 6), "data.regenerate=true", "data.regen_max_new_tokens=3",
+                        "data.regen_conversations=2", "features.mode=online"), target=tiny_chat, progress=False)
+    regen = [json.loads(r)["id"] for r in (tmp_path / "run" / "data" / "regenerated.jsonl").read_text().splitlines()]
+    assert sorted(regen) == ["c0", "c1"]  # the first two kept conversations, no more
+    assert s["regenerated_conversations"] == 2 and s["source_reply_conversations"] == 4 and s["samples"] == 6
+
+
 @pytest.mark.parametrize("override,match", [
     ("data.source=/nonexistent/convs.json", "file not found"),
+    ("data.regen_conversations=0", "data.regen_conversations"),
+    ("data.regen_conversations=3", "data.regenerate is false"),
     ("data.max_length=1", "data.max_length"),
     ("data.val_fraction=1.5", "data.val_fraction"),
 ])

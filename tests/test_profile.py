@@ -108,3 +108,17 @@ def test_isotonic_smooths_noisy_costs():
     out = isotonic([1, 5.2, 3.2, 0.7, 2.4, 1.05])
     assert all(a <= b + 1e-12 for a, b in zip(out, out[1:]))
     assert sum(out) == pytest.approx(1 + 5.2 + 3.2 + 0.7 + 2.4 + 1.05)
+
+
+def test_monotone_in_rank_pools_a_noisy_inversion():
+    from specheads.infer.profile import monotone_in_rank
+
+    # stop 10's Medusa probe: rank 3 accepted 3/24, rank 0 only 2/24, so choose_tree drafted just the rank-3 token
+    raw = [[2 / 24, 2 / 24, 1 / 24, 3 / 24], [0.5, 0.0, 0.25, 0.0]]
+    fit = monotone_in_rank(raw, [[24, 24, 24, 24], [8, 5, 4, 0]])
+    assert fit[0] == pytest.approx([2 / 24] * 4)  # pooled: 8 hits in 96
+    assert fit[1] == pytest.approx([0.5, 1 / 9, 1 / 9, 0.0])  # (0*5 + 0.25*4) / 9; an unseen rank stays 0
+    assert all(a >= b for row in fit for a, b in zip(row, row[1:]))
+    assert choose_tree(raw, {1: 1.0, 2: 1.05}, 0.01, kind="medusa", max_nodes=1, max_depth=1).choices == [[3]]
+    assert choose_tree(fit, {1: 1.0, 2: 1.05}, 0.01, kind="medusa", max_nodes=1, max_depth=1).choices == [[0]]
+    assert monotone_in_rank([[0.4, 0.2, 0.1]], [[10, 10, 10]]) == [[0.4, 0.2, 0.1]]  # already monotone: unchanged

@@ -75,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
     target = load_target(args.target, dtype=dtype, device=args.device)
     from specheads.infer.prompts import encode_turn
 
-    calib = [encode_turn(target.tokenizer, prompts[0], 0, [])] if prompts else []
+    from specheads.infer.bench import calibration_prompts
+
+    calib = [encode_turn(target.tokenizer, p, 0, []) for p in calibration_prompts(prompts)]
     methods, extra = build_methods(names, target, args, calib_ids=calib)
     settings = BenchSettings(target=args.target, dataset=args.dataset, dtype=dtype, temperature=args.temperature,
                              max_new_tokens=args.max_new_tokens, limit=args.limit, both_turns=args.both_turns,

@@ -224,6 +224,14 @@ def acceptance_matrix(steps, max_depth: int, max_rank: int) -> tuple[list[list[f
     return acc, seen
 
 
+def monotone_in_rank(acc, counts) -> list[list[float]]:
+    """acc[d] made non-increasing in rank (`isotonic` weighted by the probe's counts): drafters rank children by
+    their own probability, so a lower rank is never truly accepted more often; a short probe can say otherwise by
+    chance (stop 10: Medusa's rank-3 token at 3/24 beat rank 0 at 2/24, and the bench then drafted only the
+    rank-3 token)."""
+    return [[-v for v in isotonic([-a for a in row], w)] for row, w in zip(_as_lists(acc), counts)]
+
+
 # --------------------------------------------------------------------------------------------------- profiling
 def machine_key(target, dtype: torch.dtype | str) -> str:
     from specheads.infer.bench import environment
@@ -252,18 +260,21 @@ def _time_forward(model, ids, mask, pos, cache) -> float:
     return dt
 
 
-def isotonic(ys: Sequence[float]) -> list[float]:
-    """Least-squares non-decreasing fit (pool adjacent violators): [1, 1.5, 1.1, 2] -> [1, 1.3, 1.3, 2]."""
-    blocks: list[list[float]] = []  # [sum, count]
-    for y in ys:
-        blocks.append([float(y), 1.0])
+def isotonic(ys: Sequence[float], weights: Sequence[float] | None = None) -> list[float]:
+    """Least-squares non-decreasing fit (pool adjacent violators): [1, 1.5, 1.1, 2] -> [1, 1.3, 1.3, 2]. Pooled
+    values share their weighted mean (a weight of 0 counts as 1e-9: it follows its neighbours)."""
+    w = [1.0] * len(ys) if weights is None else [max(float(x), 1e-9) for x in weights]
+    blocks: list[list[float]] = []  # [weighted sum, weight, count]
+    for y, wy in zip(ys, w):
+        blocks.append([float(y) * wy, wy, 1])
         while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            s2, c2 = blocks.pop()
+            s2, w2, c2 = blocks.pop()
             blocks[-1][0] += s2
-            blocks[-1][1] += c2
+            blocks[-1][1] += w2
+            blocks[-1][2] += c2
     out: list[float] = []
-    for s_, c in blocks:
-        out += [s_ / c] * int(c)
+    for s_, w_, c in blocks:
+        out += [s_ / w_] * c
     return out
 
 

@@ -88,6 +88,10 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None) -> dic
         raise SpecheadsError(f"data.max_length: must be at least 2, got {dc.max_length}")
     if dc.max_conversations is not None and dc.max_conversations < 1:
         raise SpecheadsError(f"data.max_conversations: must be >= 1 or null, got {dc.max_conversations}")
+    if dc.regen_conversations is not None and dc.regen_conversations < 1:
+        raise SpecheadsError(f"data.regen_conversations: must be >= 1 or null, got {dc.regen_conversations}")
+    if dc.regen_conversations is not None and not dc.regenerate:
+        raise SpecheadsError("data.regen_conversations: set, but data.regenerate is false (nothing to regenerate)")
     if not 0.0 <= dc.val_fraction < 1.0:
         raise SpecheadsError(f"data.val_fraction: must be in [0, 1), got {dc.val_fraction}")
     timings: dict[str, float] = {}
@@ -128,6 +132,10 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None) -> dic
         if dc.regen_dtype and dc.regen_dtype != recipe.target.dtype:
             gen_target = load_target(recipe.target.name, dtype=dc.regen_dtype,
                                      trust_remote_code=recipe.target.trust_remote_code)
+        keep = None  # conversations past data.regen_conversations keep the source's replies
+        if dc.regen_conversations is not None and dc.regen_conversations < len(convs):
+            keep = convs.select(range(dc.regen_conversations, len(convs)))
+            convs = convs.select(range(dc.regen_conversations))
         rstats = regenerate(gen_target, convs, regen_path, max_length=max_length, max_new_tokens=dc.regen_max_new_tokens,
                             batch_size=dc.regen_batch_size, temperature=dc.regen_temperature, top_p=dc.regen_top_p,
                             seed=recipe.seed, progress=progress, max_turns=dc.regen_max_turns)
@@ -135,8 +143,11 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None) -> dic
         wanted = set(convs["conversation_id"])
         regen, _ = load_conversations(str(regen_path))
         convs = regen.filter(lambda c: c in wanted, input_columns="conversation_id", desc="select regenerated")
+        if keep is not None:
+            convs = datasets.concatenate_datasets([convs, keep.cast(convs.features)])
         timings["regenerate_s"] = time.perf_counter() - t
-        summary.update({"regenerated_new_tokens": rstats["new_tokens"],
+        summary.update({"regenerated_conversations": len(wanted), "source_reply_conversations": len(keep or []),
+                        "regenerated_new_tokens": rstats["new_tokens"],
                         "regenerate_tokens_per_s": rstats["tokens_per_s"]})
 
     t = time.perf_counter()
