@@ -73,12 +73,9 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.dataset, args.limit, args.both_turns)
     dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype, args.dtype)
     target = load_target(args.target, dtype=dtype, device=args.device)
-    from specheads.infer.prompts import encode_turn
+    from specheads.infer.bench import calibration_ids
 
-    from specheads.infer.bench import calibration_prompts
-
-    calib = [encode_turn(target.tokenizer, p, 0, []) for p in calibration_prompts(prompts)]
-    methods, extra = build_methods(names, target, args, calib_ids=calib)
+    methods, extra = build_methods(names, target, args, calib_ids=calibration_ids(target.tokenizer, prompts))
     settings = BenchSettings(target=args.target, dataset=args.dataset, dtype=dtype, temperature=args.temperature,
                              max_new_tokens=args.max_new_tokens, limit=args.limit, both_turns=args.both_turns,
                              seed=args.seed, warmup_tokens=args.warmup_tokens)

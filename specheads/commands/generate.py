@@ -68,13 +68,13 @@ def drafter_kwargs(args) -> dict:
 def auto_tree(target, drafter):
     """`--tree auto`: the bench's choice (specheads.infer.bench.choose_tree_for_head: the cached verify-cost profile
     of this machine + the head's acceptance on a short probe of a few MT-bench questions) -> a new drafter."""
-    from specheads.infer.bench import calibration_prompts, choose_tree_for_head
+    from specheads.infer.bench import calibration_ids, choose_tree_for_head
     from specheads.infer.drafters import EagleDrafter, MedusaDrafter
-    from specheads.infer.prompts import encode_turn, load_prompts
+    from specheads.infer.prompts import load_prompts
 
     head = drafter.head
     kind = "medusa" if head.config.kind == "medusa" else "eagle"
-    calib = [encode_turn(target.tokenizer, p, 0, []) for p in calibration_prompts(load_prompts("mt-bench"))]
+    calib = calibration_ids(target.tokenizer, load_prompts("mt-bench"))
     choice, tree = choose_tree_for_head(target, head, kind, calib)
     print(f"--tree auto: {tree['summary']} ({choice.reason})", file=sys.stderr)
     if kind == "medusa":

@@ -635,6 +635,13 @@ def calibration_prompts(prompts: list, n: int = CALIBRATION_PROMPTS) -> list:
     return [prompts[i * len(prompts) // n] for i in range(n)]
 
 
+def calibration_ids(tokenizer, prompts: list, n: int = CALIBRATION_PROMPTS) -> list[list[int]]:
+    """The `--tree auto` probe's prompt ids: first turns of `calibration_prompts` through the chat template."""
+    from specheads.infer.prompts import encode_turn
+
+    return [encode_turn(tokenizer, p, 0, []) for p in calibration_prompts(prompts, n)]
+
+
 def head_entries(spec) -> dict[str, str]:
     """--head values -> {method name: head folder}. One head is the method `head`; several are `head:LABEL`, with
     LABEL given as LABEL=DIR or else the folder's head kind (eagle3, medusa, ...)."""
@@ -769,8 +776,9 @@ def choose_tree_for_head(target, head, kind: str, calib_ids: list[list[int]], re
     tree = {"mode": "auto", "kind": kind, "summary": summary, "reason": choice.reason, **choice.to_dict(),
             "rule": "maximise expected τ / (t(n+1)/t(1) + draft cost), Sequoia-style; acceptance measured on a "
                     "probe run of the head with a wide tree on a few prompts spread over the benchmark (untimed)",
-            "acceptance": {"acc": acc, "acc_monotone": fitted, "counts": seen, "probe": probe, "probe_steps": rec.num_steps,
-                           "probe_tokens": CALIBRATION_TOKENS * len(calib_ids), "probe_s": round(probe_s, 3)},
+            "acceptance": {"acc": acc, "acc_monotone": fitted, "counts": seen, "probe": probe,
+                           "probe_steps": rec.num_steps, "probe_tokens": CALIBRATION_TOKENS * len(calib_ids),
+                           "probe_s": round(probe_s, 3)},
             "draft_cost": {"seconds_per_step": draft_per_step, "relative_per_unit": c,
                            "unit": "per depth" if kind == "eagle" else "per step"},
             "profile": {"path": prof["path"], "cached": prof["cached"], "verify_relative": prof["verify"]["relative"],

@@ -144,9 +144,10 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None) -> dic
         regen, _ = load_conversations(str(regen_path))
         convs = regen.filter(lambda c: c in wanted, input_columns="conversation_id", desc="select regenerated")
         if keep is not None:
-            convs = datasets.concatenate_datasets([convs, keep.cast(convs.features)])
+            convs = datasets.concatenate_datasets([convs, keep])  # same columns: both from load_conversations
         timings["regenerate_s"] = time.perf_counter() - t
-        summary.update({"regenerated_conversations": len(wanted), "source_reply_conversations": len(keep or []),
+        summary.update({"regenerated_conversations": len(wanted),
+                        "source_reply_conversations": 0 if keep is None else len(keep),
                         "regenerated_new_tokens": rstats["new_tokens"],
                         "regenerate_tokens_per_s": rstats["tokens_per_s"]})
 
