@@ -111,6 +111,18 @@ def config_to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def _parse_override(raw: str, tp: Any) -> Any:
+    """A dotted override's value: YAML, except that a string field takes the text as written (YAML would read
+    `train.mixed_precision=no` as false); an optional string field also takes null / ~ as None."""
+    if raw == "":
+        return ""
+    str_field = tp is str or (typing.get_origin(tp) in (typing.Union, types.UnionType)
+                              and set(typing.get_args(tp)) == {str, type(None)})
+    if str_field:
+        return None if (tp is not str and raw in ("null", "~", "None")) else raw
+    return yaml.safe_load(raw)
+
+
 def _set_dotted(data: dict, cls: type, key: str, raw: str, flag: str) -> None:
     parts = key.split(".")
     cur_cls, cur = cls, data
@@ -120,7 +132,7 @@ def _set_dotted(data: dict, cls: type, key: str, raw: str, flag: str) -> None:
             raise SpecheadsError(f"{flag}: unknown key {'.'.join(parts[: i + 1])!r}; known keys here: {sorted(fields)}")
         tp = typing.get_type_hints(cur_cls)[p]
         if i == len(parts) - 1:
-            cur[p] = yaml.safe_load(raw) if raw != "" else ""
+            cur[p] = _parse_override(raw, tp)
         else:
             if not _is_dc_type(tp):
                 raise SpecheadsError(f"{flag}: {'.'.join(parts[: i + 1])!r} is not a section")

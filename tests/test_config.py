@@ -13,6 +13,7 @@ class Inner:
     steps: int = 10
     layers: list[int] | None = None
     name: str = "x"
+    path: str | None = None
 
 
 @dataclass
@@ -30,6 +31,14 @@ def test_yaml_and_overrides(tmp_path):
     assert cfg.inner.lr == pytest.approx(3e-4) and cfg.inner.steps == 7 and cfg.inner.layers == [1, 2]
     assert "lr: 0.0003" in format_config(cfg)
     assert config_to_dict(cfg)["inner"]["steps"] == 7
+
+
+def test_string_overrides_keep_their_text():
+    # YAML alone would read `no` as false and `1e-3` as a string/number: a string field takes the text as written
+    cfg = load_config(Outer, None, ["inner.name=no", "inner.path=off"])
+    assert cfg.inner.name == "no" and cfg.inner.path == "off"
+    assert load_config(Outer, None, ["inner.path=null"]).inner.path is None
+    assert load_config(Outer, None, ["inner.name=007"]).inner.name == "007"
 
 
 def test_unknown_key_in_yaml_names_file_and_key(tmp_path):

@@ -220,6 +220,30 @@ def test_eagle_head_cache_holds_true_rows_only(tiny):
         torch.testing.assert_close(a.keys, b.keys, atol=1e-4, rtol=0)
 
 
+def test_medusa_runs_only_the_heads_its_tree_reaches(tiny):
+    """A tree cut to depth 1 (context window or a 1-deep --tree) runs head 0 only; the nodes equal the full tree's."""
+    head = build_head(HeadSpec(kind="medusa", num_heads=3), tiny)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # distinct heads (blocks start as identity)
+    d = MedusaDrafter(head, choices=[[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    d.reset([1, 2, 3], torch.randn(3, tiny.hidden_size))
+    ran = []
+    for k, blk in enumerate(head.blocks):
+        blk.register_forward_hook(lambda m, i, o, k=k: ran.append(k))
+    full = d.propose(DraftContext(ids=[1, 2, 3]))
+    assert sorted(ran) == [0, 1, 2] and full.max_depth == 3
+    ran.clear()
+    cut = d.propose(DraftContext(ids=[1, 2, 3], max_depth=1))
+    assert ran == [0]
+    assert cut.tokens.tolist() == full.truncate_depth(1).tokens.tolist() == full.tokens[:3].tolist()
+    ran.clear()
+    d1 = MedusaDrafter(head, choices=[[0], [1]])  # a 1-deep static tree never runs heads 1 and 2
+    d1.reset([1, 2, 3], torch.randn(3, tiny.hidden_size))
+    assert d1.propose(DraftContext(ids=[1, 2, 3])).max_depth == 1 and ran == [0]
+
+
 def test_head_target_mismatch_is_one_clear_error(tiny, tmp_path):
     build_head(HeadSpec(kind="medusa", num_heads=2), tiny).save_pretrained(tmp_path / "h")
     other = tiny_target(seed=2)

@@ -1,6 +1,7 @@
 """Losses: alignment (step k at row t predicts token t+2+k), weighting, masking, and the simulated τ."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -140,6 +141,30 @@ def test_target_logits_on_masked_rows_only_give_the_same_losses(tiny):
     pred = torch.randn(2, 12, 64)
     assert torch.equal(eagle_loss(pred, pred @ tiny.lm_head.weight.T, h, full, lm).loss,
                        eagle_loss(pred, pred @ tiny.lm_head.weight.T, h, part, lm).loss)
+
+
+def test_medusa_soft_labels_from_draft_vocab_columns_equal_the_sliced_full_logits(tiny):
+    # steps.train_loss computes only the draft vocab's lm_head rows for Medusa's soft labels
+    from specheads.train.steps import target_logits
+
+    torch.manual_seed(1)
+    h = torch.randn(2, 12, 64)
+    lm = (torch.rand(2, 12) > 0.3).long()
+    full = target_logits(tiny, h, lm)  # [B,T,V]
+    d2t = torch.tensor([7, 3, 11, 0, 20, 5])
+    cols = target_logits(tiny, h, lm, vocab=d2t)  # [B,T,V']
+    assert cols.shape == (2, 12, 6)
+    assert torch.allclose(cols, full[..., d2t], atol=1e-5)
+    med = torch.randn(3, 2, 12, len(d2t))
+    ids = torch.randint(0, full.shape[-1], (2, 12))
+    a = medusa_loss(med, ids, lm, full, d2t=d2t)
+    b = medusa_loss(med, ids, lm, cols, d2t=d2t, target_in_draft_vocab=True)
+    assert torch.allclose(a.loss, b.loss, atol=1e-5)
+    assert a.metrics == pytest.approx(b.metrics, abs=1e-5)
+    # accuracy is measured against the target's choice within the draft vocab
+    tk = shift_rows(cols, 1)[step_mask(lm, 0)]
+    want = float((med[0][step_mask(lm, 0)].argmax(-1) == tk.argmax(-1)).float().mean())
+    assert b.metrics["acc_0"] == pytest.approx(want)
 
 
 def test_medusa_hard_labels_with_draft_vocab_map_and_mask():

@@ -181,6 +181,26 @@ def test_prepare_regenerates_only_the_first_n(tiny_chat, tmp_path):
     assert s["regenerated_conversations"] == 2 and s["source_reply_conversations"] == 4 and s["samples"] == 6
 
 
+def test_prepare_rerun_with_every_answer_done_loads_no_regeneration_copy(tiny_chat, tmp_path, monkeypatch):
+    import specheads.target
+    from specheads.train.prepare import prepare
+
+    src = _sharegpt_file(tmp_path, 4)
+    base = ("data.regenerate=true", "data.regen_max_new_tokens=3", "features.mode=online")
+    prepare(_recipe(tmp_path, src, *base, "data.max_conversations=3"), target=tiny_chat, progress=False)
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded a regeneration copy of the target")
+
+    monkeypatch.setattr(specheads.target, "load_target", no_load)
+    # data.regen_dtype differs from target.dtype, but all 3 answers are in regenerated.jsonl: no copy is loaded
+    s = prepare(_recipe(tmp_path, src, *base, "data.max_conversations=3", "data.regen_dtype=float16"),
+                target=tiny_chat, progress=False)
+    assert s["samples"] == 3
+    with pytest.raises(AssertionError, match="regeneration copy"):  # a 4th conversation still needs one
+        prepare(_recipe(tmp_path, src, *base, "data.regen_dtype=float16"), target=tiny_chat, progress=False)
+
+
 @pytest.mark.parametrize("override,match", [
     ("data.source=/nonexistent/convs.json", "file not found"),
     ("data.regen_conversations=0", "data.regen_conversations"),

@@ -60,16 +60,18 @@ def test_choice_free_up_to_four_tokens_perfect_chain():
     assert "expected speedup" in ch.reason
 
 
-def test_choice_draft_cost_limits_depth_for_eagle_not_medusa():
-    # every top-1 draft accepted with 0.5; cost flat: EAGLE pays c per depth, Medusa once
+def test_choice_draft_cost_is_paid_per_depth_by_both_kinds():
+    # every top-1 draft accepted with 0.5; verification cost flat. EAGLE runs one head pass per depth and Medusa
+    # one head per depth (MedusaDrafter runs only the heads the tree reaches), so depth costs D x c for both
     acc = [[0.5]] * 6
     costs = {1: 1.0, 64: 1.0}
-    eagle = choose_tree(acc, costs, draft_cost=0.5, kind="eagle")
-    medusa = choose_tree(acc, costs, draft_cost=0.5, kind="medusa")
-    # eagle: value(D) = (2 - 0.5^D) / (1 + 0.5 D): D=1 -> 1.5/1.5 = 1.0, D=2 -> 1.75/2 ... best D = 1
-    assert eagle.depth == 1 and eagle.expected_speedup == pytest.approx(1.0)
-    assert medusa.depth == 6  # deeper is free for Medusa: every extra node adds expected τ
-    assert medusa.expected_speedup == pytest.approx((2 - 0.5 ** 6) / 1.5)
+    for kind in ("eagle", "medusa"):
+        # value(D) = (2 - 0.5^D) / (1 + 0.5 D): D=1 -> 1.5/1.5 = 1.0, D=2 -> 1.75/2 ... best D = 1
+        ch = choose_tree(acc, costs, draft_cost=0.5, kind=kind)
+        assert ch.depth == 1 and ch.expected_speedup == pytest.approx(1.0)
+        # cheap drafts: D=6 -> (2 - 0.5^6) / 1.006 beats every shallower chain
+        cheap = choose_tree(acc, costs, draft_cost=0.001, kind=kind)
+        assert cheap.depth == 6 and cheap.expected_speedup == pytest.approx((2 - 0.5 ** 6) / 1.006)
 
 
 def test_choice_untrained_head_takes_smallest_tree_and_says_why():

@@ -66,14 +66,15 @@ class MedusaHead(DraftHead):
             for lm in self.lm_heads:
                 lm.weight.copy_(w.to(lm.weight.dtype))
 
-    def hidden_per_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B,T,D] -> [K,B,T,D] (the states the vocab projections read)."""
+    def hidden_per_head(self, hidden: torch.Tensor, heads: int | None = None) -> torch.Tensor:
+        """hidden [B,T,D] -> [K,B,T,D] (the states the vocab projections read); only the first `heads` if given."""
         hidden = hidden.to(self.head_dtype)
-        return torch.stack([blk(hidden) for blk in self.blocks], dim=0)
+        return torch.stack([blk(hidden) for blk in self.blocks[:heads]], dim=0)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B,T,D] (target's final post-norm state) -> logits [K,B,T,V'] (V' = V without a draft vocab)."""
-        hs = self.hidden_per_head(hidden)  # [K,B,T,D]
+    def forward(self, hidden: torch.Tensor, heads: int | None = None) -> torch.Tensor:
+        """hidden [B,T,D] (target's final post-norm state) -> logits [K,B,T,V'] (V' = V without a draft vocab).
+        `heads`: run only heads 0..heads-1 (a tree `heads` deep needs no more; each head costs a V' projection)."""
+        hs = self.hidden_per_head(hidden, heads)  # [K,B,T,D]
         if self.lm_heads is None:
             return self.target_lm_logits(hs)  # [K,B,T,V']
         return torch.stack([lm(h) for lm, h in zip(self.lm_heads, hs)], dim=0)

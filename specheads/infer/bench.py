@@ -767,7 +767,7 @@ def choose_tree_for_head(target, head, kind: str, calib_ids: list[list[int]], re
     acc, seen = acceptance_matrix(rec.steps, probe_depth, probe_rank)
     fitted = monotone_in_rank(acc, seen)  # a lower rank never beats a higher one (probe noise aside)
     draft_per_step = rec.seconds_per_step()  # median drafter seconds per step (propose + observe)
-    c = draft_per_step / (probe_depth if kind == "eagle" else 1) / t1_seconds(prof)
+    c = draft_per_step / probe_depth / t1_seconds(prof)  # per depth: a head pass (EAGLE) or one Medusa head
     max_nodes = max(costs) - 1
     choice = choose_tree(fitted, costs, c, kind=kind, max_nodes=max_nodes, max_depth=probe_depth)
     summary = (f"{'EAGLE-2 dynamic tree' if kind == 'eagle' else 'static Medusa tree'}: {choice.total_tokens} draft "
@@ -779,8 +779,7 @@ def choose_tree_for_head(target, head, kind: str, calib_ids: list[list[int]], re
             "acceptance": {"acc": acc, "acc_monotone": fitted, "counts": seen, "probe": probe,
                            "probe_steps": rec.num_steps, "probe_tokens": CALIBRATION_TOKENS * len(calib_ids),
                            "probe_s": round(probe_s, 3)},
-            "draft_cost": {"seconds_per_step": draft_per_step, "relative_per_unit": c,
-                           "unit": "per depth" if kind == "eagle" else "per step"},
+            "draft_cost": {"seconds_per_step": draft_per_step, "relative_per_unit": c, "unit": "per depth"},
             "profile": {"path": prof["path"], "cached": prof["cached"], "verify_relative": prof["verify"]["relative"],
                         "t1_s": t1_seconds(prof), "context": prof["verify"]["context"]}}
     log.info("tree: %s (%s)", summary, choice.reason)

@@ -169,6 +169,7 @@ class MedusaDrafter(Drafter):
         choices = normalize_choices(choices or DEFAULT_MEDUSA_CHOICES)
         self.choices = [c for c in choices if len(c) <= self.num_heads]  # never deeper than the heads
         self.ranks = 1 + max(max(c) for c in self.choices)  # top-k per head: only as many ranks as the tree uses
+        self.depth = max(len(c) for c in self.choices)  # heads the tree reaches
         self.feature_layers = list(head.config.feature_layers)
         self.last: torch.Tensor | None = None  # [D] target feature at the last cached position
 
@@ -180,10 +181,10 @@ class MedusaDrafter(Drafter):
         if self.last is None or ctx.max_depth <= 0:
             return chain_tree(ctx.ids[-1], [])
         p = next(self.head.parameters())
-        logits = self.head(self.last[None, None].to(p.device, p.dtype))[:, 0, 0]  # [K, V']
-        topk = self.head.to_target_ids(logits.topk(self.ranks, dim=-1).indices).cpu()  # [K, R] target ids
-        tree = tree_from_choices(ctx.ids[-1], topk, self.choices)
-        return tree.truncate_depth(ctx.max_depth) if tree.max_depth > ctx.max_depth else tree
+        depth = min(self.depth, ctx.max_depth)  # run only the heads the tree reaches (e.g. 1 of 3 for one node)
+        logits = self.head(self.last[None, None].to(p.device, p.dtype), heads=depth)[:, 0, 0]  # [depth, V']
+        topk = self.head.to_target_ids(logits.topk(self.ranks, dim=-1).indices).cpu()  # [depth, R] target ids
+        return tree_from_choices(ctx.ids[-1], topk, self.choices)  # choices deeper than `depth` are left out
 
     def observe(self, tree, accepted, features) -> None:
         self.last = features[-1]

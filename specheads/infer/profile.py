@@ -8,7 +8,7 @@
    along the node's path (siblings are disjoint events, so each node adds the probability that it is accepted).
    For each depth limit D, the best tree of n nodes adds nodes best-first (Medusa / Sequoia construction).
 4. Choice (Sequoia's hardware-aware rule): maximise  expected τ(n, D) / (t(n+1)/t(1) + draft cost(D) / t(1)),
-   draft cost(D) = D x c for EAGLE (one head pass per depth), c for Medusa (all heads in one pass).
+   draft cost(D) = D x c: EAGLE runs one head pass per depth, Medusa one head (block + V' projection) per depth.
    The value of plain decoding is 1 (τ = 1, cost 1): a tree is worth it only when its value exceeds 1.
 """
 from __future__ import annotations
@@ -107,8 +107,8 @@ class TreeChoice:
 def choose_tree(acc, verify_cost: dict[int, float], draft_cost: float, kind: str = "eagle", max_nodes: int = 64,
                 max_depth: int | None = None, min_nodes: int = 1) -> TreeChoice:
     """Maximise expected τ / (t(n+1)/t(1) + draft) over tree size n (draft nodes) and depth D (see module doc).
-    verify_cost: {nodes incl. root: t(nodes)/t(1)}; draft_cost: one draft pass relative to t(1) (per depth for
-    EAGLE, once per step for Medusa). The tree is never empty (min_nodes): when no tree beats plain decoding the
+    verify_cost: {nodes incl. root: t(nodes)/t(1)}; draft_cost: one depth's draft pass relative to t(1) (an EAGLE
+    head pass, or one Medusa head). The tree is never empty (min_nodes): when no tree beats plain decoding the
     best-valued one is still returned and the reason says so."""
     a = _as_lists(acc)
     dmax = min(max_depth or len(a), len(a))
@@ -126,7 +126,7 @@ def choose_tree(acc, verify_cost: dict[int, float], draft_cost: float, kind: str
                 continue
             if depth_used < D:  # the same tree is scored at its own depth
                 continue
-            draft = draft_cost * (D if kind == "eagle" else 1)
+            draft = draft_cost * D
             cost = interp_cost(verify_cost, n + 1) + draft
             val = tau / cost
             if best_d is None or val > best_d[0] + 1e-12:

@@ -59,12 +59,13 @@ def _mean(x: torch.Tensor) -> torch.Tensor:
 
 def medusa_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 target_logits: torch.Tensor | None = None, decay: float = DECAY,
-                d2t: torch.Tensor | None = None) -> LossOutput:
+                d2t: torch.Tensor | None = None, target_in_draft_vocab: bool = False) -> LossOutput:
     """Σ_k decay^k CE_k. logits [K,B,T,V']; head k at row t predicts token t+2+k.
 
     Hard labels (the data's tokens) when target_logits is None, else soft CE against the target's distribution
     target_logits [B,T,V] (row j predicts token j+1). With a draft vocab (d2t [V'] target ids), hard labels are
-    mapped to draft ids (labels outside it are masked) and soft targets restricted to it and renormalised.
+    mapped to draft ids (labels outside it are masked) and soft targets restricted to it and renormalised
+    (target_in_draft_vocab: target_logits already holds only the draft vocab's columns, [B,T,V']).
     """
     K = logits.shape[0]
     total = logits.new_zeros((), dtype=torch.float32)
@@ -76,7 +77,7 @@ def medusa_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.
                               device=input_ids.device)
         to_draft[d2t] = torch.arange(len(d2t), device=input_ids.device)
         ids = to_draft[input_ids]  # [B,T] draft ids, -1 outside the draft vocab
-        if target_logits is not None:
+        if target_logits is not None and not target_in_draft_vocab:
             target_logits = target_logits[..., d2t]
     for k in range(K):
         m = step_mask(loss_mask, k)  # [B,T]
@@ -87,7 +88,9 @@ def medusa_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.
         if target_logits is None:
             ce = F.cross_entropy(lk.float(), labels, reduction="none")
         else:
-            ce = soft_ce(lk, shift_rows(target_logits, 1 + k)[m])
+            tk = shift_rows(target_logits, 1 + k)[m]  # [N,V'] the target's distribution for token t+2+k
+            ce = soft_ce(lk, tk)
+            labels = tk.argmax(-1)  # accuracy against the target's choice, as the soft loss trains for
         ce_k = _mean(ce)
         total = total + (decay ** k) * ce_k
         metrics[f"ce_{k}"] = float(ce_k.detach())

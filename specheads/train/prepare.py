@@ -124,18 +124,19 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None) -> dic
                                "source_tail_cut": lstats.truncated_tail}
 
     if dc.regenerate:
-        from specheads.train.regenerate import regenerate
+        from specheads.train.regenerate import read_done_ids, regenerate
 
         t = time.perf_counter()
         regen_path = data_dir / "regenerated.jsonl"
-        gen_target = target
-        if dc.regen_dtype and dc.regen_dtype != recipe.target.dtype:
-            gen_target = load_target(recipe.target.name, dtype=dc.regen_dtype,
-                                     trust_remote_code=recipe.target.trust_remote_code)
         keep = None  # conversations past data.regen_conversations keep the source's replies
         if dc.regen_conversations is not None and dc.regen_conversations < len(convs):
             keep = convs.select(range(dc.regen_conversations, len(convs)))
             convs = convs.select(range(dc.regen_conversations))
+        gen_target = target
+        todo = set(convs["conversation_id"]) - read_done_ids(regen_path)
+        if todo and dc.regen_dtype and dc.regen_dtype != recipe.target.dtype:  # a rerun with every answer done
+            gen_target = load_target(recipe.target.name, dtype=dc.regen_dtype,  # skips this load
+                                     trust_remote_code=recipe.target.trust_remote_code)
         rstats = regenerate(gen_target, convs, regen_path, max_length=max_length, max_new_tokens=dc.regen_max_new_tokens,
                             batch_size=dc.regen_batch_size, temperature=dc.regen_temperature, top_p=dc.regen_top_p,
                             seed=recipe.seed, progress=progress, max_turns=dc.regen_max_turns)

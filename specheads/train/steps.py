@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from specheads.train.losses import LossOutput, eagle3_loss, eagle_loss, medusa_loss, shift_rows
 from specheads.utils import SpecheadsError
@@ -34,20 +35,26 @@ def split_features(hidden: torch.Tensor, layers: list[int], head_layers: list[in
 
 
 @torch.no_grad()
-def target_logits(target, h_last: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+def target_logits(target, h_last: torch.Tensor, loss_mask: torch.Tensor | None = None,
+                  vocab: torch.Tensor | None = None) -> torch.Tensor:
     """The target's next-token logits [B,T,V] from its final post-norm state (frozen lm_head, target dtype).
 
     With loss_mask, only rows predicting an assistant token (loss_mask[j+1] == 1) are computed; the others are 0 and
     never read by the losses (they mask the same rows). The lm_head is the largest matmul of a step on small heads.
+    With vocab (target ids [V']) only those columns are computed: [B,T,V'] (Medusa's soft labels over a draft vocab).
     """
     lm = target.lm_head
     h = h_last.to(lm.weight.dtype)
+    w = lm.weight if vocab is None else lm.weight[vocab.to(lm.weight.device)]
+    b = getattr(lm, "bias", None)
+    if b is not None and vocab is not None:
+        b = b[vocab.to(b.device)]
     if loss_mask is None:
-        return lm(h)
+        return F.linear(h, w, b)
     need = torch.zeros(loss_mask.shape, dtype=torch.bool, device=loss_mask.device)
     need[:, :-1] = loss_mask[:, 1:].bool()
-    out = h.new_zeros(*h.shape[:2], lm.weight.shape[0])
-    out[need] = lm(h[need])
+    out = h.new_zeros(*h.shape[:2], w.shape[0])
+    out[need] = F.linear(h[need], w, b)
     return out
 
 
@@ -60,11 +67,14 @@ def train_loss(kind: str, head, batch: dict, target, layers: list[int], head_lay
     """Forward the (possibly wrapped) head on one batch and return its loss. `head` may be DDP/DeepSpeed-wrapped."""
     h_in, h_last = split_features(batch["hidden"], layers, head_layers, target.num_layers)
     ids, lmask, amask = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
-    need_target = kind != "medusa" or settings.soft_labels
-    tl = target_logits(target, h_last, lmask) if need_target else None  # [B,T,V]
     if kind == "medusa":
+        d2t = _d2t(_unwrap(head))
+        # soft labels over the draft vocab only need those lm_head rows: [B,T,V'] (6x fewer at 8k of 49k)
+        tl = target_logits(target, h_last, lmask, vocab=d2t) if settings.soft_labels else None
         logits = head(h_in.float())  # [K,B,T,V']
-        return medusa_loss(logits, ids, lmask, target_logits=tl, decay=settings.decay, d2t=_d2t(_unwrap(head)))
+        return medusa_loss(logits, ids, lmask, target_logits=tl, decay=settings.decay, d2t=d2t,
+                           target_in_draft_vocab=True)
+    tl = target_logits(target, h_last, lmask)  # [B,T,V]
     feats = h_in.float()
     if settings.noise > 0:
         feats = feats + (torch.rand_like(feats) - 0.5) * settings.noise  # uniform noise (EAGLE §4.2)
