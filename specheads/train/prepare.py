@@ -133,9 +133,10 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None) -> dic
             keep = convs.select(range(dc.regen_conversations, len(convs)))
             convs = convs.select(range(dc.regen_conversations))
         gen_target = target
+        # a copy in data.regen_dtype only when some answer is still missing (a finished rerun skips the load)
         todo = set(convs["conversation_id"]) - read_done_ids(regen_path)
-        if todo and dc.regen_dtype and dc.regen_dtype != recipe.target.dtype:  # a rerun with every answer done
-            gen_target = load_target(recipe.target.name, dtype=dc.regen_dtype,  # skips this load
+        if todo and dc.regen_dtype and dc.regen_dtype != recipe.target.dtype:
+            gen_target = load_target(recipe.target.name, dtype=dc.regen_dtype,
                                      trust_remote_code=recipe.target.trust_remote_code)
         rstats = regenerate(gen_target, convs, regen_path, max_length=max_length, max_new_tokens=dc.regen_max_new_tokens,
                             batch_size=dc.regen_batch_size, temperature=dc.regen_temperature, top_p=dc.regen_top_p,
