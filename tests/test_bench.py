@@ -261,6 +261,19 @@ def test_head_method_tree_auto_on_tiny(tiny, tmp_path, monkeypatch, kind):
     assert set(tree["profile"]["verify_relative"]) == {"1", "2", "4", "8", "16", "32"}
     assert len(tree["acceptance"]["acc"]) == tree["acceptance"]["probe"]["depth"]
     assert tree["acceptance"]["probe_steps"] > 0 and tree["draft_cost"]["seconds_per_step"] > 0
+    assert tree["draft_cost"]["depth1_seconds_per_step"] > 0 and tree["draft_cost"]["t1_s"] > 0
+    # a cached profile whose one-token forward is far from the probe's (taken while the machine was busy) is
+    # measured again before it prices anything
+    from specheads.utils import atomic_write_json, read_json
+
+    path = tree["profile"]["path"]
+    stale = read_json(path)
+    stale["noisy"] = False
+    stale["verify"]["seconds"]["1"] = 1000 * tree["draft_cost"]["t1_s"]
+    atomic_write_json(path, stale)
+    _, extra2 = build_methods(["head"], tiny, args, calib_ids=[[1, 5, 6, 7, 5, 6, 7, 5, 6]])
+    assert extra2["tree"]["profile"]["remeasured"] is True
+    assert read_json(path)["verify"]["seconds"]["1"] < stale["verify"]["seconds"]["1"] / 10
     prompts = [BenchPrompt(id="0", category="a", turns=["abcabcabc"], chat=False)]
     res = run_bench(prompts, methods, BenchSettings("tiny", "x", "float32", max_new_tokens=10, warmup_tokens=2),
                     tiny.tokenizer, out_dir=tmp_path / "out", extra=extra, progress=False)

@@ -94,7 +94,11 @@ def test_acceptance_matrix_counts_ranks_along_the_accepted_path():
 
 
 def test_profile_tiny_target_is_cached(tiny, tmp_path, monkeypatch):
+    import specheads.infer.profile as prof_mod
+
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    monkeypatch.setattr(prof_mod, "MAX_T1_SPREAD", float("inf"))  # microsecond forwards of the tiny model are noisy
+    monkeypatch.setattr(prof_mod, "MAX_COST_DROP", float("inf"))
     m = measure_verify_cost(tiny, sizes=(1, 4), context=32, repeats=1)
     assert m["relative"]["1"] == 1.0 and m["seconds"]["4"] > 0
     p1 = load_or_profile(tiny, sizes=(1, 2), context=32, repeats=1)
@@ -124,3 +128,54 @@ def test_monotone_in_rank_pools_a_noisy_inversion():
     assert choose_tree(raw, {1: 1.0, 2: 1.05}, 0.01, kind="medusa", max_nodes=1, max_depth=1).choices == [[3]]
     assert choose_tree(fit, {1: 1.0, 2: 1.05}, 0.01, kind="medusa", max_nodes=1, max_depth=1).choices == [[0]]
     assert monotone_in_rank([[0.4, 0.2, 0.1]], [[10, 10, 10]]) == [[0.4, 0.2, 0.1]]  # already monotone: unchanged
+
+
+def test_cost_drop_and_noise_verdict():
+    from specheads.infer.profile import cost_drop, profile_noise
+
+    assert cost_drop([1.0, 1.06, 1.13, 1.24, 1.41, 1.84]) == 0.0  # idle machine here (stop 12)
+    assert cost_drop([1.0, 2.055, 1.206, 1.628, 0.931, 1.425]) == pytest.approx(1 - 0.931 / 2.055)  # two busy loops
+    assert profile_noise({"t1_spread": 1.1, "cost_drop": 0.02}) == ""
+    assert "varied 4.50x" in profile_noise({"t1_spread": 4.5, "cost_drop": 0.0})
+    assert "cheaper than a smaller one" in profile_noise({"t1_spread": 1.1, "cost_drop": 0.55})
+
+
+def test_noisy_profile_is_measured_again_and_not_trusted_later(tiny, tmp_path, monkeypatch, caplog):
+    """A busy machine (another process on the cores) gives a disturbed profile: measured again up to
+    PROFILE_ATTEMPTS times; one that stays noisy serves this run but the next run measures afresh."""
+    import specheads.infer.profile as prof_mod
+
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    verdicts = iter(["busy", "", "busy", "busy", "busy", ""])
+    calls = []
+
+    def fake_measure(target, sizes, context, repeats, seed=0):
+        calls.append(seed)
+        return {"seconds": {str(n): 0.01 * n for n in sizes}, "relative": {str(n): float(n) for n in sizes},
+                "relative_raw": {str(n): float(n) for n in sizes}, "context": context, "repeats": repeats,
+                "t1_spread": 3.0 if next(verdicts) else 1.0, "cost_drop": 0.0}
+
+    monkeypatch.setattr(prof_mod, "measure_verify_cost", fake_measure)
+    p = load_or_profile(tiny, sizes=(1, 2), context=32, repeats=1)
+    assert calls == [0, 1] and p["attempts"] == 2 and p["noisy"] is False
+    assert load_or_profile(tiny, sizes=(1, 2), context=32, repeats=1)["cached"] is True  # a clean one is kept
+    calls.clear()
+    p = load_or_profile(tiny, sizes=(1, 2), context=32, repeats=1, refresh=True)
+    assert calls == [0, 1, 2] and p["noisy"] is True and "varied 3.00x" in p["noise"]
+    assert "stayed busy" in caplog.text
+    calls.clear()
+    p = load_or_profile(tiny, sizes=(1, 2), context=32, repeats=1)  # the noisy one on disk is not trusted
+    assert p["cached"] is False and calls == [0] and p["noisy"] is False
+
+
+def test_choose_tree_prices_the_first_depth_apart():
+    """draft(D) = first + (D - 1) x further: a dear first depth (the accepted tokens' bookkeeping) with cheap
+    further depths favours going deeper than the same total priced per depth."""
+    acc = [[0.8], [0.8]]
+    flat = {1: 1.0, 2: 1.0, 4: 1.0}
+    per_depth = choose_tree(acc, flat, 0.3, max_nodes=2)  # depth 1: 1.8 / 1.3 = 1.385; depth 2: 2.44 / 1.6 = 1.525
+    assert (per_depth.depth, per_depth.expected_speedup) == (2, pytest.approx(2.44 / 1.6))
+    split = choose_tree(acc, flat, 0.05, max_nodes=2, draft_first=0.3)  # depth 2: 2.44 / 1.35
+    assert (split.depth, split.expected_speedup) == (2, pytest.approx(2.44 / 1.35))
+    dear = choose_tree(acc, flat, 1.5, max_nodes=2, draft_first=0.3)  # depth 2: 2.44 / 2.8 < depth 1: 1.8 / 1.3
+    assert (dear.depth, dear.expected_speedup) == (1, pytest.approx(1.8 / 1.3))

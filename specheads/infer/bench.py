@@ -742,8 +742,8 @@ def choose_tree_for_head(target, head, kind: str, calib_ids: list[list[int]], re
     """Profile (cached) + probe run -> (TreeChoice, tree record for results.json)."""
     from specheads.infer import generate as gen_mod
     from specheads.infer.drafters import EagleDrafter, MedusaDrafter
-    from specheads.infer.profile import (RecordingDrafter, acceptance_matrix, choose_tree, load_or_profile,
-                                         monotone_in_rank, relative_costs, t1_seconds)
+    from specheads.infer.profile import (PROBE_T1_TOLERANCE, RecordingDrafter, acceptance_matrix, choose_tree,
+                                         interp_cost, load_or_profile, monotone_in_rank, relative_costs, t1_seconds)
     from specheads.infer.tree import DEFAULT_MEDUSA_CHOICES
 
     prof = load_or_profile(target, refresh=refresh)
@@ -760,16 +760,41 @@ def choose_tree_for_head(target, head, kind: str, calib_ids: list[list[int]], re
         probe = dict(EAGLE_PROBE)
     rec = RecordingDrafter(inner)
     t = time.perf_counter()
+    per_prompt = []  # (target seconds per tree forward, mean tree nodes) of each probe prompt
     for ids in calib_ids:
-        gen_mod.generate(target, rec, torch.tensor([ids], device=target.device), max_new_tokens=CALIBRATION_TOKENS,
-                         temperature=0.0)
+        st = gen_mod.generate(target, rec, torch.tensor([ids], device=target.device), max_new_tokens=CALIBRATION_TOKENS,
+                              temperature=0.0).stats
+        per_prompt.append((st.timings["target"] / max(st.target_forwards, 1), st.tree_nodes / max(st.target_forwards, 1)))
     probe_s = time.perf_counter() - t
     acc, seen = acceptance_matrix(rec.steps, probe_depth, probe_rank)
     fitted = monotone_in_rank(acc, seen)  # a lower rank never beats a higher one (probe noise aside)
-    draft_per_step = rec.seconds_per_step()  # median drafter seconds per step (propose + observe)
-    c = draft_per_step / probe_depth / t1_seconds(prof)  # per depth: a head pass (EAGLE) or one Medusa head
+    # one-token forward time in this run: the probe's tree forwards divided by their size's relative cost. The
+    # draft is priced against it (both timed side by side now), and a cached profile whose t1 is far from it was
+    # measured in another state of the machine (another process sharing the cores): measure it again
+    def probe_t1(c: dict[int, float]) -> float:  # median over the probe prompts (the first one also warms up)
+        t1s = sorted(sec / interp_cost(c, n) for sec, n in per_prompt)
+        return t1s[len(t1s) // 2]
+
+    t1_now, remeasured = probe_t1(costs), False
+    if prof["cached"] and not 1 / PROBE_T1_TOLERANCE <= t1_seconds(prof) / t1_now <= PROBE_T1_TOLERANCE:
+        log.warning("the cached cost profile's one-token forward (%.1f ms) is far from this run's (%.1f ms): "
+                    "measuring the profile again", 1e3 * t1_seconds(prof), 1e3 * t1_now)
+        prof, remeasured = load_or_profile(target, refresh=True), True
+        costs = relative_costs(prof)
+        t1_now = probe_t1(costs)
+    # draft cost = first depth + each further depth, from two shapes timed now: the probe's deep tree and a
+    # depth-1 tree of the same width (short and untimed otherwise; its acceptance is not used)
+    draft_per_step = rec.seconds_per_step()  # median drafter seconds per step (propose + observe), deep tree
+    shallow = RecordingDrafter(MedusaDrafter(head, choices=[[r] for r in range(probe_rank)]) if kind == "medusa"
+                               else EagleDrafter(head, depth=1, top_k=probe_rank, total_tokens=probe_rank))
+    for ids in calib_ids[:2]:
+        gen_mod.generate(target, shallow, torch.tensor([ids], device=target.device),
+                         max_new_tokens=CALIBRATION_TOKENS // 2, temperature=0.0)
+    first_s = shallow.seconds_per_step()
+    further_s = max(0.0, (draft_per_step - first_s) / max(probe_depth - 1, 1))
+    c1, c = first_s / t1_now, further_s / t1_now
     max_nodes = max(costs) - 1
-    choice = choose_tree(fitted, costs, c, kind=kind, max_nodes=max_nodes, max_depth=probe_depth)
+    choice = choose_tree(fitted, costs, c, kind=kind, max_nodes=max_nodes, max_depth=probe_depth, draft_first=c1)
     summary = (f"{'EAGLE-2 dynamic tree' if kind == 'eagle' else 'static Medusa tree'}: {choice.total_tokens} draft "
                f"nodes, depth {choice.depth}, top-k {choice.top_k}; expected τ {choice.expected_tau:.2f}, "
                f"expected speedup {choice.expected_speedup:.2f}x")
@@ -779,9 +804,13 @@ def choose_tree_for_head(target, head, kind: str, calib_ids: list[list[int]], re
             "acceptance": {"acc": acc, "acc_monotone": fitted, "counts": seen, "probe": probe,
                            "probe_steps": rec.num_steps, "probe_tokens": CALIBRATION_TOKENS * len(calib_ids),
                            "probe_s": round(probe_s, 3)},
-            "draft_cost": {"seconds_per_step": draft_per_step, "relative_per_unit": c, "unit": "per depth"},
+            "draft_cost": {"seconds_per_step": draft_per_step, "depth1_seconds_per_step": first_s,
+                           "relative_first": c1, "relative_per_unit": c, "unit": "per further depth",
+                           "t1_s": t1_now, "t1_from": "the probe's tree forwards / their relative cost"},
             "profile": {"path": prof["path"], "cached": prof["cached"], "verify_relative": prof["verify"]["relative"],
-                        "t1_s": t1_seconds(prof), "context": prof["verify"]["context"]}}
+                        "t1_s": t1_seconds(prof), "context": prof["verify"]["context"],
+                        "remeasured": remeasured, "noisy": prof.get("noisy", False),
+                        "measured_at": prof.get("measured_at")}}
     log.info("tree: %s (%s)", summary, choice.reason)
     return choice, tree
 

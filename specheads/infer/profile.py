@@ -8,7 +8,9 @@
    along the node's path (siblings are disjoint events, so each node adds the probability that it is accepted).
    For each depth limit D, the best tree of n nodes adds nodes best-first (Medusa / Sequoia construction).
 4. Choice (Sequoia's hardware-aware rule): maximise  expected τ(n, D) / (t(n+1)/t(1) + draft cost(D) / t(1)),
-   draft cost(D) = D x c: EAGLE runs one head pass per depth, Medusa one head (block + V' projection) per depth.
+   draft cost(D) = c1 + (D - 1) x c: EAGLE runs one head pass per depth, Medusa one head (block + V' projection)
+   per depth; c1 (the first depth, with the drafter's bookkeeping of the accepted tokens) and c (each further
+   depth) are timed on the probe run: a depth-1 tree and the probe's deep one.
    The value of plain decoding is 1 (τ = 1, cost 1): a tree is worth it only when its value exceeds 1.
 """
 from __future__ import annotations
@@ -31,7 +33,14 @@ log = logging.getLogger(__name__)
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32)  # tree nodes (root included) timed per verification forward; CPU trees are small
 PROFILE_CONTEXT = 384  # cached tokens during profiling: mid-range of a chat turn (issue: ~256-512)
 PROFILE_REPEATS = 5  # timed forwards per size (the fastest kept: noise from other processes only adds time)
-PROFILE_VERSION = 3  # bump when the measurement changes: cached profiles of older versions are re-measured
+PROFILE_VERSION = 4  # bump when the measurement changes: cached profiles of older versions are re-measured
+PROFILE_ATTEMPTS = 3  # measurements tried until one is clean (see profile_noise); a busy machine gets a warning
+MAX_T1_SPREAD = 1.5  # median / fastest one-token forward above this = another process shared the cores (measured
+# here: idle 1.04-1.18, two busy loops beside it 4.5)
+MAX_COST_DROP = 0.15  # a raw t(n)/t(1) this far below a smaller tree's = noise (idle: none; busy: 2.06 -> 0.93)
+PROBE_T1_TOLERANCE = 1.5  # the probe run's one-token forward vs the cached profile's: beyond this factor either
+# way the profile is from another state of the machine (stop 12: a profile taken under contention, t1 107.6 ms
+# vs 36.5 ms idle, priced every draft 3x too cheap) and is measured again
 
 
 # --------------------------------------------------------------------------------------------------- arithmetic
@@ -105,11 +114,13 @@ class TreeChoice:
 
 
 def choose_tree(acc, verify_cost: dict[int, float], draft_cost: float, kind: str = "eagle", max_nodes: int = 64,
-                max_depth: int | None = None, min_nodes: int = 1) -> TreeChoice:
+                max_depth: int | None = None, min_nodes: int = 1, draft_first: float | None = None) -> TreeChoice:
     """Maximise expected τ / (t(n+1)/t(1) + draft) over tree size n (draft nodes) and depth D (see module doc).
-    verify_cost: {nodes incl. root: t(nodes)/t(1)}; draft_cost: one depth's draft pass relative to t(1) (an EAGLE
-    head pass, or one Medusa head). The tree is never empty (min_nodes): when no tree beats plain decoding the
-    best-valued one is still returned and the reason says so."""
+    verify_cost: {nodes incl. root: t(nodes)/t(1)}; draft_cost: one further depth's draft pass relative to t(1)
+    (an EAGLE head pass, or one Medusa head); draft_first: the whole draft of a depth-1 tree relative to t(1)
+    (None = draft_cost). The tree is never empty (min_nodes): when no tree beats plain decoding the best-valued
+    one is still returned and the reason says so."""
+    first = draft_cost if draft_first is None else draft_first
     a = _as_lists(acc)
     dmax = min(max_depth or len(a), len(a))
     best = None
@@ -126,7 +137,7 @@ def choose_tree(acc, verify_cost: dict[int, float], draft_cost: float, kind: str
                 continue
             if depth_used < D:  # the same tree is scored at its own depth
                 continue
-            draft = draft_cost * D
+            draft = first + draft_cost * (D - 1)
             cost = interp_cost(verify_cost, n + 1) + draft
             val = tau / cost
             if best_d is None or val > best_d[0] + 1e-12:
@@ -322,6 +333,8 @@ def measure_verify_cost(target, sizes: Sequence[int] = PROFILE_SIZES, context: i
             ratios[n].append(t_n / t_one)
     med = {n: min(v) for n, v in times.items()}  # fastest seen, for the record (contention only adds time)
     raw = {n: sorted(r)[len(r) // 2] for n, r in ratios.items()}
+    t1s = sorted(times[one])
+    spread = t1s[len(t1s) // 2] / t1s[0]  # median / fastest: ~1.1 on an idle machine
     # a forward of more nodes never costs less: noise is smoothed by an isotonic (non-decreasing) fit, then
     # normalised so that relative[1] == 1
     order = sorted(sizes)
@@ -329,8 +342,32 @@ def measure_verify_cost(target, sizes: Sequence[int] = PROFILE_SIZES, context: i
     mono = {n: f / fit[0] for n, f in zip(order, fit)}
     return {"seconds": {str(n): med[n] for n in sizes}, "relative": {str(n): mono[n] for n in sizes},
             "relative_raw": {str(n): raw[n] for n in sizes}, "context": context, "repeats": repeats,
+            "t1_spread": spread, "cost_drop": cost_drop([raw[n] for n in order]),
             "note": "relative_raw = median over repeats of t(n)/t(1) timed back to back; relative = its isotonic "
-                    "(non-decreasing) fit normalised to relative[1] = 1; seconds = fastest forward seen"}
+                    "(non-decreasing) fit normalised to relative[1] = 1; seconds = fastest forward seen; t1_spread ="
+                    " median / fastest one-token forward; cost_drop = largest fall of relative_raw below a smaller "
+                    "tree's (both near 1 and 0 on an idle machine)"}
+
+
+def cost_drop(raw: Sequence[float]) -> float:
+    """Largest relative fall of a cost below the highest cost of a smaller size: [1, 2.06, 1.2, 0.93] -> 0.55.
+    A forward of more nodes never costs less, so a large fall is noise, not the machine's cost curve."""
+    top, drop = 0.0, 0.0
+    for v in raw:
+        if top > 0:
+            drop = max(drop, 1 - v / top)
+        top = max(top, v)
+    return drop
+
+
+def profile_noise(verify: dict[str, Any]) -> str:
+    """Why a measured verification profile cannot be trusted ("" = clean): another process shared the cores."""
+    why = []
+    if verify.get("t1_spread", 1.0) > MAX_T1_SPREAD:
+        why.append(f"one-token forwards varied {verify['t1_spread']:.2f}x (median / fastest; idle ~1.1)")
+    if verify.get("cost_drop", 0.0) > MAX_COST_DROP:
+        why.append(f"a larger tree measured {verify['cost_drop']:.0%} cheaper than a smaller one")
+    return "; ".join(why)
 
 
 def load_or_profile(target, refresh: bool = False, sizes: Sequence[int] | None = None,
@@ -346,17 +383,28 @@ def load_or_profile(target, refresh: bool = False, sizes: Sequence[int] | None =
     if not refresh and os.path.exists(path):
         prof = read_json(path)
         if prof.get("version") == PROFILE_VERSION and [int(k) for k in prof["verify"]["relative"]] == list(sizes) \
-                and prof["verify"]["context"] == _clip_context(target, context, sizes):
+                and prof["verify"]["context"] == _clip_context(target, context, sizes) and not prof.get("noisy"):
             prof["cached"] = True
             prof["path"] = str(path)
             return prof
     log.info("profiling the target's verification cost on this machine (sizes %s, %d cached tokens)", list(sizes), context)
     t = time.perf_counter()
-    verify = measure_verify_cost(target, sizes, context, repeats)
+    noise = ""
+    for attempt in range(1, PROFILE_ATTEMPTS + 1):
+        verify = measure_verify_cost(target, sizes, context, repeats, seed=attempt - 1)
+        noise = profile_noise(verify)
+        if not noise:
+            break
+        log.warning("cost profile attempt %d/%d looks disturbed by other work on this machine (%s)%s", attempt,
+                    PROFILE_ATTEMPTS, noise, "; measuring again" if attempt < PROFILE_ATTEMPTS else "")
+    if noise:
+        log.warning("the machine stayed busy: keeping a noisy cost profile for this run only (not trusted next "
+                    "time); tree choices and speed figures measured now are unreliable")
     env = environment()
     prof = {"version": PROFILE_VERSION, "target": target.name, "dtype": str(target.dtype).replace("torch.", ""),
             "device": str(target.device), "cpu": env["cpu"], "gpu": env["gpu"], "torch_threads": env["torch_threads"],
-            "torch": env["torch"], "verify": verify, "profiling_s": round(time.perf_counter() - t, 2)}
+            "torch": env["torch"], "verify": verify, "attempts": attempt, "noisy": bool(noise), "noise": noise,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "profiling_s": round(time.perf_counter() - t, 2)}
     atomic_write_json(path, prof)
     prof["cached"] = False
     prof["path"] = str(path)
