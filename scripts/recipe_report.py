@@ -6,7 +6,9 @@
 Reads `<run>/prepare_summary.json` (written by `specheads prepare`) and `<run>/train_summary.json` (written by
 `specheads train` when it finishes) and writes `recipes.json` + `recipes.md` into --out; with --readme it also
 replaces the README block between `<!-- results:recipes:start -->` and `<!-- results:recipes:end -->`.
-Nothing is typed by hand: every figure comes from those two files.
+Nothing is typed by hand: every figure comes from those two files. --keep keeps the rows of the existing
+`<out>/recipes.json` whose runs are not named (runs measured earlier, whose folders this machine no longer has);
+a named run replaces its row in place or is appended.
 """
 from __future__ import annotations
 
@@ -67,8 +69,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, default=Path("docs/results/recipes"))
     ap.add_argument("--readme", action="store_true", help="also replace the README's results:recipes block")
+    ap.add_argument("--keep", action="store_true", help="keep the other rows of <out>/recipes.json")
     a = ap.parse_args(argv)
     rows = [row(r) for r in a.runs]
+    if a.keep and (a.out / "recipes.json").exists():
+        new = {r["run"]: r for r in rows}
+        old = json.loads((a.out / "recipes.json").read_text())
+        rows = [new.pop(r["run"], r) for r in old] + list(new.values())
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "recipes.json").write_text(json.dumps(rows, indent=2) + "\n")
     md = markdown(rows)
@@ -78,7 +85,8 @@ def main(argv: list[str]) -> int:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from update_readme_results import replace_block
 
-        cmd = "python scripts/recipe_report.py " + " ".join(str(r) for r in a.runs) + f" --out {a.out} --readme"
+        cmd = ("python scripts/recipe_report.py " + " ".join(str(r) for r in a.runs) + f" --out {a.out} --readme"
+               + (" --keep" if a.keep else ""))
         body = (f"\nProduced by `{cmd}` from each run's prepare_summary.json and train_summary.json (simulated τ on "
                 f"the held-out split, at the first and last evaluation).\n\n{md}\n")
         if not replace_block("recipes", body):

@@ -44,15 +44,16 @@ class DataConfig:
     val_fraction: float = 0.02  # held-out share for evaluation (chosen by a hash of the conversation id)
     regenerate: bool = False  # replace assistant turns with the target's own answers (self-distillation)
     regen_max_new_tokens: int = 512  # tokens per regenerated answer (cap; also bounded by max_length)
-    regen_batch_size: int = 32  # conversations generated together (one left-padded batch per turn round)
+    regen_batch_size: int = 32  # rows decoding together (refilled with waiting prompts as rows finish)
     regen_temperature: float = 0.0  # 0 = greedy (the default: the head learns the target's argmax)
     regen_top_p: float = 1.0  # nucleus cut when sampling (1.0 = off)
-    regen_max_turns: int | None = None  # regenerate (and keep) only the first N exchanges; None = all. 1 keeps every
-    # batch round full: multi-turn rounds shrink and ran at 42 tok/s vs ~200 for one round on 2 cores
+    regen_max_turns: int | None = None  # regenerate (and keep) only the first N exchanges; None = all (a next turn
+    # joins the refilled batch as soon as its previous answer is done)
     regen_conversations: int | None = None  # regenerate only the first N kept conversations; the rest keep the
-    # source's replies (None = all). Mixes cheap extra data in: extraction ~1,100 tok/s vs regeneration ~130 on 2 cores
-    regen_dtype: str | None = None  # target dtype for regeneration (None = target.dtype). Batched decoding is
-    # compute-bound: on a 2-core AVX-512 CPU without AMX, batch 64 ran 206 tok/s in float32 vs 138 in bfloat16
+    # source's replies (None = all). Mixes cheap extra data in: extraction ~1,100 tok/s vs regeneration ~250 on 2 cores
+    regen_dtype: str | None = None  # target dtype for regeneration (None = target.dtype). Which is faster depends
+    # on the CPU and library versions: on this 2-core AVX-512 CPU (torch 2.13, transformers 5.24), 64 rows ran 117
+    # tok/s in bfloat16 vs 71 in float32 (an earlier measurement here gave the reverse, 206 vs 138: check yours)
 
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",

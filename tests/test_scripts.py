@@ -1,0 +1,42 @@
+"""The report scripts that write the README's result blocks."""
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(tmp_path: Path, name: str, samples: int, tau: float) -> Path:
+    run = tmp_path / name
+    run.mkdir(exist_ok=True)
+    (run / "prepare_summary.json").write_text(json.dumps(
+        {"conversations_kept": 10, "samples": samples, "tokens": 100 * samples, "masked_tokens": 60 * samples,
+         "timings": {"regenerate_s": 60.0, "features_s": 30.0, "total_s": 95.0}}))
+    (run / "train_summary.json").write_text(json.dumps(
+        {"kind": "eagle3", "steps": 5, "train_seconds": 120.0, "tokens_per_s": 500.0,
+         "history": [{"tau_tree": 1.0, "tau_chain": 1.0, "top1_0": 0.0}, {"tau_tree": tau, "tau_chain": 1.5,
+                                                                          "top1_0": 0.4}]}))
+    return run
+
+
+def test_recipe_report_keep_replaces_named_rows_and_keeps_the_rest(tmp_path):
+    report = _script("recipe_report")
+    out = tmp_path / "out"
+    a, b = _run(tmp_path, "a", 7, 2.0), _run(tmp_path, "b", 9, 2.5)
+    assert report.main([str(a), "--out", str(out)]) == 0
+    assert report.main([str(b), "--out", str(out), "--keep"]) == 0  # a's folder is not named: its row stays
+    rows = json.loads((out / "recipes.json").read_text())
+    assert [r["run"] for r in rows] == [str(a), str(b)] and rows[1]["samples"] == 9
+    _run(tmp_path, "a", 11, 3.0)  # a measured again: replaces its row in place
+    assert report.main([str(a), "--out", str(out), "--keep"]) == 0
+    rows = json.loads((out / "recipes.json").read_text())
+    assert [(r["run"], r["samples"], r["tau_tree_end"]) for r in rows] == [(str(a), 11, 3.0), (str(b), 9, 2.5)]
+    assert report.main([str(b), "--out", str(out)]) == 0  # without --keep the file holds the named runs only
+    assert [r["run"] for r in json.loads((out / "recipes.json").read_text())] == [str(b)]
