@@ -87,8 +87,10 @@ def main(argv: list[str]) -> int:
 
         cmd = ("python scripts/recipe_report.py " + " ".join(str(r) for r in a.runs) + f" --out {a.out} --readme"
                + (" --keep" if a.keep else ""))
+        kept = (f"; the rows of runs not named are kept from {a.out / 'recipes.json'}, where earlier runs of this "
+                f"command put them" if a.keep else "")
         body = (f"\nProduced by `{cmd}` from each run's prepare_summary.json and train_summary.json (simulated τ on "
-                f"the held-out split, at the first and last evaluation).\n\n{md}\n")
+                f"the held-out split, at the first and last evaluation){kept}.\n\n{md}\n")
         if not replace_block("recipes", body):
             return 2
     return 0
