@@ -274,6 +274,18 @@ def test_head_method_tree_auto_on_tiny(tiny, tmp_path, monkeypatch, kind):
     _, extra2 = build_methods(["head"], tiny, args, calib_ids=[[1, 5, 6, 7, 5, 6, 7, 5, 6]])
     assert extra2["tree"]["profile"]["remeasured"] is True
     assert read_json(path)["verify"]["seconds"]["1"] < stale["verify"]["seconds"]["1"] / 10
+    # a clean profile measured just now that still disagrees with the probe prices the draft (the probe's own
+    # forwards were slowed): faked as a fresh profile whose one-token forward is 1000x the probe's
+    t1_probe = extra2["tree"]["draft_cost"]["t1_s"]
+    fresh = {**read_json(path), "cached": False, "path": path}
+    fresh["verify"] = {**fresh["verify"], "seconds": {**fresh["verify"]["seconds"], "1": 1000 * t1_probe}}
+    real_load = prof_mod.load_or_profile
+    monkeypatch.setattr(prof_mod, "load_or_profile", lambda target, refresh=False: fresh)
+    _, extra3 = build_methods(["head"], tiny, args, calib_ids=[[1, 5, 6, 7, 5, 6, 7, 5, 6]])
+    cost = extra3["tree"]["draft_cost"]
+    assert cost["t1_s"] == prof_mod.t1_seconds(fresh) and cost["t1_from"].startswith("the profile")
+    assert extra3["tree"]["profile"]["remeasured"] is False
+    monkeypatch.setattr(prof_mod, "load_or_profile", real_load)
     prompts = [BenchPrompt(id="0", category="a", turns=["abcabcabc"], chat=False)]
     res = run_bench(prompts, methods, BenchSettings("tiny", "x", "float32", max_new_tokens=10, warmup_tokens=2),
                     tiny.tokenizer, out_dir=tmp_path / "out", extra=extra, progress=False)

@@ -782,6 +782,15 @@ def choose_tree_for_head(target, head, kind: str, calib_ids: list[list[int]], re
         prof, remeasured = load_or_profile(target, refresh=True), True
         costs = relative_costs(prof)
         t1_now = probe_t1(costs)
+    t1_from = "the probe's tree forwards / their relative cost"
+    if not prof.get("noisy") and not 1 / PROBE_T1_TOLERANCE <= t1_seconds(prof) / t1_now <= PROBE_T1_TOLERANCE:
+        # a clean profile measured in this state of the machine (fresh or just re-measured) still disagrees: the
+        # probe's own forwards were slowed (seen: 142 vs 43 ms on a fresh machine, the probe being the run's first
+        # tree work), so the profile's timed one-token forward prices the draft
+        log.warning("the probe's one-token forward (%.1f ms) is far from the fresh profile's (%.1f ms): pricing the "
+                    "draft against the profile's", 1e3 * t1_now, 1e3 * t1_seconds(prof))
+        t1_from = f"the profile (the probe's tree forwards gave {1e3 * t1_now:.1f} ms)"
+        t1_now = t1_seconds(prof)
     # draft cost = first depth + each further depth, from two shapes timed now: the probe's deep tree and a
     # depth-1 tree of the same width (short and untimed otherwise; its acceptance is not used)
     draft_per_step = rec.seconds_per_step()  # median drafter seconds per step (propose + observe), deep tree
@@ -806,7 +815,7 @@ def choose_tree_for_head(target, head, kind: str, calib_ids: list[list[int]], re
                            "probe_s": round(probe_s, 3)},
             "draft_cost": {"seconds_per_step": draft_per_step, "depth1_seconds_per_step": first_s,
                            "relative_first": c1, "relative_per_unit": c, "unit": "per further depth",
-                           "t1_s": t1_now, "t1_from": "the probe's tree forwards / their relative cost"},
+                           "t1_s": t1_now, "t1_from": t1_from},
             "profile": {"path": prof["path"], "cached": prof["cached"], "verify_relative": prof["verify"]["relative"],
                         "t1_s": t1_seconds(prof), "context": prof["verify"]["context"],
                         "remeasured": remeasured, "noisy": prof.get("noisy", False),
