@@ -19,6 +19,7 @@ away by tokenisation).
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -40,7 +41,9 @@ log = logging.getLogger(__name__)
 REFILL_BELOW = 0.75
 
 
+@functools.lru_cache(maxsize=None)
 def _buffered_layer_class():
+    """Defined on first use (transformers is imported lazily); one class for every cache."""
     from transformers.cache_utils import DynamicLayer
 
     class BufferedLayer(DynamicLayer):
@@ -113,7 +116,11 @@ class _Batch:
                 layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
 
     def merge(self, other: "_Batch") -> None:
-        """Append other's rows (both compact); the shorter cache is left-padded to the longer one's length."""
+        """Append other's live rows after dropping both batches' finished ones; the shorter cache is left-padded to
+        the longer one's length."""
+        for batch in (self, other):
+            if batch.live < len(batch.keys):
+                batch.compact()
         L = max(self.mask.shape[1], other.mask.shape[1])
 
         def lpad(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -155,7 +162,7 @@ def generate_stream(target, work: deque, batch_size: int, temperature: float = 0
     can_merge = True  # False for sliding-window caches (see _new_cache)
 
     def advance(batch: _Batch, logits: torch.Tensor) -> list[tuple[Hashable, list[int]]]:
-        """Pick each row's next token; rows that end leave the batch and are returned."""
+        """Pick each row's next token; rows that end are returned (and compacted away in bulk, see COMPACT_AT)."""
         tok = _pick(logits, temperature, top_p, generator)  # [b]
         done = []
         for r, key in enumerate(batch.keys):
@@ -176,8 +183,6 @@ def generate_stream(target, work: deque, batch_size: int, temperature: float = 0
     while True:
         b = 0 if live is None else live.live
         if work and (b == 0 or (can_merge and b < refill_below * batch_size)):
-            if b and b < len(live.keys):
-                live.compact()
             new = [work.popleft() for _ in range(min(batch_size - b, len(work)))]
             T = max(len(p) for _, p, _ in new)
             ids = torch.zeros(len(new), T, dtype=torch.long)
@@ -198,8 +203,6 @@ def generate_stream(target, work: deque, batch_size: int, temperature: float = 0
                 if b == 0:
                     live = fresh
                 else:
-                    if fresh.live < len(fresh.keys):
-                        fresh.compact()
                     live.merge(fresh)
             continue
         if b == 0:
