@@ -119,8 +119,13 @@ def test_speculators_and_medusa_config_fields(tiny, tmp_path):
         {"lm_heads.0.weight", "lm_heads.1.weight"}
 
 
-def test_import_fasterdecoding_medusa(tiny, tmp_path):
-    """Medusa repo layout: medusa_head.{h}.{l}.linear.* (the repo ties the repeats: we untie) + medusa_head.{h}.{n}."""
+@pytest.mark.parametrize("prefix", ["", "medusa_head."])
+def test_import_fasterdecoding_medusa(tiny, tmp_path, prefix):
+    """FasterDecoding/Medusa @ e2a5d20c048a9b0a4092e6933c34313687422518: medusa/train/train_legacy.py saves
+    `medusa_head.state_dict()` (the ModuleList of `nn.Sequential(*[ResBlock] * n, nn.Linear(D, V, bias=False))`) as
+    medusa_lm_head.safetensors, keys `{h}.{l}.linear.weight|bias` and `{h}.{n}.weight`, no prefix, and
+    medusa/model/medusa_model.py loads it back with `medusa_head.load_state_dict`; older exports put `medusa_head.`
+    in front. The repo ties the n ResBlocks of a head (the same module n times): we untie."""
     src = tmp_path / "repo"
     src.mkdir()
     (src / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 2,
@@ -129,19 +134,23 @@ def test_import_fasterdecoding_medusa(tiny, tmp_path):
     sd = {}
     for h in range(2):
         w, b = torch.randn(D, D, generator=g) * 0.01, torch.randn(D, generator=g) * 0.01
-        for l in range(2):  # the same tensors under both names, as the tied repo writes them
-            sd[f"medusa_head.{h}.{l}.linear.weight"], sd[f"medusa_head.{h}.{l}.linear.bias"] = w.clone(), b.clone()
-        sd[f"medusa_head.{h}.2.weight"] = torch.randn(V, D, generator=g)
+        for l in range(2):  # the same values under both names, as the tied repo writes them
+            sd[f"{prefix}{h}.{l}.linear.weight"], sd[f"{prefix}{h}.{l}.linear.bias"] = w.clone(), b.clone()
+        sd[f"{prefix}{h}.2.weight"] = torch.randn(V, D, generator=g)
     save_file(sd, str(src / "medusa_lm_head.safetensors"))
     head = import_head(src, tiny)
-    assert head.spec.num_heads == 2 and head.spec.num_layers == 2
+    assert head.spec.num_heads == 2 and head.spec.num_layers == 2 and head.spec.resolved_bias()
     assert head.blocks[0].layers[0].weight.data_ptr() != head.blocks[0].layers[1].weight.data_ptr()
     x = torch.randn(1, 3, D)
-    blk = sd["medusa_head.0.0.linear.weight"], sd["medusa_head.0.0.linear.bias"]
+    blk = sd[f"{prefix}0.0.linear.weight"], sd[f"{prefix}0.0.linear.bias"]
     y = x
     for _ in range(2):
         y = y + torch.nn.functional.silu(y @ blk[0].T + blk[1])
-    torch.testing.assert_close(head(x)[0], y @ sd["medusa_head.0.2.weight"].T)
+    torch.testing.assert_close(head(x)[0], y @ sd[f"{prefix}0.2.weight"].T)
+    sd[f"{prefix}0.0.extra.weight"] = torch.zeros(1)
+    save_file(sd, str(src / "medusa_lm_head.safetensors"))
+    with pytest.raises(SpecheadsError, match="unexpected key '(medusa_head.)?0.0.extra.weight'"):
+        import_head(src, tiny)
 
 
 def test_import_eagle1_repo_folder(tiny, tmp_path):

@@ -18,7 +18,8 @@ Conventions at the border (checked against the consumers' loaders):
 - Aux layer ids: SGLang's `eagle_aux_hidden_state_layer_ids` are our hidden_states-tuple ids minus one (SGLang
   captures the input of layer id+1); vLLM / speculators use the tuple ids unchanged (id j = output of layer j-1).
 - vLLM Medusa reads `medusa_fc_bias` (default false) and `truncated_vocab_size` with `token_map`.
-Imports also accept FasterDecoding Medusa checkpoints (`medusa_head.{h}.{l}.linear.*`, config medusa_num_heads /
+Imports also accept FasterDecoding Medusa checkpoints (`{h}.{l}.linear.*`, optionally under `medusa_head.`; config
+medusa_num_heads /
 medusa_num_layers) and EAGLE-1 / EAGLE-3 repo folders (same layouts as `eagle` / `eagle3`).
 """
 from __future__ import annotations
@@ -42,6 +43,11 @@ KIND_OF_FORMAT = {"eagle": "eagle", "eagle3": "eagle3", "speculators": "eagle3",
 SPECULATIVE_TOKENS = 3  # speculators' greedy proposal default (its EAGLE-3 converter writes 3)
 HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # our aliases -> the id serving engines load
 _SKIP_ON_IMPORT = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")  # target's, not ours
+# FasterDecoding/Medusa checkpoints: the state dict of the heads' ModuleList, `{h}.{l}.linear.weight|bias` for the
+# ResBlocks and `{h}.{n}.weight` for the head's vocab projection; its trainer saves and loads that dict without a
+# prefix (medusa/train/train_legacy.py; medusa_model.py: medusa_head.load_state_dict), older exports carry
+# `medusa_head.` in front. Both are read.
+_MEDUSA_REPO_KEY = re.compile(r"(?:medusa_head\.)?(\d+)\.(\d+)\.(linear\.)?(weight|bias)")
 
 
 def _check_keys(tensors: dict, required: list[str], where: str) -> None:
@@ -289,15 +295,15 @@ def import_head(src_dir: str | Path, target, fmt: str | None = None) -> DraftHea
             tensors["d2t"] = sd["token_map"].to(torch.long)
             tensors["t2d"] = torch.zeros(target.vocab_size, dtype=torch.bool)
             tensors["t2d"][tensors["d2t"]] = True
-    elif fmt == "medusa-repo":  # FasterDecoding/Medusa: medusa_head.{h}.{l}.linear.*, medusa_head.{h}.{n}.weight
+    elif fmt == "medusa-repo":
         if "hidden_size" in config:
             _check_dims(config, target, where)
         K, n = int(_need(config, "medusa_num_heads", where)), int(_need(config, "medusa_num_layers", where))
         spec = HeadSpec(kind="medusa", num_heads=K, num_layers=n, medusa_lm_head="per_head",
-                        bias="medusa_head.0.0.linear.bias" in sd)
+                        bias=any(k.endswith("linear.bias") for k in sd))
         tensors = {}
         for k, v in sd.items():
-            m = re.fullmatch(r"medusa_head\.(\d+)\.(\d+)\.(linear\.)?(weight|bias)", k)
+            m = _MEDUSA_REPO_KEY.fullmatch(k)
             if m is None:
                 raise SpecheadsError(f"{w}: unexpected key {k!r}")
             h, l, lin, p = int(m[1]), int(m[2]), m[3], m[4]
