@@ -1,25 +1,59 @@
-"""Export -> import round trips per format, the key/config layout each consumer reads, foreign checkpoints, errors,
-and (when .venv-speculators exists) the real `speculators` package loading our export."""
+"""Export -> import round trips per format; each consumer's reading rules (the config keys and tensors its loader
+reads, in its conventions) applied to our files, with the loader cited; refusals of what a consumer cannot read;
+foreign checkpoints; errors; and (when .venv-speculators exists) the real `speculators` package running our export.
+
+The consumer rules below are our own re-statement of what each loader does, read at these commits (full list with
+what each was used for: docs/exports.md):
+SGLang sgl-project/sglang@3b64d5dee0756de843b5f022966f69c995cd15ea python/sglang/srt/models/llama_eagle.py,
+  @d737979cbd17c6162f39c1953cfa72d3d23cc0d0 .../llama_eagle3.py, @00239548f1cd1a06ca145a5447a86738090a48f1 .../llama.py;
+vLLM vllm-project/vllm@e1c4a55214c63e19e83f82ad6c552d82148bae0b vllm/model_executor/models/llama_eagle.py,
+  @583507d13075783a12ccbd774575974d10ca4959 .../llama_eagle3.py, @e06c9ba2a6ea923a84add30f5dafaea126429b81 .../llama.py,
+  @0002bff0b6cb36a3c8a17364de3303664463c412 .../registry.py, @23c5aa92d517802488a0c77a5f58cd0a2019c5a3
+  vllm/transformers_utils/configs/eagle.py, @4e1790651fc758c06c7a903dd4cd82364ac91b27
+  vllm/v1/worker/gpu_model_runner.py, @09cddad8f0324594022359cd2b07e962a14b895f .../models/medusa.py,
+  @4bb77b3239adff81001f12cd9c9a39b65800a373 vllm/transformers_utils/configs/medusa.py,
+  @cfb173ab8e1b8e44dd35f8b5188255b6a03e13ec .../configs/speculators/algos.py;
+EAGLE SafeAILab/EAGLE@cb7e0841fe0c206c6ed74a197ad5e2a1f13f5a2b eagle/model/{ea_model,cnets,cnets1,modeling_llama_kv}.py;
+llama.cpp ggml-org/llama.cpp pull requests #18039 (EAGLE-3 support, merged), #25794 (aux ids from config, merged),
+  #27040 (states that the converter reads the top-level ids);
+FasterDecoding/Medusa@e2a5d20c048a9b0a4092e6933c34313687422518."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specheads.heads import HeadSpec, build_head, load_head
-from specheads.heads.export import export_head, import_head
+from specheads.heads import HeadSpec, build_head, default_feature_layers, load_head
+from specheads.heads.base import causal_mask_4d
+from specheads.heads.export import consumer_problems, consumers_of, export_head, import_head
 from specheads.utils import SpecheadsError
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_PY = ROOT / ".venv-speculators" / "bin" / "python"
 V, D = 256, 64
 COUNTS = torch.arange(V)  # the highest ids are "most frequent"
+ROPE = {"rope_type": "default", "rope_theta": 100000.0}  # SmolLM2's base: the readers' fallback is 10,000
+
+
+@pytest.fixture
+def tiny_rope():
+    """The tiny target with a RoPE base of 100,000 in transformers 5's `rope_parameters` (as SmolLM2's config)."""
+    from specheads.target import tiny_target
+
+    return tiny_target(rope_parameters=dict(ROPE))
+
+
+@pytest.fixture
+def tiny8():
+    """An 8-layer tiny target: room for non-default EAGLE-3 layers in 1..L-1 (default [2, 4, 5])."""
+    from specheads.target import tiny_target
+
+    return tiny_target(num_layers=8, rope_parameters=dict(ROPE))
 
 
 def _trained(spec, tiny, tmp_path, name="h"):
@@ -39,14 +73,20 @@ def _same_state(a, b):
         assert torch.equal(sa[k], sb[k]), k
 
 
+def _exported(path):
+    return json.loads((path / "config.json").read_text()), load_file(str(path / "model.safetensors"))
+
+
 CASES = [
     ("native", HeadSpec(kind="eagle3", draft_vocab_size=100, feature_layers=[1, 2, 3])),
     ("eagle", HeadSpec(kind="eagle")),
-    ("eagle", HeadSpec(kind="eagle", bias=False)),
+    ("eagle", HeadSpec(kind="eagle", bias=False, num_layers=2)),
+    ("eagle-vllm", HeadSpec(kind="eagle")),
+    ("eagle-vllm", HeadSpec(kind="eagle", bias=False)),
     ("eagle3", HeadSpec(kind="eagle3", draft_vocab_size=100, feature_layers=[1, 2, 3])),
     ("eagle3", HeadSpec(kind="eagle3")),
     ("speculators", HeadSpec(kind="eagle3", draft_vocab_size=100, feature_layers=[1, 2, 3])),
-    ("speculators", HeadSpec(kind="eagle3", feature_layers=[1, 2, 4])),
+    ("speculators", HeadSpec(kind="eagle3")),
     ("medusa-vllm", HeadSpec(kind="medusa", num_heads=3, num_layers=2, medusa_lm_head="per_head")),
     ("medusa-vllm", HeadSpec(kind="medusa", num_heads=2, medusa_lm_head="per_head", draft_vocab_size=50)),
 ]
@@ -58,7 +98,256 @@ def test_round_trip_bit_exact(tiny, tmp_path, fmt, spec):
     export_head(tmp_path / "h", fmt, tmp_path / "out")
     back = import_head(tmp_path / "out", tiny)
     assert type(back) is type(head) and back.config.feature_layers == head.config.feature_layers
+    assert back.spec.resolved_bias() == head.spec.resolved_bias()
     _same_state(head, back)
+
+
+# ------------------------------------------------------------------------------------------------ EAGLE-1 readers
+def _eagle1_reader(cfg: dict, fc_bias: bool, attention_bias: bool, rope_theta: float):
+    """The EAGLE-1 draft a reader builds from an exported config: HF's own Llama layers (num_hidden_layers of them,
+    layer 0 without its input norm, as all three readers do), fc 2D -> D, RoPE at `rope_theta`."""
+    from transformers import LlamaConfig, LlamaModel
+
+    lc = LlamaConfig(vocab_size=8, hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+                     num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
+                     head_dim=cfg.get("head_dim"), rms_norm_eps=cfg["rms_norm_eps"],
+                     num_hidden_layers=cfg["num_hidden_layers"], max_position_embeddings=cfg["max_position_embeddings"],
+                     attention_bias=attention_bias, rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
+    lc._attn_implementation = "sdpa"
+    model = LlamaModel(lc)
+    model.layers[0].input_layernorm = torch.nn.Identity()
+    reader = torch.nn.Module()
+    reader.fc = torch.nn.Linear(2 * cfg["hidden_size"], cfg["hidden_size"], bias=fc_bias)
+    reader.layers = model.layers
+    return reader, model.rotary_emb
+
+
+def _load_reader(reader, sd: dict, unexpected: str) -> None:
+    """Load like the consumer: every parameter it built must come from the file (a missing one stays random in all
+    three); file keys it has no parameter for are `unexpected` = "ignored" (load_state_dict(strict=False), SGLang's
+    skip of unknown biases) or "error" (vLLM llama_eagle.py: params_dict[name], a KeyError)."""
+    own = set(reader.state_dict())
+    assert own <= set(sd), f"the reader would leave {sorted(own - set(sd))} uninitialised"
+    if unexpected == "error":
+        assert set(sd) <= own, f"the reader has no parameter for {sorted(set(sd) - own)} (KeyError)"
+    reader.load_state_dict({k: v for k, v in sd.items() if k in own}, strict=True)
+
+
+def _eagle1_logits(reader, rotary, target, feats, toks):
+    """fc([E(x); f]) -> layers -> the target's lm_head: what all three readers compute (no final norm)."""
+    T = toks.shape[1]
+    pos = torch.arange(T)[None]
+    mask = causal_mask_4d(torch.ones(1, T, dtype=torch.long), torch.float32)
+    x = reader.fc(torch.cat([target.embed_tokens(toks), feats], -1))
+    pe = rotary(x, pos)
+    for layer in reader.layers:
+        x = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe)
+        x = x[0] if isinstance(x, tuple) else x
+    return target.lm_head(x)
+
+
+def _eagle1_case(target, spec, tmp_path, fmt):
+    head = _trained(spec, target, tmp_path)
+    export_head(tmp_path / "h", fmt, tmp_path / fmt)
+    g = torch.Generator().manual_seed(7)
+    feats, toks = torch.randn(1, 9, D, generator=g), torch.randint(0, V, (1, 9), generator=g)
+    with torch.no_grad():
+        ours = head(feats, toks)[1]
+    return (*_exported(tmp_path / fmt), ours, feats, toks)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_eagle_read_by_the_eagle_repo(tiny_rope, tmp_path, bias):
+    """EAGLE repo (SafeAILab/EAGLE@cb7e0841, eagle/model/ea_model.py + cnets1.py): `bias = con["bias"]` (default
+    True) is the FC bias; attention biases only with `qkv_bias`; RoPE base `config.rope_theta` if present, else
+    10,000; `ea_layer.load_state_dict(..., strict=False)` (extra keys ignored, missing ones stay random)."""
+    cfg, sd, ours, feats, toks = _eagle1_case(tiny_rope, HeadSpec(kind="eagle", bias=bias), tmp_path, "eagle")
+    assert cfg.get("rope_theta", 10000) == ROPE["rope_theta"]
+    reader, rotary = _eagle1_reader(cfg, fc_bias=cfg.get("bias", True), attention_bias="qkv_bias" in cfg,
+                                    rope_theta=cfg.get("rope_theta", 10000))
+    _load_reader(reader, sd, unexpected="ignored")
+    with torch.no_grad():
+        torch.testing.assert_close(_eagle1_logits(reader, rotary, tiny_rope, feats, toks), ours)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_eagle_read_by_sglang(tiny_rope, tmp_path, bias):
+    """SGLang LlamaForCausalLMEagle (sgl-project/sglang@3b64d5de, python/sglang/srt/models/llama_eagle.py): the class
+    named in `architectures`; `fc = nn.Linear(2D, D)` with a bias always; its Llama layers (llama.py @00239548) take
+    `attention_bias or bias` as the q/k/v/o bias and `getattr(config, "rope_theta", 10000)`; weights load by name
+    (`model.` + name), biases it has no parameter for are skipped."""
+    cfg, sd, ours, feats, toks = _eagle1_case(tiny_rope, HeadSpec(kind="eagle", bias=bias), tmp_path, "eagle")
+    assert cfg["architectures"][0] == "LlamaForCausalLMEagle"
+    reader, rotary = _eagle1_reader(cfg, fc_bias=True,
+                                    attention_bias=bool(cfg.get("attention_bias") or cfg.get("bias")),
+                                    rope_theta=cfg.get("rope_theta", 10000))
+    _load_reader(reader, sd, unexpected="ignored")
+    with torch.no_grad():
+        torch.testing.assert_close(_eagle1_logits(reader, rotary, tiny_rope, feats, toks), ours)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_eagle_vllm_read_by_vllm(tiny_rope, tmp_path, bias):
+    """vLLM EagleLlamaForCausalLM (vllm-project/vllm@e1c4a552, vllm/model_executor/models/llama_eagle.py): fc built
+    with bias=False, weights by `params_dict[name]` (a key it lacks is a KeyError); the class comes from
+    `architectures` mapped arch -> "Eagle" + arch unless it starts with "Eagle" (transformers_utils/configs/eagle.py
+    @23c5aa92) and looked up in the registry (@0002bff0: EagleLlamaForCausalLM); its Llama layers (llama.py @e06c9ba2)
+    take `attention_bias or bias` as q/k/v (unless `qkv_bias`) and o bias, RoPE from `rope_parameters` (older
+    versions: `rope_theta`). A head trained with an fc bias reads exactly: the bias is folded into layer 0."""
+    cfg, sd, ours, feats, toks = _eagle1_case(tiny_rope, HeadSpec(kind="eagle", bias=bias), tmp_path, "eagle-vllm")
+    archs = [a if a.startswith("Eagle") else f"Eagle{a}" for a in cfg["architectures"]]
+    assert "EagleLlamaForCausalLM" in archs and "fc.bias" not in sd and cfg["eagle_fc_bias"] is False
+    assert cfg["rope_parameters"]["rope_theta"] == cfg["rope_theta"] == ROPE["rope_theta"]
+    attention_bias = bool(cfg.get("attention_bias") or cfg.get("bias"))
+    assert attention_bias == bias and "qkv_bias" not in cfg
+    reader, rotary = _eagle1_reader(cfg, fc_bias=False, attention_bias=attention_bias, rope_theta=cfg["rope_theta"])
+    _load_reader(reader, sd, unexpected="error")
+    with torch.no_grad():
+        torch.testing.assert_close(_eagle1_logits(reader, rotary, tiny_rope, feats, toks), ours, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ EAGLE-3 readers
+def _captured_layers(consumer: str, cfg: dict, L: int) -> list[int]:
+    """The target layers a consumer feeds the draft, in its order (hidden-states index: input of layer i = ours i).
+    SGLang (llama.py @00239548 set_eagle3_layers_to_capture): eagle_config ids + 1, default [2, L//2, L-3]; vLLM
+    (gpu_model_runner.py @4e179065 _get_eagle3_aux_layers_from_config): top-level ids, else the model default
+    (llama.py @e06c9ba2: (2, L//2, L-3)); llama.cpp (PR #25794; #27040 quotes eagle3_raw_config.get(
+    "eagle_aux_hidden_state_layer_ids") then [2, n//2, n-3]): top level; the EAGLE-3 repo (modeling_llama_kv.py
+    @cb7e0841): `idx == 2 or idx == L//2 or idx == L-3`, whatever the config says. Each engine appends the input of
+    layer idx while looping over the layers, so states arrive ascending and once per layer."""
+    default = [2, L // 2, L - 3]
+    if consumer == "sglang":
+        nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        ids = [i + 1 for i in nested] if nested else default
+    elif consumer in ("vllm", "llama.cpp", "speculators"):
+        ids = cfg.get("eagle_aux_hidden_state_layer_ids") or default
+    else:
+        ids = default
+    return sorted(set(ids))
+
+
+def _eagle3_fc_reads_right(head, cfg, sd, target, consumer):
+    """The consumer concatenates the captured states in layer order and applies the file's fc: the same g_t as our
+    head gives from its features in config order."""
+    hs = target.model(torch.randint(0, V, (1, 7)), output_hidden_states=True).hidden_states
+    theirs = torch.cat([hs[i] for i in _captured_layers(consumer, cfg, target.num_layers)], -1)
+    assert theirs.shape[-1] == sd["fc.weight"].shape[1] == 3 * D  # fc = Linear(3 * hidden, hidden) in each engine
+    ours = head.project_features(torch.cat([hs[i] for i in head.config.feature_layers], -1))
+    bias = sd.get("fc.bias") if consumer == "sglang" and cfg.get("bias") else None  # SGLang: bias=config.bias
+    torch.testing.assert_close(torch.nn.functional.linear(theirs, sd["fc.weight"], bias), ours)
+
+
+@pytest.mark.parametrize("layers", [None, [1, 3, 6], [6, 1, 3]], ids=["default", "non-default", "unsorted"])
+def test_eagle3_read_by_sglang_vllm_llamacpp(tiny8, tmp_path, layers):
+    """Each engine's aux-id convention on a non-default (and an unsorted) head: SGLang's nested ids are ours minus
+    one, vLLM's and llama.cpp's top-level ids are ours, all capture ascending; d2t offsets (SGLang llama_eagle3.py
+    @d737979c: hot_token_id = d2t + arange; vLLM llama_eagle3.py @583507d1: base + draft_id_to_target_id), t2d
+    skipped; `draft_vocab_size` rows in lm_head; num_hidden_layers 1 (SGLang raises otherwise); the parameter names
+    SGLang's LlamaForCausalLMEagle3 registers (fc, midlayer.{input_layernorm, hidden_norm, self_attn.*_proj,
+    post_attention_layernorm, mlp.*}, norm, lm_head); RoPE base via rope_theta (getattr default 10,000)."""
+    head = _trained(HeadSpec(kind="eagle3", draft_vocab_size=100, feature_layers=layers), tiny8, tmp_path)
+    export_head(tmp_path / "h", "eagle3", tmp_path / "e3")
+    cfg, sd = _exported(tmp_path / "e3")
+    want = sorted(head.config.feature_layers)
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == want
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in want]
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert cfg["draft_vocab_size"] == 100 == sd["lm_head.weight"].shape[0] and cfg["rope_theta"] == ROPE["rope_theta"]
+    assert "target_hidden_size" not in cfg  # the EAGLE-3 repo loads the target's embedding only without it
+    mid = {f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"} | {f"midlayer.mlp.{p}_proj.weight" for p in
+                                                                      ("gate", "up", "down")}
+    mid |= {f"midlayer.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")}
+    assert set(sd) == mid | {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+    assert torch.equal(sd["d2t"] + torch.arange(100), head.d2t) and int(sd["t2d"].sum()) == 100
+    with torch.no_grad():
+        for consumer in ("sglang", "vllm", "llama.cpp"):
+            assert _captured_layers(consumer, cfg, 8) == want, consumer
+            _eagle3_fc_reads_right(head, cfg, sd, tiny8, consumer)
+
+
+def test_eagle3_with_fc_bias_for_sglang_only(tiny8, tmp_path):
+    """SGLang reads `bias` as the fc bias AND (LlamaDecoderLayer's `attention_bias or bias`, llama.py @00239548)
+    the o_proj bias, qkv being rebuilt without one (llama_eagle3.py @d737979c): the export writes a zero o_proj bias.
+    vLLM (llama_eagle3.py @583507d1: fc bias=False, params_dict KeyError) and llama.cpp (PR #18039's converter maps
+    fc.weight only) cannot take the head: refused unless the export names SGLang alone."""
+    head = _trained(HeadSpec(kind="eagle3", bias=True), tiny8, tmp_path)
+    with pytest.raises(SpecheadsError, match=r"vLLM's Eagle3LlamaForCausalLM \(vllm\): its fc has no bias.*"
+                                             r"llama.cpp.*export for \['sglang'\] only with --consumer"):
+        export_head(tmp_path / "h", "eagle3", tmp_path / "x")
+    export_head(tmp_path / "h", "eagle3", tmp_path / "e3", consumers=["sglang"])
+    cfg, sd = _exported(tmp_path / "e3")
+    assert cfg["bias"] is True and cfg["specheads"]["consumers"] == ["sglang"]
+    assert torch.equal(sd["midlayer.self_attn.o_proj.bias"], torch.zeros(D)) and "fc.bias" in sd
+    with torch.no_grad():
+        _eagle3_fc_reads_right(head, cfg, sd, tiny8, "sglang")
+    back = import_head(tmp_path / "e3", tiny8)
+    _same_state(head, back)
+
+
+@pytest.mark.parametrize("fmt,layers,consumer,reason", [
+    ("eagle3", [1, 5], "vllm", "exactly 3 feature layers"),
+    ("eagle3", [1, 3, 5, 7], "sglang", "exactly 3 feature layers"),
+    ("eagle3", [2, 4, 8], "llama.cpp", "layer id 8 is our final post-norm state"),
+    ("eagle3", [2, 2, 5], "sglang", "captures each target layer once"),
+    ("eagle3", [0, 3, 5], "vllm", "layer id 0"),
+    ("speculators", [2, 4, 8], "speculators", "pre-norm output"),
+    ("speculators", [2, 2, 5], "speculators", "captures each target layer once"),
+])
+def test_feature_layers_no_consumer_can_feed_are_refused(tiny8, tmp_path, fmt, layers, consumer, reason):
+    """Layers the engines cannot reproduce (see _captured_layers): they build fc for 3 states, capture inputs of
+    layers 0..L-1 (never our post-norm L; speculators' last id is the pre-norm output), add the residual (none before
+    layer 0: SGLang / vLLM), and capture a layer once. The export refuses, naming the consumer and the reason."""
+    _trained(HeadSpec(kind="eagle3", feature_layers=layers), tiny8, tmp_path)
+    with pytest.raises(SpecheadsError, match=rf"--format {fmt}: .*\({consumer}\): [^;]*{reason}"):
+        export_head(tmp_path / "h", fmt, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_layer_zero_exports_for_llamacpp_alone(tiny8, tmp_path):
+    _trained(HeadSpec(kind="eagle3", feature_layers=[0, 3, 5]), tiny8, tmp_path)
+    with pytest.raises(SpecheadsError, match=r"export for \['llama.cpp'\] only with --consumer"):
+        export_head(tmp_path / "h", "eagle3", tmp_path / "x")
+    export_head(tmp_path / "h", "eagle3", tmp_path / "x", consumers=["llama.cpp"])
+    with pytest.raises(SpecheadsError, match=r"--consumer 'tensorrt': --format eagle3 is read by"):
+        export_head(tmp_path / "h", "eagle3", tmp_path / "x", consumers=["tensorrt"])
+
+
+def test_eagle_repo_reads_only_its_hardcoded_layers(tiny8, tmp_path):
+    """The EAGLE-3 repo captures layers 2, L//2, L-3 (modeling_llama_kv.py @cb7e0841) and ignores config ids, its fc
+    has no bias and loads with strict=False (cnets.py, ea_model.py): opt-in consumer, checked when named."""
+    assert "eagle-repo" in consumers_of("eagle3") and "eagle-repo" not in consumers_of("eagle3", default_only=True)
+    _trained(HeadSpec(kind="eagle3", feature_layers=[1, 3, 6]), tiny8, tmp_path)
+    export_head(tmp_path / "h", "eagle3", tmp_path / "x")  # the engines read it
+    with pytest.raises(SpecheadsError, match=r"\(eagle-repo\): it captures the hardcoded layers 2, L // 2, L - 3 = "
+                                             r"\[2, 4, 5\]"):
+        export_head(tmp_path / "h", "eagle3", tmp_path / "x", consumers=["sglang", "eagle-repo"])
+    _trained(HeadSpec(kind="eagle3"), tiny8, tmp_path, "d")
+    export_head(tmp_path / "d", "eagle3", tmp_path / "y", consumers=["eagle-repo"])
+    assert _captured_layers("eagle-repo", {}, 8) == json.loads((tmp_path / "y" / "config.json").read_text())[
+        "eagle_aux_hidden_state_layer_ids"]
+
+
+def test_training_defaults_export_everywhere():
+    """heads/base.py default_feature_layers: three distinct ascending ids in 1..L-1 for every L >= 4, which every
+    default consumer of eagle3 and speculators accepts; [2, L//2, L-3] (the EAGLE-3 repo's, SGLang's and vLLM's
+    default) from L = 7 on, so SmolLM2 (L = 30) keeps [2, 15, 27] and its features on disk stay valid."""
+    from specheads.heads.base import HeadConfig
+
+    assert default_feature_layers("eagle3", 30) == [2, 15, 27]
+    assert default_feature_layers("eagle3", 4) == [1, 2, 3]  # [2, L//2, L-3] would be [2, 2, 1]
+    for L in range(4, 65):
+        ids = default_feature_layers("eagle3", L)
+        assert ids == sorted(set(ids)) and len(ids) == 3 and 1 <= ids[0] and ids[-1] <= L - 1, (L, ids)
+        if L >= 7:
+            assert ids == [2, L // 2, L - 3]
+        cfg = HeadConfig(kind="eagle3", target_name="t", hidden_size=8, vocab_size=8, feature_layers=ids,
+                         fingerprint={}, draft_vocab_size=None, spec={"kind": "eagle3", "feature_layers": ids},
+                         target_config={"num_hidden_layers": L, "model_type": "llama"})
+        for fmt in ("eagle3", "speculators"):
+            for c in consumers_of(fmt, default_only=True) + (["eagle-repo"] if fmt == "eagle3" and L >= 7 else []):
+                assert consumer_problems(fmt, c, cfg) == [], (L, fmt, c)
+    with pytest.raises(SpecheadsError, match="head.feature_layers: EAGLE-3 fuses 3 distinct"):
+        default_feature_layers("eagle3", 3)
 
 
 def test_medusa_shared_exports_target_rows(tiny, tmp_path):
@@ -75,48 +364,98 @@ def test_medusa_shared_exports_target_rows(tiny, tmp_path):
     torch.testing.assert_close(back(h), head(h))
 
 
-def test_eagle3_layout_matches_sglang(tiny, tmp_path):
-    head = _trained(HeadSpec(kind="eagle3", draft_vocab_size=100, feature_layers=[1, 2, 3]), tiny, tmp_path)
-    export_head(tmp_path / "h", "eagle3", tmp_path / "out")
-    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["tie_word_embeddings"] is False
-    assert cfg["draft_vocab_size"] == 100 and cfg["vocab_size"] == V and cfg["num_hidden_layers"] == 1
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # SGLang ids = ours - 1
-    sd = load_file(str(tmp_path / "out" / "model.safetensors"))
-    mid = {f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"} | {f"midlayer.mlp.{p}_proj.weight" for p in
-                                                                      ("gate", "up", "down")}
-    mid |= {"midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight"}
-    assert set(sd) == mid | {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
-    assert sd["midlayer.self_attn.q_proj.weight"].shape == (D, 2 * D)  # attention reads [embed ; hidden]
-    assert sd["fc.weight"].shape == (D, 3 * D) and sd["lm_head.weight"].shape == (100, D)
-    # SGLang: hot_token_id = d2t + arange (offsets); t2d is a [V] bool mask
-    assert torch.equal(sd["d2t"] + torch.arange(100), head.d2t)
-    assert sd["t2d"].dtype == torch.bool and sd["t2d"].sum() == 100
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-draft-vocab", "per-head"])
+def test_medusa_vllm_read_by_vllm(tiny, tmp_path, shared):
+    """vLLM Medusa (vllm-project/vllm@09cddad8, vllm/model_executor/models/medusa.py; MedusaConfig @4bb77b32,
+    vllm/transformers_utils/configs/medusa.py): from_pretrained renames every key holding "num" and "heads" to
+    num_heads and "num" and "layers" to num_hidden_layers (so no other such key may appear); ResidualBlock =
+    num_hidden_layers x (x + SiLU(Linear(x, bias=medusa_fc_bias))); lm_heads.{h} with truncated_vocab_size rows;
+    token_map read only when truncated_vocab_size < vocab_size and the logits scattered into it (absolute target
+    ids), -inf elsewhere; weights by name after stripping "medusa_heads."."""
+    spec = (HeadSpec(kind="medusa", num_heads=2, draft_vocab_size=40) if shared else
+            HeadSpec(kind="medusa", num_heads=3, num_layers=2, medusa_lm_head="per_head"))
+    head = _trained(spec, tiny, tmp_path)
+    if shared:
+        with pytest.raises(SpecheadsError, match="--target"):
+            export_head(tmp_path / "h", "medusa-vllm", tmp_path / "mv")
+    export_head(tmp_path / "h", "medusa-vllm", tmp_path / "mv", target=tiny if shared else None)
+    cfg, sd = _exported(tmp_path / "mv")
+    assert [k for k in cfg if "num" in k and ("heads" in k or "layers" in k)] == ["num_heads", "num_hidden_layers"]
+    assert cfg["architectures"] == ["MedusaModel"] and cfg["model_type"] == "medusa"
+    K, n, Vt = cfg["num_heads"], cfg["num_hidden_layers"], cfg["truncated_vocab_size"]
+    blocks = torch.nn.ModuleList(torch.nn.ModuleList(torch.nn.Linear(D, D, bias=cfg.get("medusa_fc_bias", False))
+                                                     for _ in range(n)) for _ in range(K))
+    reader = torch.nn.Module()
+    reader.blocks = torch.nn.ModuleList()
+    for blk in blocks:
+        m = torch.nn.Module()
+        m.layers = blk
+        reader.blocks.append(m)
+    reader.lm_heads = torch.nn.ModuleList(torch.nn.Linear(D, Vt, bias=False) for _ in range(K))
+    weights = {k.replace("medusa_heads.", ""): v for k, v in sd.items()}
+    token_map = weights.pop("token_map") if Vt < cfg["vocab_size"] else None
+    _load_reader(reader, weights, unexpected="error")
+    h = torch.randn(1, 5, D)
+    with torch.no_grad():
+        ours = head(h)
+        for k in range(K):
+            x = h
+            for lin in reader.blocks[k].layers:
+                x = x + torch.nn.functional.silu(lin(x))
+            theirs = reader.lm_heads[k](x)
+            if token_map is not None:
+                full = torch.full((1, 5, V), float("-inf"))
+                full[..., token_map] = theirs
+                mine = torch.full((1, 5, V), float("-inf"))
+                mine[..., head.d2t] = ours[k]
+                theirs, want = full, mine
+            else:
+                want = ours[k]
+            torch.testing.assert_close(theirs, want)
+    back = import_head(tmp_path / "mv", tiny)
+    torch.testing.assert_close(back(h), ours)
 
 
-def test_speculators_and_medusa_config_fields(tiny, tmp_path):
+def test_speculators_config_fields(tiny, tmp_path):
+    """speculators' Eagle3SpeculatorConfig fields (.venv-speculators, speculators/models/eagle3/config.py) and what
+    vLLM's speculators path takes from them (vllm@cfb173ab, vllm/transformers_utils/configs/speculators/algos.py
+    update_eagle3: draft_vocab_size, target_hidden_size if not None, norm_before_residual with default TRUE, so ours
+    is written false; eagle_aux_hidden_state_layer_ids as given, our convention)."""
     _trained(HeadSpec(kind="eagle3", draft_vocab_size=100, feature_layers=[1, 2, 3]), tiny, tmp_path)
     export_head(tmp_path / "h", "speculators", tmp_path / "s", verifier_name_or_path="org/verifier",
                 speculative_tokens=5)
-    cfg = json.loads((tmp_path / "s" / "config.json").read_text())
+    cfg, sd = _exported(tmp_path / "s")
     assert cfg["speculators_model_type"] == "eagle3" and cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert cfg["norm_before_residual"] is False and cfg["target_hidden_size"] is None and cfg["draft_vocab_size"] == 100
     sc = cfg["speculators_config"]
     assert sc["algorithm"] == "eagle3" and sc["default_proposal_method"] == "greedy"
     assert sc["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 5}]
     assert sc["verifier"]["name_or_path"] == "org/verifier" and sc["verifier"]["architectures"]
     assert cfg["transformer_layer_config"]["model_type"] == "llama"
-    keys = set(load_file(str(tmp_path / "s" / "model.safetensors")))
-    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "layers.0.hidden_norm.weight"} <= keys
-    assert not any(k.startswith("midlayer.") for k in keys)
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "layers.0.hidden_norm.weight"} <= set(sd)
+    assert not any(k.startswith("midlayer.") for k in sd)
 
-    _trained(HeadSpec(kind="medusa", num_heads=2, num_layers=2, medusa_lm_head="per_head"), tiny, tmp_path, "m")
-    export_head(tmp_path / "m", "medusa-vllm", tmp_path / "mv")
-    cfg = json.loads((tmp_path / "mv" / "config.json").read_text())
-    assert cfg["model_type"] == "medusa" and cfg["num_heads"] == 2 and cfg["num_hidden_layers"] == 2
-    assert cfg["truncated_vocab_size"] == V and cfg["medusa_fc_bias"] is True
-    keys = set(load_file(str(tmp_path / "mv" / "model.safetensors")))
-    assert keys == {f"blocks.{h}.layers.{l}.{p}" for h in range(2) for l in range(2) for p in ("weight", "bias")} | \
-        {"lm_heads.0.weight", "lm_heads.1.weight"}
+
+def test_verifier_is_named_in_every_export_and_the_bundled_target_said(tiny, tmp_path):
+    """The verifier an export names: the head's target (our aliases as their hub id) or the one the user gives
+    (--verifier, every format). A head trained on the bundled smollm2-135m, the Q4_1 GGUF dequantised, says so."""
+    _trained(HeadSpec(kind="eagle3"), tiny, tmp_path)
+    cpath = tmp_path / "h" / "config.json"
+    export_head(tmp_path / "h", "eagle3", tmp_path / "own")
+    own = _exported(tmp_path / "own")[0]["specheads"]
+    assert own["verifier"] == "tiny-llama-0" and "verifier_note" not in own and own["format"] == "eagle3"
+    c = json.loads(cpath.read_text())
+    c["target_name"] = "smollm2-135m"
+    cpath.write_text(json.dumps(c))
+    for fmt in ("eagle3", "speculators"):
+        export_head(tmp_path / "h", fmt, tmp_path / fmt)
+        cfg = _exported(tmp_path / fmt)[0]
+        assert cfg["specheads"]["verifier"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+        assert "Q4_1 GGUF" in cfg["specheads"]["verifier_note"] and "dequantised" in cfg["specheads"]["verifier_note"]
+        export_head(tmp_path / "h", fmt, tmp_path / f"{fmt}-x", verifier_name_or_path="org/exact-verifier")
+        cfg = _exported(tmp_path / f"{fmt}-x")[0]
+        assert cfg["specheads"]["verifier"] == "org/exact-verifier"
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/exact-verifier"
 
 
 @pytest.mark.parametrize("prefix", ["", "medusa_head."])
@@ -207,31 +546,49 @@ def test_cli_export_and_import(tiny, tmp_path, capsys, monkeypatch):
     from specheads import cli
 
     _trained(HeadSpec(kind="eagle3", feature_layers=[1, 2, 3]), tiny, tmp_path)
-    assert cli.main(["export", "--head", str(tmp_path / "h"), "--format", "eagle3", "--out", str(tmp_path / "o")]) == 0
-    assert (tmp_path / "o" / "model.safetensors").exists()
+    assert cli.main(["export", "--head", str(tmp_path / "h"), "--format", "eagle3", "--out", str(tmp_path / "o"),
+                     "--verifier", "org/v"]) == 0
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["specheads"]["verifier"] == "org/v"
     assert cli.main(["export", "--head", str(tmp_path / "h"), "--format", "medusa-vllm", "--out",
                      str(tmp_path / "z")]) == 2
     assert "needs a medusa head" in capsys.readouterr().err
+    _trained(HeadSpec(kind="eagle3", feature_layers=[1, 2, 3], bias=True), tiny, tmp_path, "b")
+    assert cli.main(["export", "--head", str(tmp_path / "b"), "--format", "eagle3", "--out", str(tmp_path / "z")]) == 2
+    assert "(vllm): its fc has no bias" in capsys.readouterr().err
+    assert cli.main(["export", "--head", str(tmp_path / "b"), "--format", "eagle3", "--out", str(tmp_path / "z"),
+                     "--consumer", "sglang"]) == 0
     monkeypatch.setattr("specheads.target.load_target", lambda name, dtype="float32", **kw: tiny)
     assert cli.main(["export", "--import", str(tmp_path / "o"), "--target", "tiny", "--out", str(tmp_path / "n")]) == 0
     _same_state(load_head(tmp_path / "h", tiny), load_head(tmp_path / "n", tiny))
     assert cli.main(["export", "--import", str(tmp_path / "o"), "--out", str(tmp_path / "n2")]) == 2
 
 
+def _permuted_features(ids, g, T):
+    """Random per-layer states; (ours in config order, theirs ascending as the engines concatenate them)."""
+    blocks = {i: torch.randn(1, T, D, generator=g) for i in ids}
+    return torch.cat([blocks[i] for i in ids], -1), torch.cat([blocks[i] for i in sorted(ids)], -1)
+
+
 @pytest.mark.skipif(not SPEC_PY.exists(), reason="no .venv-speculators (run scripts/setup_speculators_venv.sh)")
-def test_speculators_package_loads_and_runs_our_export(tiny, tmp_path):
+@pytest.mark.parametrize("layers,L,draft_vocab", [([1, 2, 3], 4, 100), ([6, 1, 3], 8, None)],
+                         ids=["default-layers", "non-default-unsorted"])
+def test_speculators_package_loads_and_runs_our_export(tmp_path, layers, L, draft_vocab):
     """The real consumer: speculators' own config and model classes load the export (every weight equal), and its own
-    EAGLE-3 TTT forward gives our per-step logits (same layer semantics, mask, positions up to a RoPE-invariant
-    shift, and d2t/t2d buffers)."""
-    tiny.model.save_pretrained(tmp_path / "verifier")  # speculators reads the verifier config and its embedding
-    head = _trained(HeadSpec(kind="eagle3", draft_vocab_size=100, feature_layers=[1, 2, 3]), tiny, tmp_path)
+    EAGLE-3 TTT forward, fed the aux states in ascending layer order as vLLM captures them, gives our per-step logits
+    (same layer semantics, mask, positions up to a RoPE-invariant shift, d2t/t2d buffers, fc block order)."""
+    from specheads.target import tiny_target
+
+    target = tiny_target(num_layers=L, rope_parameters=dict(ROPE))
+    target.model.save_pretrained(tmp_path / "verifier")  # speculators reads the verifier config and its embedding
+    head = _trained(HeadSpec(kind="eagle3", draft_vocab_size=draft_vocab, feature_layers=layers), target, tmp_path)
     export_head(tmp_path / "h", "speculators", tmp_path / "s", verifier_name_or_path=str(tmp_path / "verifier"))
     g = torch.Generator().manual_seed(5)
-    feats, toks = torch.randn(1, 12, 3 * D, generator=g), torch.randint(0, V, (1, 12), generator=g)
+    ours, theirs = _permuted_features(layers, g, 12)
+    toks = torch.randint(0, V, (1, 12), generator=g)
     with torch.no_grad():
-        logits = head(feats, toks, steps=3)
+        logits = head(ours, toks, steps=3)
     (tmp_path / "ref").mkdir()
-    save_file({"features": feats, "tokens": toks, **{f"logits_{i}": l for i, l in enumerate(logits)}},
+    save_file({"features": theirs, "tokens": toks, **{f"logits_{i}": l for i, l in enumerate(logits)}},
               str(tmp_path / "ref" / "inputs.safetensors"))
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HOME": os.environ.get("HOME", str(tmp_path))}
@@ -240,6 +597,7 @@ def test_speculators_package_loads_and_runs_our_export(tiny, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     diffs = out.pop("max_abs_diff")
-    assert out == {"ok": True, "checked": 15, "draft_vocab_size": 100, "aux_ids": [1, 2, 3],
-                   "class": "Eagle3DraftModel", "verifier": str(tmp_path / "verifier"), "steps": 3}
+    assert out == {"ok": True, "checked": len(load_file(str(tmp_path / "s" / "model.safetensors"))),
+                   "draft_vocab_size": draft_vocab or V, "aux_ids": sorted(layers), "class": "Eagle3DraftModel",
+                   "verifier": str(tmp_path / "verifier"), "steps": 3}
     assert max(diffs) < 1e-4, diffs

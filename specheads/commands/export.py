@@ -30,8 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with the shared lm_head as medusa-vllm")
     p.add_argument("--dtype", default="float32", help="target dtype when --target is loaded (default float32)")
     p.add_argument("--verifier", default=None,
-                   help="speculators: verifier name_or_path written in the config (default: the head's target; our aliases "
-                        "become their hub id)")
+                   help="the verifier model the export names (every format; speculators also in its "
+                        "speculators_config): default the head's target, our aliases as their hub id")
+    p.add_argument("--consumer", action="append", default=None,
+                   help="check the export against this consumer only (repeatable; default: every engine that reads "
+                        "the format; docs/exports.md lists them)")
     p.add_argument("--speculative-tokens", type=int, default=SPECULATIVE_TOKENS,
                    help=f"speculators: greedy proposal length (default {SPECULATIVE_TOKENS}, speculators' own default)")
 
@@ -53,6 +56,6 @@ def run(args: argparse.Namespace) -> int:
     if args.speculative_tokens < 1:
         raise SpecheadsError(f"--speculative-tokens {args.speculative_tokens}: must be >= 1")
     export_head(args.head, args.format, args.out, target=target, verifier_name_or_path=args.verifier,
-                speculative_tokens=args.speculative_tokens)
+                speculative_tokens=args.speculative_tokens, consumers=args.consumer)
     print(f"exported {args.head} as {args.format} -> {args.out}")
     return 0

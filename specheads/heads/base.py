@@ -58,12 +58,23 @@ class HeadSpec:
 
 
 def default_feature_layers(kind: str, num_layers_of_target: int) -> list[int]:
-    """Indices into HF's hidden_states tuple (0 = embeddings, L = final post-norm state)."""
+    """Indices into HF's hidden_states tuple (0 = embeddings, L = final post-norm state).
+
+    EAGLE-3: three distinct ascending ids in 1..L-1, the only ones every serving engine captures (they capture the
+    input of a decoder layer, residual included, so neither the embeddings 0 nor our post-norm L; docs/exports.md).
+    From L = 7 on this is [2, L // 2, L - 3], the EAGLE-3 repo's hardcoded layers and vLLM / SGLang's default
+    ([2, 15, 27] for SmolLM2); below that [2, L // 2, L - 3] repeats or reverses ids ([2, 2, 1] at L = 4), so
+    4 <= L <= 6 spreads [1, L // 2, L - 1] instead. L < 4 has no three such ids."""
     L = int(num_layers_of_target)
     if kind in ("medusa", "eagle"):
         return [L]
     if kind == "eagle3":
-        return [2, L // 2, L - 3]  # EAGLE-3 repo / SGLang default (SGLang ids are these minus one)
+        if L >= 7:
+            return [2, L // 2, L - 3]
+        if L >= 4:
+            return [1, L // 2, L - 1]
+        raise SpecheadsError(f"head.feature_layers: EAGLE-3 fuses 3 distinct target layers in 1..L-1 and this "
+                             f"target has L = {L}; give head.feature_layers explicitly")
     raise SpecheadsError(f"head.kind: {kind!r} is not one of {list(HEAD_KINDS)}")
 
 
