@@ -203,7 +203,11 @@ def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype = "
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of `messages` through the tokenizer's chat template, ending with the assistant generation prompt.
     The one prompt encoder: `generate`, `bench` and regeneration all call it (render text, then tokenise without
-    adding special tokens again: the template already holds them)."""
+    adding special tokens again: the template already holds them). A tokenizer without a template (a base model)
+    is one SpecheadsError pointing at plain-text prompts."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise SpecheadsError("the target's tokenizer has no chat template (a base model?): send plain text "
+                             "(generate --raw, bench prompts with a \"prompt\" field, data.mode=text) or give it one")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
 

@@ -185,3 +185,89 @@ def test_reader_never_fails_on_any_cut_point(tmp_path):
         p.write_text(text[:cut])
         got = list(iter_json_array(p, LoadStats(), chunk_chars=16))
         assert len(got) == sum(e <= cut for e in ends), cut
+
+
+# ----------------------------------------------------------------------------- targets without a chat template
+
+def _no_template(tok):
+    import copy
+
+    tok = copy.deepcopy(tok)
+    tok.chat_template = None
+    return tok
+
+
+def test_tokenizer_without_template_is_one_clear_error(smol_tokenizer):
+    """transformers raises ValueError from apply_chat_template on such a tokenizer (a traceback); ours names the
+    target and both ways forward."""
+    from specheads.train.data import chat_tokenizer
+
+    base = _no_template(smol_tokenizer)
+    with pytest.raises(ValueError, match="chat_template is not set"):
+        base.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+    with pytest.raises(SpecheadsError, match=r"target base-llm: its tokenizer has no chat template .*"
+                                             r"data\.chat_template .*data\.mode=text"):
+        chat_tokenizer(base, None, "base-llm")
+    assert chat_tokenizer(smol_tokenizer, None, "t") is smol_tokenizer  # its own template: used as is
+
+
+def test_chat_template_as_text_or_file_renders_masks(smol_tokenizer, tmp_path):
+    """data.chat_template gives a template-less tokenizer SmolLM2's own template (text or file): the masks are the
+    ones SmolLM2's tokenizer gives; the target's tokenizer object is not modified (a copy carries the template)."""
+    from specheads.train.data import chat_tokenizer
+
+    base = _no_template(smol_tokenizer)
+    (tmp_path / "t.jinja").write_text(smol_tokenizer.chat_template)
+    convs, _ = load_conversations([dict(c) for c in CONVS])
+    ref, _ = tokenize_conversations(convs, smol_tokenizer, max_length=256)
+    for given in (smol_tokenizer.chat_template, str(tmp_path / "t.jinja")):
+        tok = chat_tokenizer(base, given, "base-llm")
+        got, _ = tokenize_conversations(convs, tok, max_length=256)
+        assert got["input_ids"] == ref["input_ids"] and got["loss_mask"] == ref["loss_mask"]
+    assert base.chat_template is None
+    with pytest.raises(SpecheadsError, match="data.chat_template 'nope.jinja': no such file"):
+        chat_tokenizer(base, "nope.jinja", "base-llm")
+    with pytest.raises(SpecheadsError, match="data.chat_template: cannot render a conversation"):
+        chat_tokenizer(base, "{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}", "base-llm")
+
+
+def test_load_texts_rows_and_txt_file(tmp_path):
+    from specheads.train.data import load_texts
+
+    p = tmp_path / "t.jsonl"
+    rows = [{"text": "def add(a, b):\n    return a + b\n"}, {"id": "x", "text": "Once upon a time"}, {"text": ""},
+            {"text": 3}, {"messages": []}, {"id": "x", "text": "again"}]
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    ds, st = load_texts(str(p))
+    assert ds["conversation_id"] == ["t-0", "x", "x~5"] and ds["text"][1] == "Once upon a time"
+    assert st.skipped == 3 and st.reasons == {"empty text": 1, "non-string value": 1, "missing field": 1}
+    doc = tmp_path / "book.txt"
+    doc.write_text("Chapter 1\n\nIt was a dark night.\n")
+    ds, _ = load_texts(str(doc))
+    assert ds["conversation_id"] == ["book"] and ds["text"] == [doc.read_text()]
+    with pytest.raises(SpecheadsError, match="file not found"):
+        load_texts(str(tmp_path / "missing.txt"))
+
+
+def test_tokenize_texts_windows_with_loss_on_every_token(smol_tokenizer):
+    """A text longer than max_length becomes consecutive windows (nothing lost), each token trained; a 1-token
+    tail holds no prediction and is dropped, counted."""
+    import datasets
+
+    from specheads.train.data import tokenize_texts
+
+    text = "word " * 50
+    full = smol_tokenizer(text, add_special_tokens=True)["input_ids"]
+    L = 16 if len(full) % 16 != 1 else 17
+    ds = datasets.Dataset.from_dict({"conversation_id": ["a", "b"], "text": [text, "hi there"]})
+    out, st = tokenize_texts(ds, smol_tokenizer, max_length=L)
+    windows = [ids for cid, ids in zip(out["conversation_id"], out["input_ids"]) if cid.split("#")[0] == "a"]
+    assert sum(windows, []) == full and all(len(w) == L for w in windows[:-1])
+    assert out["conversation_id"][:3] == ["a", "a#1", "a#2"] and st["split_texts"] == 1
+    assert all(all(m == 1 for m in mask) for mask in out["loss_mask"])
+    assert st["tokens"] == st["masked_tokens"] == sum(len(x) for x in out["input_ids"])
+    n_ids = lambda k: len(smol_tokenizer("word " * k, add_special_tokens=True)["input_ids"])  # noqa: E731
+    k = next(k for k in range(L, 4 * L) if n_ids(k) % L == 1)  # a text whose last window is 1 token
+    tail, st2 = tokenize_texts(datasets.Dataset.from_dict({"conversation_id": ["s"], "text": ["word " * k]}),
+                               smol_tokenizer, max_length=L)
+    assert st2["dropped_empty_mask"] == 1 and all(len(x) == L for x in tail["input_ids"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -51,6 +52,7 @@ class _Killed(RuntimeError):
 
 
 def test_prepare_killed_midway_resumes(tiny_chat, tmp_path):
+    from specheads.heads.base import default_feature_layers
     from specheads.train.features import FeatureDataset, verify_features
     from specheads.train.prepare import format_summary, prepare
 
@@ -74,7 +76,7 @@ def test_prepare_killed_midway_resumes(tiny_chat, tmp_path):
     assert s["features_complete"] and verify_features(feat) == []
     assert s["conversations_read"] == 21 and s["conversations_skipped"] == 1 and s["skip_reasons"] == {"unknown role": 1}
     L = tiny_chat.num_layers
-    assert s["feature_layers"] == sorted({2, L // 2, L - 3, L})  # EAGLE-3 default + L
+    assert s["feature_layers"] == default_feature_layers("eagle3", L) + [L]  # EAGLE-3 default ([1, 2, 3]) + L
     ds = FeatureDataset(feat)
     assert len(ds) == s["samples"] and sum(len(x["input_ids"]) for x in ds) == s["tokens"]
     assert sum(int(x["loss_mask"].sum()) for x in ds) == s["masked_tokens"] > 0
@@ -316,10 +318,179 @@ def test_shared_features_dir_trains_medusa_from_eagle3_extraction(tiny_chat, tmp
     # an EAGLE-3 head cannot read a Medusa-only folder; another target's folder is refused
     with pytest.raises(SpecheadsError, match="features.dir .*missing"):
         prepare(load_config(Recipe, None, [f"output_dir={tmp_path / 'x'}", f"features.dir={feat}",
-                                           "head.kind=eagle3", "head.feature_layers=[1,3]"]),
+                                           "head.kind=eagle3", "head.feature_layers=[0,3]"]),
                 target=tiny_chat, progress=False)
     other = tiny_target(vocab_size=len(tiny_chat.tokenizer), tokenizer=tiny_chat.tokenizer, seed=1)
     with pytest.raises(SpecheadsError, match="fingerprints differ"):
         prepare(medusa(), target=other, progress=False)
     with pytest.raises(SpecheadsError, match="features.dir .*no manifest"):
         prepare(medusa(f"features.dir={tmp_path / 'nothing'}"), target=tiny_chat, progress=False)
+
+
+# ----------------------------------------------------------------------------- targets without a chat template
+
+@pytest.fixture
+def tiny_base(smol_tokenizer):
+    """The tiny target over a copy of SmolLM2's tokenizer with its chat template removed: a base model."""
+    import copy
+
+    from specheads.target import tiny_target
+
+    tok = copy.deepcopy(smol_tokenizer)
+    tok.chat_template = None
+    return tiny_target(vocab_size=len(tok), tokenizer=tok)
+
+
+def _text_file(tmp_path, n=6, name="code.jsonl"):
+    rows = [{"id": f"t{i}", "text": f"def f{i}(x):\n    return x * {i} + " + "1 + " * (4 * i) + "0\n"} for i in range(n)]
+    p = tmp_path / name
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return p
+
+
+NO_TEMPLATE = r"its tokenizer has no chat template .*data\.chat_template .*data\.mode=text"
+
+
+@pytest.mark.parametrize("extra", [(), ("data.regenerate=true",)], ids=["tokenize", "regenerate"])
+def test_prepare_without_template_is_one_message(tiny_base, tmp_path, extra):
+    """Chat data on a template-less target: one SpecheadsError naming the target and both fixes (it was
+    transformers' ValueError traceback from apply_chat_template)."""
+    from specheads.train.prepare import prepare
+
+    with pytest.raises(SpecheadsError, match=rf"target tiny-llama-0: {NO_TEMPLATE}"):
+        prepare(_recipe(tmp_path, _sharegpt_file(tmp_path, 3), *extra), target=tiny_base, progress=False)
+
+
+def test_cli_prepare_without_template_is_one_line(tiny_base, tmp_path, capsys, monkeypatch):
+    from specheads.cli import main
+
+    monkeypatch.setattr("specheads.target.load_target", lambda *a, **k: tiny_base)
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(f"command: specheads prepare --config {cfg}\noutput_dir: {tmp_path / 'o'}\n"
+                   f"data:\n  source: {_sharegpt_file(tmp_path, 2)}\n")
+    rc = main(["prepare", "--config", str(cfg), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert re.search(NO_TEMPLATE, err)
+
+
+def test_prepare_with_chat_template_on_base_target(tiny_base, tiny_chat, tmp_path):
+    """data.chat_template (a file holding SmolLM2's template) on the template-less copy prepares, regeneration
+    included, exactly what the same weights with SmolLM2's own template prepare."""
+    import datasets
+
+    from specheads.train.prepare import prepare
+
+    src = _sharegpt_file(tmp_path, 4)
+    (tmp_path / "chatml.jinja").write_text(tiny_chat.tokenizer.chat_template)
+    base = ("data.regenerate=true", "data.regen_max_new_tokens=4", "features.mode=online")
+    prepare(_recipe(tmp_path / "a", src, *base), target=tiny_chat, progress=False)
+    prepare(_recipe(tmp_path / "b", src, *base, f"data.chat_template={tmp_path / 'chatml.jinja'}"), target=tiny_base,
+            progress=False)
+    a, b = (datasets.load_from_disk(str(tmp_path / x / "run" / "data" / "tokens")) for x in "ab")
+    assert a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"] and sum(map(sum, a["loss_mask"]))
+    assert tiny_base.tokenizer.chat_template is None
+
+
+def test_prepare_text_mode_trains_on_every_token(tiny_base, tmp_path):
+    """data.mode=text: JSONL {"text"} rows or a .txt file, windows of data.max_length tokens, every token in the
+    loss, features extracted as for chat data."""
+    import datasets
+
+    from specheads.train.features import FeatureDataset
+    from specheads.train.prepare import prepare
+
+    for src in (_text_file(tmp_path), tmp_path / "novel.txt"):
+        if src.suffix == ".txt":
+            src.write_text("It was a bright cold day in April, and the clocks were striking thirteen. " * 12)
+        out = tmp_path / src.stem
+        s = prepare(_recipe(out, src, "data.mode=text"), target=tiny_base, progress=False)
+        tok = datasets.load_from_disk(str(out / "run" / "data" / "tokens"))
+        assert s["masked_tokens"] == s["tokens"] == sum(len(x) for x in tok["input_ids"]) > 0
+        assert all(set(m) == {1} for m in tok["loss_mask"]) and max(len(x) for x in tok["input_ids"]) <= 48
+        assert s["features_complete"] and len(FeatureDataset(out / "run" / "features")) == s["samples"]
+    assert s["samples"] > 1 and tok["conversation_id"][:2] == ["novel", "novel#1"]  # one long text, windows
+
+
+def test_prepare_text_mode_regenerates_from_prefixes(tiny_base, tmp_path):
+    """Regeneration of plain text keeps each window's first data.regen_prefix_tokens tokens and appends the
+    target's own greedy continuation (checked token by token); a rerun regenerates nothing; data.regen_conversations
+    keeps the source for the windows after the first N."""
+    import datasets
+
+    from specheads.train.data import load_texts, tokenize_texts
+    from specheads.train.prepare import prepare
+
+    src = _text_file(tmp_path, 4)
+    args = ("data.mode=text", "data.regenerate=true", "data.regen_prefix_tokens=5", "data.regen_max_new_tokens=6",
+            "features.mode=online")
+    s = prepare(_recipe(tmp_path, src, *args), target=tiny_base, progress=False)
+    source, _ = tokenize_texts(load_texts(str(src))[0], tiny_base.tokenizer, 48)
+    tok = datasets.load_from_disk(str(tmp_path / "run" / "data" / "tokens"))
+    assert tok["conversation_id"] == source["conversation_id"] and s["regenerated_new_tokens"] > 0
+    for ids, orig in zip(tok["input_ids"], source["input_ids"]):
+        p = min(5, len(orig))  # a window shorter than the prefix is all prompt
+        assert ids[:p] == orig[:p] and ids[p:] == _greedy_one_by_one(tiny_base, orig[:p], 6)
+    regen = tmp_path / "run" / "data" / "regenerated-text.jsonl"
+    before = regen.read_text()
+    s2 = prepare(_recipe(tmp_path, src, *args), target=tiny_base, progress=False)
+    assert regen.read_text() == before and s2["regenerated_new_tokens"] == 0
+    s3 = prepare(_recipe(tmp_path / "n", src, *args, "data.regen_conversations=1"), target=tiny_base, progress=False)
+    tok3 = datasets.load_from_disk(str(tmp_path / "n" / "run" / "data" / "tokens"))
+    assert s3["regenerated_conversations"] == 1 and tok3["input_ids"][1:] == source["input_ids"][1:]
+
+
+@pytest.mark.parametrize("override,match", [
+    ("data.chat_template={% for m in messages %}{% endfor %}", "data.chat_template: set, but data.mode is text"),
+    ("data.regen_max_turns=1", "data.regen_max_turns"),
+    ("data.regen_prefix_tokens=48", "data.regen_prefix_tokens"),
+    ("data.source=CHAT", "no usable text"),
+])
+def test_prepare_text_mode_bad_settings_one_message(tiny_base, tmp_path, override, match):
+    from specheads.train.prepare import prepare
+
+    override = override.replace("CHAT", str(_sharegpt_file(tmp_path, 2)))
+    recipe = _recipe(tmp_path, _text_file(tmp_path), "data.mode=text", "data.regenerate=true", override)
+    with pytest.raises(SpecheadsError, match=match):
+        prepare(recipe, target=tiny_base, progress=False)
+    with pytest.raises(SpecheadsError, match=r"no usable conversation .*need data\.mode=text"):
+        prepare(_recipe(tmp_path, _text_file(tmp_path)), target=tiny_base, progress=False)
+
+
+@pytest.mark.slow
+def test_smollm2_without_template_prepares_text_and_generates_raw(smollm2, tmp_path, capsys, monkeypatch):
+    """The real SmolLM2 with its chat template removed: chat data is one clear error; plain text prepares
+    (features of the EAGLE-3 default layers, regeneration from prefixes equal to HF greedy generate); `generate
+    --raw` runs and gives HF generate's greedy tokens, a chat prompt is one clear error."""
+    import copy
+    import dataclasses
+
+    import datasets
+
+    from specheads.cli import main
+    from specheads.train.prepare import prepare
+
+    tok = copy.deepcopy(smollm2.tokenizer)
+    tok.chat_template = None
+    base = dataclasses.replace(smollm2, tokenizer=tok)
+    with pytest.raises(SpecheadsError, match=NO_TEMPLATE):
+        prepare(_recipe(tmp_path / "c", _sharegpt_file(tmp_path, 2)), target=base, progress=False)
+    args = ("data.mode=text", "data.max_length=32", "data.regenerate=true", "data.regen_prefix_tokens=8",
+            "data.regen_max_new_tokens=6")
+    s = prepare(_recipe(tmp_path, _text_file(tmp_path, 3), *args), target=base, progress=False)
+    assert s["features_complete"] and s["feature_layers"] == [2, 15, 27, 30] and s["masked_tokens"] == s["tokens"]
+    tokens = datasets.load_from_disk(str(tmp_path / "run" / "data" / "tokens"))
+    for ids in tokens["input_ids"]:
+        ref = smollm2.model.generate(torch.tensor([ids[:8]]), max_new_tokens=6, do_sample=False)[0].tolist()
+        eos = [i for i, t in enumerate(ref[8:]) if t in smollm2.eos_token_ids]
+        assert ids == ref[:8 + eos[0]] if eos else ids == ref
+
+    monkeypatch.setattr("specheads.target.load_target", lambda *a, **k: base)
+    prompt = "def fibonacci(n):"
+    assert main(["generate", "--target", "x", "--prompt", prompt, "--raw", "--max-new-tokens", "8", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ids = tok(prompt, add_special_tokens=True)["input_ids"]
+    ref = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    assert got["ids"] == ref
+    assert main(["generate", "--target", "x", "--prompt", prompt, "--max-new-tokens", "4"]) == 2
+    assert "has no chat template" in capsys.readouterr().err

@@ -7,6 +7,11 @@ or a `datasets.Dataset` passed to `load_conversations` directly.
 Normalised conversations are a `datasets.Dataset` with columns `conversation_id: str` and
 `messages: list[{role, content}]` (roles `system | user | assistant`).
 
+Plain-text mode (`data.mode: text`, for targets without a chat template, e.g. base models): `load_texts` reads rows
+`{"text": ...}` (JSONL / JSON / hub / Dataset) or a .txt file (one text), `tokenize_texts` cuts each text into windows
+of max_length tokens with loss on every token; a target without a template and no `data.chat_template` is one
+clear error naming both ways forward (`chat_tokenizer`).
+
 Loss mask: 1 on the assistant's content tokens **and on the template's end-of-turn token** that closes each
 assistant turn (`<|im_end|>` for ChatML templates such as SmolLM2's): the head must learn to predict the end of a
 turn, since the target emits it. Everything else (system prompt, user turns, the `<|im_start|>assistant\\n` header,
@@ -29,7 +34,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Literal
 
 from specheads.utils import SpecheadsError
 
@@ -54,6 +59,13 @@ class DataConfig:
     regen_dtype: str | None = None  # target dtype for regeneration (None = target.dtype). Which is faster depends
     # on the CPU and library versions: on this 2-core AVX-512 CPU (torch 2.13, transformers 5.24), 64 rows ran 117
     # tok/s in bfloat16 vs 71 in float32 (an earlier measurement here gave the reverse, 206 vs 138: check yours)
+    mode: Literal["chat", "text"] = "chat"  # chat: conversations through the chat template, loss on assistant
+    # turns; text: plain texts (JSONL rows {"text": ...} or a .txt file), cut into max_length windows, loss on
+    # every token (base models, code completion, plain continuation)
+    chat_template: str | None = None  # for targets without one: a Jinja template file or the template text
+    # (None = the tokenizer's own); it renders the conversations and the regeneration prompts
+    regen_prefix_tokens: int = 32  # text mode + regenerate: tokens of each window kept as the prompt, the target
+    # writes the rest (up to max_length). 32 tokens = a sentence or two of context: most of a window is the target's
 
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
@@ -455,3 +467,180 @@ def prepare_tokens(cfg: DataConfig, tokenizer, source: Any = None):
     convs, lstats = load_conversations(cfg.source if source is None else source, cfg.max_conversations)
     tok, tstats = tokenize_conversations(convs, tokenizer, cfg.max_length)
     return tok, convs, {"read": lstats.as_dict(), "tokenize": tstats}
+
+
+# ------------------------------------------------------------------------------------- templates for any target
+
+NO_TEMPLATE = ("target {target}: its tokenizer has no chat template (a base model?), so data.source's conversations "
+               "cannot be rendered; give data.chat_template (a Jinja template file or the template text), or train "
+               "on plain text with data.mode=text (rows {{\"text\": ...}} or a .txt file, loss on every token)")
+
+
+def check_mode_settings(cfg: DataConfig) -> None:
+    """The data.mode / chat_template / regen_prefix_tokens combinations that mean something (one error otherwise)."""
+    if cfg.mode == "text":
+        if cfg.chat_template is not None:
+            raise SpecheadsError("data.chat_template: set, but data.mode is text (plain text is not templated)")
+        if cfg.regen_max_turns is not None:
+            raise SpecheadsError("data.regen_max_turns: counts conversation turns; data.mode is text")
+    too_long = cfg.mode == "text" and cfg.regenerate and cfg.regen_prefix_tokens >= cfg.max_length
+    if cfg.regen_prefix_tokens < 1 or too_long:
+        raise SpecheadsError(f"data.regen_prefix_tokens: must be in 1..data.max_length-1 ({cfg.max_length - 1}), "
+                             f"got {cfg.regen_prefix_tokens}")
+
+
+def chat_tokenizer(tokenizer, chat_template: str | None, target_name: str):
+    """The tokenizer conversations are rendered with: a copy carrying `chat_template` (data.chat_template: a file
+    path, or the template text when it holds Jinja tags) when given, else the target's own. A target without any
+    template is one SpecheadsError naming it and both fixes, not transformers' ValueError from apply_chat_template."""
+    import copy
+
+    if tokenizer is None:
+        raise SpecheadsError(f"target {target_name}: has no tokenizer (needed to tokenize data.source)")
+    if chat_template is None:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise SpecheadsError(NO_TEMPLATE.format(target=target_name))
+        return tokenizer
+    text = chat_template
+    if "{%" not in chat_template and "{{" not in chat_template:  # no Jinja tag: a file
+        path = Path(chat_template).expanduser()
+        if not path.is_file():
+            raise SpecheadsError(f"data.chat_template {chat_template!r}: no such file (and no Jinja tags, so not a "
+                                 f"template text either)")
+        text = path.read_text(encoding="utf-8")
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = text
+    probe = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    try:
+        tok.apply_chat_template(probe, tokenize=False)
+        tok.apply_chat_template(probe[:1], tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - jinja errors of many kinds: one line naming the field
+        raise SpecheadsError(f"data.chat_template: cannot render a conversation ({type(e).__name__}: {e})") from None
+    return tok
+
+
+# ------------------------------------------------------------------------------------------------- plain text
+
+def normalize_text_row(row: Any) -> tuple[str | None, str]:
+    """(id or None, text) from a row `{"text": ...}`; raises Malformed(reason)."""
+    if not isinstance(row, dict):
+        raise Malformed(f"not an object: row is a {type(row).__name__}")
+    if "text" not in row:
+        raise Malformed(f"missing field: no 'text' (keys {sorted(row)[:6]})")
+    if not isinstance(row["text"], str):
+        raise Malformed(f"non-string value: 'text' is a {type(row['text']).__name__}")
+    if not row["text"].strip():
+        raise Malformed("empty text")
+    rid = row.get("id")
+    return (None if rid is None else str(rid)), row["text"]
+
+
+def load_texts(source: Any, max_texts: int | None = None):
+    """Plain texts -> (datasets.Dataset[conversation_id, text], LoadStats). `source`: a .txt file (one text, named
+    after the file), JSONL / JSON rows {"text": ..., "id"?}, a hub dataset id or a Dataset with a 'text' column.
+    Malformed rows are skipped and counted, as for conversations."""
+    import datasets
+
+    stats = LoadStats()
+    path = Path(str(source)) if isinstance(source, (str, Path)) else None
+    if path is not None and path.name.removesuffix(".gz").endswith(".txt"):
+        if not path.is_file():
+            raise SpecheadsError(f"data.source {str(source)!r}: file not found")
+        with _open_text(path) as f:
+            rows, stem = iter([{"id": path.name.removesuffix(".gz").removesuffix(".txt"), "text": f.read()}]), ""
+        stats.source = str(path)
+    else:
+        rows, stem = _rows_from_source(source, stats)
+    ids: list[str] = []
+    texts: list[str] = []
+    seen: set[str] = set()
+    for i, row in enumerate(rows):
+        if max_texts is not None and stats.kept >= max_texts:
+            stats.stopped_early = True
+            break
+        stats.rows_read += 1
+        try:
+            rid, text = normalize_text_row(row)
+        except Malformed as e:
+            stats.skip(f"row {i}", str(e))
+            continue
+        rid = rid if rid is not None else f"{stem}-{i}"
+        if rid in seen:  # unique ids: the held-out split and resumable regeneration key on them
+            rid = f"{rid}~{i}"
+        seen.add(rid)
+        ids.append(rid)
+        texts.append(text)
+        stats.kept += 1
+    log.info("read %d texts from %s (%d kept, %d skipped)", stats.rows_read, stats.source, stats.kept, stats.skipped)
+    if stats.skipped:
+        log.warning("skipped %d malformed rows %s; first reasons: %s", stats.skipped, dict(stats.reasons),
+                    "; ".join(stats.examples))
+    features = datasets.Features({"conversation_id": datasets.Value("string"), "text": datasets.Value("string")})
+    return datasets.Dataset.from_dict({"conversation_id": ids, "text": texts}, features=features), stats
+
+
+def tokenize_texts(texts, tokenizer, max_length: int, batch_size: int = 64, desc: str = "tokenize text"):
+    """Texts -> Dataset[input_ids, loss_mask (all 1), conversation_id] (+ stats with tokenize_conversations' keys).
+
+    Each text is encoded as a plain prompt is (`add_special_tokens=True`, as `generate --raw` and bench's
+    completions do) and cut into consecutive windows of `max_length` tokens: window k of text `x` is sample `x` (k =
+    0) or `x#k`, so a long file loses nothing. Windows under 2 tokens hold no prediction and are dropped, counted."""
+    import datasets
+
+    def fn(batch):
+        out = {"input_ids": [], "loss_mask": [], "conversation_id": [], "_split": []}
+        enc = tokenizer(list(batch["text"]), add_special_tokens=True)["input_ids"]
+        for cid, ids in zip(batch["conversation_id"], enc):
+            for k, start in enumerate(range(0, len(ids), max_length)):
+                window = ids[start:start + max_length]
+                out["input_ids"].append(window)
+                out["loss_mask"].append([1] * len(window))
+                out["conversation_id"].append(cid if k == 0 else f"{cid}#{k}")
+                out["_split"].append(int(len(ids) > max_length and k == 0))
+        return out
+
+    feats = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
+                               "loss_mask": datasets.List(datasets.Value("int8")),
+                               "conversation_id": datasets.Value("string"), "_split": datasets.Value("int8")})
+    tok = texts.map(fn, batched=True, batch_size=batch_size, remove_columns=texts.column_names, features=feats,
+                    desc=desc)
+    split = sum(tok["_split"])
+    before = len(tok)
+    tok = tok.filter(lambda ids: len(ids) >= 2, input_columns="input_ids", desc="drop short").remove_columns("_split")
+    n_tokens = sum(len(x) for x in tok["input_ids"])
+    stats = {"samples": len(tok), "truncated": 0, "split_texts": split, "dropped_empty_mask": before - len(tok),
+             "dropped_template": 0, "tokens": n_tokens, "masked_tokens": n_tokens, "max_length": max_length}
+    if split:
+        log.info("%d texts longer than %d tokens were cut into windows of that length", split, max_length)
+    return tok, stats
+
+
+def text_tokens(cfg: DataConfig, target, texts, data_dir: Path, max_length: int, seed: int = 0,
+                progress: bool = True, regen_target=None):
+    """data.mode text: windows of the texts, and with data.regenerate the target's own continuation of each
+    window's first data.regen_prefix_tokens tokens (the first data.regen_conversations windows when set; the rest
+    keep the source). `regen_target()`: the target that regenerates (data.regen_dtype), called only when some
+    window is not yet in the output. Returns (tokens Dataset, tokenize stats, summary fields of the regeneration)."""
+    import datasets
+
+    tokens, stats = tokenize_texts(texts, target.tokenizer, max_length)
+    if not cfg.regenerate:
+        return tokens, stats, {}
+    from specheads.train.regenerate import read_done_ids, read_regenerated_texts, regenerate_texts
+
+    n = len(tokens) if cfg.regen_conversations is None else min(cfg.regen_conversations, len(tokens))
+    todo = tokens.select(range(n))
+    keep = tokens.select(range(n, len(tokens))) if n < len(tokens) else None
+    path = Path(data_dir) / "regenerated-text.jsonl"
+    missing = set(todo["conversation_id"]) - read_done_ids(path)
+    gen = regen_target() if missing and regen_target is not None else target
+    rstats = regenerate_texts(gen, todo, path, prefix_tokens=cfg.regen_prefix_tokens, max_length=max_length,
+                              max_new_tokens=cfg.regen_max_new_tokens, batch_size=cfg.regen_batch_size,
+                              temperature=cfg.regen_temperature, top_p=cfg.regen_top_p, seed=seed, progress=progress)
+    regen = read_regenerated_texts(path, todo["conversation_id"])
+    tokens = regen if keep is None else datasets.concatenate_datasets([regen, keep])
+    n_tokens = sum(len(x) for x in tokens["input_ids"])
+    stats = dict(stats, samples=len(tokens), tokens=n_tokens, masked_tokens=n_tokens)
+    return tokens, stats, {"regenerated_conversations": n, "source_reply_conversations": len(tokens) - n,
+                           "regenerated_new_tokens": rstats["new_tokens"],
+                           "regenerate_tokens_per_s": rstats["tokens_per_s"]}

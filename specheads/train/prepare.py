@@ -2,6 +2,7 @@
 
 Writes under `recipe.output_dir`:
     data/regenerated.jsonl   the target's own answers (data.regenerate: true), resumable by conversation id
+    data/regenerated-text.jsonl  data.mode text: the target's continuations of each window's prefix (token ids)
     data/tokens/             datasets.Dataset (input_ids, loss_mask, conversation_id), saved atomically
     features/                offline shards + manifest.json (features.mode: offline), resumable
     prepare_config.yaml      the resolved recipe
@@ -10,6 +11,7 @@ Every step is resumable or cheap to redo: rerunning after a kill continues the f
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -73,7 +75,8 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None) -> dic
 
     from specheads.config import save_config
     from specheads.target import load_target
-    from specheads.train.data import load_conversations, tokenize_conversations
+    from specheads.train.data import (check_mode_settings, chat_tokenizer, load_conversations, load_texts, text_tokens,
+                                      tokenize_conversations)
     from specheads.train.features import write_features
 
     t_start = time.perf_counter()
@@ -94,23 +97,28 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None) -> dic
         raise SpecheadsError("data.regen_conversations: set, but data.regenerate is false (nothing to regenerate)")
     if not 0.0 <= dc.val_fraction < 1.0:
         raise SpecheadsError(f"data.val_fraction: must be in [0, 1), got {dc.val_fraction}")
+    check_mode_settings(dc)
     timings: dict[str, float] = {}
     data_dir.mkdir(parents=True, exist_ok=True)
     save_config(recipe, out / "prepare_config.yaml")
 
     t = time.perf_counter()  # data first: a bad source fails before the target is loaded
-    convs, lstats = load_conversations(dc.source, dc.max_conversations)
+    text = dc.mode == "text"
+    convs, lstats = (load_texts if text else load_conversations)(dc.source, dc.max_conversations)
     timings["read_s"] = time.perf_counter() - t
     if len(convs) == 0:
-        raise SpecheadsError(f"data.source {dc.source!r}: no usable conversation ({lstats.skipped} malformed rows; "
-                             f"first reasons: {'; '.join(lstats.examples) or 'none'})")
+        hint = "" if text else "; plain-text rows {\"text\": ...} need data.mode=text"
+        raise SpecheadsError(f"data.source {dc.source!r}: no usable {'text' if text else 'conversation'} "
+                             f"({lstats.skipped} malformed rows; first reasons: {'; '.join(lstats.examples) or 'none'}"
+                             f"){hint}")
 
     t = time.perf_counter()
     if target is None:
         target = load_target(recipe.target.name, dtype=recipe.target.dtype,
                              trust_remote_code=recipe.target.trust_remote_code)
     if target.tokenizer is None:
-        raise SpecheadsError(f"target {target.name}: has no tokenizer (needed for the chat template)")
+        raise SpecheadsError(f"target {target.name}: has no tokenizer (needed to tokenize data.source)")
+    tokenizer = target.tokenizer if text else chat_tokenizer(target.tokenizer, dc.chat_template, target.name)
     timings["load_target_s"] = time.perf_counter() - t
     max_length = dc.max_length
     if target.max_positions and max_length > target.max_positions:
@@ -123,7 +131,7 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None) -> dic
                                "conversations_kept": lstats.kept, "skip_reasons": dict(lstats.reasons),
                                "source_tail_cut": lstats.truncated_tail}
 
-    if dc.regenerate:
+    if dc.regenerate and not text:
         from specheads.train.regenerate import read_done_ids, regenerate
 
         t = time.perf_counter()
@@ -138,6 +146,7 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None) -> dic
         if todo and dc.regen_dtype and dc.regen_dtype != recipe.target.dtype:
             gen_target = load_target(recipe.target.name, dtype=dc.regen_dtype,
                                      trust_remote_code=recipe.target.trust_remote_code)
+        gen_target = dataclasses.replace(gen_target, tokenizer=tokenizer)  # with data.chat_template if given
         rstats = regenerate(gen_target, convs, regen_path, max_length=max_length, max_new_tokens=dc.regen_max_new_tokens,
                             batch_size=dc.regen_batch_size, temperature=dc.regen_temperature, top_p=dc.regen_top_p,
                             seed=recipe.seed, progress=progress, max_turns=dc.regen_max_turns)
@@ -154,7 +163,18 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None) -> dic
                         "regenerate_tokens_per_s": rstats["tokens_per_s"]})
 
     t = time.perf_counter()
-    tokens, tstats = tokenize_conversations(convs, target.tokenizer, max_length)
+    if text:  # windows of the texts (and their regeneration); timings["regenerate_s"] is inside tokenize_s here
+        def regen_target():
+            if dc.regen_dtype and dc.regen_dtype != recipe.target.dtype:
+                return load_target(recipe.target.name, dtype=dc.regen_dtype,
+                                   trust_remote_code=recipe.target.trust_remote_code)
+            return target
+
+        tokens, tstats, rsummary = text_tokens(dc, target, convs, data_dir, max_length, recipe.seed, progress,
+                                               regen_target)
+        summary.update(rsummary)
+    else:
+        tokens, tstats = tokenize_conversations(convs, tokenizer, max_length)
     with atomic_dir(data_dir / "tokens") as tmp:
         tokens.save_to_disk(str(tmp))
     tokens = datasets.load_from_disk(str(data_dir / "tokens"))

@@ -16,6 +16,8 @@ Cache layers write each step in place (BufferedLayer). Prompts wait in order of 
 Measured: docs/architecture.md (245 vs 216 tokens/s for the previous chunked loop).
 A conversation stops at the first turn whose prompt already fills `max_length` (what follows would be truncated
 away by tokenisation).
+Plain text (data.mode text): `regenerate_texts` continues the first data.regen_prefix_tokens tokens of each window
+in the same refilled batch and stores token ids (`read_regenerated_texts` reads them back).
 """
 from __future__ import annotations
 
@@ -278,9 +280,9 @@ def regenerate(target, conversations, out_path: str | os.PathLike, max_length: i
     (1 = single-turn samples). Returns stats (tokens generated, tokens/s)."""
     from tqdm.auto import tqdm
 
-    tok = target.tokenizer
-    if tok is None or getattr(tok, "chat_template", None) is None:
-        raise SpecheadsError(f"target {target.name}: regenerate needs a tokenizer with a chat template")
+    from specheads.train.data import chat_tokenizer
+
+    tok = chat_tokenizer(target.tokenizer, None, target.name)  # one clear error when there is no template
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _drop_partial_tail(out_path)
@@ -358,3 +360,75 @@ def regenerate(target, conversations, out_path: str | os.PathLike, max_length: i
     log.info("regenerate: %d new tokens in %.1f s (%.0f tokens/s)", stats["new_tokens"], stats["seconds"],
              stats["tokens_per_s"])
     return stats
+
+
+# ------------------------------------------------------------------------------------------------- plain text
+
+def regenerate_texts(target, samples, out_path: str | os.PathLike, prefix_tokens: int, max_length: int = 2048,
+                     max_new_tokens: int = 512, batch_size: int = 32, temperature: float = 0.0, top_p: float = 1.0,
+                     seed: int = 0, progress: bool = True) -> dict:
+    """data.mode text: keep the first `prefix_tokens` tokens of each sample (Dataset[conversation_id, input_ids])
+    as the prompt and let the target continue it, up to max_length tokens in all, in one refilled batch
+    (`generate_stream`). Appends `{"id", "input_ids" (prompt + continuation), "prompt_tokens", "text"}` lines to
+    `out_path`, fsynced every `batch_size` samples; resumable by id. The end-of-sequence token that stops an answer
+    is not kept (generate_stream drops it). Returns the same stats as `regenerate`."""
+    from tqdm.auto import tqdm
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    _drop_partial_tail(out_path)
+    done = read_done_ids(out_path)
+    rows = [(c, list(ids)[:prefix_tokens]) for c, ids in zip(samples["conversation_id"], samples["input_ids"])]
+    todo = [r for r in rows if r[0] not in done]
+    todo.sort(key=lambda r: len(r[1]))  # equal prompt lengths batch together (little left padding)
+    work = deque((j, p, min(max_new_tokens, max_length - len(p))) for j, (_, p) in enumerate(todo))
+    stats = {"conversations": len(rows), "already_done": len(rows) - len(todo), "regenerated": 0, "new_tokens": 0,
+             "seconds": 0.0}
+    log.info("regenerate text: %d samples (%d already in %s), prompts of %d tokens, %s", len(rows),
+             stats["already_done"], out_path, prefix_tokens, "greedy" if temperature <= 0 else f"T={temperature}")
+    bar = tqdm(total=len(todo), unit="sample", desc="regenerate", disable=not progress)
+    gen = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    with open(out_path, "a", encoding="utf-8") as f:
+        for j, answer in generate_stream(target, work, batch_size, temperature, top_p, gen):
+            cid, prompt = todo[j]
+            ids = prompt + [int(t) for t in answer]
+            f.write(json.dumps({"id": cid, "input_ids": ids, "prompt_tokens": len(prompt),
+                                "text": target.tokenizer.decode(ids)}, ensure_ascii=False) + "\n")
+            stats["regenerated"] += 1
+            stats["new_tokens"] += len(answer)
+            bar.update(1)
+            if stats["regenerated"] % batch_size == 0:
+                f.flush()
+                os.fsync(f.fileno())
+        f.flush()
+        os.fsync(f.fileno())
+    bar.close()
+    stats["seconds"] = round(time.perf_counter() - t0, 3)
+    stats["tokens_per_s"] = round(stats["new_tokens"] / stats["seconds"], 1) if stats["seconds"] > 0 else 0.0
+    return stats
+
+
+def read_regenerated_texts(path: str | os.PathLike, ids: Sequence[str]):
+    """The samples `ids` (in that order) from a regenerate_texts file -> Dataset[input_ids, loss_mask (all 1),
+    conversation_id]. A cut or malformed line is skipped; a missing id is an error (the run did not finish)."""
+    import datasets
+
+    got: dict[str, list[int]] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+                got[str(row["id"])] = [int(t) for t in row["input_ids"]]
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue
+    missing = [i for i in ids if i not in got]
+    if missing:
+        raise SpecheadsError(f"{path}: no regenerated sample for {len(missing)} ids (first {missing[0]!r}); rerun "
+                             "prepare to finish the regeneration")
+    feats = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
+                               "loss_mask": datasets.List(datasets.Value("int8")),
+                               "conversation_id": datasets.Value("string")})
+    return datasets.Dataset.from_dict({"input_ids": [got[i] for i in ids],
+                                       "loss_mask": [[1] * len(got[i]) for i in ids],
+                                       "conversation_id": list(ids)}, features=feats)
