@@ -342,7 +342,8 @@ def tiny_base(smol_tokenizer):
 
 
 def _text_file(tmp_path, n=6, name="code.jsonl"):
-    rows = [{"id": f"t{i}", "text": f"def f{i}(x):\n    return x * {i} + " + "1 + " * (4 * i) + "0\n"} for i in range(n)]
+    rows = [{"id": f"t{i}", "text": f"def f{i}(x):\n    return x * {i} + " + "1 + " * (4 * i) + "0\n"}
+            for i in range(n)]
     p = tmp_path / name
     p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return p
