@@ -215,7 +215,7 @@ def test_eagle_head_cache_holds_true_rows_only(tiny):
         mask = torch.zeros(n, n).masked_fill_(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))[None, None]
         _, logits = head.draft_forward(head.project_features(feats)[None], torch.tensor([seq[1:]]),
                                        torch.arange(n)[None], mask, fresh)
-    torch.testing.assert_close(d._root[1], torch.log_softmax(logits[0, -1].float(), -1), atol=1e-4, rtol=0)
+    torch.testing.assert_close(d.root_logp, torch.log_softmax(logits[0, -1].float(), -1), atol=1e-4, rtol=0)
     for a, b in zip(d.cache.layers, fresh.layers):
         torch.testing.assert_close(a.keys, b.keys, atol=1e-4, rtol=0)
 
