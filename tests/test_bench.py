@@ -95,6 +95,13 @@ def test_mt_bench_prompts_interleave_categories():
     assert all(len(p.turns) == 2 for p in load_prompts("mt-bench", limit=3, both_turns=True))
 
 
+def test_sharegpt_prompts_from_an_index_on():
+    ps = load_prompts("sharegpt:2000", limit=3)
+    assert len(ps) == 3 and all(p.chat and p.category == "sharegpt" and int(p.id) >= 2000 for p in ps)
+    with pytest.raises(SpecheadsError, match="sharegpt:START"):
+        load_prompts("sharegpt:first")
+
+
 def test_humaneval_prompts_are_plain_completions():
     ps = load_prompts("humaneval")
     assert len(ps) == 164 and not ps[0].chat and ps[0].turns[0].startswith("from typing import List")
