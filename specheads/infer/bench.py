@@ -13,7 +13,8 @@ Figures (all computed by the pure functions `summarize` / `compare`, tested on h
 Methods: `vanilla` = HF `model.generate`; `prompt-lookup` = HF `model.generate(prompt_lookup_num_tokens=...)` (the
 peer users already have; target forwards counted with a forward pre-hook); `head` = ours (specheads.infer.generate
 with the head's drafter; `head+lookup` = the same tree with a prompt-lookup chain merged in, greedy only);
-`draft-model` = ours with a small draft model as drafter.
+`draft-model` = ours with a small draft model as drafter. Every drafter comes from drafters.build_drafter; a head's
+`--tree auto` from autotree.choose_tree_for_head (one probe per head, shared by its plain and +lookup methods).
 """
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ from typing import Any, Callable
 
 import torch
 
+from specheads.infer import autotree
+from specheads.infer.drafters import build_drafter, drafter_kind, parse_tree
+from specheads.infer.generate import generate
 from specheads.infer.prompts import BenchPrompt, encode_turn
 from specheads.infer.treespec import MAX_TREE_DEPTH, TreeSpec
 from specheads.runinfo import command_line, environment
@@ -227,12 +231,10 @@ class OursGenerate(Method):
         self.info = info
 
     def generate(self, input_ids: list[int], max_new_tokens: int) -> RunRecord:
-        from specheads.infer import generate as gen_mod
-
         ids = torch.tensor([input_ids], device=self.target.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            res = gen_mod.generate(self.target, self.drafter, ids, max_new_tokens=max_new_tokens,
+            res = generate(self.target, self.drafter, ids, max_new_tokens=max_new_tokens,
                                    temperature=self.temperature, **self.gen_kwargs)
         dt = time.perf_counter() - t0
         return record_from_generation(self.name, res, len(input_ids), dt, self.target.tokenizer)
@@ -633,8 +635,6 @@ def build_methods(names: list[str], target, options: MethodOptions, calib_ids: l
 def build_ours_method(name: str, target, temperature: float) -> Method:
     """`plain` (our loop, no drafter: its gap to vanilla is the loop's overhead) or `prompt-lookup-ours` (our loop
     with our prompt-lookup drafter, HF prompt lookup's settings)."""
-    from specheads.infer.drafters import build_drafter
-
     if name == "plain":
         drafter = build_drafter(target, "plain")
     else:
@@ -652,8 +652,6 @@ def build_head_method(target, options: MethodOptions, calib_ids: list[list[int]]
     only). `loaded`: {head folder: ...} shared by one run's methods, so that a head's plain and +lookup methods load
     it and run the `--tree auto` probe once."""
     from specheads.heads.base import load_head
-    from specheads.infer.autotree import choose_tree_for_head
-    from specheads.infer.drafters import build_drafter, drafter_kind, parse_tree
 
     loaded = {} if loaded is None else loaded
     entry = loaded.setdefault(str(head_dir), {})
@@ -663,8 +661,8 @@ def build_head_method(target, options: MethodOptions, calib_ids: list[list[int]]
     spec = parse_tree(options.tree, head.config.kind, head)
     if spec.mode == "auto":
         if "spec" not in entry:
-            entry["spec"], entry["tree"] = choose_tree_for_head(target, head, calib_ids,
-                                                                refresh=options.refresh_profile)
+            entry["spec"], entry["tree"] = autotree.choose_tree_for_head(target, head, calib_ids,
+                                                                         refresh=options.refresh_profile)
         spec, tree = entry["spec"], dict(entry["tree"])
     else:
         tree = given_tree_record(head.config.kind, drafter_kind(head.config.kind, head=True).family, spec)
@@ -694,8 +692,6 @@ def given_tree_record(kind: str, family: str, spec: TreeSpec) -> dict[str, Any]:
 def build_draft_model_method(target, options: MethodOptions) -> Method:
     """`draft-model`: our loop with a small causal LM drafting a chain. --draft-model NAME (loaded like a target,
     same dtype; must share the vocabulary) or truncated:N (the target's first N layers, no training)."""
-    from specheads.infer.drafters import build_drafter, parse_tree
-
     spec = options.draft_model
     if not spec:
         raise SpecheadsError("--methods draft-model: needs --draft-model NAME (or truncated:N)")

@@ -21,7 +21,7 @@ from specheads.utils import atomic_write_json, cache_root, read_json
 log = logging.getLogger(__name__)
 
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32)  # tree nodes (root included) timed per verification forward; CPU trees are small
-PROFILE_CONTEXT = 384  # cached tokens during profiling: mid-range of a chat turn (issue: ~256-512)
+PROFILE_CONTEXT = 384  # cached tokens during profiling: mid-range of a chat turn (~256-512 tokens)
 PROFILE_REPEATS = 5  # timed forwards per size (the fastest kept: noise from other processes only adds time)
 PROFILE_VERSION = 4  # bump when the measurement changes: cached profiles of older versions are re-measured
 PROFILE_ATTEMPTS = 3  # measurements tried until one is clean (see profile_noise); a busy machine gets a warning
