@@ -113,3 +113,16 @@ def test_generate_rejects_nan_temperature(tiny):
     with pytest.raises(SpecheadsError, match="--temperature nan: must be a finite number"):
         generate(tiny, None, [1, 2, 3], max_new_tokens=2, temperature=float("nan"))
     assert SamplingParams(temperature=0.7, top_p=0.9, top_k=5).top_k == 5
+
+
+def test_specs_built_in_code_meet_the_same_bounds(tiny):
+    from specheads.heads.base import HeadSpec, build_head
+    from specheads.infer.drafters import build_drafter
+
+    head = build_head(HeadSpec(kind="eagle"), tiny)  # vocab 256
+    with pytest.raises(SpecheadsError, match="TOP_K 100000 is above the head's draft vocabulary of 256 tokens"):
+        build_drafter(tiny, head, TreeSpec.dynamic(3, 100000, 10))
+    with pytest.raises(SpecheadsError, match="a static tree spec does not fit this drafter; an EAGLE head takes"):
+        build_drafter(tiny, head, TreeSpec.static([[0]]))
+    with pytest.raises(SpecheadsError, match="the number of draft tokens 0 is outside 1..64"):
+        build_drafter(tiny, "prompt-lookup", TreeSpec.tokens(0))

@@ -18,7 +18,8 @@ import torch
 
 from specheads.infer.tree import (DEFAULT_MEDUSA_CHOICES, DraftTree, chain_tree, dynamic_tree, merge_trees,
                                   normalize_choices, tree_from_choices)
-from specheads.infer.treespec import FAMILIES, MAX_TREE_DEPTH, TreeLimits, TreeSpec, parse_tree_spec
+from specheads.infer.treespec import (FAMILIES, MAX_TREE_DEPTH, TreeLimits, TreeSpec, check_tree_spec,
+                                      parse_tree_spec)
 from specheads.infer.verify import Accepted, SamplingParams, target_probs
 from specheads.utils import SpecheadsError
 
@@ -439,7 +440,9 @@ def build_drafter(target, head_or_name, spec: TreeSpec | str | None = None, *, l
     head = None if isinstance(head_or_name, str) else head_or_name
     name = head.config.kind if head is not None else head_or_name
     kind = drafter_kind(name, head=head is not None)
-    if not isinstance(spec, TreeSpec):
+    if isinstance(spec, TreeSpec):
+        spec = check_tree_spec(spec, kind.family, drafter=kind.label, limits=tree_limits(head))
+    else:
         spec = parse_tree(spec, name, head)
     if spec.mode == "auto":
         raise ValueError("build_drafter: resolve --tree auto with autotree.choose_tree_for_head first")

@@ -112,11 +112,7 @@ def parse_tree_spec(text: str, family: str, *, drafter: str = "this drafter", li
         raise ValueError(f"parse_tree_spec: unknown drafter family {family!r} (one of {list(FAMILIES)})")
     limits = limits or TreeLimits()
     raw = str(text).strip()
-    shown = raw if len(raw) <= 60 else raw[:57] + "..."  # a long JSON tree is not echoed whole
-
-    def bad(why: str) -> SpecheadsError:
-        return SpecheadsError(f"{flag} {shown}: {why}; {drafter} takes {FAMILIES[family]}")
-
+    bad = _complaint(flag, raw, family, drafter)
     if family == "none":
         raise bad("plain decoding drafts nothing")
     if raw == "auto":
@@ -124,25 +120,53 @@ def parse_tree_spec(text: str, family: str, *, drafter: str = "this drafter", li
             raise bad("automatic tree choice is for heads that draft trees")
         return TreeSpec.auto()
     if family == "tokens":
-        n = _whole(raw, bad, "expected a whole number of tokens")
-        _within(n, 1, limits.max_depth, "the number of draft tokens", bad)
-        return TreeSpec.tokens(n, text=raw)
-    if family == "dynamic" and raw.count(",") == 2 and not raw.startswith("["):
+        spec = TreeSpec.tokens(_whole(raw, bad, "expected a whole number of tokens"), text=raw)
+    elif family == "dynamic" and raw.count(",") == 2 and not raw.startswith("["):
         depth, top_k, total = (_whole(x.strip(), bad, "expected three whole numbers DEPTH,TOP_K,TOTAL")
                                for x in raw.split(","))
-        _within(depth, 1, limits.max_depth, "DEPTH", bad)
-        _check_top_k(top_k, "TOP_K", limits, bad)
-        _within(total, 1, limits.max_nodes, "TOTAL (draft nodes)", bad)
-        return TreeSpec.dynamic(depth, top_k, total, text=raw)
-    if family == "static" and raw in ("default", "medusa"):
-        choices = [tuple(c) for c in DEFAULT_MEDUSA_CHOICES]
+        spec = TreeSpec.dynamic(depth, top_k, total, text=raw)
     else:
-        choices = _rank_paths(raw, limits, bad)
-    _check_paths(choices, limits, bad)
-    if family == "static":
-        return TreeSpec.static(choices, text=raw)
-    # dynamic: rank paths as the EAGLE-2 tree of their depth, widest rank and size
-    return TreeSpec.dynamic(max(len(c) for c in choices), max(max(c) for c in choices) + 1, len(choices), text=raw)
+        paths = [tuple(c) for c in DEFAULT_MEDUSA_CHOICES] if family == "static" and raw in ("default", "medusa") \
+            else _rank_paths(raw, limits, bad)
+        _check_paths(paths, limits, bad)
+        if family == "static":
+            spec = TreeSpec.static(paths, text=raw)
+        else:  # dynamic: rank paths as the EAGLE-2 tree of their depth, widest rank and size
+            spec = TreeSpec.dynamic(max(len(c) for c in paths), max(max(c) for c in paths) + 1, len(paths), text=raw)
+    return check_tree_spec(spec, family, drafter=drafter, limits=limits, flag=flag)
+
+
+FAMILY_MODES = {"dynamic": ("dynamic", "auto"), "static": ("static", "auto"), "tokens": ("tokens",), "none": ("none",)}
+
+
+def check_tree_spec(spec: TreeSpec, family: str, *, drafter: str = "this drafter", limits: TreeLimits | None = None,
+                    flag: str = "--tree") -> TreeSpec:
+    """`spec` held to the bounds a parsed spec meets, whether parsed or built in code (drafters.build_drafter checks
+    every spec it is given)."""
+    limits = limits or TreeLimits()
+    bad = _complaint(flag, spec.text or spec.mode, family, drafter)
+    if spec.mode not in FAMILY_MODES[family]:
+        raise bad(f"a {spec.mode} tree spec does not fit this drafter")
+    if spec.mode == "dynamic":
+        _within(spec.depth, 1, limits.max_depth, "DEPTH", bad)
+        _check_top_k(spec.top_k, "TOP_K", limits, bad)
+        _within(spec.total_tokens, 1, limits.max_nodes, "TOTAL (draft nodes)", bad)
+    elif spec.mode == "static":
+        if not spec.choices:
+            raise bad("no rank paths")
+        _check_paths(list(spec.choices), limits, bad)
+    elif spec.mode == "tokens":
+        _within(spec.num_tokens, 1, limits.max_depth, "the number of draft tokens", bad)
+    return spec
+
+
+def _complaint(flag: str, text: str, family: str, drafter: str):
+    shown = text if len(text) <= 60 else text[:57] + "..."  # a long JSON tree is not echoed whole
+
+    def bad(why: str) -> SpecheadsError:
+        return SpecheadsError(f"{flag} {shown}: {why}; {drafter} takes {FAMILIES[family]}")
+
+    return bad
 
 
 def _whole(text: str, bad, why: str) -> int:
