@@ -7,7 +7,8 @@ each drafter's family once):
   of their depth, widest rank and size; `auto` = the tree that pays on this machine (infer/autotree.py);
 - static (Medusa): rank paths, `chain:K` = [[0], [0, 0], ...] or JSON such as [[0], [0, 0], [1]] (path of per-depth
   ranks), `default` = tree.DEFAULT_MEDUSA_CHOICES, or `auto`;
-- tokens (prompt lookup, draft model): draft tokens per step, a chain, e.g. `8`;
+- tokens (prompt lookup, draft model): draft tokens per step, a chain, e.g. `8` (also the form for a drafter that
+  drafts a block of K positions per pass);
 - none (plain decoding): drafts nothing, takes no `--tree`.
 Sizes are bounded (TreeLimits): a spec the head or the machine cannot hold is one SpecheadsError naming the flag,
 the bound and the accepted forms, before anything is allocated.
