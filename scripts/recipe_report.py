@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """What each recipe run cost and gave: data size, wall time per stage, final simulated τ. One row per run folder.
 
-    python scripts/recipe_report.py runs/eagle3-smollm2 runs/medusa-smollm2 [--out docs/results/recipes]
+    python scripts/recipe_report.py runs/eagle3-smollm2 runs/medusa-smollm2 [--out docs/results/recipes] [--page]
 
 Reads `<run>/prepare_summary.json` (written by `specheads prepare`) and `<run>/train_summary.json` (written by
-`specheads train` when it finishes) and writes `recipes.json` + `recipes.md` into --out; with --readme it also
-replaces the README block between `<!-- results:recipes:start -->` and `<!-- results:recipes:end -->`.
-Nothing is typed by hand: every figure comes from those two files. --keep keeps the rows of the existing
-`<out>/recipes.json` whose runs are not named (runs measured earlier, whose folders this machine no longer has);
-a named run replaces its row in place or is appended.
+`specheads train` when it finishes) and writes `recipes.json` + `recipes.md` into --out; with --page it also
+replaces the results page's block (docs/results/README.md) between `<!-- results:recipes:start -->` and
+`<!-- results:recipes:end -->`. Nothing is typed by hand: every figure comes from those two files. --keep keeps the
+rows of the existing `<out>/recipes.json` whose runs are not named (runs measured earlier, whose folders this
+machine no longer has); a named run replaces its row in place or is appended; with --keep and no runs named the
+table is rendered again from `<out>/recipes.json`.
 """
 from __future__ import annotations
 
@@ -66,11 +67,13 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("runs", nargs="*", type=Path)
     ap.add_argument("--out", type=Path, default=Path("docs/results/recipes"))
-    ap.add_argument("--readme", action="store_true", help="also replace the README's results:recipes block")
+    ap.add_argument("--page", action="store_true", help="also replace the results page's results:recipes block")
     ap.add_argument("--keep", action="store_true", help="keep the other rows of <out>/recipes.json")
     a = ap.parse_args(argv)
+    if not a.runs and not a.keep:
+        ap.error("name the run folders (or --keep to render the rows of <out>/recipes.json again)")
     rows = [row(r) for r in a.runs]
     if a.keep and (a.out / "recipes.json").exists():
         new = {r["run"]: r for r in rows}
@@ -81,12 +84,12 @@ def main(argv: list[str]) -> int:
     md = markdown(rows)
     (a.out / "recipes.md").write_text(md + "\n")
     print(md)
-    if a.readme:
+    if a.page:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from update_readme_results import replace_block
 
-        cmd = ("python scripts/recipe_report.py " + " ".join(str(r) for r in a.runs) + f" --out {a.out} --readme"
-               + (" --keep" if a.keep else ""))
+        cmd = " ".join(["python scripts/recipe_report.py", *(str(r) for r in a.runs), f"--out {a.out} --page"]
+                       + (["--keep"] if a.keep else []))
         kept = (f"; the rows of runs not named are kept from {a.out / 'recipes.json'}, where earlier runs of this "
                 f"command put them" if a.keep else "")
         body = (f"\nProduced by `{cmd}` from each run's prepare_summary.json and train_summary.json (simulated τ on "

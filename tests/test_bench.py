@@ -2,14 +2,15 @@
 an end-to-end run on the tiny target, and (slow) a real SmolLM2 run through the CLI."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
 import pytest
 
-from specheads.infer.bench import (BenchSettings, HFGenerate, RunRecord, accept_histogram, build_methods, build_results,
-                                   compare, forward_token_counts, markdown_table, record_from_generation, run_bench,
-                                   step_breakdown, summarize, write_outputs)
+from specheads.infer.bench import (BenchSettings, HFGenerate, MethodOptions, RunRecord, accept_histogram, build_methods,
+                                   build_results, compare, forward_token_counts, head_entries, markdown_table,
+                                   record_from_generation, run_bench, step_breakdown, summarize, write_outputs)
 from specheads.infer.prompts import BenchPrompt, encode_turn, load_jsonl_prompts, load_prompts
 from specheads.utils import SpecheadsError
 
@@ -94,6 +95,13 @@ def test_mt_bench_prompts_interleave_categories():
     assert all(len(p.turns) == 2 for p in load_prompts("mt-bench", limit=3, both_turns=True))
 
 
+def test_sharegpt_prompts_from_an_index_on():
+    ps = load_prompts("sharegpt:2000", limit=3)
+    assert len(ps) == 3 and all(p.chat and p.category == "sharegpt" and int(p.id) >= 2000 for p in ps)
+    with pytest.raises(SpecheadsError, match="sharegpt:START"):
+        load_prompts("sharegpt:first")
+
+
 def test_humaneval_prompts_are_plain_completions():
     ps = load_prompts("humaneval")
     assert len(ps) == 164 and not ps[0].chat and ps[0].turns[0].startswith("from typing import List")
@@ -138,8 +146,8 @@ def test_run_bench_tiny_end_to_end(tiny, tmp_path):
     tiny.tokenizer = ByteTok()
     prompts = [BenchPrompt(id=str(i), category=c, turns=[t], chat=False)
                for i, (c, t) in enumerate([("a", "abc abc abc abc"), ("b", "hello hello hello")])]
-    args = SimpleNamespace(temperature=0.0, head=None, draft_model="truncated:2", draft_tokens=3, tree="auto")
-    methods, extra = build_methods(["prompt-lookup", "draft-model", "plain", "prompt-lookup-ours"], tiny, args)
+    options = MethodOptions(draft_model="truncated:2", draft_tokens=3)
+    methods, extra = build_methods(["prompt-lookup", "draft-model", "plain", "prompt-lookup-ours"], tiny, options)
     assert [m.name for m in methods] == ["vanilla", "prompt-lookup", "draft-model", "plain", "prompt-lookup-ours"]
     settings = BenchSettings(target="tiny", dataset="inline", dtype="float32", max_new_tokens=8, warmup_tokens=2)
     res = run_bench(prompts, methods, settings, tiny.tokenizer, out_dir=tmp_path, extra=extra, progress=False)
@@ -231,7 +239,7 @@ def test_cli_rejects_unknown_method(tmp_path, capsys):
     from specheads.infer.bench import build_methods
 
     with pytest.raises(SpecheadsError, match="--methods"):
-        build_methods(["medusa-magic"], None, SimpleNamespace(temperature=0.0))
+        build_methods(["medusa-magic"], None, MethodOptions())
     # The CLI checks names before the target loads: +lookup head methods pass it (and then need --head)
     base = ["bench", "--target", "no-such-target", "--out", str(tmp_path / "b"), "--methods"]
     assert main(base + ["vanilla,head+magic"]) != 0
@@ -244,17 +252,16 @@ def test_cli_rejects_unknown_method(tmp_path, capsys):
 def test_head_method_tree_auto_on_tiny(tiny, tmp_path, monkeypatch, kind):
     from specheads.heads.base import HeadSpec, build_head
 
-    import specheads.infer.bench as bench_mod
+    import specheads.infer.autotree as autotree
     import specheads.infer.profile as prof_mod
 
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(prof_mod, "PROFILE_CONTEXT", 32)
     monkeypatch.setattr(prof_mod, "PROFILE_REPEATS", 1)
-    monkeypatch.setattr(bench_mod, "CALIBRATION_TOKENS", 8)
+    monkeypatch.setattr(autotree, "CALIBRATION_TOKENS", 8)
     tiny.tokenizer = ByteTok()
     build_head(HeadSpec(kind=kind), tiny).save_pretrained(tmp_path / "head")
-    args = SimpleNamespace(temperature=0.0, head=str(tmp_path / "head"), draft_model=None, tree="auto",
-                           refresh_profile=False)
+    args = MethodOptions(heads=head_entries(str(tmp_path / "head")))
     methods, extra = build_methods(["head"], tiny, args, calib_ids=[[1, 5, 6, 7, 5, 6, 7, 5, 6]])
     tree = extra["tree"]
     assert tree["mode"] == "auto" and tree["total_tokens"] >= 1 and tree["reason"]
@@ -277,15 +284,15 @@ def test_head_method_tree_auto_on_tiny(tiny, tmp_path, monkeypatch, kind):
     # a clean profile measured just now that still disagrees with the probe prices the draft (the probe's own
     # forwards were slowed): faked as a fresh profile whose one-token forward is 1000x the probe's
     t1_probe = extra2["tree"]["draft_cost"]["t1_s"]
-    fresh = {**read_json(path), "cached": False, "path": path}
+    fresh = {**read_json(path), "cached": False, "path": path, "noisy": False}
     fresh["verify"] = {**fresh["verify"], "seconds": {**fresh["verify"]["seconds"], "1": 1000 * t1_probe}}
-    real_load = prof_mod.load_or_profile
-    monkeypatch.setattr(prof_mod, "load_or_profile", lambda target, refresh=False: fresh)
+    real_load = autotree.load_or_profile
+    monkeypatch.setattr(autotree, "load_or_profile", lambda target, refresh=False: fresh)
     _, extra3 = build_methods(["head"], tiny, args, calib_ids=[[1, 5, 6, 7, 5, 6, 7, 5, 6]])
     cost = extra3["tree"]["draft_cost"]
     assert cost["t1_s"] == prof_mod.t1_seconds(fresh) and cost["t1_from"].startswith("the profile")
     assert extra3["tree"]["profile"]["remeasured"] is False
-    monkeypatch.setattr(prof_mod, "load_or_profile", real_load)
+    monkeypatch.setattr(autotree, "load_or_profile", real_load)
     prompts = [BenchPrompt(id="0", category="a", turns=["abcabcabc"], chat=False)]
     res = run_bench(prompts, methods, BenchSettings("tiny", "x", "float32", max_new_tokens=10, warmup_tokens=2),
                     tiny.tokenizer, out_dir=tmp_path / "out", extra=extra, progress=False)
@@ -295,8 +302,8 @@ def test_head_method_tree_auto_on_tiny(tiny, tmp_path, monkeypatch, kind):
     assert res["tree"]["summary"] and "## Tree" in (tmp_path / "out" / "results.md").read_text()
     # A head's plain and +lookup methods share one load and one acceptance probe, so they get the same tree
     calls = []
-    real = bench_mod.choose_tree_for_head
-    monkeypatch.setattr(bench_mod, "choose_tree_for_head", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = autotree.choose_tree_for_head
+    monkeypatch.setattr(autotree, "choose_tree_for_head", lambda *a, **k: calls.append(1) or real(*a, **k))
     _, extra = build_methods(["head", "head+lookup"], tiny, args, calib_ids=[[1, 5, 6, 7, 5, 6, 7, 5, 6]])
     assert len(calls) == 1
     assert extra["trees"]["head"]["total_tokens"] == extra["trees"]["head+lookup"]["total_tokens"]
@@ -306,15 +313,14 @@ def test_several_heads_in_one_run(tiny, tmp_path, monkeypatch):
     """Two --head values become methods head:eagle and head:medusa (labels from the folders' kinds), each with its
     own tree, both checked against vanilla in the same run."""
     from specheads.heads.base import HeadSpec, build_head
-    from specheads.infer.bench import head_entries
 
-    import specheads.infer.bench as bench_mod
+    import specheads.infer.autotree as autotree
     import specheads.infer.profile as prof_mod
 
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(prof_mod, "PROFILE_CONTEXT", 32)
     monkeypatch.setattr(prof_mod, "PROFILE_REPEATS", 1)
-    monkeypatch.setattr(bench_mod, "CALIBRATION_TOKENS", 8)
+    monkeypatch.setattr(autotree, "CALIBRATION_TOKENS", 8)
     tiny.tokenizer = ByteTok()
     for kind in ("eagle", "medusa"):
         build_head(HeadSpec(kind=kind), tiny).save_pretrained(tmp_path / kind)
@@ -324,8 +330,7 @@ def test_several_heads_in_one_run(tiny, tmp_path, monkeypatch):
         head_entries([str(tmp_path / "eagle"), str(tmp_path / "eagle")])
     with pytest.raises(SpecheadsError, match="no readable head config"):
         head_entries([str(tmp_path / "eagle"), str(tmp_path / "nothing")])
-    args = SimpleNamespace(temperature=0.0, head=[str(tmp_path / "eagle"), str(tmp_path / "medusa")],
-                           draft_model=None, tree="auto", refresh_profile=False)
+    args = MethodOptions(heads=head_entries([str(tmp_path / "eagle"), str(tmp_path / "medusa")]))
     with pytest.raises(SpecheadsError, match="head:nope"):
         build_methods(["head:nope"], tiny, args)
     methods, extra = build_methods(["head"], tiny, args, calib_ids=[[1, 5, 6, 7, 5, 6, 7, 5, 6]])
@@ -345,8 +350,7 @@ def test_head_lookup_merges_prompt_lookup_and_names_the_method(tiny, tmp_path):
 
     tiny.tokenizer = ByteTok()
     build_head(HeadSpec(kind="eagle"), tiny).save_pretrained(tmp_path / "head")
-    args = SimpleNamespace(temperature=0.0, head=str(tmp_path / "head"), draft_model=None, tree="2,2,4",
-                           refresh_profile=False, head_lookup=3)
+    args = MethodOptions(heads=head_entries(str(tmp_path / "head")), tree="2,2,4", head_lookup=3)
     methods, extra = build_methods(["head", "head+lookup"], tiny, args)
     assert [m.name for m in methods] == ["vanilla", "head", "head+lookup"]  # plain and merged side by side
     t = extra["tree"]
@@ -362,13 +366,13 @@ def test_head_lookup_merges_prompt_lookup_and_names_the_method(tiny, tmp_path):
     with pytest.raises(SpecheadsError, match="--methods head:nope\\+lookup: no such head"):
         build_methods(["head:nope+lookup"], tiny, args)
     with pytest.raises(SpecheadsError, match="greedy only"):
-        build_methods(["head+lookup"], tiny, SimpleNamespace(**{**vars(args), "temperature": 0.7}))
+        build_methods(["head+lookup"], tiny, dataclasses.replace(args, temperature=0.7))
     with pytest.raises(SpecheadsError, match="--head-lookup 0"):
-        build_methods(["head+lookup"], tiny, SimpleNamespace(**{**vars(args), "head_lookup": 0}))
+        dataclasses.replace(args, head_lookup=0)
 
 
 def test_calibration_prompts_spread_over_the_set():
-    from specheads.infer.bench import calibration_prompts
+    from specheads.infer.autotree import calibration_prompts
 
     assert calibration_prompts(list(range(80))) == [0, 20, 40, 60]  # one per two MT-bench categories
     assert calibration_prompts([7, 8]) == [7, 8]  # fewer prompts than asked: all of them

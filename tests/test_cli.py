@@ -22,3 +22,81 @@ def test_user_error_is_one_line(tmp_path, capsys):
 def test_module_entry_point():
     out = subprocess.run([sys.executable, "-m", "specheads", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and "specheads" in out.stdout
+
+
+# ------------------------------------------------------------------------------------ bad flags: one line, exit 2
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def heads(tiny, tmp_path, monkeypatch):
+    """Head folders for the tiny target, and a load_target that fails the test: every bad flag below is refused
+    before any model loads."""
+    import specheads.target
+    from specheads.heads.base import HeadSpec, build_head
+
+    for kind in ("eagle3", "medusa"):
+        build_head(HeadSpec(kind=kind, num_heads=3), tiny).save_pretrained(tmp_path / kind)
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(specheads.target, "load_target", no_load)
+    return {k: str(tmp_path / k) for k in ("eagle3", "medusa")}
+
+
+GENERATE_BAD = [  # (extra flags, head kind or None, what the one line says)
+    (["--tree", "3,100000,10"], "eagle3", "--tree 3,100000,10: TOP_K 100000 is above the head's draft vocabulary"),
+    (["--tree", "0,0,0"], "eagle3", "--tree 0,0,0: DEPTH 0 is outside 1..64; an EAGLE-3 head takes DEPTH,TOP_K"),
+    (["--tree=-1,8,48"], "eagle3", "--tree -1,8,48: DEPTH -1"),  # argparse reads a leading "-1," as a flag
+    (["--tree", "3,0,10"], "eagle3", "--tree 3,0,10: TOP_K 0 must be at least 1"),
+    (["--tree", "chain:0"], "medusa", "--tree chain:0: the chain length K 0 is outside 1..64; a Medusa head takes"),
+    (["--tree", "chain:x"], "medusa", "--tree chain:x: expected chain:K with K a whole number"),
+    (["--tree", "[[100000]]"], "medusa", "--tree [[100000]]: rank 100000 is beyond the head's draft vocabulary"),
+    (["--tree", "0"], None, "--tree 0: the number of draft tokens 0 is outside 1..64; prompt-lookup takes"),
+    (["--tree", "-3"], None, "--tree -3: the number of draft tokens -3 is outside 1..64; prompt-lookup takes"),
+    (["--drafter", "draft-model", "--tree", "0"], None, "--tree 0: the number of draft tokens 0 is outside 1..64; draft-model takes"),
+    (["--drafter", "plain", "--tree", "4"], None, "--tree 4: plain decoding drafts nothing"),
+    (["--lookup", "-4"], "eagle3", "--lookup -4: must be 0 (off) .. 64"),
+    (["--drafter", "draft-model", "--draft-layers", "0"], None, "--draft-layers 0: must be at least 1"),
+    (["--temperature", "nan"], None, "--temperature nan: must be a finite number"),
+    (["--temperature", "inf"], None, "--temperature inf: must be a finite number"),
+    (["--top-p", "nan"], None, "--top-p nan: must be a finite number"),
+    (["--top-k", "-1"], None, "--top-k -1: must be >= 0"),
+    (["--tree", "auto"], None, "--tree auto: needs --head"),
+]
+
+
+@pytest.mark.parametrize("flags,kind,line", GENERATE_BAD, ids=[" ".join(f) + f" ({k})" for f, k, _ in GENERATE_BAD])
+def test_generate_bad_flags(heads, capsys, flags, kind, line):
+    argv = ["generate", "--prompt", "Hi"] + (["--head", heads[kind]] if kind else []) + flags
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert line in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+BENCH_BAD = [
+    (["--tree", "3,100000,10"], "eagle3", "--tree 3,100000,10: TOP_K 100000 is above the head's draft vocabulary"),
+    (["--tree", "[[0],[0,0]]x"], "medusa", "a Medusa head takes chain:K"),
+    (["--tree", "2,4,8"], "medusa", "--tree 2,4,8: not a tree spec; a Medusa head takes"),
+    (["--temperature", "nan"], "eagle3", "--temperature nan: must be a finite number"),
+    (["--head-lookup", "0"], "eagle3", "--head-lookup 0: must be 1..64"),
+]
+
+
+@pytest.mark.parametrize("flags,kind,line", BENCH_BAD, ids=[" ".join(f) + f" ({k})" for f, k, _ in BENCH_BAD])
+def test_bench_bad_flags(heads, tmp_path, capsys, flags, kind, line):
+    argv = ["bench", "--head", heads[kind], "--methods", "vanilla,head", "--out", str(tmp_path / "b")] + flags
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert line in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_draft_layers_beyond_the_target_is_one_clear_error(tiny):
+    from specheads.infer.drafters import build_drafter, truncated_draft_model
+    from specheads.utils import SpecheadsError
+
+    assert len(truncated_draft_model(tiny, 3).model.layers) == 3
+    for n in (0, 4, -1):  # the tiny target has 4 layers: a draft keeps 1..3
+        with pytest.raises(SpecheadsError, match=f"--draft-layers {n}: must be 1..3"):
+            build_drafter(tiny, "draft-model", "2", draft_layers=n)

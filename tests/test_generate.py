@@ -215,7 +215,7 @@ def test_eagle_head_cache_holds_true_rows_only(tiny):
         mask = torch.zeros(n, n).masked_fill_(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))[None, None]
         _, logits = head.draft_forward(head.project_features(feats)[None], torch.tensor([seq[1:]]),
                                        torch.arange(n)[None], mask, fresh)
-    torch.testing.assert_close(d._root[1], torch.log_softmax(logits[0, -1].float(), -1), atol=1e-4, rtol=0)
+    torch.testing.assert_close(d.root_logp, torch.log_softmax(logits[0, -1].float(), -1), atol=1e-4, rtol=0)
     for a, b in zip(d.cache.layers, fresh.layers):
         torch.testing.assert_close(a.keys, b.keys, atol=1e-4, rtol=0)
 
@@ -394,3 +394,27 @@ def test_cli_generate_tree_auto_smollm2(smollm2, tmp_path, capsys):
     assert "--tree auto: EAGLE-2 dynamic tree" in cap.err
     out = json.loads(cap.out.strip().splitlines()[-1])
     assert out["stats"]["new_tokens"] == 8
+
+
+def test_phase_timer_adds_each_block_even_when_it_raises():
+    import time
+
+    from specheads.infer.generate import phase_timer
+
+    t = {"draft": 0.0}
+    with phase_timer(t, "draft"):
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError):
+        with phase_timer(t, "draft"):
+            time.sleep(0.01)
+            raise RuntimeError
+    assert t["draft"] >= 0.02
+
+
+def test_stats_phases_cover_the_steps(tiny):
+    r = generate(tiny, OracleTreeDrafter(tiny.model), prompts(tiny.vocab_size, 1)[0], max_new_tokens=12,
+                 ignore_eos=True)
+    s = r.stats
+    assert set(s.timings) == {"draft", "tree", "target", "verify", "cache", "other"}
+    assert all(v > 0 for v in s.timings.values()) and sum(s.timings.values()) <= s.wall_s - s.prefill_s
+    assert s.stop_reason == "max_new_tokens" and s.tree_nodes > s.target_forwards  # trees of several nodes

@@ -1,5 +1,5 @@
-"""Hardware-aware tree size: expected-τ arithmetic, the choice on synthetic cost profiles, acceptance counting,
-and the cached profile on the tiny target."""
+"""The verification-cost profile (profile.py) and the tree-choice arithmetic on it (autotree.py): expected τ, the
+choice on synthetic cost profiles, acceptance counting, and the cached profile on the tiny target."""
 from __future__ import annotations
 
 import itertools
@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from specheads.infer.profile import (acceptance_matrix, best_first_paths, choose_tree, expected_tau, interp_cost,
-                                     isotonic, load_or_profile, measure_verify_cost)
+from specheads.infer.autotree import acceptance_matrix, best_first_paths, choose_tree, expected_tau, monotone_in_rank
+from specheads.infer.profile import interp_cost, isotonic, load_or_profile, measure_verify_cost
 from specheads.infer.tree import DraftTree
 
 
@@ -52,7 +52,7 @@ def test_choice_free_up_to_four_tokens_perfect_chain():
     # more costs 10x: the obvious best tree is the chain of 3 draft nodes (root + 3 = 4 tokens), τ = 4
     acc = [[1.0, 0.0, 0.0]] * 6
     costs = {1: 1.0, 2: 1.0, 4: 1.0, 5: 10.0, 64: 10.0}
-    ch = choose_tree(acc, costs, draft_cost=0.0, kind="eagle")
+    ch = choose_tree(acc, costs, draft_cost=0.0, family="dynamic")
     assert (ch.total_tokens, ch.depth) == (3, 3)
     assert ch.choices == [[0], [0, 0], [0, 0, 0]]
     assert ch.expected_tau == pytest.approx(4.0)
@@ -65,12 +65,12 @@ def test_choice_draft_cost_is_paid_per_depth_by_both_kinds():
     # one head per depth (MedusaDrafter runs only the heads the tree reaches), so depth costs D x c for both
     acc = [[0.5]] * 6
     costs = {1: 1.0, 64: 1.0}
-    for kind in ("eagle", "medusa"):
+    for family in ("dynamic", "static"):
         # value(D) = (2 - 0.5^D) / (1 + 0.5 D): D=1 -> 1.5/1.5 = 1.0, D=2 -> 1.75/2 ... best D = 1
-        ch = choose_tree(acc, costs, draft_cost=0.5, kind=kind)
-        assert ch.depth == 1 and ch.expected_speedup == pytest.approx(1.0)
+        ch = choose_tree(acc, costs, draft_cost=0.5, family=family)
+        assert ch.depth == 1 and ch.expected_speedup == pytest.approx(1.0) and ch.family == family
         # cheap drafts: D=6 -> (2 - 0.5^6) / 1.006 beats every shallower chain
-        cheap = choose_tree(acc, costs, draft_cost=0.001, kind=kind)
+        cheap = choose_tree(acc, costs, draft_cost=0.001, family=family)
         assert cheap.depth == 6 and cheap.expected_speedup == pytest.approx((2 - 0.5 ** 6) / 1.006)
 
 
@@ -117,23 +117,21 @@ def test_isotonic_smooths_noisy_costs():
 
 
 def test_monotone_in_rank_pools_a_noisy_inversion():
-    from specheads.infer.profile import monotone_in_rank
-
-    # stop 10's Medusa probe: rank 3 accepted 3/24, rank 0 only 2/24, so choose_tree drafted just the rank-3 token
+    # a short Medusa probe: rank 3 accepted 3/24, rank 0 only 2/24; unfitted, a one-node tree drafts the rank-3 token
     raw = [[2 / 24, 2 / 24, 1 / 24, 3 / 24], [0.5, 0.0, 0.25, 0.0]]
     fit = monotone_in_rank(raw, [[24, 24, 24, 24], [8, 5, 4, 0]])
     assert fit[0] == pytest.approx([2 / 24] * 4)  # pooled: 8 hits in 96
     assert fit[1] == pytest.approx([0.5, 1 / 9, 1 / 9, 0.0])  # (0*5 + 0.25*4) / 9; an unseen rank stays 0
     assert all(a >= b for row in fit for a, b in zip(row, row[1:]))
-    assert choose_tree(raw, {1: 1.0, 2: 1.05}, 0.01, kind="medusa", max_nodes=1, max_depth=1).choices == [[3]]
-    assert choose_tree(fit, {1: 1.0, 2: 1.05}, 0.01, kind="medusa", max_nodes=1, max_depth=1).choices == [[0]]
+    assert choose_tree(raw, {1: 1.0, 2: 1.05}, 0.01, family="static", max_nodes=1, max_depth=1).choices == [[3]]
+    assert choose_tree(fit, {1: 1.0, 2: 1.05}, 0.01, family="static", max_nodes=1, max_depth=1).choices == [[0]]
     assert monotone_in_rank([[0.4, 0.2, 0.1]], [[10, 10, 10]]) == [[0.4, 0.2, 0.1]]  # already monotone: unchanged
 
 
 def test_cost_drop_and_noise_verdict():
     from specheads.infer.profile import cost_drop, profile_noise
 
-    assert cost_drop([1.0, 1.06, 1.13, 1.24, 1.41, 1.84]) == 0.0  # idle machine here (stop 12)
+    assert cost_drop([1.0, 1.06, 1.13, 1.24, 1.41, 1.84]) == 0.0  # an idle 2-core machine
     assert cost_drop([1.0, 2.055, 1.206, 1.628, 0.931, 1.425]) == pytest.approx(1 - 0.931 / 2.055)  # two busy loops
     assert profile_noise({"t1_spread": 1.1, "cost_drop": 0.02}) == ""
     assert "varied 4.50x" in profile_noise({"t1_spread": 4.5, "cost_drop": 0.0})

@@ -40,3 +40,34 @@ def test_recipe_report_keep_replaces_named_rows_and_keeps_the_rest(tmp_path):
     assert [(r["run"], r["samples"], r["tau_tree_end"]) for r in rows] == [(str(a), 11, 3.0), (str(b), 9, 2.5)]
     assert report.main([str(b), "--out", str(out)]) == 0  # without --keep the file holds the named runs only
     assert [r["run"] for r in json.loads((out / "recipes.json").read_text())] == [str(b)]
+
+
+def test_update_readme_results_copies_a_run_into_the_page_and_the_headline(tmp_path, monkeypatch):
+    upd = _script("update_readme_results")
+    run = tmp_path / "runs" / "bench"
+    run.mkdir(parents=True)
+    (run / "results.json").write_text(json.dumps({"command": "specheads bench --out runs/bench", "date": "2030-01-02T03:04",
+                                                  "environment": {"cpu": "Some CPU", "torch": "9", "transformers": "8"},
+                                                  "plots": ["speedup_tau.png"]}))
+    (run / "results.md").write_text("# specheads bench: t on d\n\n3 prompts, dtype float32, now.\n\n"
+                                    "| method | tokens/s | τ |\n|---|---:|---:|\n| vanilla | 9.5 | 1.00 |\n| head | 14.2 | 1.61 |\n\n"
+                                    "## Per category (speedup / τ)\n\n| category | vanilla |\n\nDefinitions: **tau** = x.\n")
+    (run / "speedup_tau.png").write_bytes(b"png")
+    page, readme = tmp_path / "docs" / "results" / "README.md", tmp_path / "README.md"
+    page.parent.mkdir(parents=True)
+    page.write_text("# Results\n")
+    readme.write_text("# x\n<!-- results:headline:start -->\nold\n<!-- results:headline:end -->\ntail\n")
+    monkeypatch.setattr(upd, "RESULTS_PAGE", page)
+    monkeypatch.setattr(upd, "README", readme)
+    docs = page.parent / "my-run"
+    assert upd.main([str(run), str(docs), "--headline"]) == 0
+    assert (docs / "results.json").exists() and (docs / "speedup_tau.png").read_bytes() == b"png"
+    text = page.read_text()
+    assert "## my-run" in text and "### Per category" in text and "| head | 14.2 | 1.61 |" in text
+    assert "Definitions:" not in text and "![speedup_tau](my-run/speedup_tau.png)" in text
+    assert "on 2030-01-02 (Some CPU, torch 9, transformers 8)" in text
+    head = readme.read_text()
+    assert "| head | 14.2 | 1.61 |" in head and "| category |" not in head and head.endswith("tail\n")
+    assert "3 prompts, dtype float32, now." in head and "(docs/results/README.md#my-run)" in head
+    assert upd.main([str(docs), str(docs)]) == 0  # re-rendered from the docs folder itself: the same block
+    assert page.read_text() == text

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specheads.infer.tree import (DraftTree, chain_tree, choices_from_accuracies, dynamic_tree, normalize_choices,
-                                  parse_choices, tree_from_choices)
+                                  tree_from_choices)
 from specheads.utils import SpecheadsError
 
 NEG = float("-inf")
@@ -77,12 +77,11 @@ def test_choices_from_accuracies_best_first_by_product():
     assert deep == [[0], [0, 0]]
 
 
-def test_parse_choices():
-    assert parse_choices("chain:3") == [[0], [0, 0], [0, 0, 0]]
-    assert parse_choices("[[0,1]]") == [[0], [0, 1]]
-    with pytest.raises(SpecheadsError, match="--tree"):
-        parse_choices("nonsense")
+def test_normalize_choices_adds_prefixes_parents_first():
     assert normalize_choices([[1], [0]]) == [(0,), (1,)]
+    assert normalize_choices([[0, 1]]) == [(0,), (0, 1)]
+    with pytest.raises(SpecheadsError, match="ranks >= 0"):
+        normalize_choices([[0, -1]])
 
 
 def test_dynamic_tree_keeps_best_connected_nodes():

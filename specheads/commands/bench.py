@@ -16,7 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "head:LABEL, LABEL defaulting to the head kind, e.g. head:eagle3, head:medusa)")
     p.add_argument("--draft-model", default=None, help="small draft model for the `draft-model` method")
     p.add_argument("--draft-tokens", type=int, default=4, help="draft-model: chain length per step (default 4 tokens)")
-    p.add_argument("--dataset", default="mt-bench", help="mt-bench | humaneval | FILE.jsonl (\"prompt\" or \"turns\" per line)")
+    p.add_argument("--dataset", default="mt-bench",
+                   help="mt-bench | humaneval | sharegpt:START | FILE.jsonl (\"prompt\" or \"turns\" per line)")
     p.add_argument("--methods", default=None,
                    help="comma-separated: vanilla,prompt-lookup,head,draft-model,plain,prompt-lookup-ours; "
                         "head:LABEL picks one --head; +lookup after a head method (head+lookup, head:LABEL+lookup) "
@@ -30,7 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "bfloat16", "float32"],
                    help="target dtype (default bf16; use fp32 for the identical-output check)")
     p.add_argument("--tree", default="auto",
-                   help="auto (profile this machine, choose size/depth; default) or, for EAGLE heads, DEPTH,TOP_K,TOTAL as in `specheads generate` (e.g. 4,4,16), or Medusa rank paths / chain:K")
+                   help="the heads' tree, as `specheads generate --tree`: auto (profile this machine, choose size "
+                        "and depth; default); EAGLE heads: DEPTH,TOP_K,TOTAL (e.g. 4,4,16); Medusa heads: chain:K, "
+                        "JSON rank paths or default")
     p.add_argument("--head-lookup", type=int, default=None, metavar="N",
                    help="chain length of the +lookup methods: up to N prompt-lookup tokens merged into the head's "
                         "tree (default 10, HF prompt lookup's candidate tokens per step)")
@@ -43,45 +46,63 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output folder: results.json, results.md, PNG plots, outputs.jsonl")
 
 
+def method_names(args: argparse.Namespace) -> list[str]:
+    if args.methods:
+        return [m.strip() for m in args.methods.split(",") if m.strip()]
+    return ["vanilla", "prompt-lookup"] + (["head"] if args.head else []) + (["draft-model"] if args.draft_model else [])
+
+
+def method_options(args: argparse.Namespace):
+    """The flags as plain values for the library (bench.MethodOptions), every tree spec checked against its head's
+    folder before any model loads."""
+    from pathlib import Path
+
+    from specheads.heads.base import read_head_config
+    from specheads.infer.bench import HEAD_LOOKUP_TOKENS, MethodOptions, head_entries
+    from specheads.infer.drafters import parse_tree
+    from specheads.infer.verify import SamplingParams
+
+    SamplingParams(temperature=args.temperature)
+    heads = head_entries(args.head)
+    for head_dir in heads.values():
+        config = read_head_config(Path(head_dir))
+        parse_tree(args.tree, config.kind, config)
+    return MethodOptions(temperature=args.temperature, heads=heads, tree=args.tree,
+                         refresh_profile=args.refresh_profile,
+                         head_lookup=HEAD_LOOKUP_TOKENS if args.head_lookup is None else args.head_lookup,
+                         draft_model=args.draft_model, draft_tokens=args.draft_tokens)
+
+
 def run(args: argparse.Namespace) -> int:
-    from specheads.infer.bench import BenchSettings, run_bench
-    from specheads.infer.bench import build_methods
+    from specheads.infer.autotree import calibration_ids
+    from specheads.infer.bench import (BenchSettings, build_methods, check_method_names, is_head_method,
+                                       markdown_table, run_bench)
     from specheads.infer.prompts import load_prompts
     from specheads.target import load_target
 
     if args.max_new_tokens < 1:
         raise SpecheadsError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
-    if args.temperature < 0:
-        raise SpecheadsError(f"--temperature {args.temperature}: must be >= 0")
-    if args.methods:
-        names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    else:
-        names = ["vanilla", "prompt-lookup"] + (["head"] if args.head else []) + (["draft-model"] if args.draft_model else [])
+    names = method_names(args)
     if args.threads is not None:
         if args.threads < 1:
             raise SpecheadsError(f"--threads {args.threads}: must be at least 1")
         import torch
 
         torch.set_num_threads(args.threads)
-    from specheads.infer.bench import check_method_names, is_head_method
-
     check_method_names(names)  # before the target loads
     if any(is_head_method(n) for n in names) and not args.head:
         raise SpecheadsError("--methods head: needs --head DIR (a head folder written by `specheads train`)")
     if "draft-model" in names and not args.draft_model:
         raise SpecheadsError("--methods draft-model: needs --draft-model NAME (or truncated:N)")
+    options = method_options(args)
     prompts = load_prompts(args.dataset, args.limit, args.both_turns)
     dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype, args.dtype)
     target = load_target(args.target, dtype=dtype, device=args.device)
-    from specheads.infer.bench import calibration_ids
-
-    methods, extra = build_methods(names, target, args, calib_ids=calibration_ids(target.tokenizer, prompts))
+    methods, extra = build_methods(names, target, options, calib_ids=calibration_ids(target.tokenizer, prompts))
     settings = BenchSettings(target=args.target, dataset=args.dataset, dtype=dtype, temperature=args.temperature,
                              max_new_tokens=args.max_new_tokens, limit=args.limit, both_turns=args.both_turns,
                              seed=args.seed, warmup_tokens=args.warmup_tokens)
     results = run_bench(prompts, methods, settings, target.tokenizer, out_dir=args.out, extra=extra)
-    from specheads.infer.bench import markdown_table
-
     print(markdown_table(results))
     print(f"wrote {args.out}/results.json, results.md, {', '.join(results.get('plots', []))}")
     return 130 if results.get("interrupted") else 0

@@ -24,12 +24,15 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--tree", default=None,
-                   help="Medusa: 'chain:K' or JSON rank paths; EAGLE: 'depth,top_k,total_tokens' (default 5,8,48); "
-                        "draft-model / prompt-lookup: tokens per step; 'auto' (with --head): the size and depth "
-                        "that pay on this machine (cached cost profile + a short acceptance probe, as bench does)")
+                   help="EAGLE heads: DEPTH,TOP_K,TOTAL (default 5,8,48), chain:K or JSON rank paths; Medusa heads: "
+                        "chain:K, JSON rank paths such as [[0],[0,0],[1]] or default; prompt-lookup (default 8) / "
+                        "draft-model (default 4): draft tokens per step; auto (with --head): the size and depth that "
+                        "pay on this machine (cached cost profile + a short acceptance probe, as bench does)")
     p.add_argument("--lookup", type=int, default=0, metavar="N",
-                   help="with --head, greedy: also merge a prompt-lookup chain of up to N tokens into the tree")
-    p.add_argument("--draft-layers", type=int, default=4, help="draft-model: target layers kept in the draft copy")
+                   help="with --head, greedy: also merge a prompt-lookup chain of up to N tokens into the tree "
+                        "(0 = off)")
+    p.add_argument("--draft-layers", type=int, default=4,
+                   help="draft-model: the target's first N layers form the draft (1..layers-1; default 4)")
     p.add_argument("--draft-target", default=None, help="draft-model: a separate small model with the same vocabulary")
     p.add_argument("--typical-acceptance", action="store_true",
                    help="Medusa typical acceptance: LOSSY (output no longer follows the target's distribution)")
@@ -38,71 +41,59 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print the result and figures as one JSON object")
 
 
-def drafter_kwargs(args) -> dict:
-    kw: dict = {"draft_layers": args.draft_layers, "draft_target": args.draft_target}
-    if not args.tree or args.tree == "auto":  # auto: chosen after loading (auto_tree)
-        return kw
+def drafter_source(args):
+    """(drafter name, head config or None): the head folder's kind, else --drafter (prompt-lookup by default)."""
     if args.head:
-        from specheads.heads.base import read_head_config
         from pathlib import Path
 
-        kind = read_head_config(Path(args.head)).kind
-        if kind == "medusa":
-            from specheads.infer.tree import parse_choices
+        from specheads.heads.base import read_head_config
 
-            kw["choices"] = parse_choices(args.tree)
-        else:
-            try:
-                d, k, n = (int(x) for x in args.tree.split(","))
-            except ValueError:
-                raise SpecheadsError(f"--tree {args.tree!r}: EAGLE trees take 'depth,top_k,total_tokens'") from None
-            kw.update(depth=d, top_k=k, total_tokens=n)
-    else:
-        try:
-            kw["num_tokens"] = int(args.tree)
-        except ValueError:
-            raise SpecheadsError(f"--tree {args.tree!r}: {args.drafter} takes a number of tokens per step") from None
-    return kw
+        config = read_head_config(Path(args.head))
+        return config.kind, config
+    return args.drafter or "prompt-lookup", None
 
 
-def auto_tree(target, drafter):
-    """`--tree auto`: the bench's choice (specheads.infer.bench.choose_tree_for_head: the cached verify-cost profile
-    of this machine + the head's acceptance on a short probe of a few MT-bench questions) -> a new drafter."""
-    from specheads.infer.bench import calibration_ids, choose_tree_for_head
-    from specheads.infer.drafters import EagleDrafter, MedusaDrafter
+def auto_tree(target, head):
+    """`--tree auto`: autotree.choose_tree_for_head on a few MT-bench questions spread over its categories."""
+    from specheads.infer.autotree import calibration_ids, choose_tree_for_head
     from specheads.infer.prompts import load_prompts
 
-    head = drafter.head
-    kind = "medusa" if head.config.kind == "medusa" else "eagle"
-    calib = calibration_ids(target.tokenizer, load_prompts("mt-bench"))
-    choice, tree = choose_tree_for_head(target, head, kind, calib)
-    print(f"--tree auto: {tree['summary']} ({choice.reason})", file=sys.stderr)
-    if kind == "medusa":
-        return MedusaDrafter(head, choices=choice.choices)
-    return EagleDrafter(head, depth=choice.depth, top_k=choice.top_k, total_tokens=choice.total_tokens)
+    spec, tree = choose_tree_for_head(target, head, calibration_ids(target.tokenizer, load_prompts("mt-bench")))
+    print(f"--tree auto: {tree['summary']} ({tree['reason']})", file=sys.stderr)
+    return spec
 
 
-def run(args) -> int:
-    from specheads.infer.drafters import load_drafter
-    from specheads.infer.generate import generate
+def build(args):
+    """Target and drafter from the flags; every flag is checked before the target loads where it can be."""
+    from specheads.heads.base import load_head
+    from specheads.infer.drafters import build_drafter, check_lookup, parse_tree
+    from specheads.infer.verify import SamplingParams
     from specheads.target import load_target
 
     if args.max_new_tokens < 1:
         raise SpecheadsError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
-        raise SpecheadsError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
+    SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     if args.tree == "auto" and not args.head:
         raise SpecheadsError("--tree auto: needs --head DIR (training-free drafters take a number of tokens per step)")
+    check_lookup(args.lookup)
+    if args.lookup and not args.head:
+        raise SpecheadsError("--lookup: merges prompt lookup into a head's tree; needs --head DIR")
+    name, config = drafter_source(args)
+    spec = parse_tree(args.tree, name, config)
+    if name == "draft-model" and args.draft_layers < 1:
+        raise SpecheadsError(f"--draft-layers {args.draft_layers}: must be at least 1 (target layers the draft keeps)")
     target = load_target(args.target, dtype=args.dtype, device=args.device)
-    drafter = load_drafter(args.drafter or "prompt-lookup", target, head_dir=args.head, **drafter_kwargs(args))
-    if args.tree == "auto":
-        drafter = auto_tree(target, drafter)
-    if args.lookup > 0:
-        if not args.head:
-            raise SpecheadsError("--lookup: merges prompt lookup into a head's tree; needs --head DIR")
-        from specheads.infer.drafters import LookupMergedDrafter
+    source = load_head(args.head, target).eval() if args.head else name
+    if spec.mode == "auto":
+        spec = auto_tree(target, source)
+    options = {"draft_layers": args.draft_layers, "draft_target": args.draft_target} if name == "draft-model" else {}
+    return target, build_drafter(target, source, spec, lookup=args.lookup, **options)
 
-        drafter = LookupMergedDrafter(drafter, num_tokens=args.lookup)
+
+def run(args) -> int:
+    from specheads.infer.generate import generate
+
+    target, drafter = build(args)
     verification = "typical-lossy" if args.typical_acceptance else "auto"
     streamer = None
     if not args.json:

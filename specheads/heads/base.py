@@ -13,6 +13,7 @@ Use `head.to_target_ids(ids)` rather than indexing by hand.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,13 @@ from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json, read_
 
 log = logging.getLogger(__name__)
 
-HEAD_KINDS = ("medusa", "eagle", "eagle3")
+# kind -> (module, class): imported on first use, so that this base never imports its own subclasses
+HEAD_CLASSES: dict[str, tuple[str, str]] = {
+    "medusa": ("specheads.heads.medusa", "MedusaHead"),
+    "eagle": ("specheads.heads.eagle", "EagleHead"),
+    "eagle3": ("specheads.heads.eagle3", "Eagle3Head"),
+}
+HEAD_KINDS = tuple(HEAD_CLASSES)
 FORMAT_VERSION = 1  # bump when config.json or the key layout of model.safetensors changes
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -344,16 +351,11 @@ def load_state_checked(head: nn.Module, tensors: dict[str, torch.Tensor], path: 
 
 
 def head_class(kind: str) -> type[DraftHead]:
-    if kind == "medusa":
-        from specheads.heads.medusa import MedusaHead
-        return MedusaHead
-    if kind == "eagle":
-        from specheads.heads.eagle import EagleHead
-        return EagleHead
-    if kind == "eagle3":
-        from specheads.heads.eagle3 import Eagle3Head
-        return Eagle3Head
-    raise SpecheadsError(f"head.kind: {kind!r} is not one of {list(HEAD_KINDS)}")
+    """The DraftHead subclass of `kind`, imported from its module (HEAD_CLASSES)."""
+    if kind not in HEAD_CLASSES:
+        raise SpecheadsError(f"head.kind: {kind!r} is not one of {list(HEAD_KINDS)}")
+    module, name = HEAD_CLASSES[kind]
+    return getattr(importlib.import_module(module), name)
 
 
 def build_head(spec: HeadSpec, target, token_counts=None, dtype: torch.dtype = torch.float32) -> DraftHead:

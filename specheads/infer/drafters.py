@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from specheads.infer.tree import (DEFAULT_MEDUSA_CHOICES, DraftTree, chain_tree, dynamic_tree,
+from specheads.infer.tree import (DEFAULT_MEDUSA_CHOICES, DraftTree, chain_tree, dynamic_tree, merge_trees,
                                   normalize_choices, tree_from_choices)
+from specheads.infer.treespec import (FAMILIES, MAX_TREE_DEPTH, TreeLimits, TreeSpec, check_tree_spec,
+                                      parse_tree_spec)
 from specheads.infer.verify import Accepted, SamplingParams, target_probs
+from specheads.utils import SpecheadsError
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +148,11 @@ def truncated_draft_model(target, num_layers: int = 4):
 
     import torch.nn as nn
 
+    total = len(target.model.model.layers)
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= total - 1:
+        raise SpecheadsError(f"--draft-layers {num_layers}: must be 1..{total - 1} (the draft keeps the first N of "
+                             f"the target's {total} layers)")
+
     model = copy.copy(target.model)  # shallow: submodules are shared by reference ...
     model._modules = dict(model._modules)  # ... but the module dicts are not (else the target would be cut too)
     base = copy.copy(target.model.model)
@@ -217,9 +226,9 @@ def medusa_rank_accuracies(target, head, sequences: list[list[int]], ranks: int 
 
 class EagleDrafter(Drafter):
     """EAGLE-1 / EAGLE-3 heads with the EAGLE-2 dynamic tree. The head keeps its own KV cache of TRUE rows: row t
-    pairs the target feature f_t with token x_{t+1} at position t. Each step only the newly accepted rows run
-    through the head (with their true target features); the draft rows added while building the tree are cropped
-    away afterwards. Draft-vocab ids map back with head.to_target_ids. Defaults depth 5 / top_k 8 /
+    pairs the target feature f_t with token x_{t+1} at position t. Each step `feed_accepted` runs the newly accepted
+    rows through the head (with their true target features); `expand` then grows the tree's draft rows, which are
+    cropped away afterwards. Draft-vocab ids map back with head.to_target_ids. Defaults depth 5 / top_k 8 /
     total_tokens 48: a little smaller than EAGLE-2's 6 / 10 / 60, sized for CPU targets."""
     name = "eagle"
 
@@ -229,11 +238,15 @@ class EagleDrafter(Drafter):
         self.cache = None
         self.rows = 0  # true rows in the head cache (positions 0 .. rows-1)
         self.pending: torch.Tensor | None = None  # [P, F*D] features of cached positions not yet run through the head
+        self.root_hidden: torch.Tensor | None = None  # [D] hidden out of the last true row (input of depth 1)
+        self.root_logp: torch.Tensor | None = None  # [V'] log-probs of the last true row: the root's children
+        self.draft: _DraftRows | None = None  # the draft rows of the tree being grown (None between proposals)
 
     def reset(self, prompt_ids, features) -> None:
         self.cache = self.head.new_cache()
         self.rows = 0
         self.pending = features
+        self.root_hidden = self.root_logp = None
 
     def observe(self, tree, accepted, features) -> None:
         self.pending = features if self.pending is None else torch.cat([self.pending, features])
@@ -251,6 +264,36 @@ class EagleDrafter(Drafter):
                                            last_only=last_only)
         return h[0], torch.log_softmax(logits[0].float(), dim=-1)
 
+    def feed_accepted(self, ids: list[int]) -> None:
+        """True rows (f_t, x_{t+1}) for the positions cached since the last step, run causally; only the last row
+        (f_{cached-1} with the root) drafts: it gives the root's children."""
+        p = 0 if self.pending is None else self.pending.shape[0]
+        if not p:
+            return
+        param = next(self.head.parameters())
+        t0, cached = self.rows, len(ids) - 1
+        feats = self.head.project_features(self.pending.to(param.device, param.dtype))  # [p, D]
+        h, lp = self._run(feats, torch.tensor(ids[t0 + 1:cached + 1]), torch.arange(t0, cached),
+                          torch.ones(p, p, dtype=torch.bool).tril(), last_only=True)
+        self.rows, self.pending = cached, None
+        self.root_hidden, self.root_logp = h[-1], lp[-1]
+
+    def expand(self, frontier: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """tree.dynamic_tree's expand step: the children log-probs [F, V'] of the frontier nodes. A node not run yet
+        becomes a draft row (hidden out of its parent's row, its token) at position cached - 1 + depth, attending
+        the true rows, its ancestors' draft rows and itself (the mask comes from the rows' DraftTree)."""
+        draft = self.draft
+        todo = [i for i in frontier if draft.row_of(i) < 0]
+        if todo:
+            first = draft.add(todo, tokens, parents)
+            rows = draft.tree()
+            allowed = rows.ancestors()[first:, 1:]  # [n, R] the new rows over every draft row (row 0 is a true row)
+            hidden = torch.stack([draft.hidden[draft.row_of(parents[i])] for i in todo])
+            h, lp = self._run(hidden, rows.tokens[first:], self.rows - 1 + rows.depth[first:], allowed)
+            draft.hidden += list(h)
+            draft.logp += list(lp)
+        return torch.stack([draft.logp[draft.row_of(i)] for i in frontier])  # [F, V']
+
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> DraftTree:
         ids, root = ctx.ids, ctx.ids[-1]
@@ -259,56 +302,57 @@ class EagleDrafter(Drafter):
         if self.cache is None or cached == 0 or ctx.max_depth <= 0 or self.rows + p == 0:
             return chain_tree(root, [])
         assert self.rows + p == cached, (self.rows, p, cached)
-        param = next(self.head.parameters())
-        # 1. true rows (f_t, x_{t+1}) for the newly cached positions; the last pairs f_{cached-1} with the root
-        if p:
-            t0 = self.rows
-            feats = self.head.project_features(self.pending.to(param.device, param.dtype))  # [p, D]
-            h, lp = self._run(feats, torch.tensor(ids[t0 + 1:cached + 1]), torch.arange(t0, cached),
-                              torch.ones(p, p, dtype=torch.bool).tril(), last_only=True)  # only the last row drafts
-            self.rows, self.pending = cached, None
-            self._root = (h[-1], lp[-1])
-        out_h, out_lp = {0: self._root[0]}, {0: self._root[1]}  # node -> its row's hidden out / children log-probs
-        row_of: dict[int, int] = {}  # node -> index of its draft row in the head cache (after the true rows)
-
-        # 2. EAGLE-2 expansion: node i at depth d >= 1 is the row (hidden out of its parent's row, token_i) at
-        #    position cached - 1 + d, attending the true rows, its ancestors' draft rows and itself
-        def expand(frontier, tokens, parents):
-            todo = [i for i in frontier if i not in out_lp]
-            if todo:
-                r0 = len(row_of)
-                m = torch.zeros(len(todo), r0 + len(todo), dtype=torch.bool)
-                depth = []
-                for r, i in enumerate(todo):
-                    m[r, r0 + r] = True
-                    j, d = parents[i], 1
-                    while j > 0:
-                        m[r, row_of[j]] = True
-                        j, d = parents[j], d + 1
-                    depth.append(d)
-                hid = torch.stack([out_h[parents[i]] for i in todo])
-                h2, lp2 = self._run(hid, torch.tensor([tokens[i] for i in todo]),
-                                    cached - 1 + torch.tensor(depth), m)
-                for r, i in enumerate(todo):
-                    row_of[i] = r0 + r
-                    out_h[i], out_lp[i] = h2[r], lp2[r]
-            return torch.stack([out_lp[i] for i in frontier])  # [F, V']
-
+        self.feed_accepted(ids)
+        self.draft = _DraftRows(root, self.root_hidden, self.root_logp)
         to_target = self.head.to_target_ids if getattr(self.head, "d2t", None) is not None else None
         try:
-            tree = dynamic_tree(root, expand, min(self.depth, ctx.max_depth), self.top_k, self.total_tokens,
+            return dynamic_tree(root, self.expand, min(self.depth, ctx.max_depth), self.top_k, self.total_tokens,
                                 to_target=to_target)
         finally:
-            if row_of:  # keep only the true rows in the head cache
-                self.cache.crop(-len(row_of))
-        return tree
+            if self.draft.count:  # keep only the true rows in the head cache
+                self.cache.crop(-self.draft.count)
+            self.draft = None
+
+
+class _DraftRows:
+    """The rows one EAGLE tree adds to the head cache, grown as a DraftTree whose node 0 is the root's true row:
+    row r >= 1 holds a tree node, its parent is its parent node's row. hidden / logp: each row's head outputs."""
+
+    def __init__(self, root: int, hidden: torch.Tensor, logp: torch.Tensor):
+        self.tokens, self.parents, self.depth = [root], [-1], [0]  # per row
+        self.hidden, self.logp = [hidden], [logp]  # per row: [D] hidden out, [V'] children log-probs
+        self.rows_of_nodes = [0]  # tree node -> its row (-1: not run yet); node 0 (the root) is row 0
+
+    @property
+    def count(self) -> int:
+        """Draft rows in the head cache (the root's row is a true row)."""
+        return len(self.tokens) - 1
+
+    def row_of(self, node: int) -> int:
+        return self.rows_of_nodes[node] if node < len(self.rows_of_nodes) else -1
+
+    def add(self, nodes: list[int], tokens: list[int], parents: list[int]) -> int:
+        """New rows for `nodes` (their parents' rows exist); returns the first new row."""
+        first = len(self.tokens)
+        self.rows_of_nodes += [-1] * (len(tokens) - len(self.rows_of_nodes))
+        for i in nodes:
+            parent_row = self.rows_of_nodes[parents[i]]
+            self.rows_of_nodes[i] = len(self.tokens)
+            self.tokens.append(tokens[i])
+            self.parents.append(parent_row)
+            self.depth.append(self.depth[parent_row] + 1)
+        return first
+
+    def tree(self) -> DraftTree:
+        return DraftTree(torch.tensor(self.tokens), torch.tensor(self.parents), torch.tensor(self.depth))
 
 
 class LookupMergedDrafter(Drafter):
     """A drafter's tree plus prompt lookup's chain, merged as a trie (tree.merge_trees): the head covers what is
     predictable from meaning, lookup covers spans copied from the context (code, quotes, lists) that heads rarely
     draft deep. Greedy only: with sampling (or a tree carrying its own q) the inner tree goes out alone.
-    Both drafters observe every step; neither depends on which nodes the other proposed."""
+    Only the inner drafter observes the outcome (prompt lookup keeps no state: it reads the context each step); it
+    gets the merged tree and the true features of the accepted path, whichever drafter proposed its nodes."""
 
     def __init__(self, inner: Drafter, num_tokens: int = 4, max_ngram: int = 3):
         self.inner = inner
@@ -320,8 +364,6 @@ class LookupMergedDrafter(Drafter):
         self.inner.reset(prompt_ids, features)
 
     def propose(self, ctx: DraftContext) -> DraftTree:
-        from specheads.infer.tree import merge_trees
-
         tree = self.inner.propose(ctx)
         if ctx.sampling.temperature > 0 or tree.q is not None:
             return tree
@@ -332,35 +374,139 @@ class LookupMergedDrafter(Drafter):
         self.inner.observe(tree, accepted, features)
 
 
-def load_drafter(kind: str, target, head_dir: str | None = None, **kw) -> Drafter:
-    """Build a drafter from a CLI-style description: 'plain', 'prompt-lookup', 'draft-model', or a head folder."""
-    from specheads.utils import SpecheadsError
+# ---------------------------------------------------------------------------------------------------------------
+# The drafter registry: one entry per head kind (config.kind) or training-free drafter (--drafter), naming its
+# family once (treespec.FAMILIES: which --tree forms it takes, whether --tree auto applies) and how to build it.
+# A new head kind plugs in with register_drafter(DrafterKind(...)); build_drafter is the one constructor.
+# ---------------------------------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class DrafterKind:
+    name: str  # head kind (config.kind) or training-free drafter name
+    family: str  # treespec.FAMILIES key: dynamic | static | tokens | none
+    label: str  # how messages name it ("an EAGLE-3 head", "prompt-lookup")
+    build: Callable[..., Drafter]  # build(target, head | None, spec: TreeSpec, **options) -> Drafter
+    default_tree: str | None = None  # --tree when none is given (None: the family takes none)
+    head: bool = False  # built from a trained head, else training-free
+
+
+DRAFTERS: dict[str, DrafterKind] = {}
+
+
+def register_drafter(kind: DrafterKind) -> DrafterKind:
+    if kind.family not in FAMILIES:
+        raise ValueError(f"register_drafter {kind.name}: family {kind.family!r} is not one of {list(FAMILIES)}")
+    DRAFTERS[kind.name] = kind
+    return kind
+
+
+def drafter_kind(name: str, head: bool = False) -> DrafterKind:
+    """The registry entry of a head kind (head=True) or a training-free drafter (--drafter NAME)."""
+    kind = DRAFTERS.get(name)
+    if kind is None or kind.head != head:
+        if head:
+            raise SpecheadsError(f"head kind {name!r} has no drafter (drafters with heads: "
+                                 f"{', '.join(k for k, v in DRAFTERS.items() if v.head)})")
+        free = [k for k, v in DRAFTERS.items() if not v.head]
+        raise SpecheadsError(f"--drafter {name}: expected {', '.join(free)} (or --head DIR for a trained head)")
+    return kind
+
+
+def tree_limits(head=None) -> TreeLimits:
+    """Bounds of a tree spec for a head (a DraftHead or its HeadConfig): ranks within its draft vocabulary."""
+    cfg = getattr(head, "config", head)
+    if cfg is None:
+        return TreeLimits()
+    return TreeLimits(max_rank=int(cfg.draft_vocab_size or cfg.vocab_size))
+
+
+def parse_tree(text: str | None, name: str, head=None, flag: str = "--tree") -> TreeSpec:
+    """`--tree TEXT` for the drafter `name` (a head kind when `head`, a DraftHead or HeadConfig, is given):
+    treespec.parse_tree_spec with the drafter's family, label and limits; None = the drafter's default tree."""
+    kind = drafter_kind(name, head=head is not None)
+    text = kind.default_tree if text is None else text
+    if text is None:
+        return TreeSpec.none()
+    return parse_tree_spec(text, kind.family, drafter=kind.label, limits=tree_limits(head), flag=flag)
+
+
+def build_drafter(target, head_or_name, spec: TreeSpec | str | None = None, *, lookup: int = 0,
+                  lookup_ngram: int = 3, **options) -> Drafter:
+    """The one drafter constructor. head_or_name: a loaded DraftHead (its kind picks the drafter) or a training-free
+    drafter name (plain, prompt-lookup, draft-model). spec: a TreeSpec, `--tree` text, or None (the drafter's
+    default); `auto` is resolved first by autotree.choose_tree_for_head. lookup > 0 merges a prompt-lookup chain of
+    up to that many tokens into the tree (greedy only; LookupMergedDrafter). options go to the drafter's builder
+    (prompt-lookup: max_ngram; draft-model: draft_target, draft_layers)."""
+    head = None if isinstance(head_or_name, str) else head_or_name
+    name = head.config.kind if head is not None else head_or_name
+    kind = drafter_kind(name, head=head is not None)
+    if isinstance(spec, TreeSpec):
+        spec = check_tree_spec(spec, kind.family, drafter=kind.label, limits=tree_limits(head))
+    else:
+        spec = parse_tree(spec, name, head)
+    if spec.mode == "auto":
+        raise ValueError("build_drafter: resolve --tree auto with autotree.choose_tree_for_head first")
+    check_lookup(lookup)
+    drafter = kind.build(target, head, spec, **options)
+    if lookup:
+        drafter = LookupMergedDrafter(drafter, num_tokens=lookup, max_ngram=lookup_ngram)
+    return drafter
+
+
+def check_lookup(lookup: int) -> None:
+    """The prompt-lookup chain merged into a head's tree: 0 (off) .. MAX_TREE_DEPTH tokens."""
+    if isinstance(lookup, bool) or not isinstance(lookup, int) or not 0 <= lookup <= MAX_TREE_DEPTH:
+        raise SpecheadsError(f"--lookup {lookup}: must be 0 (off) .. {MAX_TREE_DEPTH} prompt-lookup tokens")
+
+
+def _medusa(target, head, spec: TreeSpec) -> Drafter:
+    return MedusaDrafter(head, choices=[list(c) for c in spec.choices])
+
+
+def _eagle(target, head, spec: TreeSpec) -> Drafter:
+    return EagleDrafter(head, depth=spec.depth, top_k=spec.top_k, total_tokens=spec.total_tokens)
+
+
+def _prompt_lookup(target, head, spec: TreeSpec, max_ngram: int = 3) -> Drafter:
+    return PromptLookupDrafter(num_tokens=spec.num_tokens, max_ngram=max_ngram)
+
+
+def _draft_model(target, head, spec: TreeSpec, draft_target: str | None = None, draft_layers: int = 4) -> Drafter:
+    """A separate small model sharing the target's vocabulary, or else the target's first draft_layers layers."""
+    if draft_target:
+        from specheads.target import load_target
+
+        small = load_target(draft_target, dtype=target.dtype, device=str(target.device))
+        if small.vocab_size != target.vocab_size:
+            raise SpecheadsError(f"draft model {draft_target}: vocabulary {small.vocab_size} differs from the "
+                                 f"target's {target.vocab_size}")
+        model = small.model
+    else:
+        model = truncated_draft_model(target, draft_layers)
+    return DraftModelDrafter(model, num_tokens=spec.num_tokens)
+
+
+def _plain(target, head, spec: TreeSpec) -> Drafter:
+    return NoDrafter()
+
+
+for _kind in (DrafterKind("medusa", "static", "a Medusa head", _medusa, default_tree="default", head=True),
+              DrafterKind("eagle", "dynamic", "an EAGLE head", _eagle, default_tree="5,8,48", head=True),
+              DrafterKind("eagle3", "dynamic", "an EAGLE-3 head", _eagle, default_tree="5,8,48", head=True),
+              DrafterKind("prompt-lookup", "tokens", "prompt-lookup", _prompt_lookup, default_tree="8"),
+              DrafterKind("draft-model", "tokens", "draft-model", _draft_model, default_tree="4"),
+              DrafterKind("plain", "none", "plain decoding", _plain)):
+    register_drafter(_kind)
+
+
+def load_drafter(name: str, target, head_dir: str | None = None, tree: TreeSpec | str | None = None,
+                 **options) -> Drafter:
+    """build_drafter from a CLI-style description: a head folder, else the drafter `name` (plain, prompt-lookup,
+    draft-model)."""
     if head_dir:
         from specheads.heads.base import load_head
 
         head = load_head(head_dir, target)
         head.eval()
-        kind_h = head.config.kind
-        if kind_h == "medusa":
-            return MedusaDrafter(head, choices=kw.get("choices"))
-        if kind_h in ("eagle", "eagle3"):
-            return EagleDrafter(head, **{k: v for k, v in kw.items() if k in ("depth", "top_k", "total_tokens")})
-        raise SpecheadsError(f"{head_dir}/config.json: kind {kind_h!r} has no drafter (medusa, eagle, eagle3)")
-    if kind in ("plain", "none"):
-        return NoDrafter()
-    if kind == "prompt-lookup":
-        return PromptLookupDrafter(num_tokens=kw.get("num_tokens", 8))
-    if kind == "draft-model":
-        if kw.get("draft_target"):  # a separate small model sharing the target's vocabulary
-            from specheads.target import load_target
-
-            small = load_target(kw["draft_target"], dtype=target.dtype, device=str(target.device))
-            if small.vocab_size != target.vocab_size:
-                raise SpecheadsError(f"--draft-target {kw['draft_target']}: vocabulary {small.vocab_size} differs "
-                                     f"from the target's {target.vocab_size}")
-            model = small.model
-        else:  # no second model at hand: the target's first draft_layers layers
-            model = truncated_draft_model(target, kw.get("draft_layers", 4))
-        return DraftModelDrafter(model, num_tokens=kw.get("num_tokens", 4))
-    raise SpecheadsError(f"--drafter {kind!r}: expected plain, prompt-lookup or draft-model (or --head DIR)")
+        return build_drafter(target, head, tree, **options)
+    return build_drafter(target, name, tree, **options)

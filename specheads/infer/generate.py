@@ -8,17 +8,18 @@ step's root is the last emitted token, not yet in the target cache, and `target_
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from specheads.infer.cache import keep_accepted, prepare_cache, tree_attention_mask
 from specheads.infer.drafters import DraftContext, Drafter, NoDrafter
-from specheads.infer.verify import (SamplingParams, verify_greedy, verify_sampling,
-                                    verify_typical_lossy)
+from specheads.infer.tree import DraftTree
+from specheads.infer.verify import VERIFICATIONS, Accepted, SamplingParams, verifier
 from specheads.utils import SpecheadsError
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,14 @@ class GenerationStats:
     # last step counts what it emitted after a stop cut), so sum(hist) = target_forwards, sum(n * hist[n]) = new_tokens
     timings: dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})  # seconds per phase
     tree_nodes: int = 0  # total tree nodes sent to the target (root included)
-    stop_reason: str = ""  # eos | stop_token | stop_string | max_new_tokens | context_window
+    stop_reason: str = ""  # eos | stop_string | max_new_tokens | context_window
+
+    def count_step(self, nodes: int, emitted: int) -> None:
+        """One target forward over `nodes` tree nodes that emitted `emitted` tokens (after a stop cut)."""
+        self.target_forwards += 1
+        self.tree_nodes += nodes
+        self.accept_hist.extend([0] * (emitted + 1 - len(self.accept_hist)))
+        self.accept_hist[emitted] += 1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,6 +82,29 @@ def encode_prompt(target, input_ids=None, messages=None, prompt: str | None = No
     return [int(i) for i in ids]
 
 
+@contextlib.contextmanager
+def phase_timer(timings: dict[str, float], phase: str) -> Iterator[None]:
+    """Add the seconds the block takes to timings[phase]."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[phase] += time.perf_counter() - t
+
+
+@dataclass
+class Request:
+    """One call's settings, resolved once: when to stop, how to sample, the verification rule."""
+
+    max_new_tokens: int
+    stops: set[int]  # token ids that end generation (emitted themselves)
+    stop_strings: Sequence[str]
+    window: int  # the target's context window, positions
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    verify: Callable[[DraftTree, torch.Tensor], Accepted]  # verify.verifier(...)
+
+
 class SpeculativeGenerator:
     """One target, one drafter, one verification rule. `stream(...)` yields lists of new token ids per step;
     after it ends `self.result` holds the GenerationResult. `generate(...)` wraps it."""
@@ -81,40 +112,11 @@ class SpeculativeGenerator:
     def __init__(self, target, drafter: Drafter | None = None, verification: str = "auto"):
         self.target = target
         self.drafter = drafter or NoDrafter()
-        if verification not in ("auto", "greedy", "sampling", "typical-lossy"):
+        if verification not in VERIFICATIONS:
             raise SpecheadsError(f"verification {verification!r}: expected auto, greedy, sampling or typical-lossy")
         self.verification = verification  # auto = greedy at temperature 0, lossless sampling otherwise
         self.result: GenerationResult | None = None
         self.prompt_ids: list[int] = []
-
-    # -- one target forward over the whole tree ------------------------------------------------------------------
-    def _forward(self, tokens: torch.Tensor, mask, pos, cache, want_features: bool):
-        model = self.target.model
-        dev = self.target.device
-        out = model(input_ids=tokens[None].to(dev), attention_mask=mask, position_ids=pos, cache=cache,
-                    use_cache=True, output_hidden_states=want_features)
-        feats = None
-        if want_features:
-            hs = out.hidden_states  # tuple of L+1 [1, n, D]; hs[L] is post-norm (the lm_head input)
-            feats = torch.cat([hs[l][0] for l in self.drafter.feature_layers], dim=-1)  # [n, F*D]
-        return out.logits[0], feats  # [n, V], [n, F*D] | None
-
-    def _cut(self, step: list[int], new: list[int], max_new_tokens: int, stops: set[int],
-             stop_strings: Sequence[str]) -> tuple[list[int], str]:
-        """The prefix of `step` to emit and why generation stops after it ("" = it does not)."""
-        tok = self.target.tokenizer
-        emit: list[int] = []
-        for x in step:
-            if len(new) + len(emit) >= max_new_tokens:
-                return emit, "max_new_tokens"
-            emit.append(x)
-            if x in stops:
-                return emit, "eos"
-            if stop_strings and tok is not None:
-                tail = tok.decode((new + emit)[-16:])  # joint decode: multi-byte characters span tokens
-                if any(s in tail for s in stop_strings):
-                    return emit, "stop_string"
-        return emit, ""
 
     @torch.no_grad()
     def stream(self, input_ids=None, *, messages=None, prompt: str | None = None, max_new_tokens: int = 128,
@@ -123,90 +125,117 @@ class SpeculativeGenerator:
                ) -> Iterator[list[int]]:
         t_start = time.perf_counter()
         self.result = None
-        target, drafter = self.target, self.drafter
-        ids = encode_prompt(target, input_ids, messages, prompt)
-        prompt_len = len(ids)
+        ids = encode_prompt(self.target, input_ids, messages, prompt)
         self.prompt_ids = list(ids)
+        req = self._request(len(ids), max_new_tokens, SamplingParams(float(temperature), float(top_p), int(top_k or 0)),
+                            eos_token_ids, stop_strings, seed, ignore_eos)
+        stats = GenerationStats()
+        cache = self._prefill(ids, stats)
+        new: list[int] = []
+        t_gen = time.perf_counter()
+        while not stats.stop_reason:
+            if len(new) >= req.max_new_tokens:
+                stats.stop_reason = "max_new_tokens"
+            elif len(ids) >= req.window:
+                stats.stop_reason = "context_window"
+            else:
+                emit = self._step(ids, new, cache, req, stats)
+                if emit:
+                    yield emit
+        self.result = self._result(new, stats, t_start, t_gen)
+
+    def _step(self, ids: list[int], new: list[int], cache, req: Request, stats: GenerationStats) -> list[int]:
+        """One speculative step: draft a tree, one target forward over it, verify, keep the accepted path, emit."""
+        target, drafter, tm = self.target, self.drafter, stats.timings
+        cache_len, room = len(ids) - 1, req.window - len(ids)  # all but the root is cached; room = positions left
+        with phase_timer(tm, "draft"):  # a tree whose depth-d nodes sit at position cache_len + d (bonus: + 1)
+            tree = drafter.propose(DraftContext(ids=ids, sampling=req.sampling, generator=req.generator,
+                                                max_depth=room - 1))
+            tree = tree.truncate_depth(room - 1) if tree.max_depth > room - 1 else tree
+        with phase_timer(tm, "tree"):  # each node sees the cached prefix, its ancestors and itself
+            mask = tree_attention_mask(tree, cache, cache_len, target.dtype, target.device)  # [1,1,N,cache_len+N]
+            pos = tree.position_ids(cache_len, device=target.device)  # [1, N]
+        with phase_timer(tm, "target"):  # ONE forward over all N nodes
+            logits, feats = self._forward(tree.tokens, mask, pos, cache)  # [N, V], [N, F*D] | None
+        with phase_timer(tm, "verify"):
+            # greedy: the longest path equal to the target's argmax, plus the bonus argmax; sampling: recursive
+            # rejection (accept child x w.p. min(1, p(x)/q(x)), else go on with the residual). Never sees the drafter
+            acc = req.verify(tree, logits)
+        with phase_timer(tm, "cache"):  # keep prefix + root + accepted nodes
+            keep_accepted(cache, len(tree), acc.nodes)
+        with phase_timer(tm, "draft"):  # the drafter sees the outcome and the accepted nodes' true features
+            drafter.observe(tree, acc, None if feats is None else feats[acc.nodes])
+        with phase_timer(tm, "other"):  # emit accepted tokens + bonus, cut at a stop (the stop token is emitted)
+            step = [int(tree.tokens[i]) for i in acc.nodes[1:]] + [acc.bonus]
+            emit, stats.stop_reason = self._cut(step, new, req)
+            ids.extend(emit)
+            new.extend(emit)
+            stats.count_step(len(tree), len(emit))
+        return emit
+
+    def _request(self, prompt_len: int, max_new_tokens: int, sampling: SamplingParams, eos_token_ids,
+                 stop_strings: Sequence[str], seed: int | None, ignore_eos: bool) -> Request:
+        target = self.target
         window = target.max_positions or (1 << 62)
         if prompt_len >= window:
             raise SpecheadsError(f"prompt: {prompt_len} tokens do not fit the context window of {window} of target "
                                  f"{target.name} (no room for a new token); shorten the prompt")
-        sampling = SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k or 0))
-        mode = self.verification if self.verification != "auto" else ("greedy" if sampling.greedy else "sampling")
-        if mode == "sampling" and sampling.greedy:
-            raise SpecheadsError("temperature 0 is greedy: verification='sampling' needs temperature > 0")
-        gen = None
-        if seed is not None:
-            gen = torch.Generator().manual_seed(int(seed))
+        generator = None if seed is None else torch.Generator().manual_seed(int(seed))
         stops = set() if ignore_eos else set(target.eos_token_ids if eos_token_ids is None else eos_token_ids)
-        stats = GenerationStats()
-        tm = stats.timings
-        want = drafter.feature_layers is not None
+        return Request(max_new_tokens, stops, stop_strings, window, sampling, generator,
+                       verifier(self.verification, sampling, generator))
+
+    def _prefill(self, ids: list[int], stats: GenerationStats):
+        """Cache every prompt token but the last (the first root); the drafter gets the cached positions' features."""
         from transformers import DynamicCache
 
-        # prefill every prompt token but the last (the first root)
-        t0 = time.perf_counter()
-        cache = DynamicCache(config=target.model.config)
+        t = time.perf_counter()
+        cache = DynamicCache(config=self.target.model.config)
         prepare_cache(cache)
         feats = None
-        if prompt_len > 1:
-            p_ids = torch.tensor(ids[:-1])
-            _, feats = self._forward(p_ids, None, torch.arange(prompt_len - 1, device=target.device)[None], cache, want)
-        drafter.reset(torch.tensor(ids), feats)
-        stats.prefill_s = time.perf_counter() - t0
-        new: list[int] = []
-        verify = {"greedy": lambda tr, lg: verify_greedy(tr, lg),
-                  "sampling": lambda tr, lg: verify_sampling(tr, lg, sampling, gen),
-                  "typical-lossy": lambda tr, lg: verify_typical_lossy(tr, lg, sampling, gen)}[mode]
-        t_gen = time.perf_counter()
-        while not stats.stop_reason:
-            cache_len, room = len(ids) - 1, window - len(ids)  # all but the root is cached; room = positions left
-            if len(new) >= max_new_tokens or room <= 0:
-                stats.stop_reason = "max_new_tokens" if len(new) >= max_new_tokens else "context_window"
-                break
-            t0 = time.perf_counter()
-            # 1. draft: a tree whose depth-d nodes sit at position cache_len + d (their bonus at cache_len + d + 1)
-            tree = drafter.propose(DraftContext(ids=ids, sampling=sampling, generator=gen, max_depth=room - 1))
-            tree = tree.truncate_depth(room - 1) if tree.max_depth > room - 1 else tree
-            t1 = time.perf_counter()
-            # 2. one target forward over all N nodes: each sees the cached prefix, its ancestors and itself
-            mask = tree_attention_mask(tree, cache, cache_len, target.dtype, target.device)  # [1,1,N,cache_len+N]
-            pos = tree.position_ids(cache_len, device=target.device)  # [1, N]
-            t2 = time.perf_counter()
-            logits, feats = self._forward(tree.tokens, mask, pos, cache, want)  # [N, V], [N, F*D] | None
-            t3 = time.perf_counter()
-            # 3. verify: greedy = longest path equal to the target's argmax + bonus; sampling = recursive rejection
-            #    (accept child x w.p. min(1, p(x)/q(x)), else continue on the residual); both never see the drafter
-            acc = verify(tree, logits)
-            t4 = time.perf_counter()
-            # 4. keep prefix + root + accepted nodes in the cache; the drafter sees the outcome (and true features)
-            keep_accepted(cache, len(tree), acc.nodes)
-            t5 = time.perf_counter()
-            drafter.observe(tree, acc, None if feats is None else feats[acc.nodes])
-            t6 = time.perf_counter()
-            # 5. emit accepted tokens + bonus, cut at a stop (the stop token itself is emitted, as HF does)
-            step = [int(tree.tokens[i]) for i in acc.nodes[1:]] + [acc.bonus]
-            emit, stats.stop_reason = self._cut(step, new, max_new_tokens, stops, stop_strings)
-            ids.extend(emit)
-            new.extend(emit)
-            stats.target_forwards += 1
-            stats.tree_nodes += len(tree)
-            stats.accept_hist.extend([0] * (len(emit) + 1 - len(stats.accept_hist)))
-            stats.accept_hist[len(emit)] += 1  # emitted (after a stop cut): sum(n * hist[n]) = new_tokens, mean = tau
-            for phase, dt in (("draft", t1 - t0 + t6 - t5), ("tree", t2 - t1), ("target", t3 - t2),
-                              ("verify", t4 - t3), ("cache", t5 - t4), ("other", time.perf_counter() - t6)):
-                tm[phase] += dt
-            if emit:
-                yield emit
+        if len(ids) > 1:
+            pos = torch.arange(len(ids) - 1, device=self.target.device)[None]
+            _, feats = self._forward(torch.tensor(ids[:-1]), None, pos, cache)
+        self.drafter.reset(torch.tensor(ids), feats)
+        stats.prefill_s = time.perf_counter() - t
+        return cache
+
+    def _forward(self, tokens: torch.Tensor, mask, pos, cache):
+        """One target forward of n tokens -> (logits [n, V], the drafter's features [n, F*D] | None)."""
+        layers = self.drafter.feature_layers
+        out = self.target.model(input_ids=tokens[None].to(self.target.device), attention_mask=mask, position_ids=pos,
+                                cache=cache, use_cache=True, output_hidden_states=layers is not None)
+        feats = None
+        if layers is not None:
+            hs = out.hidden_states  # tuple of L+1 [1, n, D]; hs[L] is post-norm (the lm_head input)
+            feats = torch.cat([hs[l][0] for l in layers], dim=-1)  # [n, F*D]
+        return out.logits[0], feats
+
+    def _cut(self, step: list[int], new: list[int], req: Request) -> tuple[list[int], str]:
+        """The prefix of `step` to emit and why generation stops after it ("" = it does not)."""
+        tok = self.target.tokenizer
+        emit: list[int] = []
+        for x in step:
+            if len(new) + len(emit) >= req.max_new_tokens:
+                return emit, "max_new_tokens"
+            emit.append(x)
+            if x in req.stops:
+                return emit, "eos"
+            if req.stop_strings and tok is not None:
+                tail = tok.decode((new + emit)[-16:])  # joint decode: multi-byte characters span tokens
+                if any(s in tail for s in req.stop_strings):
+                    return emit, "stop_string"
+        return emit, ""
+
+    def _result(self, new: list[int], stats: GenerationStats, t_start: float, t_gen: float) -> GenerationResult:
         now = time.perf_counter()
         stats.new_tokens = len(new)
         stats.wall_s = now - t_start
-        gen_s = now - t_gen
         stats.tau = stats.new_tokens / max(stats.target_forwards, 1)
-        stats.tokens_per_s = stats.new_tokens / gen_s if gen_s > 0 else 0.0
-        tok = target.tokenizer
+        stats.tokens_per_s = stats.new_tokens / (now - t_gen) if now > t_gen else 0.0
+        tok = self.target.tokenizer
         text = tok.decode(new, skip_special_tokens=True) if tok is not None else None
-        self.result = GenerationResult(ids=new, text=text, stats=stats, prompt_ids=ids[:prompt_len])
+        return GenerationResult(ids=new, text=text, stats=stats, prompt_ids=list(self.prompt_ids))
 
 
 def generate(target, drafter: Drafter | None = None, input_ids=None, *, messages=None, prompt: str | None = None,

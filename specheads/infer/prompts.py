@@ -1,4 +1,5 @@
-"""Benchmark prompts: MT-bench (FastChat question.jsonl), HumanEval (plain completions) or a JSONL file.
+"""Benchmark prompts: MT-bench (FastChat question.jsonl), HumanEval (plain completions), ShareGPT first turns
+(`sharegpt:START`) or a JSONL file.
 
 A `BenchPrompt` holds the user turns; `encode_turn` turns the conversation so far into token ids (chat template
 for chat prompts, plain text for completions). Multi-turn MT-bench conditions turn 2 on the *method's own* turn-1
@@ -79,7 +80,8 @@ def load_jsonl_prompts(path: str | Path, both_turns: bool = False) -> list[Bench
     optional "category" and "id" / "question_id". A "chat": true|false field overrides the default."""
     path = Path(path)
     if not path.exists():
-        raise SpecheadsError(f"--dataset {path}: file not found (expected mt-bench, humaneval or a JSONL file)")
+        raise SpecheadsError(f"--dataset {path}: file not found (expected mt-bench, humaneval, sharegpt:START or a "
+                             "JSONL file)")
     out = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -106,20 +108,46 @@ def load_jsonl_prompts(path: str | Path, both_turns: bool = False) -> list[Bench
     return out
 
 
+SHAREGPT_DEFAULT_LIMIT = 80  # sharegpt:START without --limit: as many prompts as MT-bench has
+
+
+def load_sharegpt_prompts(start: int, limit: int) -> list[BenchPrompt]:
+    """First user turns (20-1500 characters) of the packaged ShareGPT conversations start, start+1, ... as chat
+    prompts. Recipes train on the first `data.max_conversations`, so a START past that gives unseen prompts of the
+    training distribution."""
+    from specheads.train.data import load_conversations
+
+    convs, _ = load_conversations("sharegpt", start + 20 * limit)
+    out = []
+    for i in range(start, len(convs)):
+        users = [m["content"] for m in convs[i]["messages"] if m["role"] == "user"]
+        if users and 20 < len(users[0]) < 1500:
+            out.append(BenchPrompt(id=str(i), category="sharegpt", turns=[users[0]], chat=True))
+        if len(out) == limit:
+            break
+    if not out:
+        raise SpecheadsError(f"--dataset sharegpt:{start}: no conversations from index {start} on")
+    return out
+
+
 def load_prompts(dataset: str, limit: int | None = None, both_turns: bool = False) -> list[BenchPrompt]:
-    """`dataset`: "mt-bench", "humaneval" or a JSONL path. `limit` takes the first N after interleaving
-    categories (MT-bench: one question per category first)."""
+    """`dataset`: "mt-bench", "humaneval", "sharegpt:START" or a JSONL path. `limit` takes the first N after
+    interleaving categories (MT-bench: one question per category first)."""
+    if limit is not None and limit < 1:
+        raise SpecheadsError(f"--limit {limit}: must be at least 1")
     if dataset in ("mt-bench", "mt_bench", "mtbench"):
         prompts = _interleave_by_category(load_mt_bench(both_turns=both_turns))
     elif dataset in ("humaneval", "human-eval"):
         prompts = load_humaneval()
+    elif dataset.startswith("sharegpt:"):
+        start = dataset.split(":", 1)[1]
+        if not start.isdigit():
+            raise SpecheadsError(f"--dataset {dataset}: expected sharegpt:START with START a conversation index, "
+                                 "e.g. sharegpt:2000")
+        prompts = load_sharegpt_prompts(int(start), limit or SHAREGPT_DEFAULT_LIMIT)
     else:
         prompts = _interleave_by_category(load_jsonl_prompts(dataset, both_turns=both_turns))
-    if limit is not None:
-        if limit < 1:
-            raise SpecheadsError(f"--limit {limit}: must be at least 1")
-        prompts = prompts[:limit]
-    return prompts
+    return prompts if limit is None else prompts[:limit]
 
 
 def encode_turn(tokenizer, prompt: BenchPrompt, turn: int, answers: list[str]) -> list[int]:

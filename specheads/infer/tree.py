@@ -198,23 +198,6 @@ DEFAULT_MEDUSA_CHOICES = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1
                           [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0]]
 
 
-def parse_choices(text: str) -> list[list[int]]:
-    """`--tree` values: 'chain:K' -> [[0],[0,0],...]; 'KxW' is handled by callers; else a JSON list of rank paths."""
-    import json
-
-    text = text.strip()
-    if text.startswith("chain:"):
-        k = int(text.split(":", 1)[1])
-        return [[0] * d for d in range(1, k + 1)]
-    try:
-        choices = json.loads(text)
-    except json.JSONDecodeError:
-        raise SpecheadsError(f"--tree {text!r}: expected 'chain:K' or a JSON list of rank paths like [[0],[0,0],[1]]") from None
-    if not isinstance(choices, list) or not all(isinstance(c, list) for c in choices):
-        raise SpecheadsError(f"--tree {text!r}: expected a JSON list of lists of ranks")
-    return [list(c) for c in normalize_choices(choices)]
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Dynamic trees (EAGLE-2): expand the top-k children of the best frontier nodes by cumulative log-prob for `depth`
 # steps, then rerank every generated node and keep the `total_tokens` best (a connected tree, parents first).

@@ -8,11 +8,14 @@ Every function returns Accepted(nodes starting with 0, bonus token). None of the
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from specheads.infer.tree import DraftTree
+from specheads.utils import SpecheadsError
 
 
 @dataclass
@@ -28,9 +31,24 @@ class Accepted:
 
 @dataclass
 class SamplingParams:
+    """How the target samples. Checked here, so that library callers get the same errors as the CLI flags."""
+
     temperature: float = 0.0  # 0 = greedy (argmax); > 0 = sampling
-    top_p: float = 1.0  # nucleus mass kept; 1.0 = off
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]; 1.0 = off
     top_k: int = 0  # tokens kept; 0 = off
+
+    def __post_init__(self) -> None:
+        for name, value in (("temperature", self.temperature), ("top_p", self.top_p)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise SpecheadsError(f"--{name.replace('_', '-')} {value!r}: must be a finite number")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise SpecheadsError(f"--top-k {self.top_k!r}: must be a whole number (0 = off)")
+        if self.temperature < 0:
+            raise SpecheadsError(f"--temperature {self.temperature}: must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise SpecheadsError(f"--top-p {self.top_p}: must be in (0, 1] (1 = off)")
+        if self.top_k < 0:
+            raise SpecheadsError(f"--top-k {self.top_k}: must be >= 0 (0 = off)")
 
     @property
     def greedy(self) -> bool:
@@ -144,3 +162,22 @@ def verify_typical_lossy(tree: DraftTree, logits: torch.Tensor, sampling: Sampli
     else:
         bonus = _sample(target_probs(logits[best:best + 1], sampling)[0].cpu(), generator)
     return Accepted(nodes, bonus)
+
+
+VERIFICATIONS = ("auto", "greedy", "sampling", "typical-lossy")
+
+
+def verifier(verification: str, sampling: SamplingParams,
+             generator: torch.Generator | None = None) -> Callable[[DraftTree, torch.Tensor], Accepted]:
+    """The verification rule of one generation, bound once: (tree, logits [N, V]) -> Accepted.
+    auto = greedy at temperature 0, lossless sampling above it."""
+    if verification not in VERIFICATIONS:
+        raise SpecheadsError(f"verification {verification!r}: expected one of {', '.join(VERIFICATIONS)}")
+    mode = verification if verification != "auto" else ("greedy" if sampling.greedy else "sampling")
+    if mode == "sampling" and sampling.greedy:
+        raise SpecheadsError("temperature 0 is greedy: verification='sampling' needs temperature > 0")
+    if mode == "greedy":
+        return verify_greedy
+    if mode == "sampling":
+        return lambda tree, logits: verify_sampling(tree, logits, sampling, generator)
+    return lambda tree, logits: verify_typical_lossy(tree, logits, sampling, generator)

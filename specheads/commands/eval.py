@@ -1,0 +1,53 @@
+"""`specheads eval`: teacher-forced top-k and simulated τ of a head on the target's answers to a dataset's prompts."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from specheads.utils import SpecheadsError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--head", required=True, help="head folder (medusa, eagle, eagle3; native layout)")
+    p.add_argument("--target", default="smollm2-135m", help="target alias, HF folder, hub id or .gguf")
+    p.add_argument("--dataset", default="mt-bench",
+                   help="mt-bench | humaneval | sharegpt:START (first user turns from conversation START on: past the "
+                        "recipe's data.max_conversations they are unseen) | FILE.jsonl")
+    p.add_argument("--limit", type=int, default=8, help="prompts (MT-bench: categories interleaved; default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens of each target answer (default 64)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "bfloat16", "float32"],
+                   help="target dtype (default bf16, as the recipes extract features)")
+    p.add_argument("--tree-width", type=int, default=2, help="simulated tree: branching per depth (default 2)")
+    p.add_argument("--tree-depth", type=int, default=4, help="simulated tree: depth (default 4)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    from specheads.heads.base import load_head
+    from specheads.infer.head_eval import evaluate_head_on_prompts
+    from specheads.infer.prompts import load_prompts
+    from specheads.target import load_target
+
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--tree-width", args.tree_width),
+                        ("--tree-depth", args.tree_depth)):
+        if value < 1:
+            raise SpecheadsError(f"{flag} {value}: must be at least 1")
+    prompts = load_prompts(args.dataset, args.limit)
+    dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype, args.dtype)
+    target = load_target(args.target, dtype=dtype, device=args.device)
+    head = load_head(args.head, target).eval()
+    figures = evaluate_head_on_prompts(target, head, prompts, args.max_new_tokens, args.tree_width, args.tree_depth)
+    result = {"head": args.head, "kind": head.config.kind, "dataset": args.dataset,
+              "max_new_tokens": args.max_new_tokens, **figures}
+    print(json.dumps(result) if args.json else table(result))
+    return 0
+
+
+def table(result: dict) -> str:
+    lines = [f"# specheads eval: {result['head']} ({result['kind']}) on {result['dataset']}", "",
+             f"{result['prompts']} prompts, {result['answer_tokens']} answer tokens (the target's greedy answers, "
+             f"up to {result['max_new_tokens']} tokens each), teacher-forced", "", "| metric | value |", "|---|---:|"]
+    skip = {"head", "kind", "dataset", "max_new_tokens", "prompts", "answer_tokens"}
+    lines += [f"| {k} | {v} |" for k, v in result.items() if k not in skip]
+    return "\n".join(lines)

@@ -1,0 +1,57 @@
+"""Teacher-forced accuracy of a trained head on the target's own answers to benchmark prompts (`specheads eval`).
+
+The target answers each prompt greedily (HF generate); the head is then scored on those answers exactly as
+`specheads train` scores it on its held-out split (train/evaluate.py: per-step top-1 / top-k, simulated τ of a
+chain and of a tree, against the target's greedy token). Comparing the two separates a data shift (held-out
+training data vs the benchmark's prompts) from an inference problem (teacher-forced accuracy far above the
+acceptance `specheads bench` measures).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from specheads.infer.prompts import BenchPrompt, encode_turn
+
+log = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def answer_batches(target, prompts: list[BenchPrompt], layers: list[int], max_new_tokens: int) -> list[dict]:
+    """One collated batch per prompt: the prompt plus the target's greedy answer, the loss mask on the answer's
+    tokens (as the assistant mask in training), and the target's features at `layers`."""
+    from tqdm.auto import tqdm
+
+    from specheads.train.features import extract_features
+
+    batches = []
+    for p in tqdm(prompts, desc="eval: target answers", unit="prompt"):
+        ids = encode_turn(target.tokenizer, p, 0, [])
+        out = target.model.generate(torch.tensor([ids], device=target.device), max_new_tokens=max_new_tokens,
+                                    do_sample=False)[0]
+        n = out.shape[0]
+        loss_mask = torch.zeros(1, n, dtype=torch.long, device=out.device)
+        loss_mask[0, len(ids):] = 1
+        b = {"input_ids": out[None], "loss_mask": loss_mask,
+             "attention_mask": torch.ones(1, n, dtype=torch.long, device=out.device)}
+        b["hidden"] = extract_features(target, b["input_ids"], b["attention_mask"], layers)
+        batches.append(b)
+    return batches
+
+
+def evaluate_head_on_prompts(target, head, prompts: list[BenchPrompt], max_new_tokens: int = 64,
+                             tree_width: int = 2, tree_depth: int = 4) -> dict[str, Any]:
+    """Metrics of `head` on the target's answers to `prompts` (train/evaluate.py's, rounded to 4 places), with
+    the rows counted."""
+    from specheads.train.evaluate import EvalConfig, evaluate
+    from specheads.train.features import resolve_layers
+
+    kind = head.config.kind
+    layers = resolve_layers(target.num_layers, head.config.feature_layers, kind)
+    batches = answer_batches(target, prompts, layers, max_new_tokens)
+    cfg = EvalConfig(tree_width=tree_width, tree_depth=tree_depth)
+    metrics = evaluate(kind, head, batches, target, layers, list(head.config.feature_layers), cfg)
+    answer_tokens = int(sum(int(b["loss_mask"].sum()) for b in batches))
+    return {"prompts": len(batches), "answer_tokens": answer_tokens, **{k: round(v, 4) for k, v in metrics.items()}}

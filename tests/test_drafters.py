@@ -1,0 +1,236 @@
+"""The drafter registry and its one constructor (build_drafter), a new kind plugged in by registering it, and the
+EAGLE drafter's proposals token for token against the implementation it replaced (kept below for this test only)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specheads.heads.base import HeadSpec, build_head
+from specheads.infer.drafters import (DRAFTERS, DraftContext, DraftModelDrafter, Drafter, DrafterKind, EagleDrafter,
+                                      LookupMergedDrafter, MedusaDrafter, NoDrafter, PromptLookupDrafter, build_drafter,
+                                      drafter_kind, load_drafter, parse_tree, register_drafter)
+from specheads.infer.tree import DraftTree, chain_tree, dynamic_tree
+from specheads.infer.treespec import TreeSpec
+from specheads.utils import SpecheadsError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_build_drafter_for_every_registered_kind(tiny):
+    medusa = build_head(HeadSpec(kind="medusa", num_heads=3), tiny)
+    eagle3 = build_head(HeadSpec(kind="eagle3", draft_vocab_size=64), tiny, token_counts=torch.arange(256.0))
+    d = build_drafter(tiny, eagle3, "2,4,8")
+    assert isinstance(d, EagleDrafter) and (d.depth, d.top_k, d.total_tokens) == (2, 4, 8)
+    assert (build_drafter(tiny, eagle3).depth, build_drafter(tiny, eagle3).total_tokens) == (5, 48)  # default tree
+    m = build_drafter(tiny, medusa, "[[0], [1], [0, 0]]")
+    assert isinstance(m, MedusaDrafter) and m.choices == [(0,), (1,), (0, 0)]
+    assert len(build_drafter(tiny, medusa).choices) > 3  # default: the Medusa tree, cut to the 3 heads
+    pl = build_drafter(tiny, "prompt-lookup", TreeSpec.tokens(6), max_ngram=2)
+    assert isinstance(pl, PromptLookupDrafter) and (pl.k, pl.max_ngram) == (6, 2)
+    dm = build_drafter(tiny, "draft-model", "3", draft_layers=2)
+    assert isinstance(dm, DraftModelDrafter) and dm.k == 3 and len(dm.model.model.layers) == 2
+    assert isinstance(build_drafter(tiny, "plain"), NoDrafter)
+    merged = build_drafter(tiny, eagle3, "2,2,4", lookup=5)
+    assert isinstance(merged, LookupMergedDrafter) and merged.lookup.k == 5 and merged.inner.top_k == 2
+    with pytest.raises(ValueError, match="autotree"):
+        build_drafter(tiny, eagle3, "auto")
+    with pytest.raises(SpecheadsError, match="--drafter nonsense: expected prompt-lookup, draft-model, plain"):
+        build_drafter(tiny, "nonsense")
+    with pytest.raises(SpecheadsError, match="--drafter eagle3"):  # a head kind is not a training-free drafter
+        drafter_kind("eagle3")
+    # one family per kind, named once
+    assert {k: v.family for k, v in DRAFTERS.items()} == {
+        "medusa": "static", "eagle": "dynamic", "eagle3": "dynamic", "prompt-lookup": "tokens",
+        "draft-model": "tokens", "plain": "none"}
+
+
+class BlockDrafter(Drafter):
+    """A stand-in for a block drafter: one pass drafts a chain of K tokens (here: the root repeated)."""
+    name = "block"
+
+    def __init__(self, head, k):
+        self.head, self.k = head, k
+
+    def propose(self, ctx):
+        return chain_tree(ctx.ids[-1], [ctx.ids[-1]] * min(self.k, ctx.max_depth))
+
+
+def test_a_new_head_kind_plugs_in_by_registering(tiny, monkeypatch):
+    monkeypatch.setitem(DRAFTERS, "block-test", None)  # removed again after the test
+    register_drafter(DrafterKind("block-test", "tokens", "a block head", lambda t, h, s: BlockDrafter(h, s.num_tokens),
+                                 default_tree="4", head=True))
+    head = build_head(HeadSpec(kind="eagle"), tiny)
+    head.config.kind = "block-test"  # a head of the new kind, as far as the registry is concerned
+    d = build_drafter(tiny, head, "6")
+    assert isinstance(d, BlockDrafter) and d.k == 6 and build_drafter(tiny, head).k == 4
+    with pytest.raises(SpecheadsError, match="--tree 0: .*a block head takes a number of draft tokens"):
+        parse_tree("0", "block-test", head)
+    with pytest.raises(ValueError, match="family"):
+        register_drafter(DrafterKind("bad", "no-such-family", "x", lambda *a: None))
+
+
+def test_load_drafter_from_a_head_folder(tiny, tmp_path):
+    build_head(HeadSpec(kind="eagle"), tiny).save_pretrained(tmp_path / "h")
+    d = load_drafter("plain", tiny, head_dir=str(tmp_path / "h"), tree="3,2,5", lookup=2)
+    assert isinstance(d, LookupMergedDrafter) and (d.inner.depth, d.inner.top_k, d.inner.total_tokens) == (3, 2, 5)
+    assert not d.inner.head.training
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The EAGLE drafter before it grew its draft rows as a DraftTree, verbatim but for the class name: the reference
+# the current one must equal token for token.
+# ---------------------------------------------------------------------------------------------------------------
+class ReferenceEagleDrafter(Drafter):
+    """EAGLE-1 / EAGLE-3 heads with the EAGLE-2 dynamic tree. The head keeps its own KV cache of TRUE rows: row t
+    pairs the target feature f_t with token x_{t+1} at position t. Each step only the newly accepted rows run
+    through the head (with their true target features); the draft rows added while building the tree are cropped
+    away afterwards. Draft-vocab ids map back with head.to_target_ids. Defaults depth 5 / top_k 8 /
+    total_tokens 48: a little smaller than EAGLE-2's 6 / 10 / 60, sized for CPU targets."""
+    name = "eagle"
+
+    def __init__(self, head, depth: int = 5, top_k: int = 8, total_tokens: int = 48):
+        self.head, self.depth, self.top_k, self.total_tokens = head, depth, top_k, total_tokens
+        self.feature_layers = list(head.config.feature_layers)
+        self.cache = None
+        self.rows = 0  # true rows in the head cache (positions 0 .. rows-1)
+        self.pending: torch.Tensor | None = None  # [P, F*D] features of cached positions not yet run through the head
+
+    def reset(self, prompt_ids, features) -> None:
+        self.cache = self.head.new_cache()
+        self.rows = 0
+        self.pending = features
+
+    def observe(self, tree, accepted, features) -> None:
+        self.pending = features if self.pending is None else torch.cat([self.pending, features])
+
+    def _run(self, hidden, tokens, positions, draft_mask, last_only: bool = False):
+        """Run n rows through the head: hidden [n, D], tokens [n] target ids, positions [n], draft_mask [n, R+n] bool
+        over the draft rows already cached plus these rows (True = attend); every true row is attended.
+        Returns (hidden out [n, D], log-probs [n, V'] or, with last_only, [1, V'] of the last row)."""
+        p = next(self.head.parameters())
+        n = tokens.numel()
+        allowed = torch.cat([torch.ones(n, self.rows, dtype=torch.bool), draft_mask], dim=1)  # [n, S]
+        mask = torch.zeros(allowed.shape, dtype=p.dtype).masked_fill_(~allowed, float("-inf"))[None, None]
+        h, logits = self.head.draft_forward(hidden[None].to(p.device, p.dtype), tokens[None].to(p.device),
+                                           positions[None].to(p.device), mask.to(p.device), self.cache,
+                                           last_only=last_only)
+        return h[0], torch.log_softmax(logits[0].float(), dim=-1)
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        ids, root = ctx.ids, ctx.ids[-1]
+        cached = len(ids) - 1  # target positions 0 .. cached-1 have true features
+        p = 0 if self.pending is None else self.pending.shape[0]
+        if self.cache is None or cached == 0 or ctx.max_depth <= 0 or self.rows + p == 0:
+            return chain_tree(root, [])
+        assert self.rows + p == cached, (self.rows, p, cached)
+        param = next(self.head.parameters())
+        # 1. true rows (f_t, x_{t+1}) for the newly cached positions; the last pairs f_{cached-1} with the root
+        if p:
+            t0 = self.rows
+            feats = self.head.project_features(self.pending.to(param.device, param.dtype))  # [p, D]
+            h, lp = self._run(feats, torch.tensor(ids[t0 + 1:cached + 1]), torch.arange(t0, cached),
+                              torch.ones(p, p, dtype=torch.bool).tril(), last_only=True)  # only the last row drafts
+            self.rows, self.pending = cached, None
+            self._root = (h[-1], lp[-1])
+        out_h, out_lp = {0: self._root[0]}, {0: self._root[1]}  # node -> its row's hidden out / children log-probs
+        row_of: dict[int, int] = {}  # node -> index of its draft row in the head cache (after the true rows)
+
+        # 2. EAGLE-2 expansion: node i at depth d >= 1 is the row (hidden out of its parent's row, token_i) at
+        #    position cached - 1 + d, attending the true rows, its ancestors' draft rows and itself
+        def expand(frontier, tokens, parents):
+            todo = [i for i in frontier if i not in out_lp]
+            if todo:
+                r0 = len(row_of)
+                m = torch.zeros(len(todo), r0 + len(todo), dtype=torch.bool)
+                depth = []
+                for r, i in enumerate(todo):
+                    m[r, r0 + r] = True
+                    j, d = parents[i], 1
+                    while j > 0:
+                        m[r, row_of[j]] = True
+                        j, d = parents[j], d + 1
+                    depth.append(d)
+                hid = torch.stack([out_h[parents[i]] for i in todo])
+                h2, lp2 = self._run(hid, torch.tensor([tokens[i] for i in todo]),
+                                    cached - 1 + torch.tensor(depth), m)
+                for r, i in enumerate(todo):
+                    row_of[i] = r0 + r
+                    out_h[i], out_lp[i] = h2[r], lp2[r]
+            return torch.stack([out_lp[i] for i in frontier])  # [F, V']
+
+        to_target = self.head.to_target_ids if getattr(self.head, "d2t", None) is not None else None
+        try:
+            tree = dynamic_tree(root, expand, min(self.depth, ctx.max_depth), self.top_k, self.total_tokens,
+                                to_target=to_target)
+        finally:
+            if row_of:  # keep only the true rows in the head cache
+                self.cache.crop(-len(row_of))
+        return tree
+
+
+
+def _perturbed(head, seed):
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for p in head.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return head
+
+
+@pytest.mark.parametrize("kind,tree", [("eagle", (4, 3, 10)), ("eagle3", (3, 4, 12)), ("eagle", (2, 2, 100))])
+def test_eagle_proposals_equal_the_reference_implementation(tiny, kind, tree):
+    """Both drafters see the same contexts and outcomes for 12 steps; accepted paths of 0-3 nodes are picked at
+    random from the proposed tree, and the true features of the accepted rows are fed back."""
+    head = _perturbed(build_head(HeadSpec(kind=kind, draft_vocab_size=64 if kind == "eagle3" else None), tiny,
+                                 token_counts=torch.arange(256.0) if kind == "eagle3" else None), seed=1)
+    depth, top_k, total = tree
+    new, ref = EagleDrafter(head, depth, top_k, total), ReferenceEagleDrafter(head, depth, top_k, total)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 256, (9,), generator=g).tolist()
+
+    def features(seq):  # [T, F*D] true target features of every position
+        hs = tiny.model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+        return torch.cat([hs[i][0] for i in head.config.feature_layers], -1)
+
+    with torch.no_grad():
+        for d in (new, ref):
+            d.reset(torch.tensor(ids), features(ids)[:-1])
+        for step in range(12):
+            a, b = new.propose(DraftContext(ids=ids)), ref.propose(DraftContext(ids=ids))
+            assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist(), step
+            assert new.cache.get_seq_length() == ref.cache.get_seq_length() == new.rows
+            node = int(torch.randint(0, len(a), (1,), generator=g)) if step % 3 else 0
+            path = a.path(node)[:4]  # accepted: root first
+            accepted = [int(a.tokens[i]) for i in path[1:]]
+            bonus = int(torch.randint(3, 256, (1,), generator=g))
+            start = len(ids) - 1
+            ids = ids + accepted + [bonus]
+            feats = features(ids)[start:start + len(path)]
+            for d in (new, ref):
+                d.observe(a, None, feats)
+        torch.testing.assert_close(new.root_logp, ref._root[1], atol=0, rtol=0)
+
+
+def test_eagle_draft_rows_are_cropped_even_when_expansion_fails(tiny, monkeypatch):
+    import specheads.infer.drafters as drafters_mod
+
+    head = build_head(HeadSpec(kind="eagle"), tiny)
+    d = EagleDrafter(head, depth=3, top_k=2, total_tokens=6)
+    ids = list(range(3, 12))
+    with torch.no_grad():
+        hs = tiny.model(torch.tensor([ids[:-1]]), output_hidden_states=True).hidden_states
+        d.reset(torch.tensor(ids), hs[-1][0])
+
+        def failing(root, expand, *a, **k):
+            expand([0], [root], [-1])
+
+            tokens, parents = [root, 5, 6], [-1, 0, 0]
+            expand([1, 2], tokens, parents)  # two draft rows now in the head cache
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(drafters_mod, "dynamic_tree", failing)
+        with pytest.raises(RuntimeError):
+            d.propose(DraftContext(ids=ids))
+    assert d.cache.get_seq_length() == d.rows == len(ids) - 1 and d.draft is None
+    monkeypatch.setattr(drafters_mod, "dynamic_tree", dynamic_tree)
