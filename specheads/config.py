@@ -155,8 +155,11 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
             loaded = yaml.safe_load(path.read_text())
         except FileNotFoundError:
             raise SpecheadsError(f"{path}: config file not found") from None
-        except yaml.YAMLError as e:
-            raise SpecheadsError(f"{path}: not valid YAML ({e})") from None
+        except yaml.YAMLError as e:  # one line: the problem and where (PyYAML's own text spans several lines)
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            what = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise SpecheadsError(f"{path}: not valid YAML{at}: {what}") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

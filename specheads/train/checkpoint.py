@@ -239,7 +239,8 @@ def _is_deepspeed(acc) -> bool:
 
 
 def _deepspeed_safe_globals() -> list:
-    """The classes a ZeRO-1/2 checkpoint of a plain fp32/bf16 run pickles besides tensors and containers."""
+    """The classes a ZeRO-1/2 checkpoint pickles besides tensors and containers (checked on this DeepSpeed:
+    ZeroStageEnum, LossScaler and fragment_address; DynamicLossScaler for fp16 runs)."""
     allowed = []
     for mod, names in (("deepspeed.runtime.zero.config", ["ZeroStageEnum"]),
                        ("deepspeed.runtime.fp16.loss_scaler", ["LossScaler", "DynamicLossScaler"]),
