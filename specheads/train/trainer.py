@@ -301,12 +301,12 @@ class Trainer:
         from tqdm.auto import tqdm
 
         run = self._setup(resume)
+        run.t0 = time.perf_counter()
         if run.state.step == 0 and self.recipe.eval.at_start:
             self._evaluate(run)
         bar = tqdm(total=run.total, initial=run.state.step, disable=not run.acc.is_local_main_process,
                    desc=f"train {self.kind}", dynamic_ncols=True)
         run.model.train()
-        run.t0 = time.perf_counter()
         while run.state.step < run.total:
             for batch in self._epoch_batches(run):
                 if not self._train_step(run, batch):
