@@ -2,7 +2,8 @@
 
     cfg = load_config(TrainConfig, "configs/eagle3-smollm2.yaml", ["train.lr=3e-4", "data.max_length=1024"])
 
-Unknown keys fail with the file (or flag) and the key named; values are checked against the field types;
+Unknown keys and bad values fail with the flag (`override 'train.lr=abc'`) or the file, and the key, named; values
+are checked against the field types and by each dataclass's `__post_init__`;
 `format_config(cfg)` prints the resolved config and `config_to_dict` is what gets written beside outputs.
 Nested dataclasses are sections. A YAML file may hold a top-level `command:` string (the command that runs it,
 torchtune style); it is documentation and is ignored here.
@@ -10,6 +11,7 @@ torchtune style); it is documentation and is ignored here.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -98,7 +100,7 @@ def _from_dict(cls: type[T], data: dict, where: str) -> T:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = [k for k in data if k not in fields]
     if unknown:
-        raise SpecheadsError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(fields)}")
+        raise SpecheadsError(f"{where + ': ' if where else ''}unknown key(s) {unknown}; known keys: {sorted(fields)}")
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
     try:
         obj = cls(**kwargs)
@@ -132,7 +134,7 @@ def _set_dotted(data: dict, cls: type, key: str, raw: str, flag: str) -> None:
             raise SpecheadsError(f"{flag}: unknown key {'.'.join(parts[: i + 1])!r}; known keys here: {sorted(fields)}")
         tp = typing.get_type_hints(cur_cls)[p]
         if i == len(parts) - 1:
-            cur[p] = _parse_override(raw, tp)
+            cur[p] = _coerce(_parse_override(raw, tp), tp, flag)  # a bad value names the flag, not the file
         else:
             if not _is_dc_type(tp):
                 raise SpecheadsError(f"{flag}: {'.'.join(parts[: i + 1])!r} is not a section")
@@ -153,20 +155,37 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
             loaded = yaml.safe_load(path.read_text())
         except FileNotFoundError:
             raise SpecheadsError(f"{path}: config file not found") from None
-        except yaml.YAMLError as e:
-            raise SpecheadsError(f"{path}: not valid YAML ({e})") from None
+        except yaml.YAMLError as e:  # one line: the problem and where (PyYAML's own text spans several lines)
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            what = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise SpecheadsError(f"{path}: not valid YAML{at}: {what}") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
             raise SpecheadsError(f"{path}: expected a mapping at the top level")
         data = {k: v for k, v in loaded.items() if k not in DOC_KEYS}
     data = _deepcopy(data)
+    flags: dict[str, str] = {}  # dotted key -> the override that set it
     for ov in overrides:
         if "=" not in ov:
             raise SpecheadsError(f"override {ov!r}: expected key.sub=value")
         key, raw = ov.split("=", 1)
         _set_dotted(data, cls, key.strip(), raw, f"override {ov!r}")
-    return _from_dict(cls, data, where)
+        flags[key.strip()] = f"override {ov!r}"
+    try:
+        return _from_dict(cls, data, "")
+    except SpecheadsError as e:
+        raise SpecheadsError(_name_source(str(e), flags, where)) from None
+
+
+def _name_source(msg: str, flags: dict[str, str], path: str) -> str:
+    """Prefix an error that starts with a dotted key with where its value came from: the override flag, else the
+    file (a default value is never wrong, so one of the two set it)."""
+    m = re.match(r"([A-Za-z_][\w.]*)(\[\d+\])?:", msg)
+    if m and m.group(1) in flags:
+        return f"{flags[m.group(1)]}: {msg}"
+    return f"{path}: {msg}" if path else msg
 
 
 def _deepcopy(d: Any) -> Any:

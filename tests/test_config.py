@@ -44,7 +44,7 @@ def test_string_overrides_keep_their_text():
 def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("inner:\n  lrr: 1\n")
-    with pytest.raises(SpecheadsError, match=r"bad\.yaml\.inner.*lrr"):
+    with pytest.raises(SpecheadsError, match=r"bad\.yaml: inner.*lrr"):
         load_config(Outer, p)
 
 

@@ -217,7 +217,8 @@ def test_save_load_bit_exact(tiny, tmp_path, kind):
         for p in head.parameters():
             p.add_(torch.randn_like(p))
     head.save_pretrained(tmp_path / "h")
-    assert sorted(p.name for p in (tmp_path / "h").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "h").iterdir()) == ["config.json", "model.safetensors",
+                                                                  "model.safetensors.sha256"]
     back = load_head(tmp_path / "h", tiny)
     assert type(back) is type(head)
     sd, sd2 = head.state_dict(), back.state_dict()

@@ -239,11 +239,13 @@ def test_prepare_rerun_with_every_answer_done_loads_no_regeneration_copy(tiny_ch
     ("data.val_fraction=1.5", "data.val_fraction"),
 ])
 def test_prepare_bad_settings_one_message(tiny_chat, tmp_path, override, match):
+    """Range checks live in DataConfig (they fail when the recipe loads, naming the flag); a missing file in
+    prepare. Either way one message, and nothing is written."""
     from specheads.train.prepare import prepare
 
-    recipe = _recipe(tmp_path, _sharegpt_file(tmp_path, 2), override)
     with pytest.raises(SpecheadsError, match=match):
-        prepare(recipe, target=tiny_chat, progress=False)
+        prepare(_recipe(tmp_path, _sharegpt_file(tmp_path, 2), override), target=tiny_chat, progress=False)
+    assert not (tmp_path / "run").exists()
 
 
 def test_bad_feature_mode_and_all_rows_malformed(tiny_chat, tmp_path):
@@ -495,3 +497,59 @@ def test_smollm2_without_template_prepares_text_and_generates_raw(smollm2, tmp_p
     assert got["ids"] == ref
     assert main(["generate", "--target", "x", "--prompt", prompt, "--max-new-tokens", "4"]) == 2
     assert "has no chat template" in capsys.readouterr().err
+
+
+def _tree_state(folder):
+    """{relative path: sha256} of every file under folder (what a refused run must leave unchanged)."""
+    return {str(p.relative_to(folder)): _sha(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_prepare_of_other_data_into_a_run_is_refused_before_anything_changes(tiny_chat, tmp_path):
+    from specheads.target import tiny_target
+    from specheads.train.prepare import prepare
+
+    prepare(_recipe(tmp_path, _sharegpt_file(tmp_path)), target=tiny_chat, progress=False)
+    run = tmp_path / "run"
+    before = _tree_state(run)
+    assert "prepare_config.yaml" in before and any(k.startswith("data/tokens") for k in before)
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(SpecheadsError, match="holds features of other data"):
+        prepare(_recipe(tmp_path, _sharegpt_file(other, 9)), target=tiny_chat, progress=False)
+    assert _tree_state(run) == before
+    second = tiny_target(vocab_size=len(tiny_chat.tokenizer), tokenizer=tiny_chat.tokenizer, seed=1)
+    with pytest.raises(SpecheadsError, match="holds features of target"):
+        prepare(_recipe(tmp_path, _sharegpt_file(tmp_path), "data.regenerate=true", "data.regen_max_new_tokens=4"),
+                target=second, progress=False)
+    assert _tree_state(run) == before  # refused before regenerating: not even regenerated.jsonl was written
+    with pytest.raises(SpecheadsError, match="file not found"):
+        prepare(_recipe(tmp_path, tmp_path / "missing.json"), target=tiny_chat, progress=False)
+    assert _tree_state(run) == before
+
+
+def test_empty_assistant_turns_are_counted_and_skipped(tiny_chat, tmp_path):
+    from specheads.train.data import drop_empty_answers
+    from specheads.train.prepare import format_summary, prepare
+
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a?"},
+            {"role": "assistant", "content": "  \n"}, {"role": "user", "content": "b?"},
+            {"role": "assistant", "content": "B."}]
+    kept, n = drop_empty_answers(msgs)
+    assert n == 1 and kept == [msgs[0], msgs[3], msgs[4]]
+    rows = [{"id": "ok", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "Hello."}]},
+            {"id": "empty", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": ""}]},
+            {"id": "mixed", "conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": " "},
+                                              {"from": "human", "value": "y"}, {"from": "gpt", "value": "Y."}]}]
+    src = tmp_path / "c.json"
+    src.write_text(json.dumps(rows))
+    s = prepare(_recipe(tmp_path, src, "data.val_fraction=0"), target=tiny_chat, progress=False)
+    assert s["empty_assistant_turns"] == 2 and s["conversations_kept"] == 2 and s["samples"] == 2
+    assert s["skip_reasons"] == {"empty answers": 1}
+    assert "empty answers skipped" in format_summary(s)
+    import datasets
+
+    tok = datasets.load_from_disk(str(tmp_path / "run" / "data" / "tokens"))
+    eot = tiny_chat.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for ids, mask in zip(tok["input_ids"], tok["loss_mask"]):
+        trained = [i for i, m in zip(ids, mask) if m]
+        assert len(trained) > 1 and trained[-1] == eot  # never a sample whose only loss token is the end of turn

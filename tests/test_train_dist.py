@@ -1,6 +1,7 @@
 """Distributed training on this CPU through `accelerate launch` (gloo): 2 processes == 1 process with gradient
 accumulation 2 (same weights, bit for bit); DeepSpeed ZeRO-2 through accelerate completes, resumes, and its checkpoint
-consolidates into a head that loads. Each test launches real processes (~20 s per launch)."""
+consolidates into a head that loads, and a crafted pickle in its shards is refused on resume. Each test launches
+real processes (~20 s per launch)."""
 from __future__ import annotations
 
 import os
@@ -19,12 +20,14 @@ LAUNCH = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_ma
 WORKER = str(HERE / "train_dist_worker.py")
 
 
-def launch(args: list[str], cpu_env: bool = True, timeout: int = 150) -> None:
+def launch(args: list[str], cpu_env: bool = True, timeout: int = 150, ok: bool = True):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if cpu_env:
         env["ACCELERATE_USE_CPU"] = "true"  # plain DDP on CPU; DeepSpeed picks its CPU accelerator by itself
     r = subprocess.run(LAUNCH + [WORKER] + args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    if ok:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
 
 
 def weights(folder: Path) -> dict:
@@ -82,3 +85,17 @@ def test_deepspeed_zero2_completes_resumes_and_loads(tmp_path):
     assert any(not torch.equal(final[k], start[k]) for k in final), "the DeepSpeed run did not train"
     head = load_head(out / "final", tiny_target())
     assert type(head).__name__ == "MedusaHead"
+    # DeepSpeed's shards are pickles: a crafted one is refused (torch.load weights_only + allowlist), never run
+    marker = tmp_path / "pwned"
+    states = ck4 / "pytorch_model" / "mp_rank_00_model_states.pt"
+    torch.save({"module": _Payload(marker)}, states)
+    r = launch(common[:-1] + ["6", "--resume"], cpu_env=False, ok=False)
+    assert r.returncode != 0 and "refused to unpickle" in r.stdout + r.stderr and not marker.exists()
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)

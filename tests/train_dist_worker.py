@@ -21,7 +21,8 @@ def main() -> int:
     ap.add_argument("--stop-after", type=int, default=None)
     a = ap.parse_args()
     torch.set_num_threads(1)
-    sys.path.insert(0, os.path.dirname(__file__))
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [os.path.dirname(here), here]  # this checkout's specheads (not an installed one) and test_train
     from test_train import make_head, make_recipe, token_samples
 
     from specheads.target import tiny_target

@@ -2,11 +2,17 @@
 
     specheads export --head runs/x/head --format speculators --out runs/x/speculators
     specheads export --import path/to/EAGLE3-checkpoint --target smollm2-135m --out runs/imported
+
+`--out` is replaced atomically, and only when that loses nothing: it must be absent, empty, or an earlier output of
+the same kind (recognised by the format recorded in its model.safetensors metadata, and holding only the files we
+write), unless `--force`; it may never be, contain or lie inside the source folder.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+
+from pathlib import Path
 
 from specheads.utils import SpecheadsError
 
@@ -24,7 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=FORMATS, default=None, help="export layout (required with --head)")
     p.add_argument("--from-format", default=None,
                    help="with --import: the layout, when auto-detection from config.json is not wanted")
-    p.add_argument("--out", required=True, help="output folder (written atomically)")
+    p.add_argument("--out", required=True,
+                   help="output folder (written atomically; absent, empty, or an earlier export of the same format)")
+    p.add_argument("--force", action="store_true",
+                   help="replace --out even when it holds other files (never the source folder)")
     p.add_argument("--target", default=None,
                    help="target (alias, folder, hub id or .gguf): required with --import, and to export a Medusa head "
                         "with the shared lm_head as medusa-vllm")
@@ -39,10 +48,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"speculators: greedy proposal length (default {SPECULATIVE_TOKENS}, speculators' own default)")
 
 
+OWN_FILES = {"config.json", "model.safetensors", "model.safetensors.sha256"}  # what an export / head folder holds
+
+
+def written_format(folder: Path) -> str | None:
+    """The format of an earlier `specheads export` (or of a native head folder) in `folder`, from the metadata of its
+    model.safetensors; None when the folder holds anything else."""
+    from safetensors import safe_open
+
+    if not {p.name for p in folder.iterdir()} <= OWN_FILES or not (folder / "model.safetensors").is_file():
+        return None
+    try:
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception:  # noqa: BLE001 - unreadable: not recognisably ours
+        return None
+    return meta.get("specheads_export") or ("native" if "kind" in meta else None)
+
+
+def check_out(out: str, fmt: str, source: str, force: bool) -> None:
+    from specheads.utils import refuse_replacing
+
+    refuse_replacing(out, [source], lambda d: written_format(d) == fmt, f"{fmt} export", force)
+
+
 def run(args: argparse.Namespace) -> int:
     from specheads.heads.export import export_head, import_head
     from specheads.target import load_target
 
+    if args.head and args.format is None:
+        raise SpecheadsError("--format: required with --head")
+    check_out(args.out, "native" if args.import_dir else args.format, args.import_dir or args.head, args.force)
     target = load_target(args.target, dtype=args.dtype) if args.target else None
     if args.import_dir:
         if target is None:
@@ -51,8 +87,6 @@ def run(args: argparse.Namespace) -> int:
         head.save_pretrained(args.out)
         print(f"imported {args.import_dir} as a {head.kind} head -> {args.out}")
         return 0
-    if args.format is None:
-        raise SpecheadsError("--format: required with --head")
     if args.speculative_tokens < 1:
         raise SpecheadsError(f"--speculative-tokens {args.speculative_tokens}: must be >= 1")
     export_head(args.head, args.format, args.out, target=target, verifier_name_or_path=args.verifier,

@@ -12,6 +12,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="dotted overrides, e.g. data.max_conversations=200 output_dir=runs/x")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")
+    p.add_argument("--verify", action="store_true",
+                   help="re-hash every listed feature shard against its sha256 in the manifest; damaged shards are "
+                        "rewritten (training checks each shard once on first read unless features.verify=false)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_config(Recipe, args.config, args.overrides)
     print(f"# specheads prepare --config {args.config} {' '.join(args.overrides)}".rstrip())
     print(format_config(recipe), flush=True)
-    summary = prepare(recipe, progress=not args.no_progress)
+    summary = prepare(recipe, progress=not args.no_progress, verify=args.verify)
     print(format_summary(summary))
     print(f"summary written to {recipe.output_dir}/prepare_summary.json")
     return 0

@@ -33,9 +33,12 @@ def run(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
     res = run_training(recipe, resume=args.resume)
     if rank == 0:
-        best = "n/a" if res.best_metric is None else f"{res.best_metric:.3f} at step {res.best_step}"
-        print(f"trained {res.steps} steps; best {recipe.eval.select} {best}; head: {res.output_dir / 'best'} "
-              f"(final: {res.output_dir / 'final'})", flush=True)
+        final = res.output_dir / "final"
+        if res.best_dir is None:
+            print(f"trained {res.steps} steps; no held-out split: best/ not written; head: {final}", flush=True)
+        else:
+            print(f"trained {res.steps} steps; best {recipe.eval.select} {res.best_metric:.3f} at step "
+                  f"{res.best_step}; head: {res.best_dir} (final: {final})", flush=True)
     if world > 1:
         # Training is over and the process group is destroyed (Trainer.train ends with end_training). About one
         # 2-process gloo run in four still aborts in interpreter teardown (SIGABRT in the gloo/c10d destructors), so

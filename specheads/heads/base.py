@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json, read_json
+from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json, atomic_write_text, read_json, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ HEAD_KINDS = tuple(HEAD_CLASSES)
 FORMAT_VERSION = 1  # bump when config.json or the key layout of model.safetensors changes
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+CHECKSUM_NAME = "model.safetensors.sha256"  # `sha256sum -c` format; checked on load when present
 
 
 @dataclass
@@ -150,7 +151,38 @@ class HeadConfig:
         bad = [k for k in d["spec"] if k not in spec_names] if isinstance(d["spec"], dict) else ["spec"]
         if bad:
             raise SpecheadsError(f"{where}: unknown key 'spec.{bad[0]}'")
+        _check_config_values(d, where)
         return cls(**d)
+
+
+def _check_config_values(d: dict, where: str) -> None:
+    """Types and ranges of a config.json that do not need the target (check_target does the rest)."""
+    from specheads.config import _from_dict
+
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    wants = {"hidden_size": ("a positive integer", lambda v: is_int(v) and v >= 1),
+             "vocab_size": ("a positive integer", lambda v: is_int(v) and v >= 1),
+             "target_name": ("a string", lambda v: isinstance(v, str)),
+             "fingerprint": ("a JSON object", lambda v: isinstance(v, dict)),
+             "target_config": ("a JSON object", lambda v: isinstance(v, dict)),
+             "feature_layers": ("a non-empty list of layer ids >= 0",
+                                lambda v: isinstance(v, list) and v and all(is_int(i) and i >= 0 for i in v))}
+    for key, (want, ok) in wants.items():
+        if not ok(d[key]):
+            raise SpecheadsError(f"{where}: key {key!r}: expected {want}, got {d[key]!r}")
+    dv = d["draft_vocab_size"]
+    if dv is not None and (not is_int(dv) or not 1 <= dv < d["vocab_size"]):
+        raise SpecheadsError(f"{where}: key 'draft_vocab_size': expected null or an integer in "
+                             f"1..{d['vocab_size'] - 1} (below vocab_size), got {dv!r}")
+    try:  # the spec through the recipe section's own type and range checks
+        spec = _from_dict(HeadSpec, dict(d["spec"]), "spec")
+    except SpecheadsError as e:
+        raise SpecheadsError(f"{where}: key 'spec': {e}") from None
+    for key in ("kind", "draft_vocab_size", "feature_layers"):
+        if getattr(spec, key) != d[key]:
+            raise SpecheadsError(f"{where}: key 'spec.{key}' is {getattr(spec, key)!r} but {key!r} is {d[key]!r}")
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -274,6 +306,7 @@ class DraftHead(nn.Module):
         with atomic_dir(out_dir) as tmp:
             atomic_write_json(tmp / CONFIG_NAME, self.config.to_dict())
             write_safetensors(self.state_dict(), tmp / WEIGHTS_NAME, metadata={"format": "pt", "kind": self.kind})
+            atomic_write_text(tmp / CHECKSUM_NAME, f"{sha256_file(tmp / WEIGHTS_NAME)}  {WEIGHTS_NAME}\n")
         return out_dir
 
     @classmethod
@@ -288,6 +321,8 @@ class DraftHead(nn.Module):
         tensors = read_safetensors(head_dir / WEIGHTS_NAME)
         head = klass(config)
         load_state_checked(head, tensors, head_dir / WEIGHTS_NAME)
+        check_draft_vocab(tensors, config, head_dir / WEIGHTS_NAME)
+        check_checksum(head_dir)
         if dtype is None:
             dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
         return head.to(device=target.device, dtype=dtype).bind(target)
@@ -323,7 +358,8 @@ def read_head_config(head_dir: Path) -> HeadConfig:
 
 
 def check_target(config: HeadConfig, target, where: str) -> None:
-    """One clear error naming both the head's recorded target and the given target when they differ."""
+    """One clear error naming both the head's recorded target and the given target when they differ; then the
+    feature layers against the target's depth."""
     problems = []
     if config.hidden_size != target.hidden_size:
         problems.append(f"hidden size {config.hidden_size} vs {target.hidden_size}")
@@ -334,6 +370,45 @@ def check_target(config: HeadConfig, target, where: str) -> None:
     if problems:
         raise SpecheadsError(f"{where}: head was trained for target {config.target_name!r} but the target given is "
                              f"{target.name!r}: " + "; ".join(problems))
+    L = target.num_layers
+    cfg_file = Path(where) / CONFIG_NAME if Path(where).is_dir() else where
+    outside = [i for i in config.feature_layers if not 0 <= i <= L]
+    if outside:
+        raise SpecheadsError(f"{cfg_file}: key 'feature_layers': {outside} outside 0..{L} ({target.name!r} has {L} "
+                             f"layers; {L} = the final post-norm state)")
+    if config.kind in ("medusa", "eagle") and config.feature_layers != [L]:
+        raise SpecheadsError(f"{cfg_file}: key 'feature_layers': a {config.kind} head reads the final state only "
+                             f"([{L}]), not {config.feature_layers}")
+
+
+def check_draft_vocab(tensors: dict[str, torch.Tensor], config: HeadConfig, path: Path) -> None:
+    """d2t holds strictly increasing target ids within the vocab, and t2d marks exactly them."""
+    if not config.draft_vocab_size:
+        return
+    d2t, V = tensors["d2t"], config.vocab_size
+    if d2t.is_floating_point() or d2t.dtype == torch.bool:
+        raise SpecheadsError(f"{path}: key 'd2t': expected integer target ids, got {d2t.dtype}")
+    d2t = d2t.long()
+    if int(d2t.min()) < 0 or int(d2t.max()) >= V or not bool((d2t[1:] > d2t[:-1]).all()):
+        raise SpecheadsError(f"{path}: key 'd2t': expected strictly increasing target ids in 0..{V - 1}, found "
+                             f"{int(d2t.min())}..{int(d2t.max())}")
+    if not torch.equal(tensors["t2d"].bool(), _t2d_from_d2t(d2t, V)):
+        raise SpecheadsError(f"{path}: keys 'd2t' and 't2d' disagree (t2d must mark exactly the ids in d2t)")
+
+
+def check_checksum(head_dir: Path) -> None:
+    """model.safetensors against the sha256 save_pretrained recorded beside it (folders without one: unchecked)."""
+    side = Path(head_dir) / CHECKSUM_NAME
+    if not side.exists():
+        return
+    want = side.read_text().split()[:1]
+    if not want or len(want[0]) != 64:
+        raise SpecheadsError(f"{side}: not a sha256 line ('<64 hex digits>  {WEIGHTS_NAME}')")
+    got = sha256_file(Path(head_dir) / WEIGHTS_NAME)
+    if got != want[0].lower():
+        raise SpecheadsError(f"{Path(head_dir) / WEIGHTS_NAME}: sha256 {got[:16]}... differs from the "
+                             f"{want[0][:16]}... recorded in {side.name} (the weights were changed or damaged after "
+                             f"saving)")
 
 
 def load_state_checked(head: nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:

@@ -358,7 +358,7 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target=None
             log.warning("%s", note)
     with atomic_dir(out_dir) as tmp:
         atomic_write_json(tmp / CONFIG_NAME, config)
-        write_safetensors(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
+        write_safetensors(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt", "specheads_export": fmt})
     log.info("exported %s head %s as %s to %s (%d tensors)", cfg.kind, head_dir, fmt, out_dir, len(tensors))
     return Path(out_dir)
 

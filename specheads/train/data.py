@@ -57,8 +57,7 @@ class DataConfig:
     regen_conversations: int | None = None  # regenerate only the first N kept conversations; the rest keep the
     # source's replies (None = all). Mixes cheap extra data in: extraction ~1,100 tok/s vs regeneration ~250 on 2 cores
     regen_dtype: str | None = None  # target dtype for regeneration (None = target.dtype). Which is faster depends
-    # on the CPU and library versions: on this 2-core AVX-512 CPU (torch 2.13, transformers 5.24), 64 rows ran 117
-    # tok/s in bfloat16 vs 71 in float32 (an earlier measurement here gave the reverse, 206 vs 138: check yours)
+    # on the CPU and library versions (measured both ways round on one 2-core AVX-512 CPU): time both on yours
     mode: Literal["chat", "text"] = "chat"  # chat: conversations through the chat template, loss on assistant
     # turns; text: plain texts (JSONL rows {"text": ...} or a .txt file), cut into max_length windows, loss on
     # every token (base models, code completion, plain continuation)
@@ -66,6 +65,24 @@ class DataConfig:
     # (None = the tokenizer's own); it renders the conversations and the regeneration prompts
     regen_prefix_tokens: int = 32  # text mode + regenerate: tokens of each window kept as the prompt, the target
     # writes the rest (up to max_length). 32 tokens = a sentence or two of context: most of a window is the target's
+
+    def __post_init__(self) -> None:
+        from specheads.utils import check_values
+
+        check_values("data", self, {"max_conversations": ">=1|None", "max_length": ">=2", "val_fraction": "[0,1)",
+                                    "regen_max_new_tokens": ">=1", "regen_batch_size": ">=1",
+                                    "regen_temperature": ">=0", "regen_top_p": "(0,1]", "regen_max_turns": ">=1|None",
+                                    "regen_conversations": ">=1|None"})
+        if not isinstance(self.source, str) or not self.source.strip():
+            raise SpecheadsError(f"data.source: expected a file, hub id or alias, got {self.source!r}")
+        if self.regen_conversations is not None and not self.regenerate:
+            raise SpecheadsError("data.regen_conversations: set, but data.regenerate is false (nothing to regenerate)")
+        if self.regen_dtype is not None and self.regen_dtype not in REGEN_DTYPES:
+            raise SpecheadsError(f"data.regen_dtype: {self.regen_dtype!r} is not one of {list(REGEN_DTYPES)} or null")
+        check_mode_settings(self)
+
+
+REGEN_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")  # target.DTYPES
 
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
@@ -87,6 +104,7 @@ class LoadStats:
     examples: list[str] = field(default_factory=list)  # the first few full reasons
     truncated_tail: bool = False  # the file ended inside a row (that row is dropped)
     stopped_early: bool = False  # max_conversations reached before the end of the source
+    empty_turns: int = 0  # assistant turns with no text, skipped with the user turn they answer
 
     def skip(self, where: str, reason: str) -> None:
         self.skipped += 1
@@ -97,7 +115,8 @@ class LoadStats:
     def as_dict(self) -> dict:
         return {"source": self.source, "rows_read": self.rows_read, "kept": self.kept, "skipped": self.skipped,
                 "skip_reasons": dict(self.reasons), "skip_examples": list(self.examples),
-                "truncated_tail": self.truncated_tail, "stopped_early": self.stopped_early}
+                "truncated_tail": self.truncated_tail, "stopped_early": self.stopped_early,
+                "empty_turns": self.empty_turns}
 
 
 # ----------------------------------------------------------------------------------------------------------- reading
@@ -248,6 +267,25 @@ def normalize_row(row: Any) -> tuple[str | None, list[dict]]:
     return (None if rid is None else str(rid)), messages
 
 
+def drop_empty_answers(messages: list[dict]) -> tuple[list[dict], int]:
+    """Skip each assistant turn whose text is empty or whitespace, with the user turn(s) it answers: kept, it
+    would train the head on a sample whose only loss token is the end-of-turn token. -> (messages, skipped)."""
+    out: list[dict] = []
+    pending: list[dict] = []  # user turns since the last kept answer
+    skipped = 0
+    for m in messages:
+        if m["role"] == "assistant" and not m["content"].strip():
+            pending, skipped = [], skipped + 1
+        elif m["role"] == "assistant":
+            out += pending + [m]
+            pending = []
+        elif m["role"] == "system" and not out and not pending:
+            out.append(m)
+        else:
+            pending.append(m)
+    return out + pending, skipped
+
+
 def _rows_from_source(source: Any, stats: LoadStats) -> tuple[Iterable[Any], str]:
     """Iterable of raw rows and a short name used for generated ids."""
     from specheads.assets import sharegpt_json
@@ -307,6 +345,10 @@ def load_conversations(source: Any = "sharegpt", max_conversations: int | None =
         stats.rows_read += 1
         try:
             rid, messages = normalize_row(row)
+            messages, empty = drop_empty_answers(messages)
+            stats.empty_turns += empty
+            if not any(m["role"] == "assistant" for m in messages):
+                raise Malformed("empty answers: every assistant turn is empty or whitespace")
         except Malformed as e:
             stats.skip(f"row {i}", str(e))
             continue
@@ -327,6 +369,8 @@ def load_conversations(source: Any = "sharegpt", max_conversations: int | None =
     if stats.skipped:
         log.warning("skipped %d malformed rows %s; first reasons: %s", stats.skipped, dict(stats.reasons),
                     "; ".join(stats.examples))
+    if stats.empty_turns:
+        log.warning("skipped %d empty assistant turns (with the user turns they answer)", stats.empty_turns)
     ds = datasets.Dataset.from_dict({"conversation_id": ids, "messages": msgs},
                                     features=_conversation_features())
     return ds, stats

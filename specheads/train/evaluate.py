@@ -33,8 +33,10 @@ class EvalConfig:
     at_start: bool = True  # evaluate the untrained head first (the baseline τ the training must beat)
 
     def __post_init__(self) -> None:
-        from specheads.utils import SpecheadsError
+        from specheads.utils import SpecheadsError, check_values
 
+        check_values("eval", self, {"every_steps": ">=0", "max_samples": ">=1", "batch_size": ">=1", "topk": ">=1",
+                                    "tree_width": ">=1", "tree_depth": ">=1", "eagle_steps": ">=1"})
         if self.select not in ("tau_tree", "tau_chain"):
             raise SpecheadsError(f"eval.select: {self.select!r} is not one of ['tau_tree', 'tau_chain']")
 

@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -50,12 +49,18 @@ class FeatureConfig:
     batch_tokens: int = 8192  # tokens per target forward during extraction (padded B*T)
     dir: str | None = None  # offline features folder; None = <output_dir>/features. Another recipe's folder shares
     # one extraction between heads: every folder stores layer L, all Medusa / EAGLE-1 read (EAGLE-3's also has 3 more)
+    verify: bool = True  # training checks each shard's sha256 against the manifest when it first opens it (one
+    # extra read of each shard per process; sha256 runs at about 0.5 GB/s per core); false = size only
 
     def __post_init__(self):
+        from specheads.utils import check_values
+
         if self.mode not in ("offline", "online"):
             raise SpecheadsError(f"features.mode: {self.mode!r} is not one of ['offline', 'online']")
-        if self.shard_tokens <= 0 or self.batch_tokens <= 0:
-            raise SpecheadsError("features.shard_tokens and features.batch_tokens must be positive")
+        check_values("features", self, {"shard_tokens": ">=1", "batch_tokens": ">=1"})
+        for i in self.layers or []:
+            if not isinstance(i, int) or i < 0:
+                raise SpecheadsError(f"features.layers: {i!r} is not a layer id (0 = embeddings, L = final state)")
 
 
 # ------------------------------------------------------------------------------------------------------------ layers
@@ -175,112 +180,147 @@ def _shard_name(k: int) -> str:
     return f"shard-{k:05d}.safetensors"
 
 
-def write_features(target, tokens, folder: str | os.PathLike, layers: Sequence[int], cfg: FeatureConfig,
-                   val_fraction: float = 0.0, progress: bool = True, after_shard=None) -> dict:
-    """Offline extraction of `tokens` (Dataset or list of dicts with input_ids, loss_mask, conversation_id) into
-    `folder`. Resumable; refuses to start when free disk is short. Returns the manifest.
+@dataclass
+class FeaturePlan:
+    """What an offline extraction will write: samples, their shard assignment, and the key that names them."""
 
-    `after_shard(k)` is called after shard k is committed (tests use it to simulate a kill)."""
-    from safetensors.torch import save_file as st_save_file
-    from tqdm.auto import tqdm
+    input_ids: list
+    loss_mask: list
+    conversation_ids: list[str]
+    lengths: list[int]
+    shards: list[list[int]]  # sample indices per shard
+    layers: list[int]
+    plan_key: str  # sha256 of (data, layers, target fingerprint, shard size, format)
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+
+def plan_features(target, tokens, layers: Sequence[int], cfg: FeatureConfig) -> FeaturePlan:
+    """The shard plan for `tokens` (Dataset or list of dicts with input_ids, loss_mask, conversation_id)."""
     layers = list(layers)
-    input_ids = list(tokens["input_ids"]) if not isinstance(tokens, list) else [t["input_ids"] for t in tokens]
-    loss_mask = list(tokens["loss_mask"]) if not isinstance(tokens, list) else [t["loss_mask"] for t in tokens]
-    conv_ids = list(tokens["conversation_id"]) if not isinstance(tokens, list) else [t["conversation_id"] for t in tokens]
+    as_list = isinstance(tokens, list)
+    input_ids = [t["input_ids"] for t in tokens] if as_list else list(tokens["input_ids"])
+    loss_mask = [t["loss_mask"] for t in tokens] if as_list else list(tokens["loss_mask"])
+    conv_ids = [t["conversation_id"] for t in tokens] if as_list else list(tokens["conversation_id"])
     lengths = [len(x) for x in input_ids]
     if not lengths:
         raise SpecheadsError("features: no samples to extract (all conversations were dropped)")
-    D = target.hidden_size
-    plan = _plan(lengths, cfg.shard_tokens)
-    fp = target.fingerprint()
-    key_src = json.dumps({"data": _data_hash(input_ids, loss_mask), "layers": layers, "fingerprint": fp,
-                          "shard_tokens": cfg.shard_tokens, "format": FORMAT}, sort_keys=True)
-    plan_key = hashlib.sha256(key_src.encode()).hexdigest()[:32]
+    key_src = json.dumps({"data": _data_hash(input_ids, loss_mask), "layers": layers,
+                          "fingerprint": target.fingerprint(), "shard_tokens": cfg.shard_tokens, "format": FORMAT},
+                         sort_keys=True)
+    return FeaturePlan(input_ids, loss_mask, conv_ids, lengths, _plan(lengths, cfg.shard_tokens), layers,
+                       hashlib.sha256(key_src.encode()).hexdigest()[:32])
 
-    mpath = folder / MANIFEST
-    manifest = None
-    if mpath.exists():
-        try:
-            manifest = json.loads(mpath.read_text())
-        except json.JSONDecodeError:
-            raise SpecheadsError(f"{mpath}: not valid JSON; remove {folder} to start over") from None
-        if manifest.get("plan_key") != plan_key:
-            raise SpecheadsError(f"{folder}: holds features of other data, target or layers (plan_key "
-                                 f"{manifest.get('plan_key')} != {plan_key}); remove it or choose another output_dir")
+
+def check_features_folder(folder: str | os.PathLike, plan_key: str | None = None, target=None) -> dict | None:
+    """The manifest already in `folder` (None if there is none), refused when it holds other features: another
+    plan (data, target, layers) or, with `target`, another target. Reads only; call it before writing anything."""
+    mpath = Path(folder) / MANIFEST
+    if not mpath.exists():
+        return None
+    try:
+        manifest = json.loads(mpath.read_text())
+    except json.JSONDecodeError:
+        raise SpecheadsError(f"{mpath}: not valid JSON; remove {folder} to start over") from None
+    if target is not None and manifest.get("fingerprint") != target.fingerprint():
+        raise SpecheadsError(f"{folder}: holds features of target {manifest.get('target')!r}, not of {target.name!r} "
+                             f"(fingerprints differ); remove it or choose another output_dir")
+    if plan_key is not None and manifest.get("plan_key") != plan_key:
+        raise SpecheadsError(f"{folder}: holds features of other data, target or layers (plan_key "
+                             f"{manifest.get('plan_key')} != {plan_key}); remove it or choose another output_dir")
+    return manifest
+
+
+def write_features(target, tokens, folder: str | os.PathLike, layers: Sequence[int], cfg: FeatureConfig,
+                   val_fraction: float = 0.0, progress: bool = True, after_shard=None, verify: bool = False) -> dict:
+    """Offline extraction of `tokens` (Dataset or list of dicts with input_ids, loss_mask, conversation_id) into
+    `folder`. Resumable; refuses to start when free disk is short. Returns the manifest.
+
+    Listed shards of the wrong size are rewritten; with `verify` (prepare --verify) so are those whose sha256 no
+    longer matches the manifest. `after_shard(k)` is called after shard k is committed (tests simulate a kill)."""
+    from tqdm.auto import tqdm
+
+    folder = Path(folder)
+    plan = plan_features(target, tokens, layers, cfg)
+    manifest = check_features_folder(folder, plan.plan_key)
+    folder.mkdir(parents=True, exist_ok=True)
     for stray in folder.glob(".shard-*.tmp*"):  # partial shards of a killed run: never read, removed
         stray.unlink(missing_ok=True)
     if manifest is None:
-        manifest = {"format": FORMAT, "plan_key": plan_key, "target": target.name, "fingerprint": fp,
-                    "layers": layers, "hidden_size": D, "dtype": "bfloat16", "val_fraction": val_fraction,
-                    "num_samples": len(lengths), "num_tokens": sum(lengths),
-                    "num_masked_tokens": int(sum(sum(m) for m in loss_mask)), "planned_shards": len(plan),
-                    "complete": False, "shards": []}
+        manifest = {"format": FORMAT, "plan_key": plan.plan_key, "target": target.name,
+                    "fingerprint": target.fingerprint(), "layers": plan.layers, "hidden_size": target.hidden_size,
+                    "dtype": "bfloat16", "val_fraction": val_fraction, "num_samples": len(plan.lengths),
+                    "num_tokens": sum(plan.lengths), "num_masked_tokens": int(sum(sum(m) for m in plan.loss_mask)),
+                    "planned_shards": len(plan.shards), "complete": False, "shards": []}
     done: dict[int, dict] = {}
     for s in manifest["shards"]:
         p = folder / s["file"]
-        if p.exists() and p.stat().st_size == s["bytes"]:
+        if p.exists() and p.stat().st_size == s["bytes"] and (not verify or _sha256_file(p)[0] == s["sha256"]):
             done[s["index"]] = s
         else:
-            log.warning("%s: listed shard %s missing or wrong size; it will be rewritten", folder, s["file"])
+            log.warning("%s: listed shard %s missing, wrong size or damaged; it will be rewritten", folder, s["file"])
     manifest["shards"] = [done[k] for k in sorted(done)]
-
-    bpt = bytes_per_token(len(layers), D)
-    todo = [k for k in range(len(plan)) if k not in done]
-    need = int(sum(lengths[i] for k in todo for i in plan[k]) * bpt * DISK_MARGIN) + DISK_RESERVE
-    free = shutil.disk_usage(folder).free
-    if todo and free < need:
-        raise SpecheadsError(f"{folder}: not enough free disk for features: need about {need / 2**30:.2f} GiB "
-                             f"({len(todo)} shards, {len(layers)} layers x hidden {D} bf16), {free / 2**30:.2f} GiB "
-                             f"free; use features.mode=online, fewer conversations or a smaller data.max_length")
+    todo = [k for k in range(len(plan.shards)) if k not in done]
+    todo_tokens = sum(plan.lengths[i] for k in todo for i in plan.shards[k])
+    _check_disk(folder, todo_tokens, bytes_per_token(len(plan.layers), target.hidden_size), len(todo),
+                len(plan.layers), target.hidden_size)
     log.info("features: %d samples, %d tokens, layers %s -> %d shards (%d done, %d to write, ~%.1f MiB)",
-             len(lengths), sum(lengths), layers, len(plan), len(done), len(todo),
-             sum(lengths[i] for k in todo for i in plan[k]) * bpt / 2**20)
+             len(plan.lengths), sum(plan.lengths), plan.layers, len(plan.shards), len(done), len(todo),
+             todo_tokens * bytes_per_token(len(plan.layers), target.hidden_size) / 2**20)
+    mpath = folder / MANIFEST
     atomic_write_json(mpath, manifest)
-
-    bar = tqdm(total=sum(lengths[i] for k in todo for i in plan[k]), unit="tok", desc="features",
-               disable=not progress)
+    bar = tqdm(total=todo_tokens, unit="tok", desc="features", disable=not progress)
     for k in todo:
-        idx = plan[k]
-        hidden: dict[int, torch.Tensor] = {}
-        for b in length_batches([lengths[i] for i in idx], cfg.batch_tokens):
-            rows = [idx[j] for j in b]
-            ids = _pad([input_ids[i] for i in rows])
-            am = _pad([[1] * lengths[i] for i in rows])
-            h = extract_features(target, ids, am, layers).to("cpu", torch.bfloat16)  # [B,T,F,D]
-            for r, i in enumerate(rows):
-                hidden[i] = h[r, : lengths[i]]
-            bar.update(sum(lengths[i] for i in rows))
-        offsets = [0]
-        for i in idx:
-            offsets.append(offsets[-1] + lengths[i])
-        tensors = {"input_ids": torch.tensor([t for i in idx for t in input_ids[i]], dtype=torch.int32),
-                   "loss_mask": torch.tensor([t for i in idx for t in loss_mask[i]], dtype=torch.uint8),
-                   "offsets": torch.tensor(offsets, dtype=torch.int64),
-                   "hidden": torch.cat([hidden[i] for i in idx], 0).contiguous()}  # [Ts,F,D]
-        name = _shard_name(k)
-        tmp = folder / f".{name}.tmp-{os.getpid()}"
-        st_save_file(tensors, str(tmp), metadata={"format": FORMAT, "layers": json.dumps(layers)})
-        del tensors, hidden
-        digest, size = _sha256_file(tmp)  # read back from the page cache: checks what is on disk, not in memory
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, folder / name)
-        entry = {"index": k, "file": name, "num_samples": len(idx), "num_tokens": offsets[-1],
-                 "bytes": size, "sha256": digest,
-                 "conversation_ids": [conv_ids[i] for i in idx]}
-        manifest["shards"].append(entry)
+        manifest["shards"].append(_write_shard(target, plan, k, folder, cfg, bar))
         manifest["shards"].sort(key=lambda s: s["index"])
         atomic_write_json(mpath, manifest)
         if after_shard is not None:
             after_shard(k)
     bar.close()
-    manifest["complete"] = len(manifest["shards"]) == len(plan)
+    manifest["complete"] = len(manifest["shards"]) == len(plan.shards)
     manifest["bytes"] = sum(s["bytes"] for s in manifest["shards"])
     atomic_write_json(mpath, manifest)
     return manifest
+
+
+def _check_disk(folder: Path, tokens: int, bpt: int, shards: int, layers: int, hidden: int) -> None:
+    need = int(tokens * bpt * DISK_MARGIN) + DISK_RESERVE
+    free = shutil.disk_usage(folder).free
+    if shards and free < need:
+        raise SpecheadsError(f"{folder}: not enough free disk for features: need about {need / 2**30:.2f} GiB "
+                             f"({shards} shards, {layers} layers x hidden {hidden} bf16), {free / 2**30:.2f} GiB "
+                             f"free; use features.mode=online, fewer conversations or a smaller data.max_length")
+
+
+def _write_shard(target, plan: FeaturePlan, k: int, folder: Path, cfg: FeatureConfig, bar) -> dict:
+    """Extract shard k, write it to a temporary name, fsync, rename; returns its manifest entry (with sha256)."""
+    from safetensors.torch import save_file as st_save_file
+
+    idx, lengths = plan.shards[k], plan.lengths
+    hidden: dict[int, torch.Tensor] = {}
+    for b in length_batches([lengths[i] for i in idx], cfg.batch_tokens):
+        rows = [idx[j] for j in b]
+        ids = _pad([plan.input_ids[i] for i in rows])
+        am = _pad([[1] * lengths[i] for i in rows])
+        h = extract_features(target, ids, am, plan.layers).to("cpu", torch.bfloat16)  # [B,T,F,D]
+        for r, i in enumerate(rows):
+            hidden[i] = h[r, : lengths[i]]
+        bar.update(sum(lengths[i] for i in rows))
+    offsets = [0]
+    for i in idx:
+        offsets.append(offsets[-1] + lengths[i])
+    tensors = {"input_ids": torch.tensor([t for i in idx for t in plan.input_ids[i]], dtype=torch.int32),
+               "loss_mask": torch.tensor([t for i in idx for t in plan.loss_mask[i]], dtype=torch.uint8),
+               "offsets": torch.tensor(offsets, dtype=torch.int64),
+               "hidden": torch.cat([hidden[i] for i in idx], 0).contiguous()}  # [Ts,F,D]
+    name = _shard_name(k)
+    tmp = folder / f".{name}.tmp-{os.getpid()}"
+    st_save_file(tensors, str(tmp), metadata={"format": FORMAT, "layers": json.dumps(plan.layers)})
+    del tensors, hidden
+    digest, size = _sha256_file(tmp)  # read back from the page cache: checks what is on disk, not in memory
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / name)
+    return {"index": k, "file": name, "num_samples": len(idx), "num_tokens": offsets[-1], "bytes": size,
+            "sha256": digest, "conversation_ids": [plan.conversation_ids[i] for i in idx]}
 
 
 def _sha256_file(path: Path) -> tuple[str, int]:
@@ -324,15 +364,40 @@ def _read_manifest(folder: Path) -> dict:
     return m
 
 
+_VERIFIED: set[tuple[str, int, int]] = set()  # (path, size, mtime) of shards whose sha256 this process checked
+
+
+def check_shard(path: Path, entry: dict, full: bool = True) -> None:
+    """A listed shard is the file the manifest describes: its size always, its sha256 with `full` (once per file
+    and process). A mismatch is one SpecheadsError naming the file."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise SpecheadsError(f"{path}: listed in the manifest but missing; rerun `specheads prepare` to rewrite "
+                             f"it") from None
+    if st.st_size != entry["bytes"]:
+        raise SpecheadsError(f"{path}: {st.st_size} bytes, the manifest lists {entry['bytes']}; rerun `specheads "
+                             f"prepare` to rewrite it")
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if not full or key in _VERIFIED:
+        return
+    if _sha256_file(path)[0] != entry["sha256"]:
+        raise SpecheadsError(f"{path}: sha256 differs from the manifest's (the file is damaged); rerun `specheads "
+                             f"prepare --verify` to rewrite it")
+    _VERIFIED.add(key)
+
+
 class FeatureDataset(torch.utils.data.Dataset):
     """Offline features: sample = {input_ids [T] long, loss_mask [T] long, hidden [T,F,D] bf16, conversation_id}.
 
     `split`: None = all samples, "train" / "val" = by `data.is_val(conversation_id, manifest val_fraction)`.
-    Shards are opened lazily (memory-mapped by safetensors), one handle per shard per process."""
+    Shards are opened lazily (memory-mapped by safetensors), one handle per shard per process; `verify` checks a
+    shard's sha256 against the manifest when it is first opened (features.verify), else its size only."""
 
-    def __init__(self, folder: str | os.PathLike, split: str | None = None):
+    def __init__(self, folder: str | os.PathLike, split: str | None = None, verify: bool = True):
         from specheads.train.data import is_val
 
+        self.verify = verify
         self.folder = Path(folder)
         self.manifest = _read_manifest(self.folder)
         if not self.manifest.get("complete"):
@@ -358,7 +423,9 @@ class FeatureDataset(torch.utils.data.Dataset):
         if h is None:
             from safetensors import safe_open
 
-            h = safe_open(str(self.folder / self.manifest["shards"][si]["file"]), framework="pt")
+            entry = self.manifest["shards"][si]
+            check_shard(self.folder / entry["file"], entry, self.verify)
+            h = safe_open(str(self.folder / entry["file"]), framework="pt")
             self._handles[si] = h
             self._offsets[si] = h.get_tensor("offsets").tolist()
         return h

@@ -23,7 +23,8 @@ EAGLE_W_CE = 0.1  # EAGLE-1 paper: classification (soft CE) weight
 @dataclass
 class LossOutput:
     loss: torch.Tensor  # scalar, differentiable
-    metrics: dict[str, float] = field(default_factory=dict)  # detached floats for logging (per-step acc, parts)
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # detached scalars (per-step acc, parts); the
+    # trainer turns them into floats only when it logs them (each float() is a host sync)
 
 
 def step_mask(loss_mask: torch.Tensor, k: int) -> torch.Tensor:
@@ -69,7 +70,7 @@ def medusa_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.
     """
     K = logits.shape[0]
     total = logits.new_zeros((), dtype=torch.float32)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, torch.Tensor] = {}
     ids = input_ids
     if d2t is not None:
         d2t = d2t.to(input_ids.device)
@@ -93,9 +94,9 @@ def medusa_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.
             labels = tk.argmax(-1)  # accuracy against the target's choice, as the soft loss trains for
         ce_k = _mean(ce)
         total = total + (decay ** k) * ce_k
-        metrics[f"ce_{k}"] = float(ce_k.detach())
+        metrics[f"ce_{k}"] = ce_k.detach()
         if lk.shape[0]:
-            metrics[f"acc_{k}"] = float((lk.argmax(-1) == labels).float().mean())
+            metrics[f"acc_{k}"] = (lk.argmax(-1) == labels).float().mean().detach()
     return LossOutput(total, metrics)
 
 
@@ -126,9 +127,9 @@ def eagle_loss(pred_hidden: torch.Tensor, logits: torch.Tensor, target_hidden: t
         keep = in_draft_vocab(d2t, tl.shape[-1])[tl.argmax(-1)]  # [N]
         tl, lk = tl[keep][:, d2t], lk[keep]  # [N',V']
     ce = _mean(soft_ce(lk, tl))
-    metrics = {"reg": float(reg.detach()), "ce_0": float(ce.detach())}
+    metrics = {"reg": reg.detach(), "ce_0": ce.detach()}
     if lk.shape[0]:
-        metrics["acc_0"] = float((lk.argmax(-1) == tl.argmax(-1)).float().mean())
+        metrics["acc_0"] = (lk.argmax(-1) == tl.argmax(-1)).float().mean().detach()
     return LossOutput(w_reg * reg + w_ce * ce, metrics)
 
 
@@ -148,15 +149,16 @@ def eagle3_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, lo
         ok = in_draft_vocab(d2t, V)[target_logits.argmax(-1)]  # row j: the target's token j+1 lies in the draft vocab
         target_logits = target_logits[..., d2t]  # [B,T,V'], sliced once for all steps
     total = target_logits.new_zeros((), dtype=torch.float32)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, torch.Tensor] = {}
     for i, lg in enumerate(step_logits):
         tl = shift_rows(target_logits, 1 + i)  # [B,T,V']
         m = step_mask(loss_mask, i) & shift_rows(ok, 1 + i)
-        ce = _mean(soft_ce(lg[m], tl[m]))
+        lk, tk = lg[m], tl[m]
+        ce = _mean(soft_ce(lk, tk))
         total = total + (decay ** i) * ce
-        metrics[f"ce_{i}"] = float(ce.detach())
-        if m.any():
-            metrics[f"acc_{i}"] = float((lg[m].argmax(-1) == tl[m].argmax(-1)).float().mean())
+        metrics[f"ce_{i}"] = ce.detach()
+        if lk.shape[0]:
+            metrics[f"acc_{i}"] = (lk.argmax(-1) == tk.argmax(-1)).float().mean().detach()
     return LossOutput(total, metrics)
 
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
 
+from specheads.train.features import check_features_folder, plan_features, write_features
 from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -44,22 +44,32 @@ def features_dir(recipe) -> Path:
     return Path(recipe.features.dir) if recipe.features.dir else Path(recipe.output_dir) / "features"
 
 
-def _prepare_shared(recipe, target=None) -> dict:
+def _load_target(recipe, target=None, dtype: str | None = None):
+    from specheads.target import load_target
+
+    if target is not None:
+        return target
+    return load_target(recipe.target.name, dtype=dtype or recipe.target.dtype,
+                       trust_remote_code=recipe.target.trust_remote_code)
+
+
+def _prepare_shared(recipe, target=None, verify: bool = False) -> dict:
     """features.dir names another recipe's finished features: check them, extract nothing (data is theirs)."""
     from specheads.config import save_config
-    from specheads.target import load_target
-    from specheads.train.features import check_shared_features
+    from specheads.train.features import check_shared_features, verify_features
 
     out = Path(recipe.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(recipe, out / "prepare_config.yaml")
-    if target is None:
-        target = load_target(recipe.target.name, dtype=recipe.target.dtype,
-                             trust_remote_code=recipe.target.trust_remote_code)
+    target = _load_target(recipe, target)
     layers = feature_layers_for(recipe, target.num_layers)
-    m = check_shared_features(recipe.features.dir, target, layers)
+    m = check_shared_features(recipe.features.dir, target, layers)  # checked before anything is written
+    bad = verify_features(recipe.features.dir) if verify else []
+    if bad:
+        raise SpecheadsError(f"features.dir {recipe.features.dir}: {bad} differ from the manifest's sha256; run "
+                             f"`specheads prepare --verify` on the recipe that writes that folder")
     log.info("features: reusing %s (layers %s; this head reads %s); data.* is that recipe's", recipe.features.dir,
              m["layers"], layers)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(recipe, out / "prepare_config.yaml")
     summary = {"output_dir": str(out), "target": target.name, "feature_mode": "offline",
                "features_dir": str(recipe.features.dir), "feature_layers": layers, "shared_layers": m["layers"],
                "shards": len(m["shards"]), "features_complete": True, "features_bytes": m.get("bytes", 0),
@@ -69,130 +79,55 @@ def _prepare_shared(recipe, target=None) -> dict:
     return summary
 
 
-def prepare(recipe, target=None, progress: bool = True, after_shard=None) -> dict:
-    """Run the whole preparation for a Recipe; returns the summary (also written to prepare_summary.json)."""
+def prepare(recipe, target=None, progress: bool = True, after_shard=None, verify: bool = False) -> dict:
+    """Run the whole preparation for a Recipe; returns the summary (also written to prepare_summary.json).
+
+    Checks come first: a refused run (bad source, features of other data or another target in the folder) leaves
+    the run folder as it was. Only the regeneration cache (data/regenerated.jsonl, keyed by conversation id) grows
+    before the final check, which needs the regenerated answers. `verify`: re-hash listed shards (--verify)."""
     import datasets
 
-    from specheads.config import save_config
-    from specheads.target import load_target
-    from specheads.train.data import (check_mode_settings, chat_tokenizer, load_conversations, load_texts, text_tokens,
-                                      tokenize_conversations)
-    from specheads.train.features import write_features
-
-    t_start = time.perf_counter()
     if not progress:
         datasets.disable_progress_bars()
-    out = Path(recipe.output_dir)
-    data_dir, feat_dir = out / "data", features_dir(recipe)
-    dc = recipe.data
     if recipe.features.dir and recipe.features.mode == "offline":
-        return _prepare_shared(recipe, target)
-    if dc.max_length < 2:
-        raise SpecheadsError(f"data.max_length: must be at least 2, got {dc.max_length}")
-    if dc.max_conversations is not None and dc.max_conversations < 1:
-        raise SpecheadsError(f"data.max_conversations: must be >= 1 or null, got {dc.max_conversations}")
-    if dc.regen_conversations is not None and dc.regen_conversations < 1:
-        raise SpecheadsError(f"data.regen_conversations: must be >= 1 or null, got {dc.regen_conversations}")
-    if dc.regen_conversations is not None and not dc.regenerate:
-        raise SpecheadsError("data.regen_conversations: set, but data.regenerate is false (nothing to regenerate)")
-    if not 0.0 <= dc.val_fraction < 1.0:
-        raise SpecheadsError(f"data.val_fraction: must be in [0, 1), got {dc.val_fraction}")
-    check_mode_settings(dc)
+        return _prepare_shared(recipe, target, verify)
+    t_start = time.perf_counter()
+    out, dc = Path(recipe.output_dir), recipe.data
+    data_dir, feat_dir = out / "data", features_dir(recipe)
     timings: dict[str, float] = {}
-    data_dir.mkdir(parents=True, exist_ok=True)
-    save_config(recipe, out / "prepare_config.yaml")
-
-    t = time.perf_counter()  # data first: a bad source fails before the target is loaded
-    text = dc.mode == "text"
-    convs, lstats = (load_texts if text else load_conversations)(dc.source, dc.max_conversations)
-    timings["read_s"] = time.perf_counter() - t
-    if len(convs) == 0:
-        hint = "" if text else "; plain-text rows {\"text\": ...} need data.mode=text"
-        raise SpecheadsError(f"data.source {dc.source!r}: no usable {'text' if text else 'conversation'} "
-                             f"({lstats.skipped} malformed rows; first reasons: {'; '.join(lstats.examples) or 'none'}"
-                             f"){hint}")
-
+    convs, summary = _read_source(recipe, timings)  # data first: a bad source fails before the target is loaded
     t = time.perf_counter()
-    if target is None:
-        target = load_target(recipe.target.name, dtype=recipe.target.dtype,
-                             trust_remote_code=recipe.target.trust_remote_code)
+    target = _load_target(recipe, target)
     if target.tokenizer is None:
         raise SpecheadsError(f"target {target.name}: has no tokenizer (needed to tokenize data.source)")
-    tokenizer = target.tokenizer if text else chat_tokenizer(target.tokenizer, dc.chat_template, target.name)
+    if dc.mode == "chat":  # data.chat_template, or one clear error for a target without a template
+        from specheads.train.data import chat_tokenizer
+
+        target = dataclasses.replace(target, tokenizer=chat_tokenizer(target.tokenizer, dc.chat_template,
+                                                                       target.name))
     timings["load_target_s"] = time.perf_counter() - t
+    offline = recipe.features.mode == "offline"
+    if offline:
+        check_features_folder(feat_dir, target=target)  # another target's features: refused before regenerating
     max_length = dc.max_length
     if target.max_positions and max_length > target.max_positions:
         log.warning("data.max_length %d > the target's %d positions; using %d", max_length, target.max_positions,
                     target.max_positions)
         max_length = target.max_positions
-
-    summary: dict[str, Any] = {"output_dir": str(out), "target": target.name, "source": lstats.source,
-                               "conversations_read": lstats.rows_read, "conversations_skipped": lstats.skipped,
-                               "conversations_kept": lstats.kept, "skip_reasons": dict(lstats.reasons),
-                               "source_tail_cut": lstats.truncated_tail}
-
-    if dc.regenerate and not text:
-        from specheads.train.regenerate import read_done_ids, regenerate
-
-        t = time.perf_counter()
-        regen_path = data_dir / "regenerated.jsonl"
-        keep = None  # conversations past data.regen_conversations keep the source's replies
-        if dc.regen_conversations is not None and dc.regen_conversations < len(convs):
-            keep = convs.select(range(dc.regen_conversations, len(convs)))
-            convs = convs.select(range(dc.regen_conversations))
-        gen_target = target
-        # a copy in data.regen_dtype only when some answer is still missing (a finished rerun skips the load)
-        todo = set(convs["conversation_id"]) - read_done_ids(regen_path)
-        if todo and dc.regen_dtype and dc.regen_dtype != recipe.target.dtype:
-            gen_target = load_target(recipe.target.name, dtype=dc.regen_dtype,
-                                     trust_remote_code=recipe.target.trust_remote_code)
-        gen_target = dataclasses.replace(gen_target, tokenizer=tokenizer)  # with data.chat_template if given
-        rstats = regenerate(gen_target, convs, regen_path, max_length=max_length, max_new_tokens=dc.regen_max_new_tokens,
-                            batch_size=dc.regen_batch_size, temperature=dc.regen_temperature, top_p=dc.regen_top_p,
-                            seed=recipe.seed, progress=progress, max_turns=dc.regen_max_turns)
-        del gen_target
-        wanted = set(convs["conversation_id"])
-        regen, _ = load_conversations(str(regen_path))
-        convs = regen.filter(lambda c: c in wanted, input_columns="conversation_id", desc="select regenerated")
-        if keep is not None:
-            convs = datasets.concatenate_datasets([convs, keep])  # same columns: both from load_conversations
-        timings["regenerate_s"] = time.perf_counter() - t
-        summary.update({"regenerated_conversations": len(wanted),
-                        "source_reply_conversations": 0 if keep is None else len(keep),
-                        "regenerated_new_tokens": rstats["new_tokens"],
-                        "regenerate_tokens_per_s": rstats["tokens_per_s"]})
-
-    t = time.perf_counter()
-    if text:  # windows of the texts (and their regeneration); timings["regenerate_s"] is inside tokenize_s here
-        def regen_target():
-            if dc.regen_dtype and dc.regen_dtype != recipe.target.dtype:
-                return load_target(recipe.target.name, dtype=dc.regen_dtype,
-                                   trust_remote_code=recipe.target.trust_remote_code)
-            return target
-
-        tokens, tstats, rsummary = text_tokens(dc, target, convs, data_dir, max_length, recipe.seed, progress,
-                                               regen_target)
-        summary.update(rsummary)
-    else:
-        tokens, tstats = tokenize_conversations(convs, tokenizer, max_length)
-    with atomic_dir(data_dir / "tokens") as tmp:
-        tokens.save_to_disk(str(tmp))
-    tokens = datasets.load_from_disk(str(data_dir / "tokens"))
-    timings["tokenize_s"] = time.perf_counter() - t
-    summary.update({"samples": tstats["samples"], "samples_truncated": tstats["truncated"],
-                    "dropped_empty_mask": tstats["dropped_empty_mask"], "dropped_template": tstats["dropped_template"],
-                    "tokens": tstats["tokens"], "masked_tokens": tstats["masked_tokens"], "max_length": max_length})
-    if tstats["samples"] == 0:
-        raise SpecheadsError(f"data: every sample was dropped (empty loss mask after truncation to {max_length} "
-                             f"tokens); raise data.max_length")
-
+    summary.update(output_dir=str(out), target=target.name)
+    if dc.regenerate and dc.mode == "chat":
+        convs = _regenerate(recipe, target, convs, data_dir / "regenerated.jsonl", max_length, summary, timings,
+                            progress)
+    tokens = _tokenize(recipe, convs, target, max_length, summary, timings, progress)
     layers = feature_layers_for(recipe, target.num_layers)
-    summary["feature_layers"] = layers
-    summary["feature_mode"] = recipe.features.mode
-    if recipe.features.mode == "offline":
+    if offline:  # features of other data or layers in the folder: refused before anything is replaced
+        check_features_folder(feat_dir, plan_features(target, tokens, layers, recipe.features).plan_key)
+    tokens = _write_tokens(recipe, tokens, data_dir)
+    summary.update(feature_layers=layers, feature_mode=recipe.features.mode)
+    if offline:
         t = time.perf_counter()
         manifest = write_features(target, tokens, feat_dir, layers, recipe.features, val_fraction=dc.val_fraction,
-                                  progress=progress, after_shard=after_shard)
+                                  progress=progress, after_shard=after_shard, verify=verify)
         timings["features_s"] = time.perf_counter() - t
         summary.update({"shards": len(manifest["shards"]), "features_complete": manifest["complete"],
                         "features_bytes": manifest.get("bytes", 0)})
@@ -201,6 +136,102 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None) -> dic
     summary["timings"] = {k: round(v, 2) for k, v in timings.items()}
     atomic_write_json(out / "prepare_summary.json", summary)
     return summary
+
+
+def _read_source(recipe, timings: dict):
+    from specheads.train.data import load_conversations, load_texts
+
+    dc = recipe.data
+    text = dc.mode == "text"
+    t = time.perf_counter()
+    convs, lstats = (load_texts if text else load_conversations)(dc.source, dc.max_conversations)
+    timings["read_s"] = time.perf_counter() - t
+    if len(convs) == 0:
+        hint = "" if text else "; plain-text rows {\"text\": ...} need data.mode=text"
+        raise SpecheadsError(f"data.source {dc.source!r}: no usable {'text' if text else 'conversation'} "
+                             f"({lstats.skipped} malformed rows; first reasons: {'; '.join(lstats.examples) or 'none'}"
+                             f"){hint}")
+    summary: dict[str, Any] = {"source": lstats.source, "conversations_read": lstats.rows_read,
+                               "conversations_skipped": lstats.skipped, "conversations_kept": lstats.kept,
+                               "skip_reasons": dict(lstats.reasons), "source_tail_cut": lstats.truncated_tail,
+                               "empty_assistant_turns": lstats.empty_turns}
+    return convs, summary
+
+
+def _regenerate(recipe, target, convs, regen_path: Path, max_length: int, summary: dict, timings: dict, progress):
+    """The target answers the conversations (resumable by id); returns the conversations to tokenise."""
+    import datasets
+
+    from specheads.train.data import load_conversations
+    from specheads.train.regenerate import read_done_ids, regenerate
+
+    dc = recipe.data
+    t = time.perf_counter()
+    regen_path.parent.mkdir(parents=True, exist_ok=True)
+    keep = None  # conversations past data.regen_conversations keep the source's replies
+    if dc.regen_conversations is not None and dc.regen_conversations < len(convs):
+        keep = convs.select(range(dc.regen_conversations, len(convs)))
+        convs = convs.select(range(dc.regen_conversations))
+    gen_target = target
+    # a copy in data.regen_dtype only when some answer is still missing (a finished rerun skips the load)
+    todo = set(convs["conversation_id"]) - read_done_ids(regen_path)
+    if todo and dc.regen_dtype and dc.regen_dtype != recipe.target.dtype:
+        gen_target = _load_target(recipe, dtype=dc.regen_dtype)
+        gen_target = dataclasses.replace(gen_target, tokenizer=target.tokenizer)  # with data.chat_template if given
+    rstats = regenerate(gen_target, convs, regen_path, max_length=max_length, max_new_tokens=dc.regen_max_new_tokens,
+                        batch_size=dc.regen_batch_size, temperature=dc.regen_temperature, top_p=dc.regen_top_p,
+                        seed=recipe.seed, progress=progress, max_turns=dc.regen_max_turns)
+    del gen_target
+    wanted = set(convs["conversation_id"])
+    regen, rl = load_conversations(str(regen_path))
+    convs = regen.filter(lambda c: c in wanted, input_columns="conversation_id", desc="select regenerated")
+    if keep is not None:
+        convs = datasets.concatenate_datasets([convs, keep])  # same columns: both from load_conversations
+    timings["regenerate_s"] = time.perf_counter() - t
+    summary.update({"regenerated_conversations": len(wanted),
+                    "source_reply_conversations": 0 if keep is None else len(keep),
+                    "regenerated_new_tokens": rstats["new_tokens"],
+                    "regenerate_tokens_per_s": rstats["tokens_per_s"],
+                    "empty_regenerated_turns": rl.empty_turns})
+    return convs
+
+
+def _tokenize(recipe, convs, target, max_length: int, summary: dict, timings: dict, progress: bool):
+    """Chat: the template's tokens and assistant masks. Text: max_length windows, loss on every token, and with
+    data.regenerate the target's continuation of each window's prefix (its time is inside tokenize_s)."""
+    from specheads.train.data import text_tokens, tokenize_conversations
+
+    dc = recipe.data
+    t = time.perf_counter()
+    if dc.mode == "text":
+        other = dc.regen_dtype and dc.regen_dtype != recipe.target.dtype
+        regen_target = lambda: _load_target(recipe, dtype=dc.regen_dtype) if other else target  # noqa: E731
+        tokens, tstats, rsummary = text_tokens(dc, target, convs, Path(recipe.output_dir) / "data", max_length,
+                                               recipe.seed, progress, regen_target)
+        summary.update(rsummary)
+    else:
+        tokens, tstats = tokenize_conversations(convs, target.tokenizer, max_length)
+    timings["tokenize_s"] = time.perf_counter() - t
+    summary.update({"samples": tstats["samples"], "samples_truncated": tstats["truncated"],
+                    "dropped_empty_mask": tstats["dropped_empty_mask"], "dropped_template": tstats["dropped_template"],
+                    "tokens": tstats["tokens"], "masked_tokens": tstats["masked_tokens"], "max_length": max_length})
+    if tstats["samples"] == 0:
+        raise SpecheadsError(f"data: every sample was dropped (empty loss mask after truncation to {max_length} "
+                             f"tokens); raise data.max_length")
+    return tokens
+
+
+def _write_tokens(recipe, tokens, data_dir: Path):
+    """prepare_config.yaml and data/tokens (atomically); returns the tokens as read back from disk."""
+    import datasets
+
+    from specheads.config import save_config
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    save_config(recipe, Path(recipe.output_dir) / "prepare_config.yaml")
+    with atomic_dir(data_dir / "tokens") as tmp:
+        tokens.save_to_disk(str(tmp))
+    return datasets.load_from_disk(str(data_dir / "tokens"))
 
 
 def _human_bytes(n: int) -> str:
@@ -222,6 +253,8 @@ def format_summary(s: dict) -> str:
     if "regenerated_new_tokens" in s:
         rows += [("regenerated tokens", s["regenerated_new_tokens"]),
                  ("regenerate tokens/s", s["regenerate_tokens_per_s"])]
+    if s.get("empty_assistant_turns") or s.get("empty_regenerated_turns"):
+        rows.append(("empty answers skipped", s.get("empty_assistant_turns", 0) + s.get("empty_regenerated_turns", 0)))
     rows += [("samples", s["samples"]), ("samples truncated", s["samples_truncated"]),
              ("dropped (empty mask)", s["dropped_empty_mask"]), ("tokens", s["tokens"]),
              ("masked tokens", f"{s['masked_tokens']} ({100 * s['masked_tokens'] / max(1, s['tokens']):.1f}%)"),

@@ -20,9 +20,10 @@ from specheads.utils import SpecheadsError
 class LossSettings:
     soft_labels: bool = False  # Medusa: soft CE against the target instead of the data's tokens
     decay: float = 0.8  # 0.8^k per head / TTT step
-    noise: float = 0.2  # EAGLE(-3): width of uniform noise U(-w/2, w/2) added to input features (EAGLE repo: 0.2)
+    noise: float = 0.2  # EAGLE(-3): width w of the uniform noise U(-w/2, w/2) added to input features
     w_reg: float = 1.0  # EAGLE-1 SmoothL1 weight
     w_ce: float = 0.1  # EAGLE-1 soft CE weight
+    generator: torch.Generator | None = None  # draws the noise (the trainer's own, saved in checkpoints); None = global
 
 
 def split_features(hidden: torch.Tensor, layers: list[int], head_layers: list[int], final_layer: int):
@@ -77,7 +78,8 @@ def train_loss(kind: str, head, batch: dict, target, layers: list[int], head_lay
     tl = target_logits(target, h_last, lmask)  # [B,T,V]
     feats = h_in.float()
     if settings.noise > 0:
-        feats = feats + (torch.rand_like(feats) - 0.5) * settings.noise  # uniform noise (EAGLE §4.2)
+        u = torch.rand(feats.shape, generator=settings.generator, device=feats.device, dtype=feats.dtype)
+        feats = feats + (u - 0.5) * settings.noise  # uniform noise (EAGLE §4.2)
     next_tokens = shift_rows(ids, 1)  # row t pairs f_t with x_{t+1}
     if kind == "eagle":
         pred, logits = head(feats, next_tokens, amask)

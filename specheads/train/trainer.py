@@ -1,30 +1,35 @@
 """Training on accelerate: the frozen target supplies features, the head learns; nothing home-made where accelerate
-already does it (device placement, DDP, DeepSpeed ZeRO, mixed precision, gradient accumulation, state saving,
-trackers).
+already does it (device placement, DDP, DeepSpeed ZeRO, mixed precision, gradient accumulation, trackers).
 
     run_training(recipe)        # builds target, head and data from the recipe (what `specheads train` calls)
     Trainer(recipe, target, head, train_ds, val_ds).train()   # the engine, with everything injected (tests)
 
+`Trainer.train` reads top-down: setup (checks first, then accelerator, module, optimizer, data, schedule, resume),
+then per optimizer step `_train_step`, `_evaluate_if_due`, `_save_if_due`, and `_finish`. What differs between
+head-only training and Medusa-2 (module, parameter groups, schedule, loss, evaluated head, export) is chosen once,
+as a `HeadOnly` or `Medusa2` object.
+
 Layout under `<output_dir>`:
-    train_config.yaml            the resolved recipe (written before the first step)
-    checkpoints/step-000200/     accelerator.save_state (model, optimizer, scheduler, RNG) + trainer_state.json;
-                                 written to a temporary folder then renamed; the last `keep_last` kept
-    best/                        the head with the best simulated τ (native head folder, `load_head` reads it)
+    train_config.yaml            the resolved recipe (written once the run's checks have passed)
+    checkpoints/step-000200/     train/checkpoint.py: safetensors + JSON (never pickles); temporary folder then
+                                 rename; the last `keep_last` kept
+    best/                        the head with the best simulated τ (native head folder, `load_head` reads it);
+                                 not written without a held-out split (no evaluation then: the head is final/)
     final/                       the head at the end of training
+    train_summary.json           steps, timings, last loss, best, evaluation history
     wandb/ or logs/              tracker output
 
-Resume (`resume=True`) restores model, optimizer, scheduler, RNG and data position from the newest checkpoint: the
-sampler is seeded (shuffle order = f(seed, epoch)) and the batches already used in the epoch are skipped with
-`skip_first_batches`; a run killed after checkpoint k and resumed ends with the same weights as an uninterrupted one.
-Shapes: B batch, T sequence, F feature layers, D hidden.
+Resume (`resume=True`) restores model, optimizer, scheduler, RNG states (global and the noise generator), counters
+and the data position from the newest checkpoint: the sampler is seeded (shuffle order = f(seed, epoch)), the
+batches already used in the epoch are skipped with `skip_first_batches`, and the loaders and the feature noise draw
+from generators of their own, so a run stopped or killed any number of times ends with the same weights as an
+uninterrupted one. Shapes: B batch, T sequence, F feature layers, D hidden.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,12 +37,12 @@ from typing import Any, Callable
 
 import torch
 
+from specheads.train.checkpoint import CKPT_DIR, TrainState, list_checkpoints
 from specheads.utils import SpecheadsError, atomic_write_json
 
 log = logging.getLogger(__name__)
 
-CKPT_DIR = "checkpoints"
-STATE_NAME = "trainer_state.json"
+__all__ = ["TrainConfig", "TrainResult", "Trainer", "run_training", "list_checkpoints", "load_training_data"]
 
 
 @dataclass
@@ -59,7 +64,9 @@ class TrainConfig:
     deepspeed: str | None = None  # DeepSpeed JSON (configs/deepspeed/zero2.json); None = plain DDP / one process
     soft_labels: bool = False  # Medusa: soft CE against the target distribution instead of the data's tokens
     loss_decay: float = 0.8  # weight 0.8^k per Medusa head / EAGLE-3 TTT step (papers)
-    noise: float = 0.2  # EAGLE(-3): width of uniform noise on input features (EAGLE repo: U(-0.1, 0.1))
+    # EAGLE(-3): width w of the uniform noise U(-w/2, w/2) on input features. The EAGLE repo scales its 0.2 by
+    # 512 / sequence length (AddUniformNoise); a fixed width here, equal to the repo's at 512 tokens.
+    noise: float = 0.2
     eagle_w_reg: float = 1.0  # EAGLE-1 SmoothL1 feature regression weight (paper)
     eagle_w_ce: float = 0.1  # EAGLE-1 soft CE weight (paper)
     num_workers: int = 0  # DataLoader workers (0: features are already tensors; workers cost RAM per process)
@@ -75,20 +82,22 @@ class TrainConfig:
     lora_merge: bool = False  # at the end also write the merged target to <output_dir>/merged-target
 
     def __post_init__(self) -> None:
-        checks = {"batch_size": self.batch_size >= 1, "grad_accum": self.grad_accum >= 1,
-                  "epochs": self.epochs >= 1, "warmup_steps": self.warmup_steps >= 0,
-                  "save_every": self.save_every >= 0, "keep_last": self.keep_last >= 1,
-                  "log_every": self.log_every >= 1, "lr": self.lr > 0,
-                  "max_steps": self.max_steps is None or self.max_steps >= 1}
-        for k, ok in checks.items():
-            if not ok:
-                raise SpecheadsError(f"train.{k}: invalid value {getattr(self, k)!r}")
+        from specheads.utils import check_values
+
+        check_values("train", self, {
+            "batch_size": ">=1", "grad_accum": ">=1", "epochs": ">=1", "warmup_steps": ">=0", "save_every": ">=0",
+            "keep_last": ">=1", "log_every": ">=1", "lr": ">0", "max_steps": ">=1|None", "weight_decay": ">=0",
+            "max_grad_norm": ">=0", "loss_decay": ">0", "noise": ">=0", "eagle_w_reg": ">=0", "eagle_w_ce": ">=0",
+            "num_workers": ">=0", "lora_r": ">=1", "lora_alpha": ">0", "lora_dropout": "[0,1)",
+            "lora_lr_ratio": ">=0", "lora_warmup_steps": ">=0", "lm_loss_weight": ">=0"})
         if self.mixed_precision not in ("no", "bf16"):
             raise SpecheadsError(f"train.mixed_precision: {self.mixed_precision!r} is not one of ['no', 'bf16']")
         if self.tracker not in ("wandb", "tensorboard", "none"):
             raise SpecheadsError(f"train.tracker: {self.tracker!r} is not one of ['wandb', 'tensorboard', 'none']")
-        if len(self.betas) != 2:
-            raise SpecheadsError(f"train.betas: expected two numbers, got {self.betas!r}")
+        if len(self.betas) != 2 or not all(math.isfinite(b) and 0 <= b < 1 for b in self.betas):
+            raise SpecheadsError(f"train.betas: expected two numbers in [0, 1), got {self.betas!r}")
+        if not self.lora_targets:
+            raise SpecheadsError("train.lora_targets: needs at least one module name")
 
 
 # ------------------------------------------------------------------------------------------------------ data plumbing
@@ -132,25 +141,136 @@ class TokenDataset(torch.utils.data.Dataset):
                 "loss_mask": torch.as_tensor(row["loss_mask"], dtype=torch.long)}
 
 
-# ------------------------------------------------------------------------------------------------------- checkpoints
-
-def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints (those with trainer_state.json), oldest first."""
-    root = Path(output_dir) / CKPT_DIR
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / STATE_NAME).exists()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
-
-
 @dataclass
 class TrainResult:
     steps: int  # optimizer steps done
-    best_metric: float | None  # simulated τ of the best evaluation
+    best_metric: float | None  # eval.select of the best evaluation (None: no held-out split, no evaluation)
     best_step: int | None
     history: list[dict]  # evaluation metrics with their step
     output_dir: Path
     last_loss: float | None = None
+    best_dir: Path | None = None  # <output_dir>/best, or None when no evaluation ran (no held-out split)
+
+
+# ------------------------------------------------------------------------------------------- kind-specific parts
+
+class HeadOnly:
+    """Head-only training (Medusa-1, EAGLE-1/2, EAGLE-3): the frozen target supplies the features, the head is the
+    trainable module and is exported with its own save_pretrained."""
+
+    def __init__(self, trainer: "Trainer", settings):
+        self.t = trainer
+        self.settings = settings
+
+    def module(self) -> torch.nn.Module:
+        return self.t.head
+
+    def param_groups(self, module, lr: float) -> list[dict]:
+        return [{"params": [p for p in module.parameters() if p.requires_grad], "lr": lr}]
+
+    def schedule(self, opt, warmup: int, total: int):
+        from transformers import get_cosine_schedule_with_warmup
+
+        return get_cosine_schedule_with_warmup(opt, warmup, total)
+
+    def loss(self, model, batch: dict):
+        from specheads.train.steps import train_loss
+
+        t = self.t
+        return train_loss(t.kind, model, t._with_hidden(batch), t.target, t.layers, t.head_layers, self.settings)
+
+    def eval_head(self, acc, model):
+        return model
+
+    def export(self, model, path: Path) -> None:
+        if hasattr(model, "save_pretrained"):
+            model.save_pretrained(path)
+
+    def finish(self, acc, model, out: Path) -> None:
+        """After the final export (main process only)."""
+
+
+class Medusa2(HeadOnly):
+    """Medusa-2 (train.lora): LoRA adapters on the target trained with the Medusa heads; online features only."""
+
+    def __init__(self, trainer: "Trainer", settings):
+        super().__init__(trainer, settings)
+        t = trainer
+        if t.kind != "medusa":
+            raise SpecheadsError(f"train.lora: Medusa-2 adapters need head.kind medusa, not {t.kind!r}")
+        if t.recipe.features.mode != "online" or "hidden" in t.collate_fn([t.train_ds[0]]):
+            raise SpecheadsError("train.lora: the features depend on the adapters; set features.mode=online")
+
+    def module(self) -> torch.nn.Module:
+        from specheads.train.lora import LoraSettings, Medusa2Model, add_adapters
+
+        cfg = self.t.cfg
+        peft_model = add_adapters(self.t.target, LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
+                                                              list(cfg.lora_targets)))
+        return Medusa2Model(peft_model, self.t.head)
+
+    def param_groups(self, module, lr: float) -> list[dict]:
+        from specheads.train.lora import param_groups
+
+        return param_groups(module, lr, self.t.cfg.lora_lr_ratio)
+
+    def schedule(self, opt, warmup: int, total: int):
+        sched = super().schedule(opt, warmup, total)
+        hold = self.t.cfg.lora_warmup_steps
+        if not hold:
+            return sched
+        # heads-only warm-up: the adapters' group stays at lr 0, then follows the same schedule
+        cos = sched.lr_lambdas[0]
+        return torch.optim.lr_scheduler.LambdaLR(opt, [cos, lambda s: 0.0 if s < hold else cos(s)])
+
+    def loss(self, model, batch: dict):
+        """The heads' loss on the adapted final state + lm_loss_weight x KL(original || adapted)."""
+        from specheads.train.losses import LossOutput, medusa_loss
+        from specheads.train.lora import kl_to_teacher
+
+        acc = self.t.accelerator
+        ids, amask, lmask = (batch[k].to(acc.device) for k in ("input_ids", "attention_mask", "loss_mask"))
+        teacher = acc.unwrap_model(model).teacher_logits(ids, amask)  # [B,T,V], no grad
+        head_logits, lm_logits = model(ids, amask)  # through the DDP wrapper: gradients sync
+        out = medusa_loss(head_logits, ids, lmask, decay=self.settings.decay)
+        kl = kl_to_teacher(lm_logits, teacher, lmask)
+        return LossOutput(out.loss + self.t.cfg.lm_loss_weight * kl, {**out.metrics, "kl": kl.detach()})
+
+    def eval_head(self, acc, model):
+        return acc.unwrap_model(model).head  # the adapted features (get_hidden), the same head
+
+    def export(self, model, path: Path) -> None:
+        from specheads.train.lora import save_adapters
+
+        model.head.save_pretrained(path)
+        save_adapters(model, path / "adapter")  # serve the head with the target + these adapters (or merged)
+
+    def finish(self, acc, model, out: Path) -> None:
+        if self.t.cfg.lora_merge:
+            from specheads.train.lora import save_merged_target
+
+            save_merged_target(model, out / "merged-target")
+
+
+@dataclass
+class _Run:
+    """The live objects of one `train` call."""
+
+    acc: Any
+    model: Any  # the prepared (DDP / DeepSpeed-wrapped) trainable module
+    opt: Any
+    sched: Any
+    train_dl: Any
+    val_dl: Any
+    total: int  # optimizer steps of the whole run
+    steps_per_epoch: int
+    state: TrainState
+    generators: dict  # the trainer's own RNGs, saved in checkpoints (noise)
+    tokens: int = 0  # tokens trained on by this call (all processes)
+    t0: float = 0.0
+    eval_s: float = 0.0  # time spent evaluating, left out of the training tokens/s
+    loss: Any = None  # loss tensor of the last micro-batch (a float only when logged or saved)
+    metrics: dict = field(default_factory=dict)  # its metrics, tensors until logged
 
 
 class Trainer:
@@ -175,6 +295,278 @@ class Trainer:
         self.extract_fn = extract_fn
         self.output_dir = Path(recipe.output_dir)
 
+    # -- the loop --------------------------------------------------------------------------------------------------
+    def train(self, resume: bool = False, stop_after: int | None = None) -> TrainResult:
+        """Train to the end (or, for tests and preemption drills, return right after step `stop_after`)."""
+        from tqdm.auto import tqdm
+
+        run = self._setup(resume)
+        run.t0 = time.perf_counter()
+        if run.state.step == 0 and self.recipe.eval.at_start:
+            self._evaluate(run)
+        bar = tqdm(total=run.total, initial=run.state.step, disable=not run.acc.is_local_main_process,
+                   desc=f"train {self.kind}", dynamic_ncols=True)
+        run.model.train()
+        while run.state.step < run.total:
+            for batch in self._epoch_batches(run):
+                if not self._train_step(run, batch):
+                    continue  # gradients accumulate until the optimizer steps
+                bar.update(1)
+                self._log_if_due(run, bar)
+                self._evaluate_if_due(run)
+                self._save_if_due(run)
+                if stop_after is not None and run.state.step >= stop_after:
+                    bar.close()
+                    run.acc.wait_for_everyone()
+                    return self._result(run)
+                if run.state.step >= run.total:
+                    break
+        bar.close()
+        return self._finish(run)
+
+    def _train_step(self, run: _Run, batch: dict) -> bool:
+        """One micro-batch: forward, backward, optimizer step when the accumulation is full. True after a step."""
+        acc, cfg = run.acc, self.cfg
+        with acc.accumulate(run.model):
+            out = self.parts.loss(run.model, batch)
+            self._check_finite(run, out.loss)
+            acc.backward(out.loss)
+            if acc.sync_gradients and cfg.max_grad_norm > 0:
+                acc.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)
+            run.opt.step()
+            run.opt.zero_grad(set_to_none=True)
+        run.tokens += int(batch["attention_mask"].sum()) * acc.num_processes
+        run.loss, run.metrics = out.loss.detach(), out.metrics
+        del batch, out  # features live only for the step that used them
+        if not acc.sync_gradients:
+            return False
+        if not acc.optimizer_step_was_skipped:
+            run.sched.step()
+        run.state.step += 1
+        return True
+
+    def _check_finite(self, run: _Run, loss: torch.Tensor) -> None:
+        """Every process stops at the same micro-batch when any of them sees a NaN / inf loss."""
+        acc = run.acc
+        bad = acc.gather((~torch.isfinite(loss.detach())).float().reshape(1).to(acc.device))
+        if bad.sum() > 0:
+            ck = list_checkpoints(self.output_dir)
+            epoch = run.state.step // run.steps_per_epoch
+            raise SpecheadsError(f"train: loss is {loss.item()} at step {run.state.step + 1} (epoch {epoch}); "
+                                 f"stopped. Last good checkpoint: {ck[-1] if ck else 'none'} (lower train.lr or "
+                                 f"check the data)")
+
+    def _epoch_batches(self, run: _Run):
+        """The micro-batches of the current epoch not used yet (after a resume: `skip_first_batches`)."""
+        from accelerate import skip_first_batches
+
+        epoch, in_epoch = divmod(run.state.step, run.steps_per_epoch)
+        skip = in_epoch * self.cfg.grad_accum  # micro-batches of this epoch already used (the last step may be short)
+        run.train_dl.set_epoch(epoch)
+        if not skip:
+            return run.train_dl
+        dl = skip_first_batches(run.train_dl, skip)
+        dl.set_epoch(epoch)
+        return dl
+
+    def _log_if_due(self, run: _Run, bar) -> None:
+        step = run.state.step
+        if not (step % self.cfg.log_every == 0 or step == run.total):
+            return
+        loss = self._last_loss(run)
+        lr = run.sched.get_last_lr()[0]
+        tps = run.tokens / max(1e-9, time.perf_counter() - run.t0 - run.eval_s)
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:.0f}", lr=f"{lr:.2e}")
+        metrics = {f"train/{k}": float(v) for k, v in run.metrics.items()}  # host syncs here, once per log line
+        run.acc.log({"train/loss": loss, "train/lr": lr, "train/tokens_per_s": tps, **metrics}, step=step)
+
+    def _last_loss(self, run: _Run) -> float | None:
+        if run.loss is not None:
+            run.state.last_loss = float(run.loss)
+        return run.state.last_loss
+
+    # -- evaluation ------------------------------------------------------------------------------------------------
+    def _evaluate_if_due(self, run: _Run) -> None:
+        every = self.recipe.eval.every_steps
+        if every and run.state.step % every == 0 and run.state.step < run.total:
+            self._evaluate(run)
+            run.model.train()
+
+    def _evaluate(self, run: _Run) -> None:
+        """Held-out metrics; the best one by eval.select is exported to <output_dir>/best."""
+        from specheads.train.evaluate import evaluate
+
+        if run.val_dl is None:
+            return
+        acc, st, ecfg = run.acc, run.state, self.recipe.eval
+        t = time.perf_counter()
+        reduce = lambda x: acc.reduce(x.to(acc.device), "sum")  # noqa: E731
+        metrics = evaluate(self.kind, self.parts.eval_head(acc, run.model), run.val_dl, self.target, self.layers,
+                           self.head_layers, ecfg, reduce=reduce, get_hidden=self._with_hidden)
+        run.eval_s += time.perf_counter() - t
+        if not metrics:
+            return
+        st.history.append({"step": st.step, **metrics})
+        acc.log({f"eval/{k}": v for k, v in metrics.items()}, step=st.step)
+        msg = " ".join(f"{k}={v:.3f}" for k, v in metrics.items() if not k.startswith("top") or k.endswith("_0"))
+        if st.best_metric is None or metrics[ecfg.select] > st.best_metric:
+            st.best_metric, st.best_step = metrics[ecfg.select], st.step
+            self._export(run, self.output_dir / "best")
+            msg += " (best)"
+        if acc.is_main_process:
+            log.info("eval step %d: %s", st.step, msg)
+
+    # -- saving ----------------------------------------------------------------------------------------------------
+    def _save_if_due(self, run: _Run) -> None:
+        every = self.cfg.save_every
+        if every and run.state.step % every == 0 and run.state.step < run.total:
+            self._save(run)
+
+    def _save(self, run: _Run) -> Path:
+        from specheads.train import checkpoint
+
+        self._last_loss(run)
+        return checkpoint.save_checkpoint(run.acc, run.model, run.opt, run.sched, run.state, run.generators,
+                                          self.output_dir, self.cfg.keep_last)
+
+    def _export(self, run: _Run, path: Path) -> None:
+        """The head as a native folder (Medusa-2: plus adapter/), written by the main process."""
+        acc = run.acc
+        acc.wait_for_everyone()
+        model = acc.unwrap_model(run.model)
+        ds = getattr(acc.state, "deepspeed_plugin", None)
+        if ds is not None and ds.zero_stage == 3:
+            # ZeRO-3 shards the parameters: gather them (every process takes part), rebuild the head on the main one.
+            # (Not exercised on CPU here; ZeRO-1/2 keep full parameters on every process and take the path below.)
+            state = acc.get_state_dict(run.model)
+            if acc.is_main_process:
+                fresh = type(model)(model.config)
+                fresh.load_state_dict(state)
+                fresh.save_pretrained(path)
+        elif acc.is_main_process:
+            self.parts.export(model, path)
+        acc.wait_for_everyone()
+
+    def _finish(self, run: _Run) -> TrainResult:
+        """Final evaluation, checkpoint and export; train_summary.json. A resumed run that had already reached the
+        end (killed after its last checkpoint) neither evaluates nor saves again."""
+        acc, st = run.acc, run.state
+        train_s = time.perf_counter() - run.t0 - run.eval_s
+        if not (st.history and st.history[-1]["step"] == st.step):
+            self._evaluate(run)
+        if not any(p.name == f"step-{st.step:06d}" for p in list_checkpoints(self.output_dir)):
+            self._save(run)
+        self._export(run, self.output_dir / "final")
+        res = self._result(run)
+        if acc.is_main_process:  # what this run did (a resumed run counts its own part), for reports
+            self.parts.finish(acc, acc.unwrap_model(run.model), self.output_dir)
+            atomic_write_json(self.output_dir / "train_summary.json", {
+                "kind": self.kind, "steps": st.step, "epochs": self.cfg.epochs, "train_seconds": round(train_s, 1),
+                "eval_seconds": round(run.eval_s, 1), "tokens_this_run": run.tokens,
+                "tokens_per_s": round(run.tokens / max(1e-9, train_s), 1), "last_loss": res.last_loss,
+                "best_metric": st.best_metric, "best_step": st.best_step, "select": self.recipe.eval.select,
+                "best_dir": None if res.best_dir is None else str(res.best_dir), "history": st.history})
+        acc.wait_for_everyone()
+        acc.end_training()
+        return res
+
+    def _result(self, run: _Run) -> TrainResult:
+        st = run.state
+        best_dir = self.output_dir / "best" if st.best_step is not None else None
+        return TrainResult(st.step, st.best_metric, st.best_step, list(st.history), self.output_dir,
+                           self._last_loss(run), best_dir)
+
+    # -- setup -----------------------------------------------------------------------------------------------------
+    def _setup(self, resume: bool) -> _Run:
+        """Everything before the first step: checks first (nothing is written before they pass), then the
+        accelerator, the trainable module, optimizer, data, schedule and (resume) the newest checkpoint."""
+        from accelerate.utils import set_seed
+
+        from specheads.train import checkpoint
+        from specheads.train.steps import LossSettings
+
+        cfg, out = self.cfg, self.output_dir
+        ckpts = list_checkpoints(out)
+        if ckpts and not resume:
+            raise SpecheadsError(f"{out / CKPT_DIR}: checkpoints of an earlier run are there; pass --resume to "
+                                 f"continue it, or choose another output_dir")
+        if resume and not ckpts:
+            raise SpecheadsError(f"--resume: no checkpoint under {out / CKPT_DIR}")
+        acc = self.accelerator = self._accelerator()
+        set_seed(self.recipe.seed)
+        self.target.model.to(acc.device)
+        if any(p.requires_grad for p in self.target.model.parameters()):
+            raise SpecheadsError("target: parameters require grad; the target must be frozen (load_target does this)")
+        # the noise has its own generator (one stream per process), so that no other draw shifts it
+        noise = torch.Generator(device=acc.device).manual_seed(self.recipe.seed + acc.process_index)
+        settings = LossSettings(soft_labels=cfg.soft_labels, decay=cfg.loss_decay, noise=cfg.noise,
+                                w_reg=cfg.eagle_w_reg, w_ce=cfg.eagle_w_ce, generator=noise)
+        self.parts = Medusa2(self, settings) if cfg.lora else HeadOnly(self, settings)
+        module = self.parts.module()
+        opt = self._optimizer(acc, module)
+        train_dl, val_dl = self._loaders()
+        model, opt, train_dl = acc.prepare(module, opt, train_dl)
+        val_dl = acc.prepare(val_dl) if val_dl is not None else None
+        micro_per_epoch = len(train_dl)  # micro-batches per process per epoch
+        if micro_per_epoch == 0:
+            raise SpecheadsError("data: the training split is empty")
+        steps_per_epoch = math.ceil(micro_per_epoch / cfg.grad_accum)
+        total = cfg.max_steps or cfg.epochs * steps_per_epoch
+        # The schedule counts optimizer steps (stepped by hand, not prepared: accelerate would step it once per
+        # process, which makes N processes and grad-accum N disagree).
+        sched = self.parts.schedule(opt, min(cfg.warmup_steps, total), total)
+        run = _Run(acc, model, opt, sched, train_dl, val_dl, total, steps_per_epoch, TrainState(), {"noise": noise})
+        if resume:
+            run.state = checkpoint.load_checkpoint(acc, model, opt, sched, ckpts[-1], run.generators)
+            log.info("resumed from %s (step %d)", ckpts[-1], run.state.step)
+        self._start_logging(run, module, resume)
+        return run
+
+    def _optimizer(self, acc, module):
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise SpecheadsError("head: no trainable parameters")
+        if acc.is_main_process:
+            log.info("head %s: %.2fM trainable parameters; %d processes; %s", self.kind,
+                     sum(p.numel() for p in params) / 1e6, acc.num_processes, acc.device)
+        cfg = self.cfg
+        return torch.optim.AdamW(self.parts.param_groups(module, cfg.lr), lr=cfg.lr, betas=tuple(cfg.betas),
+                                 weight_decay=cfg.weight_decay)
+
+    def _loaders(self):
+        """(train, val or None). Each loader has its own generator: an iterator's base seed is drawn from it, not
+        from the global RNG (whose draws would otherwise depend on how many iterators a resumed run built)."""
+        def loader(ds, batch_size, shuffle):
+            g = torch.Generator().manual_seed(self.recipe.seed)
+            return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=shuffle, collate_fn=self.collate_fn,
+                                               num_workers=self.cfg.num_workers, drop_last=False, generator=g)
+
+        train_dl = loader(self.train_ds, self.cfg.batch_size, True)
+        if self.val_ds is None or len(self.val_ds) == 0:
+            return train_dl, None
+        ecfg = self.recipe.eval
+        n_val = min(len(self.val_ds), ecfg.max_samples)
+        return train_dl, loader(torch.utils.data.Subset(self.val_ds, range(n_val)), ecfg.batch_size, False)
+
+    def _start_logging(self, run: _Run, module, resume: bool) -> None:
+        """Resolved config (train_config.yaml), stale temporary folders removed, trackers started."""
+        from specheads.config import config_to_dict, format_config, save_config
+        from specheads.train import checkpoint
+
+        acc, out = run.acc, self.output_dir
+        if acc.is_main_process:
+            log.info("resolved config:\n%s", format_config(self.recipe))
+            out.mkdir(parents=True, exist_ok=True)
+            save_config(self.recipe, out / "train_config.yaml")
+            checkpoint.remove_partial(out)
+            if run.val_dl is None:
+                log.warning("no held-out split (data.val_fraction 0, or no held-out sample): no evaluation; "
+                            "best/ is not written, the head is %s", out / "final")
+        acc.wait_for_everyone()
+        if self.cfg.tracker != "none":
+            acc.init_trackers("specheads", config=_flat(config_to_dict(self.recipe)),
+                              init_kwargs={"wandb": {"dir": str(out), "name": out.name}})
+
     # -- accelerate ------------------------------------------------------------------------------------------------
     def _accelerator(self):
         from accelerate import Accelerator
@@ -197,305 +589,36 @@ class Trainer:
             # DeepSpeed on CPU falls back to gloo, but accelerate then counts one process unless told the backend
             # (only under DeepSpeed: the same handler breaks plain CPU runs).
             handlers.append(InitProcessGroupKwargs(backend="gloo"))
-        log_with = None
+        # With our plugin (train.deepspeed) accelerate fills the JSON's "bf16": "auto" from mixed_precision; with a
+        # launcher config naming a DeepSpeed file, precision comes from that file alone.
+        mp = None if (use_ds and not cfg.deepspeed) else cfg.mixed_precision
+        return Accelerator(
+            gradient_accumulation_steps=cfg.grad_accum, mixed_precision=mp, log_with=self._tracker(),
+            project_config=ProjectConfiguration(project_dir=str(self.output_dir),
+                                                logging_dir=str(self.output_dir / "logs")),
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=self.recipe.seed),
+            kwargs_handlers=handlers or None, **kwargs)
+
+    def _tracker(self) -> str | None:
+        cfg = self.cfg
         if cfg.tracker == "wandb":
             _wandb_defaults(self.output_dir)
-            log_with = "wandb"
-        elif cfg.tracker == "tensorboard":
+            return "wandb"
+        if cfg.tracker == "tensorboard":
             import importlib.util
 
             if not (importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")):
                 raise SpecheadsError("train.tracker: tensorboard is not installed (pip install tensorboard), "
                                      "or use wandb / none")
-            log_with = "tensorboard"
-        # With our plugin (train.deepspeed) accelerate fills the JSON's "bf16": "auto" from mixed_precision; with a
-        # launcher config naming a DeepSpeed file, precision comes from that file alone.
-        mp = None if (use_ds and not cfg.deepspeed) else cfg.mixed_precision
-        acc = Accelerator(
-            gradient_accumulation_steps=cfg.grad_accum, mixed_precision=mp, log_with=log_with,
-            project_config=ProjectConfiguration(project_dir=str(self.output_dir),
-                                                logging_dir=str(self.output_dir / "logs")),
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=self.recipe.seed),
-            kwargs_handlers=handlers or None, **kwargs)
-        return acc
-
-    def _dataloader(self, ds, batch_size, shuffle):
-        return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=shuffle, collate_fn=self.collate_fn,
-                                           num_workers=self.cfg.num_workers, drop_last=False)
+            return "tensorboard"
+        return None
 
     def _with_hidden(self, batch: dict) -> dict:
         """Offline batches carry `hidden`; online ones get it from the frozen target now (no grad, target dtype)."""
         if "hidden" in batch:
             return batch
-        if self.extract_fn is not None:
-            hidden = self.extract_fn(self.target, batch["input_ids"], batch["attention_mask"], self.layers)
-        else:
-            hidden = default_extract(self.target, batch["input_ids"], batch["attention_mask"], self.layers)
-        return {**batch, "hidden": hidden}
-
-    # -- the loop --------------------------------------------------------------------------------------------------
-    def train(self, resume: bool = False, stop_after: int | None = None) -> TrainResult:
-        """Train to the end (or, for tests and preemption drills, return right after step `stop_after`'s checkpoint)."""
-        from accelerate import skip_first_batches
-        from accelerate.utils import set_seed
-        from transformers import get_cosine_schedule_with_warmup
-
-        from specheads.config import config_to_dict, format_config, save_config
-        from specheads.train.evaluate import evaluate
-        from specheads.train.steps import LossSettings, train_loss
-
-        cfg, out = self.cfg, self.output_dir
-        acc = self._accelerator()
-        self.accelerator = acc
-        set_seed(self.recipe.seed)
-        self.target.model.to(acc.device)
-        if any(p.requires_grad for p in self.target.model.parameters()):
-            raise SpecheadsError("target: parameters require grad; the target must be frozen (load_target does this)")
-        module = self.head
-        if cfg.lora:
-            from specheads.train.lora import LoraSettings, Medusa2Model, add_adapters
-
-            if self.kind != "medusa":
-                raise SpecheadsError(f"train.lora: Medusa-2 adapters need head.kind medusa, not {self.kind!r}")
-            if self.recipe.features.mode != "online" or "hidden" in self.collate_fn([self.train_ds[0]]):
-                raise SpecheadsError("train.lora: the features depend on the adapters; set features.mode=online")
-            peft_model = add_adapters(self.target, LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
-                                                                list(cfg.lora_targets)))
-            module = Medusa2Model(peft_model, self.head)
-        params = [p for p in module.parameters() if p.requires_grad]
-        if not params:
-            raise SpecheadsError("head: no trainable parameters")
-        if acc.is_main_process:
-            log.info("resolved config:\n%s", format_config(self.recipe))
-            out.mkdir(parents=True, exist_ok=True)
-            save_config(self.recipe, out / "train_config.yaml")
-            log.info("head %s: %.2fM trainable parameters; %d processes; %s", self.kind,
-                     sum(p.numel() for p in params) / 1e6, acc.num_processes, acc.device)
-
-        if cfg.lora:
-            from specheads.train.lora import param_groups
-
-            groups = param_groups(module, cfg.lr, cfg.lora_lr_ratio)
-        else:
-            groups = [{"params": params, "lr": cfg.lr}]
-        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-        train_dl = self._dataloader(self.train_ds, cfg.batch_size, shuffle=True)
-        val_dl = None
-        if self.val_ds is not None and len(self.val_ds) > 0:
-            n_val = min(len(self.val_ds), self.recipe.eval.max_samples)
-            val_dl = self._dataloader(torch.utils.data.Subset(self.val_ds, range(n_val)),
-                                      self.recipe.eval.batch_size, shuffle=False)
-        head, opt, train_dl = acc.prepare(module, opt, train_dl)
-        if val_dl is not None:
-            val_dl = acc.prepare(val_dl)
-        self.wrapped = head
-        micro_per_epoch = len(train_dl)  # micro-batches per process per epoch
-        if micro_per_epoch == 0:
-            raise SpecheadsError("data: the training split is empty")
-        steps_per_epoch = math.ceil(micro_per_epoch / cfg.grad_accum)
-        total = cfg.max_steps or cfg.epochs * steps_per_epoch
-        # The schedule counts optimizer steps (stepped by hand, not prepared: accelerate would step it once per
-        # process, which makes N processes and grad-accum N disagree); saved with the state all the same.
-        sched = get_cosine_schedule_with_warmup(opt, min(cfg.warmup_steps, total), total)
-        if cfg.lora and cfg.lora_warmup_steps:
-            # heads-only warm-up: the adapters' group stays at lr 0, then follows the same schedule
-            cos, hold = sched.lr_lambdas[0], cfg.lora_warmup_steps
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, [cos, lambda s: 0.0 if s < hold else cos(s)])
-        acc.register_for_checkpointing(sched)
-
-        step, best, best_step, history = 0, None, None, []
-        if not resume and list_checkpoints(out):
-            raise SpecheadsError(f"{out / CKPT_DIR}: checkpoints of an earlier run are there; pass --resume to "
-                                 f"continue it, or choose another output_dir")
-        if resume:
-            ckpts = list_checkpoints(out)
-            if not ckpts:
-                raise SpecheadsError(f"--resume: no checkpoint under {out / CKPT_DIR}")
-            acc.load_state(str(ckpts[-1]))
-            st = json.loads((ckpts[-1] / STATE_NAME).read_text())
-            step, best, best_step, history = st["step"], st["best_metric"], st["best_step"], st["history"]
-            log.info("resumed from %s (step %d)", ckpts[-1], step)
-
-        if cfg.tracker != "none":
-            acc.init_trackers("specheads", config=_flat(config_to_dict(self.recipe)),
-                              init_kwargs={"wandb": {"dir": str(out), "name": out.name}})
-        settings = LossSettings(soft_labels=cfg.soft_labels, decay=cfg.loss_decay, noise=cfg.noise,
-                                w_reg=cfg.eagle_w_reg, w_ce=cfg.eagle_w_ce)
-        ecfg = self.recipe.eval
-        reduce = lambda t: acc.reduce(t.to(acc.device), "sum")  # noqa: E731
-
-        eval_s = 0.0  # time spent evaluating, left out of the training tokens/s
-
-        def run_eval() -> dict:
-            nonlocal eval_s
-            if val_dl is None:
-                return {}
-            t_eval = time.perf_counter()
-            eval_head = acc.unwrap_model(head).head if cfg.lora else head  # Medusa-2: adapted features, same head
-            metrics = evaluate(self.kind, eval_head, val_dl, self.target, self.layers, self.head_layers, ecfg,
-                               reduce=reduce, get_hidden=self._with_hidden)
-            eval_s += time.perf_counter() - t_eval
-            return metrics
-
-        def record_eval(metrics: dict) -> None:
-            nonlocal best, best_step
-            if not metrics:
-                return
-            history.append({"step": step, **metrics})
-            acc.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
-            score = metrics[ecfg.select]
-            msg = " ".join(f"{k}={v:.3f}" for k, v in metrics.items() if not k.startswith("top") or k.endswith("_0"))
-            if best is None or score > best:
-                best, best_step = score, step
-                self._export(out / "best")
-                msg += " (best)"
-            if acc.is_main_process:
-                log.info("eval step %d: %s", step, msg)
-
-        if step == 0 and ecfg.at_start:
-            record_eval(run_eval())
-
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total, initial=step, disable=not acc.is_local_main_process, desc=f"train {self.kind}",
-                   dynamic_ncols=True)
-        head.train()
-        last_loss = None
-        t0, tokens, eval_s = time.perf_counter(), 0, 0.0
-        done = step >= total
-        while not done:
-            epoch, in_epoch = divmod(step, steps_per_epoch)
-            skip = in_epoch * cfg.grad_accum  # micro-batches of this epoch already used (the last step may be short)
-            train_dl.set_epoch(epoch)
-            dl = skip_first_batches(train_dl, skip) if skip else train_dl
-            if skip:
-                dl.set_epoch(epoch)
-            for batch in dl:
-                with acc.accumulate(head):
-                    if cfg.lora:
-                        out_loss = self._medusa2_loss(head, batch, settings)
-                    else:
-                        batch = self._with_hidden(batch)
-                        out_loss = train_loss(self.kind, head, batch, self.target, self.layers, self.head_layers,
-                                              settings)
-                    loss = out_loss.loss
-                    bad = acc.gather(torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=acc.device))
-                    if bad.sum() > 0:
-                        ck = list_checkpoints(out)
-                        raise SpecheadsError(
-                            f"train: loss is {loss.item()} at step {step + 1} (epoch {epoch}); stopped. "
-                            f"Last good checkpoint: {ck[-1] if ck else 'none'} (lower train.lr or check the data)")
-                    acc.backward(loss)
-                    if acc.sync_gradients and cfg.max_grad_norm > 0:
-                        acc.clip_grad_norm_(head.parameters(), cfg.max_grad_norm)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                tokens += int(batch["attention_mask"].sum()) * acc.num_processes
-                part_metrics = out_loss.metrics
-                del batch, out_loss  # features live only for the step that used them
-                if not acc.sync_gradients:
-                    continue
-                if not acc.optimizer_step_was_skipped:
-                    sched.step()
-                step += 1
-                last_loss = float(loss.detach())
-                bar.update(1)
-                if step % cfg.log_every == 0 or step == total:
-                    tps = tokens / max(1e-9, time.perf_counter() - t0 - eval_s)
-                    bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{tps:.0f}", lr=f"{sched.get_last_lr()[0]:.2e}")
-                    acc.log({"train/loss": last_loss, "train/lr": sched.get_last_lr()[0], "train/tokens_per_s": tps,
-                             **{f"train/{k}": v for k, v in part_metrics.items()}}, step=step)
-                if ecfg.every_steps and step % ecfg.every_steps == 0 and step < total:
-                    record_eval(run_eval())
-                    head.train()
-                if cfg.save_every and step % cfg.save_every == 0 and step < total:
-                    self._save(step, best, best_step, history)
-                if stop_after is not None and step >= stop_after:
-                    bar.close()
-                    acc.wait_for_everyone()
-                    return TrainResult(step, best, best_step, history, out, last_loss)
-                if step >= total:
-                    done = True
-                    break
-        bar.close()
-        train_s = time.perf_counter() - t0 - eval_s
-        record_eval(run_eval())
-        self._save(step, best, best_step, history)
-        self._export(out / "final")
-        if acc.is_main_process:  # what this run did (a resumed run counts its own part), for reports
-            atomic_write_json(out / "train_summary.json", {
-                "kind": self.kind, "steps": step, "epochs": cfg.epochs, "train_seconds": round(train_s, 1),
-                "eval_seconds": round(eval_s, 1), "tokens_this_run": tokens,
-                "tokens_per_s": round(tokens / max(1e-9, train_s), 1), "last_loss": last_loss,
-                "best_metric": best, "best_step": best_step, "select": ecfg.select, "history": history})
-        if cfg.lora and cfg.lora_merge and acc.is_main_process:
-            from specheads.train.lora import save_merged_target
-
-            save_merged_target(acc.unwrap_model(head), out / "merged-target")
-        acc.wait_for_everyone()
-        acc.end_training()
-        return TrainResult(step, best, best_step, history, out, last_loss)
-
-    # -- saving ----------------------------------------------------------------------------------------------------
-    def _save(self, step: int, best, best_step, history) -> Path:
-        """accelerator.save_state into a temporary folder, then rename; keep the last `keep_last`."""
-        acc, root = self.accelerator, self.output_dir / CKPT_DIR
-        final = root / f"step-{step:06d}"
-        tmp = root / f".step-{step:06d}.tmp"  # same name on every process (DeepSpeed ranks write their own shards)
-        if acc.is_main_process:
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        acc.wait_for_everyone()
-        acc.save_state(str(tmp), safe_serialization=True)
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            atomic_write_json(tmp / STATE_NAME, {"step": step, "best_metric": best, "best_step": best_step,
-                                                 "history": history, "num_processes": acc.num_processes})
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            for old in list_checkpoints(self.output_dir)[: -self.cfg.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-            log.info("checkpoint %s", final)
-        acc.wait_for_everyone()
-        return final
-
-    def _export(self, path: Path) -> None:
-        """The head as a native folder (head.save_pretrained), written by the main process."""
-        acc = self.accelerator
-        acc.wait_for_everyone()
-        model = acc.unwrap_model(self.wrapped)
-        ds = getattr(acc.state, "deepspeed_plugin", None)
-        if ds is not None and ds.zero_stage == 3:
-            # ZeRO-3 shards the parameters: gather them (every process takes part), rebuild the head on the main one.
-            # (Not exercised on CPU here; ZeRO-1/2 keep full parameters on every process and take the path below.)
-            state = acc.get_state_dict(self.wrapped)
-            if acc.is_main_process:
-                fresh = type(model)(model.config)
-                fresh.load_state_dict(state)
-                fresh.save_pretrained(path)
-        elif acc.is_main_process and self.cfg.lora:
-            from specheads.train.lora import save_adapters
-
-            model.head.save_pretrained(path)
-            save_adapters(model, path / "adapter")  # serve the head with the target + these adapters (or merged)
-        elif acc.is_main_process and hasattr(model, "save_pretrained"):
-            model.save_pretrained(path)
-        acc.wait_for_everyone()
-
-    def _medusa2_loss(self, model, batch: dict, settings):
-        """Medusa-2: heads' loss on the adapted final state + lm_loss_weight x KL(original || adapted)."""
-        from specheads.train.losses import LossOutput, medusa_loss
-        from specheads.train.lora import kl_to_teacher
-
-        dev = self.accelerator.device
-        ids, amask, lmask = (batch[k].to(dev) for k in ("input_ids", "attention_mask", "loss_mask"))
-        teacher = self.accelerator.unwrap_model(model).teacher_logits(ids, amask)  # [B,T,V], no grad
-        head_logits, lm_logits = model(ids, amask)  # through the DDP wrapper: gradients sync
-        out = medusa_loss(head_logits, ids, lmask, decay=settings.decay)
-        kl = kl_to_teacher(lm_logits, teacher, lmask)
-        return LossOutput(out.loss + self.cfg.lm_loss_weight * kl, {**out.metrics, "kl": float(kl.detach())})
+        extract = self.extract_fn or default_extract
+        return {**batch, "hidden": extract(self.target, batch["input_ids"], batch["attention_mask"], self.layers)}
 
 
 def default_extract(target, input_ids, attention_mask, layers):
@@ -561,7 +684,8 @@ def load_training_data(recipe, target):
         if not (folder / "manifest.json").exists():
             raise SpecheadsError(f"{folder}: no offline features; run `specheads prepare --config <recipe>` first "
                                  f"(or set features.mode=online)")
-        train_ds, val_ds = FeatureDataset(folder, "train"), FeatureDataset(folder, "val")
+        verify = recipe.features.verify
+        train_ds, val_ds = FeatureDataset(folder, "train", verify), FeatureDataset(folder, "val", verify)
         return train_ds, val_ds, collate, list(train_ds.layers), None
     import datasets
 

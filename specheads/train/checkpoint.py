@@ -1,0 +1,276 @@
+"""Training checkpoints that resume bit for bit and never unpickle.
+
+    checkpoints/step-000200/
+        trainer_state.json       format, step, best, history, last loss, micro-step counter, LR scheduler state
+        model.safetensors        the trainable module's state (head; Medusa-2: adapted target + head)
+        optimizer.safetensors    optimizer tensors; param groups and scalars as JSON in the file's metadata
+        rng_state_<rank>.json    python / numpy / torch (CPU, CUDA) RNG states and the trainer's own generators
+        pytorch_model/ + latest  DeepSpeed instead of model and optimizer: engine.save_checkpoint shards
+
+Everything is written into `.step-NNNNNN.tmp`, then renamed: a kill mid-save leaves a temporary folder that the
+next run removes, and the newest complete checkpoint is the one before. Reading uses safetensors and `json` only;
+accelerate's own files (`optimizer.bin`, `random_states_*.pkl`, `custom_checkpoint_*.pkl`) are neither written
+nor read. DeepSpeed's shards are pickles written by `torch.save`: they are read with `torch.load(weights_only=True)`
+and an allowlist of the few DeepSpeed classes they hold (an object of any other class is refused).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from specheads.utils import SpecheadsError, atomic_write_json, read_json
+
+log = logging.getLogger(__name__)
+
+CKPT_DIR = "checkpoints"
+STATE_NAME = "trainer_state.json"
+FORMAT = "specheads-checkpoint/2"
+MODEL_NAME = "model.safetensors"
+OPTIMIZER_NAME = "optimizer.safetensors"
+DS_TAG = "pytorch_model"  # DeepSpeed checkpoint tag (the sub-folder engine.save_checkpoint writes)
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint restores besides weights, optimizer and RNG."""
+
+    step: int = 0  # optimizer steps done
+    best_metric: float | None = None  # eval.select of the best evaluation
+    best_step: int | None = None
+    history: list[dict] = field(default_factory=list)  # evaluations with their step
+    last_loss: float | None = None  # loss of the last optimizer step
+    micro_step: int = 0  # accelerate's gradient-accumulation counter (Accelerator.step)
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints (those with trainer_state.json), oldest first."""
+    root = Path(output_dir) / CKPT_DIR
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / STATE_NAME).exists()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def remove_partial(output_dir: str | Path) -> None:
+    """Delete the temporary folders of saves that did not finish (main process, before training)."""
+    root = Path(output_dir) / CKPT_DIR
+    for tmp in root.glob(".step-*.tmp") if root.is_dir() else []:
+        log.info("removing the unfinished checkpoint %s", tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------------------ save
+
+def save_checkpoint(acc, model, opt, sched, state: TrainState, generators: dict[str, torch.Generator],
+                    output_dir: Path, keep_last: int) -> Path:
+    """Write step `state.step` into a temporary folder, rename it, keep the newest `keep_last`. Every process calls
+    this (DeepSpeed ranks write their own shards; each rank writes its RNG state)."""
+    root = Path(output_dir) / CKPT_DIR
+    final, tmp = root / f"step-{state.step:06d}", root / f".step-{state.step:06d}.tmp"
+    if acc.is_main_process:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    acc.wait_for_everyone()
+    if _is_deepspeed(acc):
+        model.save_checkpoint(str(tmp), DS_TAG)
+    elif acc.is_main_process:
+        write_model_state(acc.unwrap_model(model), tmp)
+        write_optimizer_state(opt, tmp)
+    write_rng_state(tmp, acc.process_index, generators)
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        atomic_write_json(tmp / STATE_NAME, {"format": FORMAT, **asdict(state), "micro_step": acc.step,
+                                             "num_processes": acc.num_processes,
+                                             "scheduler": _json_state(sched.state_dict())})
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in list_checkpoints(output_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint %s", final)
+    acc.wait_for_everyone()
+    return final
+
+
+def write_model_state(module: torch.nn.Module, folder: Path) -> None:
+    from safetensors.torch import save_model
+
+    save_model(module, str(folder / MODEL_NAME), force_contiguous=True)  # tied weights stored once
+
+
+def write_optimizer_state(opt, folder: Path) -> None:
+    """opt.state_dict() as safetensors: tensors under `state.<param id>.<name>`, the rest as JSON metadata."""
+    from safetensors.torch import save_file
+
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for pid, per_param in sd["state"].items():
+        for name, v in per_param.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"state.{pid}.{name}"] = v.detach().contiguous().cpu()
+            else:
+                scalars[f"{pid}.{name}"] = v
+    meta = {"param_groups": json.dumps(_json_state(sd["param_groups"])), "scalars": json.dumps(scalars)}
+    save_file(tensors, str(folder / OPTIMIZER_NAME), metadata=meta)
+
+
+def write_rng_state(folder: Path, rank: int, generators: dict[str, torch.Generator]) -> None:
+    import numpy as np
+
+    version, mt, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(mt), gauss], "numpy": [name, keys.tolist(), pos, has_gauss, cached],
+             "torch": torch.get_rng_state().tolist(),
+             "generators": {k: g.get_state().tolist() for k, g in generators.items()}}
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    atomic_write_json(folder / f"rng_state_{rank}.json", state)
+
+
+def _json_state(obj):
+    """A state dict as JSON values (tuples -> lists; callables' state, which LambdaLR keeps as None, stays None)."""
+    if isinstance(obj, dict):
+        return {str(k): _json_state(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_state(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        raise TypeError("tensor in a JSON state")  # optimizer tensors go to safetensors
+    return obj
+
+
+# ------------------------------------------------------------------------------------------------------------ load
+
+def load_checkpoint(acc, model, opt, sched, folder: Path, generators: dict[str, torch.Generator]) -> TrainState:
+    """Restore weights, optimizer, scheduler, RNG states and counters from `folder` (every process calls this)."""
+    st = read_json(folder / STATE_NAME)
+    if not isinstance(st, dict) or st.get("format") != FORMAT:
+        raise SpecheadsError(f"{folder}: written by an older specheads (accelerate's pickled state); resume never "
+                             f"unpickles, so it cannot continue from it: start a new run in another output_dir")
+    if _is_deepspeed(acc):
+        load_deepspeed(model, folder)
+    else:
+        read_model_state(acc.unwrap_model(model), folder)
+        read_optimizer_state(opt, folder)
+    sched.load_state_dict(st["scheduler"])
+    read_rng_state(folder, acc.process_index, generators, st.get("num_processes"), acc.num_processes)
+    acc.step = int(st.get("micro_step", 0))
+    fields = {k: st[k] for k in ("step", "best_metric", "best_step", "history", "last_loss") if k in st}
+    return TrainState(**fields, micro_step=acc.step)
+
+
+def read_model_state(module: torch.nn.Module, folder: Path) -> None:
+    from safetensors.torch import load_model
+
+    path = folder / MODEL_NAME
+    if not path.exists():
+        raise SpecheadsError(f"{path}: missing (the checkpoint is incomplete)")
+    try:
+        load_model(module, str(path), strict=True, device=str(next(module.parameters()).device))
+    except (RuntimeError, OSError, ValueError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SpecheadsError(f"{path}: does not fit this run's model ({msg})") from None
+
+
+def read_optimizer_state(opt, folder: Path) -> None:
+    from safetensors import safe_open
+
+    path = folder / OPTIMIZER_NAME
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        groups, scalars = json.loads(meta["param_groups"]), json.loads(meta["scalars"])
+    except (OSError, KeyError, ValueError, json.JSONDecodeError) as e:
+        raise SpecheadsError(f"{path}: not a readable optimizer state ({type(e).__name__}: {e})") from None
+    except Exception as e:  # safetensors' own SafetensorError on bad bytes
+        raise SpecheadsError(f"{path}: not a readable optimizer state ({type(e).__name__}: {e})") from None
+    state: dict[int, dict] = {}
+    for key, t in tensors.items():
+        _, pid, name = key.split(".", 2)
+        state.setdefault(int(pid), {})[name] = t
+    for key, v in scalars.items():
+        pid, name = key.split(".", 1)
+        state.setdefault(int(pid), {})[name] = v
+    live = opt.state_dict()["param_groups"]
+    if len(groups) != len(live) or any(len(g["params"]) != len(h["params"]) for g, h in zip(groups, live)):
+        raise SpecheadsError(f"{path}: parameter groups differ from this run's (another head or settings?)")
+    for g, h in zip(groups, live):  # JSON has no tuples: give back the live groups' tuple types (AdamW betas)
+        for k, v in h.items():
+            if isinstance(v, tuple) and isinstance(g.get(k), list):
+                g[k] = tuple(g[k])
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def read_rng_state(folder: Path, rank: int, generators: dict[str, torch.Generator], saved_procs, procs: int) -> None:
+    import numpy as np
+
+    path = folder / f"rng_state_{rank}.json"
+    if not path.exists() or saved_procs != procs:
+        log.warning("%s: written by %s processes, resumed on %d: data order continues, random streams restart "
+                    "(the result is not bit-identical to an uninterrupted run)", folder, saved_procs, procs)
+        return
+    st = read_json(path)
+    version, mt, gauss = st["python"]
+    random.setstate((version, tuple(mt), gauss))
+    name, keys, pos, has_gauss, cached = st["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]])
+    for k, g in generators.items():
+        if k in st["generators"]:
+            g.set_state(torch.tensor(st["generators"][k], dtype=torch.uint8))
+
+
+# ------------------------------------------------------------------------------------------------------- DeepSpeed
+
+def _is_deepspeed(acc) -> bool:
+    from accelerate.utils import DistributedType
+
+    return acc.distributed_type == DistributedType.DEEPSPEED
+
+
+def _deepspeed_safe_globals() -> list:
+    """The classes a ZeRO-1/2 checkpoint pickles besides tensors and containers (checked on this DeepSpeed:
+    ZeroStageEnum, LossScaler and fragment_address; DynamicLossScaler for fp16 runs)."""
+    allowed = []
+    for mod, names in (("deepspeed.runtime.zero.config", ["ZeroStageEnum"]),
+                       ("deepspeed.runtime.fp16.loss_scaler", ["LossScaler", "DynamicLossScaler"]),
+                       ("deepspeed.utils.tensor_fragment", ["fragment_address"])):
+        try:
+            m = __import__(mod, fromlist=names)
+        except ImportError:
+            continue
+        allowed += [getattr(m, n) for n in names if hasattr(m, n)]
+    return allowed
+
+
+def load_deepspeed(engine, folder: Path) -> None:
+    """engine.load_checkpoint with every file read by torch.load(weights_only=True) (DeepSpeed itself passes
+    weights_only=False); an object outside the allowlist is one SpecheadsError naming the file."""
+    ce = engine.checkpoint_engine
+    allowed = _deepspeed_safe_globals()
+
+    def safe_load(path, map_location=None):
+        import pickle
+
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as e:
+            first = str(e).split("\n\n")[0].splitlines()[-1][:300]
+            raise SpecheadsError(f"{path}: refused to unpickle ({first}); only tensors and DeepSpeed's own state "
+                                 f"classes are loaded") from None
+
+    ce.load = safe_load
+    path, _ = engine.load_checkpoint(str(folder), DS_TAG, load_lr_scheduler_states=False)
+    if path is None:
+        raise SpecheadsError(f"{folder / DS_TAG}: DeepSpeed found no checkpoint to load")

@@ -1,0 +1,136 @@
+"""Resume without unpickling, bit for bit: a crafted pickle in a checkpoint never runs, and a run stopped twice and
+killed inside a checkpoint save ends with the same weights as an uninterrupted one, with the feature noise on."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from test_train import make_head, make_recipe, state, token_samples
+
+from specheads.train.trainer import Trainer, list_checkpoints
+from specheads.utils import SpecheadsError
+
+
+class _Payload:
+    """Unpickling this runs a shell command that creates `marker` (what a malicious checkpoint would do)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _plant(folder, marker) -> list[str]:
+    names = ["custom_checkpoint_0.pkl", "random_states_0.pkl", "optimizer.bin", "scheduler.bin", "sampler.bin",
+             "optimizer.pt"]
+    for n in names:
+        torch.save({"state": _Payload(marker)}, folder / n)
+    return names
+
+
+def test_resume_never_unpickles_a_crafted_checkpoint(tiny, tmp_path):
+    over = ["train.max_steps=4", "train.save_every=2", "eval.every_steps=0", "eval.at_start=false"]
+    r = make_recipe(tmp_path / "run", *over)
+    Trainer(r, tiny, make_head(r, tiny), token_samples(8), None).train(stop_after=2)
+    ck = list_checkpoints(tmp_path / "run")[-1]
+    marker = tmp_path / "pwned"
+    _plant(ck, marker)
+    res = Trainer(r, tiny, make_head(r, tiny), token_samples(8), None).train(resume=True)
+    assert not marker.exists(), "resume ran code from a pickle in the checkpoint"
+    assert res.steps == 4
+    # a checkpoint holding only accelerate's pickles (no state of ours) is refused, naming the folder
+    for p in ck.iterdir():
+        if p.suffix in (".safetensors", ".json"):
+            p.unlink()
+    (ck / "trainer_state.json").write_text(json.dumps({"step": 2, "best_metric": None, "best_step": None,
+                                                       "history": [], "num_processes": 1}))
+    r2 = make_recipe(tmp_path / "run", *over, "train.max_steps=6")
+    with pytest.raises(SpecheadsError, match=rf"{ck.name}.*(older|pickle)"):
+        # the newest checkpoint (step 4) is fine: remove it so that the planted one is the newest
+        import shutil
+
+        shutil.rmtree(list_checkpoints(tmp_path / "run")[-1])
+        Trainer(r2, tiny, make_head(r2, tiny), token_samples(8), None).train(resume=True)
+    assert not marker.exists()
+
+
+class _Killed(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_resume_bit_identical_with_noise_across_two_stops_and_a_kill_mid_save(tiny, tmp_path, monkeypatch, kind):
+    """Default feature noise (train.noise=0.2) on. 12 samples, batch 2, grad accum 1: 6 steps per epoch, 24 steps =
+    4 epochs; checkpoints every 3 steps. Stopped after 6, resumed and stopped after 15, resumed and killed inside
+    the save at step 18 (a half-written .step-000018.tmp left), a stale .step-000021.tmp planted, resumed to the
+    end: the weights equal the uninterrupted run's exactly."""
+    import specheads.train.checkpoint as ckpt
+
+    extra = ["head.draft_vocab_size=64", "head.ttt_steps=2"] if kind == "eagle3" else ["eval.eagle_steps=2"]
+    over = [f"head.kind={kind}", "train.max_steps=24", "train.save_every=3", "eval.every_steps=5",
+            "eval.max_samples=2", *extra]
+    data, val = token_samples(12), token_samples(2, seed=1)
+    a = make_recipe(tmp_path / "a", *over)
+    assert a.train.noise == 0.2
+    head_a = make_head(a, tiny)
+    Trainer(a, tiny, head_a, data, val).train()
+
+    b = make_recipe(tmp_path / "b", *over)
+
+    def fresh_head():
+        torch.manual_seed(123)  # a fresh process: other RNG state, other initial head (restored from the checkpoint)
+        h = make_head(b, tiny)
+        with torch.no_grad():
+            for p in h.parameters():
+                p.add_(1.0)
+        return h
+
+    assert Trainer(b, tiny, make_head(b, tiny), data, val).train(stop_after=6).steps == 6
+    torch.rand(7)  # the global RNG moves on between processes
+    assert Trainer(b, tiny, fresh_head(), data, val).train(resume=True, stop_after=15).steps == 15
+
+    real = ckpt.write_optimizer_state
+
+    def dies_at_18(opt, folder, *a, **k):
+        if folder.name == ".step-000018.tmp":
+            (folder / "optimizer.safetensors").write_bytes(b"half")
+            raise _Killed("killed inside the save")
+        return real(opt, folder, *a, **k)
+
+    monkeypatch.setattr(ckpt, "write_optimizer_state", dies_at_18)
+    with pytest.raises(_Killed):
+        Trainer(b, tiny, fresh_head(), data, val).train(resume=True)
+    monkeypatch.setattr(ckpt, "write_optimizer_state", real)
+    assert (tmp_path / "b" / "checkpoints" / ".step-000018.tmp").exists()
+    assert list_checkpoints(tmp_path / "b")[-1].name == "step-000015"
+    stale = tmp_path / "b" / "checkpoints" / ".step-000021.tmp"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"junk")
+    head_b = fresh_head()
+    res = Trainer(b, tiny, head_b, data, val).train(resume=True)
+    assert res.steps == 24
+    sa, sb = state(head_a), state(head_b)
+    diff = max((sa[k].double() - sb[k].double()).abs().max().item() for k in sa)
+    assert diff == 0.0, f"resumed run differs from the uninterrupted one by {diff}"
+    assert not list((tmp_path / "b" / "checkpoints").glob(".*tmp*"))
+    summ_a = json.loads((tmp_path / "a" / "train_summary.json").read_text())
+    summ_b = json.loads((tmp_path / "b" / "train_summary.json").read_text())
+    assert summ_b["history"] == summ_a["history"] and summ_b["last_loss"] == summ_a["last_loss"]
+
+
+def test_resume_of_a_finished_run_keeps_summary_true(tiny, tmp_path):
+    """Resuming a run that already ended (killed after its last checkpoint): no second final evaluation in the
+    history, and the last loss is the one stored in the checkpoint, not null."""
+    r = make_recipe(tmp_path, "train.max_steps=4", "train.save_every=2")
+    Trainer(r, tiny, make_head(r, tiny), token_samples(8), token_samples(2, seed=1)).train()
+    first = json.loads((tmp_path / "train_summary.json").read_text())
+    res = Trainer(r, tiny, make_head(r, tiny), token_samples(8), token_samples(2, seed=1)).train(resume=True)
+    again = json.loads((tmp_path / "train_summary.json").read_text())
+    steps = [h["step"] for h in again["history"]]
+    assert steps == sorted(set(steps)) == [0, 2, 4]
+    assert again["last_loss"] is not None and again["last_loss"] == first["last_loss"]
+    assert res.last_loss == first["last_loss"]
