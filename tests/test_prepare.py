@@ -453,8 +453,8 @@ def test_prepare_text_mode_bad_settings_one_message(tiny_base, tmp_path, overrid
     from specheads.train.prepare import prepare
 
     override = override.replace("CHAT", str(_sharegpt_file(tmp_path, 2)))
-    recipe = _recipe(tmp_path, _text_file(tmp_path), "data.mode=text", "data.regenerate=true", override)
-    with pytest.raises(SpecheadsError, match=match):
+    with pytest.raises(SpecheadsError, match=match):  # DataConfig's own checks refuse at load, the rest in prepare
+        recipe = _recipe(tmp_path, _text_file(tmp_path), "data.mode=text", "data.regenerate=true", override)
         prepare(recipe, target=tiny_base, progress=False)
     with pytest.raises(SpecheadsError, match=r"no usable conversation .*need data\.mode=text"):
         prepare(_recipe(tmp_path, _text_file(tmp_path)), target=tiny_base, progress=False)
