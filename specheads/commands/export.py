@@ -1,6 +1,7 @@
 """`specheads export`: write a head folder in another layout, or import a foreign checkpoint as a native folder.
 
     specheads export --head runs/x/head --format speculators --out runs/x/speculators
+    specheads export --head runs/x/head --format gguf --out runs/x/gguf --target-gguf   (llama.cpp; make llamacpp)
     specheads export --import path/to/EAGLE3-checkpoint --target smollm2-135m --out runs/imported
 """
 from __future__ import annotations
@@ -32,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier", default=None,
                    help="speculators: verifier name_or_path written in the config (default: the head's target; our aliases "
                         "become their hub id)")
+    p.add_argument("--target-gguf", action="store_true",
+                   help="gguf: also write the target as target.gguf (from --target or the head's recorded target)")
+    p.add_argument("--gguf-type", default="bf16", help="gguf: converter --outtype (f32, f16, bf16, q8_0; default bf16)")
     p.add_argument("--speculative-tokens", type=int, default=SPECULATIVE_TOKENS,
                    help=f"speculators: greedy proposal length (default {SPECULATIVE_TOKENS}, speculators' own default)")
 
@@ -40,6 +44,12 @@ def run(args: argparse.Namespace) -> int:
     from specheads.heads.export import export_head, import_head
     from specheads.target import load_target
 
+    if args.head and args.format == "gguf":  # the converter reads folders: no target is loaded here
+        from specheads.heads.gguf import export_gguf
+
+        export_gguf(args.head, args.out, target=args.target, with_target=args.target_gguf, outtype=args.gguf_type)
+        print(f"exported {args.head} as gguf -> {args.out}")
+        return 0
     target = load_target(args.target, dtype=args.dtype) if args.target else None
     if args.import_dir:
         if target is None:
