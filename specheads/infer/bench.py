@@ -393,6 +393,9 @@ def build_results(records: list[RunRecord], names: list[str], settings: BenchSet
         per_cat = {c: compare([r for r in mine if r.category == c], [r for r in van if r.category == c] or None, greedy)
                    for c in cats}
         methods_out[name] = {"overall": overall, "categories": per_cat, "step_breakdown": step_breakdown(mine)}
+        ref = [r for r in records if r.method == "llama.cpp"]  # the second reference: llama.cpp plain decoding
+        if ref and name != "llama.cpp":
+            methods_out[name]["vs_llama.cpp"] = compare(mine, ref, greedy)
     return {"schema": SCHEMA, **meta, "settings": asdict(settings), "complete": complete, "definitions": DEFINITIONS,
             "num_prompts": len({r.prompt_id for r in records}), "categories": cats, "methods": methods_out}
 
@@ -568,10 +571,13 @@ def is_head_method(name: str) -> bool:
 
 def check_method_names(names: list[str]) -> None:
     """One clear error for unknown --methods names (checked before the target loads)."""
-    unknown = [n for n in names if n not in KNOWN_METHODS and not is_head_method(n)]
+    from specheads.infer.llamacpp import is_llamacpp_method
+
+    unknown = [n for n in names if n not in KNOWN_METHODS and not is_head_method(n) and not is_llamacpp_method(n)]
     if unknown:
         raise SpecheadsError(f"--methods: unknown method(s) {unknown}; choose from {list(KNOWN_METHODS)} "
-                             f"or head:LABEL, with {LOOKUP_SUFFIX} after a head method to merge a prompt-lookup chain")
+                             f"or head:LABEL, with {LOOKUP_SUFFIX} after a head method to merge a prompt-lookup chain, "
+                             "or llama.cpp, llama.cpp:LABEL, llama.cpp-ngram")
 
 
 def build_methods(names: list[str], target, args, calib_ids: list[list[int]] | None = None
@@ -615,6 +621,10 @@ def build_methods(names: list[str], target, args, calib_ids: list[list[int]] | N
                                         lookup=lookup if merged else 0, probes=probes)
             extra.setdefault("trees", {})[m.name] = tree
             extra.setdefault("tree", tree)  # the first head's tree (results.json schema 1)
+        elif n.startswith("llama.cpp"):  # llama-server engines (infer/llamacpp.py)
+            from specheads.infer.llamacpp import build_llamacpp_method
+
+            m = build_llamacpp_method(n, target, args)
         else:
             m = build_draft_model_method(target, args)
         methods.append(m)
