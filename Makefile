@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.setup-stamp
 TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test test-fast clean speculators-venv
+.PHONY: setup demo test test-fast clean speculators-venv llamacpp
 
 setup: $(STAMP)
 
@@ -27,6 +27,13 @@ demo: setup
 # export with it. The script is idempotent and fast once done.
 speculators-venv:
 	bash scripts/setup_speculators_venv.sh
+
+# llama.cpp's tools (llama-server, llama-bench) and GGUF converter, built from the source the PyPI sdist
+# llama-cpp-python==0.3.36 vendors (scripts/setup_llamacpp.sh: pinned, hash-checked, 2 jobs, AMX off; a stamp file
+# makes a second call return at once). Tests and `specheads bench --methods llama.cpp...` use them.
+LLAMACPP_DIR ?= .llamacpp
+llamacpp: setup
+	PYTHON=$(BIN)/python SPECHEADS_LLAMACPP=$(LLAMACPP_DIR) bash scripts/setup_llamacpp.sh
 
 test: setup speculators-venv
 	$(BIN)/python -m pytest -q tests

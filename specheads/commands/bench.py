@@ -40,6 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refresh-profile", action="store_true", help="re-measure the cached hardware profile")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the same for every method)")
     p.add_argument("--warmup-tokens", type=int, default=16, help="untimed warm-up tokens per method (default 16)")
+    p.add_argument("--llamacpp-target", default=None, metavar="GGUF",
+                   help="llama.cpp methods: the target GGUF (default: the target converted in the run's dtype, cached)")
+    p.add_argument("--llamacpp-draft-max", type=int, default=None, metavar="N",
+                   help="llama.cpp:LABEL: drafted tokens per step (--spec-draft-n-max; default llama.cpp's 3)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is steadier on a machine shared with other jobs)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: where the target loads)")
@@ -70,7 +74,8 @@ def method_options(args: argparse.Namespace):
     return MethodOptions(temperature=args.temperature, heads=heads, tree=args.tree,
                          refresh_profile=args.refresh_profile,
                          head_lookup=HEAD_LOOKUP_TOKENS if args.head_lookup is None else args.head_lookup,
-                         draft_model=args.draft_model, draft_tokens=args.draft_tokens)
+                         draft_model=args.draft_model, draft_tokens=args.draft_tokens, threads=args.threads,
+                         llamacpp_target=args.llamacpp_target, llamacpp_draft_max=args.llamacpp_draft_max)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """`specheads export`: write a head folder in another layout, or import a foreign checkpoint as a native folder.
 
     specheads export --head runs/x/head --format speculators --out runs/x/speculators
+    specheads export --head runs/x/head --format gguf --out runs/x/gguf --target-gguf   (llama.cpp; make llamacpp)
     specheads export --import path/to/EAGLE3-checkpoint --target smollm2-135m --out runs/imported
 
 `--out` is replaced atomically, and only when that loses nothing: it must be absent, empty, or an earlier output of
@@ -44,11 +45,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--consumer", action="append", default=None,
                    help="check the export against this consumer only (repeatable; default: every engine that reads "
                         "the format; docs/exports.md lists them)")
+    p.add_argument("--target-gguf", action="store_true",
+                   help="gguf: also write the target as target.gguf (from --target or the head's recorded target)")
+    p.add_argument("--gguf-type", default="bf16", help="gguf: converter --outtype (f32, f16, bf16, q8_0; default bf16)")
     p.add_argument("--speculative-tokens", type=int, default=SPECULATIVE_TOKENS,
                    help=f"speculators: greedy proposal length (default {SPECULATIVE_TOKENS}, speculators' own default)")
 
 
 OWN_FILES = {"config.json", "model.safetensors", "model.safetensors.sha256"}  # what an export / head folder holds
+GGUF_FILES = {"draft.gguf", "target.gguf", "gguf_export.json"}  # what `--format gguf` writes (heads/gguf.py)
 
 
 def written_format(folder: Path) -> str | None:
@@ -56,7 +61,10 @@ def written_format(folder: Path) -> str | None:
     model.safetensors; None when the folder holds anything else."""
     from safetensors import safe_open
 
-    if not {p.name for p in folder.iterdir()} <= OWN_FILES or not (folder / "model.safetensors").is_file():
+    names = {p.name for p in folder.iterdir()}
+    if names and names <= GGUF_FILES and "gguf_export.json" in names:
+        return "gguf"
+    if not names <= OWN_FILES or not (folder / "model.safetensors").is_file():
         return None
     try:
         with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
@@ -79,6 +87,12 @@ def run(args: argparse.Namespace) -> int:
     if args.head and args.format is None:
         raise SpecheadsError("--format: required with --head")
     check_out(args.out, "native" if args.import_dir else args.format, args.import_dir or args.head, args.force)
+    if args.head and args.format == "gguf":  # the converter reads folders: no target is loaded here
+        from specheads.heads.gguf import export_gguf
+
+        export_gguf(args.head, args.out, target=args.target, with_target=args.target_gguf, outtype=args.gguf_type)
+        print(f"exported {args.head} as gguf -> {args.out}")
+        return 0
     target = load_target(args.target, dtype=args.dtype) if args.target else None
     if args.import_dir:
         if target is None:

@@ -43,7 +43,7 @@ from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json, read_
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("native", "eagle", "eagle-vllm", "eagle3", "speculators", "medusa-vllm")
+FORMATS = ("native", "eagle", "eagle-vllm", "eagle3", "speculators", "medusa-vllm", "gguf")  # gguf: heads/gguf.py
 KIND_OF_FORMAT = {"eagle": "eagle", "eagle-vllm": "eagle", "eagle3": "eagle3", "speculators": "eagle3",
                   "medusa-vllm": "medusa"}
 SPECULATIVE_TOKENS = 3  # speculators' greedy proposal default (its EAGLE-3 converter writes 3)
@@ -333,6 +333,10 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target=None
     """
     if fmt not in FORMATS:
         raise SpecheadsError(f"--format: {fmt!r} is not one of {list(FORMATS)}")
+    if fmt == "gguf":  # through llama.cpp's own converter
+        from specheads.heads.gguf import export_gguf
+
+        return export_gguf(head_dir, out_dir)
     head_dir = Path(head_dir)
     cfg = read_head_config(head_dir)
     sd = read_safetensors(head_dir / WEIGHTS_NAME)

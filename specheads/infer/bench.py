@@ -366,6 +366,9 @@ def build_results(records: list[RunRecord], names: list[str], settings: BenchSet
         per_cat = {c: compare([r for r in mine if r.category == c], [r for r in van if r.category == c] or None, greedy)
                    for c in cats}
         methods_out[name] = {"overall": overall, "categories": per_cat, "step_breakdown": step_breakdown(mine)}
+        ref = [r for r in records if r.method == "llama.cpp"]  # the second reference: llama.cpp plain decoding
+        if ref and name != "llama.cpp":
+            methods_out[name]["vs_llama.cpp"] = compare(mine, ref, greedy)
     return {"schema": SCHEMA, **meta, "settings": asdict(settings), "complete": complete, "definitions": DEFINITIONS,
             "num_prompts": len({r.prompt_id for r in records}), "categories": cats, "methods": methods_out}
 
@@ -539,12 +542,19 @@ def is_head_method(name: str) -> bool:
     return base == "head" or (base.startswith("head:") and len(base) > len("head:"))
 
 
+def is_llamacpp_method(name: str) -> bool:
+    from specheads.infer.llamacpp import is_llamacpp_method as check
+
+    return check(name)
+
+
 def check_method_names(names: list[str]) -> None:
     """One clear error for unknown --methods names (checked before the target loads)."""
-    unknown = [n for n in names if n not in KNOWN_METHODS and not is_head_method(n)]
+    unknown = [n for n in names if n not in KNOWN_METHODS and not is_head_method(n) and not is_llamacpp_method(n)]
     if unknown:
         raise SpecheadsError(f"--methods: unknown method(s) {unknown}; choose from {list(KNOWN_METHODS)} "
-                             f"or head:LABEL, with {LOOKUP_SUFFIX} after a head method to merge a prompt-lookup chain")
+                             f"or head:LABEL, with {LOOKUP_SUFFIX} after a head method to merge a prompt-lookup chain, "
+                             "or llama.cpp, llama.cpp:LABEL, llama.cpp-ngram")
 
 
 @dataclass
@@ -558,6 +568,9 @@ class MethodOptions:
     head_lookup: int = HEAD_LOOKUP_TOKENS  # tokens of the prompt-lookup chain the +lookup methods merge in
     draft_model: str | None = None  # the draft-model method's model: a name, or truncated:N (the target's N layers)
     draft_tokens: int = 4  # the draft model's chain per step
+    threads: int | None = None  # llama.cpp methods: llama-server -t (None = infer/llamacpp.THREADS)
+    llamacpp_target: str | None = None  # llama.cpp methods: the target GGUF (None = the target converted, cached)
+    llamacpp_draft_max: int | None = None  # llama.cpp:LABEL: --spec-draft-n-max (None = llama.cpp's default, 3)
 
     def __post_init__(self) -> None:
         if not 1 <= self.head_lookup <= MAX_TREE_DEPTH:
@@ -625,6 +638,10 @@ def build_methods(names: list[str], target, options: MethodOptions, calib_ids: l
                                         lookup=options.head_lookup if merged else 0, loaded=loaded)
             extra.setdefault("trees", {})[m.name] = tree
             extra.setdefault("tree", tree)  # the first head's tree (results.json schema 1)
+        elif is_llamacpp_method(n):  # llama-server engines (infer/llamacpp.py)
+            from specheads.infer.llamacpp import build_llamacpp_method
+
+            m = build_llamacpp_method(n, target, options)
         else:
             m = build_draft_model_method(target, options)
         methods.append(m)

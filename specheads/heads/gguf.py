@@ -1,0 +1,395 @@
+"""GGUF export for llama.cpp: draft heads (EAGLE-3; DSpark plugs in below) and their target, converted by the
+`convert_hf_to_gguf.py` of the llama.cpp source pinned by `scripts/setup_llamacpp.sh` (the vendor/llama.cpp of the
+PyPI sdist llama-cpp-python==0.3.36), then read back and checked against the head.
+
+    specheads export --head runs/x/final --format gguf --out runs/x/gguf [--target-gguf]
+    -> runs/x/gguf/draft.gguf (+ target.gguf), gguf_export.json
+    llama-server -m target.gguf -md draft.gguf --spec-type draft-eagle3 --spec-draft-n-max 3
+
+The converter takes an HF-style draft folder plus `--target-model-dir` (tokenizer, vocab, target sizes). We write
+that folder ourselves (the eagle3 layout of heads/export.py, then the keys the converter reads set explicitly), so
+that no convention is left to the converter's defaults. What the pinned source reads (file:line in vendor/llama.cpp):
+- detection: `draft_vocab_size` present and `num_hidden_layers == 1` (conversion/llama.py:50); architecture
+  `LlamaForCausalLMEagle3` registered (conversion/llama.py:25).
+- `eagle_aux_hidden_state_layer_ids`, TOP-LEVEL only (conversion/llama.py:77; absent -> [2, L//2, L-3], :81),
+  written to `eagle3.target_layers`. At run time id k < L turns on the INPUT of target layer k
+  (common/speculative.cpp:543, llama_set_embeddings_layer_inp; src/models/llama.cpp:127 t_layer_inp[il] = inpL),
+  i.e. hidden_states[k] in HF's tuple: our convention unchanged. Id L is the final PRE-norm state
+  (src/llama-graph.h:941) while ours is post-norm, so heads reading layer L are refused. Exactly 3 ids
+  (src/models/eagle3.cpp:9).
+- `target_hidden_size` (conversion/llama.py:86), `norm_before_residual` (:96; false = residual on the raw fc
+  output, as our midlayer does: src/models/eagle3.cpp inpSA), `norm_before_fc` (:102; false: our fc reads the raw
+  concatenated features). All three written explicitly.
+- `d2t` as OFFSETS, target id = i + d2t[i]: the converter adds arange and stores absolute I64 ids
+  (conversion/llama.py:345); `t2d` is dropped (:247). The fc has no bias in llama.cpp (src/models/eagle3.cpp fc).
+- RoPE base from `rope_parameters.rope_theta` / `rope_theta` (conversion/base.py:1359-1371, :1505), RMSNorm eps
+  from `rms_norm_eps` (:1511). No `embed_tokens` in the draft: llama.cpp uses the target's (src/models/eagle3.cpp).
+DSpark (the DFlash architecture plus a Markov head) is read by `DSparkModel` (conversion/qwen.py:869): see
+`DRAFT_KINDS` and docs/llamacpp.md for its keys.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from specheads.heads.base import CONFIG_NAME, WEIGHTS_NAME, HeadConfig, read_head_config, read_safetensors
+from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json, cache_root, read_json
+
+log = logging.getLogger(__name__)
+
+LLAMACPP_PIN = "llama-cpp-python==0.3.36"  # scripts/setup_llamacpp.sh builds its vendor/llama.cpp
+SETUP_HINT = "run `make llamacpp` (scripts/setup_llamacpp.sh)"
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # the converter's --outtype choices we pass through
+DEFAULT_OUTTYPE = "bf16"  # the issue's measured setting; bf16 never takes ggml's AMX-INT8 path
+CONVERT_TIMEOUT_S = 3600  # an 8B target takes minutes; SmolLM2 ~20 s
+DRAFT_NAME, TARGET_NAME, MANIFEST_NAME = "draft.gguf", "target.gguf", "gguf_export.json"
+
+
+# ----------------------------------------------------------------------------------------------- the tools
+def llamacpp_root() -> Path:
+    """$SPECHEADS_LLAMACPP, default <repository>/.llamacpp (where `make llamacpp` builds)."""
+    env = os.environ.get("SPECHEADS_LLAMACPP")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / ".llamacpp"
+
+
+@dataclass(frozen=True)
+class LlamaCppTools:
+    root: Path
+
+    @property
+    def converter(self) -> Path:
+        return self.root / "src" / "convert_hf_to_gguf.py"
+
+    def binary(self, name: str) -> Path:
+        return self.root / "build" / "bin" / name
+
+    @property
+    def version(self) -> str:
+        p = self.root / "version.txt"
+        return p.read_text().strip().splitlines()[0] if p.exists() else "unknown"
+
+
+def find_tools(*binaries: str, converter: bool = False) -> LlamaCppTools:
+    """The built tools, or one SpecheadsError naming what is missing and how to get it."""
+    tools = LlamaCppTools(llamacpp_root())
+    if not (tools.root / "stamp").exists():
+        raise SpecheadsError(f"llama.cpp tools are not built in {tools.root} (no stamp file): {SETUP_HINT}")
+    missing = [str(tools.binary(b)) for b in binaries if not os.access(tools.binary(b), os.X_OK)]
+    if converter and not tools.converter.exists():
+        missing.append(str(tools.converter))
+    if missing:
+        raise SpecheadsError(f"llama.cpp tools incomplete: {', '.join(missing)} missing: {SETUP_HINT}")
+    if converter and importlib.util.find_spec("sentencepiece") is None:  # the converter imports it unconditionally
+        raise SpecheadsError(f"the GGUF converter needs the Python package sentencepiece in {sys.executable}: "
+                             f"{SETUP_HINT}")
+    return tools
+
+
+def run_converter(model_dir: Path, out_file: Path, outtype: str, target_dir: Path | None = None) -> Path:
+    """convert_hf_to_gguf.py MODEL_DIR [--target-model-dir TARGET_DIR] --outtype T -> out_file (atomic), log beside."""
+    if outtype not in OUTTYPES:
+        raise SpecheadsError(f"--gguf-type {outtype!r}: expected one of {list(OUTTYPES)}")
+    tools = find_tools(converter=True)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.with_name(f".{out_file.name}.tmp-{os.getpid()}")
+    cmd = [sys.executable, str(tools.converter), str(model_dir), "--outfile", str(tmp), "--outtype", outtype]
+    if target_dir is not None:
+        cmd += ["--target-model-dir", str(target_dir)]
+    log_file = out_file.with_name(out_file.name + ".convert.log")
+    t0 = time.perf_counter()
+    log.info("converting %s -> %s (%s)", model_dir, out_file, outtype)
+    try:
+        with open(log_file, "w") as lf:
+            lf.write(" ".join(cmd) + "\n")
+            lf.flush()
+            proc = subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT, timeout=CONVERT_TIMEOUT_S,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    except subprocess.TimeoutExpired:
+        tmp.unlink(missing_ok=True)
+        raise SpecheadsError(f"convert_hf_to_gguf.py on {model_dir}: no result after {CONVERT_TIMEOUT_S} s "
+                             f"(log: {log_file})") from None
+    if proc.returncode != 0 or not tmp.exists():
+        tmp.unlink(missing_ok=True)
+        tail = [ln for ln in log_file.read_text().splitlines() if ln.strip()][-1:] or ["(no output)"]
+        raise SpecheadsError(f"convert_hf_to_gguf.py failed on {model_dir} (exit {proc.returncode}): {tail[0]} "
+                             f"(log: {log_file})")
+    os.replace(tmp, out_file)
+    log.info("converted %s in %.1f s", out_file.name, time.perf_counter() - t0)
+    return out_file
+
+
+# ----------------------------------------------------------------------------------------------- reading GGUF
+_VOCAB_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                 "tokenizer.ggml.merges")
+
+
+def gguf_metadata(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(key/value metadata with arrays as lists, {tensor name: reader tensor}) of a GGUF file."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # a truncated or foreign file
+        raise SpecheadsError(f"{path}: not a readable GGUF file ({e})") from None
+    meta = {}
+    for name, field in reader.fields.items():  # vocabulary-sized arrays: their length is what we check
+        meta[name] = len(field.data) if name in _VOCAB_ARRAYS else field.contents()
+    return meta, {t.name: t for t in reader.tensors}
+
+
+def _expect(meta: dict, key: str, want: Any, path: Path, close: bool = False) -> None:
+    got = meta.get(key)
+    ok = got is not None and (abs(float(got) - float(want)) <= 1e-6 * max(1.0, abs(float(want))) if close
+                              else got == want)
+    if not ok:
+        raise SpecheadsError(f"{path}: GGUF key {key!r} is {got!r}, expected {want!r} (the converter read our "
+                             "config wrong)")
+
+
+# ----------------------------------------------------------------------------------------------- targets
+def _target_folder(name_or_path: str) -> Path:
+    from specheads.target import resolve_target_path
+
+    folder = Path(resolve_target_path(name_or_path))
+    if not (folder / "config.json").exists():
+        raise SpecheadsError(f"target {name_or_path!r}: the GGUF converter needs a local Hugging Face folder "
+                             "(config.json, safetensors, tokenizer); give --target a folder or a .gguf file")
+    return folder
+
+
+def _folder_key(folder: Path, *extra: str) -> str:
+    """Cache key of a model folder: its path, config and the size + mtime of every weight and tokenizer file."""
+    h = hashlib.sha256(str(folder.resolve()).encode())
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and (p.suffix in (".json", ".safetensors", ".model", ".txt")):
+            st = p.stat()
+            h.update(f"{p.name}|{st.st_size}|{int(st.st_mtime)}".encode())
+    for e in extra:
+        h.update(e.encode())
+    return h.hexdigest()[:12]
+
+
+def target_gguf(name_or_path: str, outtype: str = DEFAULT_OUTTYPE) -> Path:
+    """The target as a GGUF file: a .gguf path as it is, else the HF folder converted once into
+    $SPECHEADS_CACHE/gguf/ (keyed by the folder's files, the outtype and the pinned converter)."""
+    if str(name_or_path).endswith(".gguf") and Path(name_or_path).exists():
+        return Path(name_or_path)
+    folder = _target_folder(name_or_path)
+    out = cache_root() / "gguf" / f"{folder.name}-{_folder_key(folder, outtype, LLAMACPP_PIN)}-{outtype}.gguf"
+    if not out.exists():
+        run_converter(folder, out, outtype)
+        check_target_gguf(out, read_json(folder / "config.json"))
+    return out
+
+
+def check_target_gguf(path: Path, hf_config: dict) -> None:
+    """The converted target has the layer count, width and vocabulary of its HF config."""
+    meta, _ = gguf_metadata(path)
+    cfg = {**hf_config, **(hf_config.get("text_config") or {})}
+    arch = meta.get("general.architecture")
+    _expect(meta, f"{arch}.block_count", int(cfg["num_hidden_layers"]), path)
+    _expect(meta, f"{arch}.embedding_length", int(cfg["hidden_size"]), path)
+    _expect(meta, "tokenizer.ggml.tokens", int(cfg["vocab_size"]), path)
+
+
+def _folder_fingerprint(folder: Path) -> dict | None:
+    """target.fingerprint() computed from a folder's safetensors (embedding + lm_head), None if not found."""
+    from safetensors import safe_open
+
+    from specheads.target import target_fingerprint
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                if k.endswith("embed_tokens.weight") or k == "lm_head.weight":
+                    tensors["lm_head" if k == "lm_head.weight" else "embed"] = st.get_tensor(k)
+    if "embed" not in tensors:
+        return None
+    return target_fingerprint(tensors["embed"], tensors.get("lm_head", tensors["embed"]))
+
+
+# ----------------------------------------------------------------------------------------------- draft kinds
+@dataclass(frozen=True)
+class DraftKind:
+    """How one head kind reaches llama.cpp: the export layout the converter reads, the keys we set on top of it,
+    the checks of the converted file, and the server's --spec-type."""
+
+    layout: str  # heads/export.py format written as the converter's input folder
+    spec_type: str  # llama-server --spec-type
+    arch: str  # general.architecture of the converted draft
+    check_head: Callable[[HeadConfig, Path], None]
+    converter_config: Callable[[HeadConfig, dict], dict]  # (head config, exported config.json) -> config.json
+    check_gguf: Callable[[HeadConfig, dict, dict, Path], None]  # (head config, metadata, tensors, path)
+
+
+def _rope_theta(cfg: HeadConfig) -> float:
+    tc = cfg.target_config
+    return float((tc.get("rope_parameters") or {}).get("rope_theta", tc.get("rope_theta", 10000.0)))
+
+
+def _eagle3_check_head(cfg: HeadConfig, head_dir: Path) -> None:
+    L = int(cfg.target_config["num_hidden_layers"])
+    if len(cfg.feature_layers) != 3:
+        raise SpecheadsError(f"--format gguf: {head_dir} reads {len(cfg.feature_layers)} feature layers; llama.cpp's "
+                             "EAGLE-3 reads exactly 3")
+    if max(cfg.feature_layers) >= L:
+        raise SpecheadsError(f"--format gguf: {head_dir} reads feature layer {L} (the final post-norm state); "
+                             "llama.cpp feeds the pre-norm state for that id, so the draft would read other features")
+    if cfg.head_spec.resolved_bias():
+        raise SpecheadsError(f"--format gguf: {head_dir} has an fc bias; llama.cpp's EAGLE-3 fc has none")
+
+
+def _eagle3_converter_config(cfg: HeadConfig, config: dict) -> dict:
+    config = dict(config)
+    config.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, draft_vocab_size=cfg.out_vocab,
+                  eagle_aux_hidden_state_layer_ids=list(cfg.feature_layers),  # hidden-states ids: ours
+                  target_hidden_size=cfg.hidden_size, norm_before_residual=False, norm_before_fc=False)
+    return config
+
+
+def _eagle3_check_gguf(cfg: HeadConfig, meta: dict, tensors: dict, path: Path) -> None:
+    _expect(meta, "general.architecture", "eagle3", path)
+    _expect(meta, "eagle3.target_layers", list(cfg.feature_layers), path)
+    _expect(meta, "eagle3.target_hidden_size", cfg.hidden_size, path)
+    _expect(meta, "eagle3.rope.freq_base", _rope_theta(cfg), path, close=True)
+    _expect(meta, "eagle3.attention.layer_norm_rms_epsilon", float(cfg.target_config["rms_norm_eps"]), path,
+            close=True)
+    _expect(meta, "eagle3.norm_before_residual", False, path)
+    for name in ("fc.weight", "output.weight", "blk.0.attn_norm_2.weight", "d2t"):
+        if name not in tensors:
+            raise SpecheadsError(f"{path}: tensor {name!r} missing from the converted draft")
+    if int(tensors["output.weight"].shape[-1]) != cfg.out_vocab:
+        raise SpecheadsError(f"{path}: output.weight has {tensors['output.weight'].shape[-1]} rows, the head's "
+                             f"draft vocabulary {cfg.out_vocab}")
+
+
+DRAFT_KINDS: dict[str, DraftKind] = {
+    "eagle3": DraftKind("eagle3", "draft-eagle3", "eagle3", _eagle3_check_head, _eagle3_converter_config,
+                        _eagle3_check_gguf),
+    # "dspark": DraftKind(layout=<heads/export.py's speculators dspark layout>, spec_type="draft-dspark",
+    #     arch="dflash", ...): see docs/llamacpp.md "DSpark" for the converter keys its three functions set/check.
+}
+
+
+# ----------------------------------------------------------------------------------------------- the export
+def _draft_kind(cfg: HeadConfig, head_dir: Path) -> DraftKind:
+    if cfg.kind not in DRAFT_KINDS:
+        raise SpecheadsError(f"--format gguf: {head_dir} holds a {cfg.kind} head; llama.cpp drafts with "
+                             f"{sorted(DRAFT_KINDS)} heads")
+    return DRAFT_KINDS[cfg.kind]
+
+
+def resolve_head_target(cfg: HeadConfig, head_dir: Path, target: str | None = None) -> Path:
+    """The target HF folder the draft is converted against: `target` or the one the head records, checked
+    against the head's fingerprint (a draft paired with another target's GGUF would run but draft nonsense)."""
+    folder = _target_folder(target or cfg.target_name)
+    fp = _folder_fingerprint(folder)
+    if fp is not None and fp != cfg.fingerprint:
+        raise SpecheadsError(f"--target {target or cfg.target_name}: {folder} is not the target {head_dir} was "
+                             "trained on (embedding / lm_head fingerprints differ)")
+    if fp is None:
+        log.warning("%s: no embed_tokens in its safetensors; the head's target fingerprint is not checked", folder)
+    return folder
+
+
+def convert_draft(head_dir: str | Path, out_file: Path, target: str | None = None,
+                  outtype: str = DEFAULT_OUTTYPE) -> Path:
+    """One native head folder -> a checked draft GGUF at out_file."""
+    from specheads.heads.export import export_head
+
+    find_tools(converter=True)  # before any work: one clear error when they are missing
+    head_dir = Path(head_dir)
+    cfg = read_head_config(head_dir)
+    kind = _draft_kind(cfg, head_dir)
+    kind.check_head(cfg, head_dir)
+    target_dir = resolve_head_target(cfg, head_dir, target)
+    with tempfile.TemporaryDirectory(prefix="specheads-gguf-") as tmp:
+        hf = Path(tmp) / "draft-hf"
+        export_head(head_dir, kind.layout, hf)
+        atomic_write_json(hf / CONFIG_NAME, kind.converter_config(cfg, read_json(hf / CONFIG_NAME)))
+        run_converter(hf, out_file, outtype, target_dir=target_dir)
+    check_draft_gguf(out_file, cfg, head_dir)
+    return out_file
+
+
+def check_draft_gguf(path: Path, cfg: HeadConfig, head_dir: Path | None = None) -> None:
+    """Read the converted draft back: every convention the engine uses, and d2t (absolute ids) equal to ours."""
+    kind = _draft_kind(cfg, head_dir or path)
+    meta, tensors = gguf_metadata(path)
+    kind.check_gguf(cfg, meta, tensors, path)
+    want = torch.arange(cfg.out_vocab)
+    if cfg.draft_vocab_size and head_dir is not None:
+        want = read_safetensors(Path(head_dir) / WEIGHTS_NAME)["d2t"].to(torch.int64)
+    got = torch.as_tensor(tensors["d2t"].data.copy()).to(torch.int64).reshape(-1)
+    if not torch.equal(got, want):
+        raise SpecheadsError(f"{path}: d2t does not hold the head's draft -> target ids (offsets read wrong)")
+
+
+def draft_gguf(head_dir: str | Path, target: str | None = None, outtype: str = DEFAULT_OUTTYPE) -> Path:
+    """A head folder as a draft GGUF, converted once into $SPECHEADS_CACHE/gguf/heads/ (keyed by the head's
+    files and the target folder); a .gguf path is returned as it is."""
+    if str(head_dir).endswith(".gguf"):
+        if not Path(head_dir).exists():
+            raise SpecheadsError(f"{head_dir}: draft GGUF not found")
+        return Path(head_dir)
+    head_dir = Path(head_dir)
+    cfg = read_head_config(head_dir)
+    h = hashlib.sha256()
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        h.update((head_dir / name).read_bytes())
+    h.update(_folder_key(_target_folder(target or cfg.target_name), outtype, LLAMACPP_PIN).encode())
+    out = cache_root() / "gguf" / "heads" / f"{head_dir.name}-{h.hexdigest()[:12]}-{outtype}.gguf"
+    return out if out.exists() else convert_draft(head_dir, out, target, outtype)
+
+
+def spec_type_of(draft: Path) -> str:
+    """llama-server --spec-type for a draft GGUF, from its architecture."""
+    arch = gguf_metadata(draft)[0].get("general.architecture")
+    for kind in DRAFT_KINDS.values():
+        if kind.arch == arch:
+            return kind.spec_type
+    raise SpecheadsError(f"{draft}: GGUF architecture {arch!r} is not a draft specheads drives "
+                         f"({[k.arch for k in DRAFT_KINDS.values()]})")
+
+
+def export_gguf(head_dir: str | Path, out_dir: str | Path, target: str | None = None, with_target: bool = False,
+                outtype: str = DEFAULT_OUTTYPE) -> Path:
+    """`specheads export --format gguf`: out_dir/draft.gguf (+ target.gguf with `with_target`) and
+    gguf_export.json (what was converted, with the llama-server command), written atomically."""
+    head_dir = Path(head_dir)
+    cfg = read_head_config(head_dir)
+    kind = _draft_kind(cfg, head_dir)
+    kind.check_head(cfg, head_dir)
+    find_tools(converter=True)
+    with atomic_dir(out_dir) as tmp:
+        convert_draft(head_dir, tmp / DRAFT_NAME, target, outtype)
+        (tmp / (DRAFT_NAME + ".convert.log")).unlink(missing_ok=True)
+        manifest: dict[str, Any] = {
+            "draft": DRAFT_NAME, "head": str(head_dir), "kind": cfg.kind, "outtype": outtype,
+            "target": target or cfg.target_name, "feature_layers": list(cfg.feature_layers),
+            "converter": f"vendor/llama.cpp/convert_hf_to_gguf.py of {LLAMACPP_PIN}",
+            "llama_server": f"llama-server -m TARGET.gguf -md {DRAFT_NAME} --spec-type {kind.spec_type}"}
+        if with_target:
+            src = target_gguf(target or cfg.target_name, outtype)
+            try:
+                os.link(src, tmp / TARGET_NAME)  # the cached conversion, without a second copy on disk
+            except OSError:
+                shutil.copyfile(src, tmp / TARGET_NAME)
+            manifest.update(target_gguf=TARGET_NAME, llama_server=manifest["llama_server"].replace(
+                "TARGET.gguf", TARGET_NAME))
+        atomic_write_json(tmp / MANIFEST_NAME, manifest)
+    log.info("exported %s head %s as GGUF to %s", cfg.kind, head_dir, out_dir)
+    return Path(out_dir)
