@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -193,12 +192,11 @@ def test_export_gguf_cli_reads_back_every_convention(tiny_smol, tmp_path):
 
 @needs_tools
 def test_speculative_greedy_equals_plain_and_counters_add_up(tiny_smol):
-    from specheads.infer.bench import build_methods
+    from specheads.infer.bench import MethodOptions, build_methods, head_entries
 
     folder, target, head_dir = tiny_smol
-    args = SimpleNamespace(head=[f"h={head_dir}"], temperature=0.0, head_lookup=None, tree="auto",
-                           llamacpp_draft_max=3)
-    methods, extra = build_methods(["llama.cpp", "llama.cpp:h", "llama.cpp-ngram"], target, args)
+    options = MethodOptions(heads=head_entries([f"h={head_dir}"]), llamacpp_draft_max=3)
+    methods, extra = build_methods(["llama.cpp", "llama.cpp:h", "llama.cpp-ngram"], target, options)
     procs = [m.server.proc for m in methods if hasattr(m, "server")]
     try:
         by_name = {m.name: m for m in methods}
@@ -227,11 +225,12 @@ def test_speculative_greedy_equals_plain_and_counters_add_up(tiny_smol):
 def test_every_draft_accepted_gives_the_obvious_counts(repeat_smol):
     """The repeat target emits REPEAT forever and the head drafts only REPEAT: 25 tokens = the prefill's 1 + 6 steps
     of 3 accepted drafts + 1 bonus, so 7 target forwards, 18 drafted, 18 accepted, τ 25/7."""
+    from specheads.infer.bench import MethodOptions, head_entries
     from specheads.infer.llamacpp import build_llamacpp_method
 
     folder, target, head_dir = repeat_smol
-    args = SimpleNamespace(head=[f"r={head_dir}"], temperature=0.0, llamacpp_draft_max=3)
-    plain, spec = (build_llamacpp_method(n, target, args) for n in ("llama.cpp", "llama.cpp:r"))
+    options = MethodOptions(heads=head_entries([f"r={head_dir}"]), llamacpp_draft_max=3)
+    plain, spec = (build_llamacpp_method(n, target, options) for n in ("llama.cpp", "llama.cpp:r"))
     try:
         ids = target.tokenizer("Hello there, how are you?")["input_ids"]
         a, b = plain.generate(ids, 25), spec.generate(ids, 25)
