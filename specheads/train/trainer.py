@@ -62,6 +62,11 @@ class TrainConfig:
     noise: float = 0.2  # EAGLE(-3): width of uniform noise on input features (EAGLE repo: U(-0.1, 0.1))
     eagle_w_reg: float = 1.0  # EAGLE-1 SmoothL1 feature regression weight (paper)
     eagle_w_ce: float = 0.1  # EAGLE-1 soft CE weight (paper)
+    block_gamma: float = 4.0  # DSpark / DFlash: draft j weighted exp(-j / gamma) (DeepSpec loss_decay_gamma 4)
+    block_w_ce: float = 0.1  # DSpark / DFlash: soft CE against the target (DeepSpec ce_loss_alpha 0.1)
+    block_w_l1: float = 0.9  # DSpark / DFlash: ||q - p||_1 = 2 TV (DeepSpec l1_loss_alpha 0.9)
+    confidence_alpha: float = 1.0  # DSpark: confidence BCE weight (DeepSpec / speculators confidence_head_alpha)
+    max_anchors: int = 512  # DSpark / DFlash: blocks per sequence and step (DeepSpec num_anchors 512 at 4k tokens)
     num_workers: int = 0  # DataLoader workers (0: features are already tensors; workers cost RAM per process)
     # Medusa-2 (head.kind medusa, features.mode online): LoRA on the target trained jointly with the heads
     lora: bool = False  # off = Medusa-1 (frozen target)
@@ -79,7 +84,8 @@ class TrainConfig:
                   "epochs": self.epochs >= 1, "warmup_steps": self.warmup_steps >= 0,
                   "save_every": self.save_every >= 0, "keep_last": self.keep_last >= 1,
                   "log_every": self.log_every >= 1, "lr": self.lr > 0,
-                  "max_steps": self.max_steps is None or self.max_steps >= 1}
+                  "max_steps": self.max_steps is None or self.max_steps >= 1, "max_anchors": self.max_anchors >= 1,
+                  "block_gamma": self.block_gamma > 0}
         for k, ok in checks.items():
             if not ok:
                 raise SpecheadsError(f"train.{k}: invalid value {getattr(self, k)!r}")
@@ -320,7 +326,9 @@ class Trainer:
             acc.init_trackers("specheads", config=_flat(config_to_dict(self.recipe)),
                               init_kwargs={"wandb": {"dir": str(out), "name": out.name}})
         settings = LossSettings(soft_labels=cfg.soft_labels, decay=cfg.loss_decay, noise=cfg.noise,
-                                w_reg=cfg.eagle_w_reg, w_ce=cfg.eagle_w_ce)
+                                w_reg=cfg.eagle_w_reg, w_ce=cfg.eagle_w_ce, block_gamma=cfg.block_gamma,
+                                block_w_ce=cfg.block_w_ce, block_w_l1=cfg.block_w_l1,
+                                confidence_alpha=cfg.confidence_alpha, max_anchors=cfg.max_anchors)
         ecfg = self.recipe.eval
         reduce = lambda t: acc.reduce(t.to(acc.device), "sum")  # noqa: E731
 
@@ -602,4 +610,8 @@ def run_training(recipe, resume: bool = False, target=None) -> TrainResult:
     head = build_head(recipe.head, target, token_counts=counts)
     trainer = Trainer(recipe, target, head, train_ds, val_ds, collate_fn=collate_fn, layers=layers,
                       extract_fn=extract_fn)
-    return trainer.train(resume=resume)
+    result = trainer.train(resume=resume)
+    from specheads.train.evaluate import calibrate_run  # DSpark: confidence temperatures on the held-out split
+
+    calibrate_run(recipe, target, val_ds, collate_fn, layers, extract_fn)
+    return result
