@@ -153,19 +153,23 @@ class MarkovHead(nn.Module):
         elif kind == "rnn":
             self.joint_proj = nn.Linear(2 * rank + hidden, 3 * rank)
 
-    def step(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None):
-        """prev [...] target ids, h [..., D] -> (bias [..., V'], W1[prev] [..., r], state [..., r] or None)."""
-        e = self.markov_w1(prev).to(self.markov_w2.weight.dtype)
+    def embed(self, prev: torch.Tensor) -> torch.Tensor:
+        """prev [...] target ids -> W1[prev] [..., r] (one lookup for a whole block: one W1 gradient)."""
+        return self.markov_w1(prev).to(self.markov_w2.weight.dtype)
+
+    def step(self, e: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None):
+        """e = W1[x_prev] [..., r], h [..., D] -> (bias [..., V'], state [..., r] or None). vanilla / gated are
+        position-wise (any leading shape, e.g. all drafts at once); rnn carries `state` from draft to draft."""
         if self.kind == "vanilla":
-            return self.markov_w2(e), e, None
+            return self.markov_w2(e), None
         h = h.to(e.dtype)
         if self.kind == "gated":
-            return self.markov_w2(torch.sigmoid(self.gate_proj(torch.cat([h, e], -1))) * e), e, None
+            return self.markov_w2(torch.sigmoid(self.gate_proj(torch.cat([h, e], -1))) * e), None
         if state is None:
             state = torch.zeros_like(e)
         a, u, o = self.joint_proj(torch.cat([state, e, h], -1)).chunk(3, dim=-1)
         a = torch.sigmoid(a)
-        return self.markov_w2(torch.tanh(o)), e, a * state + (1.0 - a) * torch.tanh(u)
+        return self.markov_w2(torch.tanh(o)), a * state + (1.0 - a) * torch.tanh(u)
 
 
 class ConfidenceHead(nn.Module):
@@ -275,25 +279,32 @@ class DSparkHead(DraftHead):
         [B,A] anchors only, and draft j >= 1 reads the argmax of draft j-1 (what the drafter proposes)."""
         hd = h[:, :, self.slot0:]  # [B,A,K',D]: the drafting slots
         base = self._base_logits(hd)
-        if self.markov_head is None and self.confidence_head is None:
-            return base, None
-        logits, conf, state = [], [], None
-        p = prev if greedy else prev[..., 0]
-        if self.slot0 and self.markov_head is not None and self.markov_head.kind == "rnn":
-            _, _, state = self.markov_head.step(p, h[:, :, 0], None)  # speculators runs the state over slot 0 too
+        mk = self.markov_head
+        if mk is None:
+            return base, self._confidence(hd, None)
+        if not greedy and mk.kind != "rnn":  # teacher-forced and position-wise: every draft at once
+            e = mk.embed(prev)
+            return base + mk.step(e, hd, None)[0].to(base.dtype), self._confidence(hd, e)
+        e_all = None if greedy else mk.embed(prev)
+        p, state = (prev if greedy else prev[..., 0]), None
+        if self.slot0 and mk.kind == "rnn":  # speculators runs the rnn state over the anchor slot too
+            state = mk.step(mk.embed(p), h[:, :, 0], None)[1]
+        logits, embs = [], []
         for j in range(self.num_drafts):
-            lj, ej = base[:, :, j], None
-            if self.markov_head is not None:
-                bias, ej, state = self.markov_head.step(p, hd[:, :, j], state)
-                lj = lj + bias.to(lj.dtype)
-            logits.append(lj)
-            if self.confidence_head is not None:
-                feat = torch.cat([hd[:, :, j], ej.to(hd.dtype)], -1) if self.spec.confidence_with_markov \
-                    else hd[:, :, j]
-                conf.append(self.confidence_head(feat))
-            if j + 1 < self.num_drafts:
-                p = self.to_target_ids(lj.argmax(-1)) if greedy else prev[..., j + 1]
-        return torch.stack(logits, 2), (torch.stack(conf, 2) if conf else None)
+            e = mk.embed(p) if greedy else e_all[:, :, j]
+            bias, state = mk.step(e, hd[:, :, j], state)
+            logits.append(base[:, :, j] + bias.to(base.dtype))
+            embs.append(e)
+            if greedy and j + 1 < self.num_drafts:
+                p = self.to_target_ids(logits[-1].argmax(-1))
+        return torch.stack(logits, 2), self._confidence(hd, torch.stack(embs, 2))
+
+    def _confidence(self, hd: torch.Tensor, e: torch.Tensor | None) -> torch.Tensor | None:
+        """c_k logits [B,A,K'] from [h_k ; W1[x_{k-1}]] (or h_k alone), before the temperatures."""
+        if self.confidence_head is None:
+            return None
+        x = torch.cat([hd, e.to(hd.dtype)], -1) if self.spec.confidence_with_markov else hd
+        return self.confidence_head(x)
 
     # ----- training -----
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,

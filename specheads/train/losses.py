@@ -233,9 +233,11 @@ def dspark_loss(logits: torch.Tensor, conf_logits: torch.Tensor | None, target_l
         logits (it trains the confidence head and, through h_k, the backbone).
 
     logits [N,K',V'] (Markov-corrected), conf_logits [N,K'] or None, target_logits [N,K',V'] (target logits at
-    the draft-vocab columns), target_lse [N,K'] (full-vocab logsumexp), in_vocab [N,K'] (the target's argmax lies
-    in the draft vocab: CE and L1 skip the others, as eagle3_loss does; the BCE keeps them, their acceptance is
-    low), valid [N,K'] bool (a contiguous prefix of assistant tokens inside the sequence).
+    the draft-vocab columns), target_lse [N,K'] (their logsumexp: over the full vocabulary, the acceptance is the
+    exact one of a V'-draft; over V' alone, that of the renormalised target, as speculators computes it),
+    in_vocab [N,K'] (the target's argmax lies in the draft vocab: CE and L1 skip the others, as eagle3_loss does;
+    the BCE keeps them, their acceptance is low), valid [N,K'] bool (a contiguous prefix of assistant tokens
+    inside the sequence).
     """
     K = logits.shape[1]
     w = block_position_weights(K, gamma, logits.device) * valid.float()  # [N,K']

@@ -31,6 +31,7 @@ class LossSettings:
     block_w_l1: float = BLOCK_W_L1  # DSpark / DFlash: ||q - p||_1 weight
     confidence_alpha: float = CONFIDENCE_ALPHA  # DSpark: confidence BCE weight
     max_anchors: int = 512  # DSpark / DFlash: blocks sampled per sequence (DeepSpec num_anchors 512 at 4k tokens)
+    block_full_vocab: bool = False  # DSpark / DFlash: the target over every column, not only the draft vocab's
 
 
 def split_features(hidden: torch.Tensor, layers: list[int], head_layers: list[int], final_layer: int):
@@ -115,10 +116,11 @@ def draft_step_logits(kind: str, head, batch: dict, target, layers: list[int], h
     """
     h_in, h_last = split_features(batch["hidden"], layers, head_layers, target.num_layers)
     ids, amask = batch["input_ids"], batch["attention_mask"]
-    targ = target_logits(target, h_last, batch["loss_mask"]).argmax(-1)  # [B,T] greedy token j+1 at row j
     inner = _unwrap(head)
     if kind == "dspark":
-        return block_draft_outputs(head, batch, target, layers, head_layers, targ=targ)[0], _d2t(inner), targ
+        steps, _, targ = block_draft_outputs(head, batch, target, layers, head_layers)
+        return steps, _d2t(inner), targ
+    targ = target_logits(target, h_last, batch["loss_mask"]).argmax(-1)  # [B,T] greedy token j+1 at row j
     if kind == "medusa":
         return list(head(h_in.float()).unbind(0)), _d2t(inner), targ
     next_tokens = shift_rows(ids, 1)
@@ -167,21 +169,52 @@ def block_valid(loss_mask: torch.Tensor, anchors: torch.Tensor, num_drafts: int)
     return ok.long().cumprod(-1).bool()
 
 
-def block_targets(tl: torch.Tensor, d2t: torch.Tensor | None, anchors: torch.Tensor, num_drafts: int):
-    """tl [B,T,V] the target's logits (row j predicts token j+1) -> for draft j of the block at p, row p+j:
-    (logits at the draft-vocab columns [B,A,K',V'], full-vocab logsumexp [B,A,K'], argmax in the draft vocab
-    [B,A,K'] bool). Restricted per row first, gathered after: V' columns, not V, per draft."""
-    T = tl.shape[1]
-    lse = tl.float().logsumexp(-1)  # [B,T]
+@torch.no_grad()
+def block_targets(head, target, h_last: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
+                  full_vocab: bool = False):
+    """The target's distribution for draft j of the block at p is its next-token distribution at row p+j: the
+    frozen lm_head on h_L[p+j], computed once per distinct row the valid drafts read. h_last [B,T,D], anchors
+    [B,A], valid [B,A,K'] -> (logits at the draft-vocab columns [B,A,K',V'], their logsumexp [B,A,K'], target
+    argmax in the draft vocab [B,A,K'] bool); entries of invalid drafts are those of a valid one (masked).
+
+    With a draft vocabulary, by default only its V' columns are computed and the target is renormalised over them
+    (speculators' verifier_lm_head holds exactly those rows): the lm_head over the full vocabulary is the largest
+    matmul of a step (49,152 columns for SmolLM2 against 4-8k). full_vocab: every column, so that the logsumexp
+    is the full one (the confidence target becomes the exact acceptance of a V'-draft, and drafts whose target
+    argmax lies outside V' leave the CE / L1, as in eagle3_loss)."""
+    B, T = h_last.shape[:2]
+    rows = (anchors[..., None] + torch.arange(valid.shape[-1], device=anchors.device)).clamp(max=T - 1)  # [B,A,K']
+    need = torch.zeros(B, T, dtype=torch.bool, device=h_last.device)
+    need[torch.arange(B, device=rows.device)[:, None, None].expand_as(rows)[valid], rows[valid]] = True
+    where = need.flatten().cumsum(0).view(B, T) - 1  # row -> its index among the computed ones
+    d2t = _d2t(head)
+    if d2t is None or full_vocab:
+        lm = target.lm_head
+        logits = lm(h_last[need].to(lm.weight.dtype)).float()  # [R,V]
+    else:
+        logits = head.target_lm_logits(h_last[need]).float()  # [R,V'] (the head caches these lm_head rows)
+    lse = logits.logsumexp(-1)
     ok = torch.ones_like(lse, dtype=torch.bool)
-    if d2t is not None:
-        d2t = d2t.to(tl.device)
-        ok = in_draft_vocab(d2t, tl.shape[-1])[tl.argmax(-1)]
-        tl = tl[..., d2t]
-    rows = (anchors[..., None] + torch.arange(num_drafts, device=anchors.device)).clamp(max=T - 1)  # [B,A,K']
-    flat = rows.flatten(1)
-    tgt = tl.gather(1, flat[..., None].expand(-1, -1, tl.shape[-1])).view(*rows.shape, -1)
-    return tgt, lse.gather(1, flat).view(rows.shape), ok.gather(1, flat).view(rows.shape)
+    if d2t is not None and full_vocab:
+        d2t = d2t.to(logits.device)
+        ok = in_draft_vocab(d2t, logits.shape[-1])[logits.argmax(-1)]
+        logits = logits[:, d2t]
+    if logits.shape[0] == 0:  # no valid draft in the batch
+        logits, lse, ok = logits.new_zeros(1, logits.shape[1]), lse.new_zeros(1), ok.new_ones(1)
+    idx = where.gather(1, rows.flatten(1)).view(rows.shape).clamp(min=0) * valid
+    return logits[idx], lse[idx], ok[idx]
+
+
+@torch.no_grad()
+def target_argmax(target, h_last: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """[B,T] the target's greedy token j+1 at row j, computed only where token j+1 is an assistant token (the
+    only rows evaluation reads; 0 elsewhere)."""
+    need = torch.zeros_like(loss_mask, dtype=torch.bool)
+    need[:, :-1] = loss_mask[:, 1:].bool()
+    out = torch.zeros(need.shape, dtype=torch.long, device=h_last.device)
+    lm = target.lm_head
+    out[need] = lm(h_last[need].to(lm.weight.dtype)).argmax(-1)
+    return out
 
 
 def _dspark_train_loss(head, h_in, h_last, batch, target, settings: LossSettings, generator) -> LossOutput:
@@ -189,11 +222,10 @@ def _dspark_train_loss(head, h_in, h_last, batch, target, settings: LossSettings
     ids, lmask = batch["input_ids"], batch["loss_mask"]
     inner = _unwrap(head)
     K = inner.num_drafts
-    tl = target_logits(target, h_last, lmask)  # [B,T,V]
     anchors, avalid = sample_anchors(lmask, settings.max_anchors, generator)
     logits, conf = head(h_in.float(), ids, anchors, batch["attention_mask"])  # [B,A,K',V'], [B,A,K']
-    tgt, lse, ok = block_targets(tl, _d2t(inner), anchors, K)
     valid = block_valid(lmask, anchors, K) & avalid[..., None]
+    tgt, lse, ok = block_targets(inner, target, h_last, anchors, valid, settings.block_full_vocab)
     keep = avalid  # [B,A]: padding blocks leave the loss entirely
     return dspark_loss(logits[keep], None if conf is None else conf[keep], tgt[keep], lse[keep], ok[keep],
                        valid[keep], gamma=settings.block_gamma, w_ce=settings.block_w_ce, w_l1=settings.block_w_l1,
@@ -214,7 +246,7 @@ def block_draft_outputs(head, batch: dict, target, layers: list[int], head_layer
     h_in, h_last = split_features(batch["hidden"], layers, head_layers, target.num_layers)
     ids, lmask, amask = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
     if targ is None:
-        targ = target_logits(target, h_last, lmask).argmax(-1)
+        targ = target_argmax(target, h_last, lmask)
     B, T = ids.shape
     K, V = inner.num_drafts, inner.config.out_vocab
     anchors, avalid = _all_anchors(lmask)

@@ -67,6 +67,7 @@ class TrainConfig:
     block_w_l1: float = 0.9  # DSpark / DFlash: ||q - p||_1 = 2 TV (DeepSpec l1_loss_alpha 0.9)
     confidence_alpha: float = 1.0  # DSpark: confidence BCE weight (DeepSpec / speculators confidence_head_alpha)
     max_anchors: int = 512  # DSpark / DFlash: blocks per sequence and step (DeepSpec num_anchors 512 at 4k tokens)
+    block_full_vocab: bool = False  # DSpark / DFlash: target over the full vocab (exact acceptance; ~2x the step)
     num_workers: int = 0  # DataLoader workers (0: features are already tensors; workers cost RAM per process)
     # Medusa-2 (head.kind medusa, features.mode online): LoRA on the target trained jointly with the heads
     lora: bool = False  # off = Medusa-1 (frozen target)
@@ -328,7 +329,8 @@ class Trainer:
         settings = LossSettings(soft_labels=cfg.soft_labels, decay=cfg.loss_decay, noise=cfg.noise,
                                 w_reg=cfg.eagle_w_reg, w_ce=cfg.eagle_w_ce, block_gamma=cfg.block_gamma,
                                 block_w_ce=cfg.block_w_ce, block_w_l1=cfg.block_w_l1,
-                                confidence_alpha=cfg.confidence_alpha, max_anchors=cfg.max_anchors)
+                                confidence_alpha=cfg.confidence_alpha, max_anchors=cfg.max_anchors,
+                                block_full_vocab=cfg.block_full_vocab)
         ecfg = self.recipe.eval
         reduce = lambda t: acc.reduce(t.to(acc.device), "sum")  # noqa: E731
 
