@@ -138,7 +138,7 @@ def test_sample_anchors_reproducible_and_on_assistant_rows():
     lm[1, 10:14] = 1
     lm[2, 18:] = 1
     a1, v1 = sample_anchors(lm, 6, torch.Generator().manual_seed(0))
-    a2, v2 = sample_anchors(lm, 6, torch.Generator().manual_seed(0))
+    a2, v2 = sample_anchors(lm, 6, torch.Generator().manual_seed(0))  # the trainer passes LossSettings.generator
     assert torch.equal(a1, a2) and torch.equal(v1, v2)
     assert v1.sum(1).tolist() == [6, 4, 2]  # row 1 has 4 candidates (p = 9..12), row 2 two (p = 17, 18)
     for b in range(3):
@@ -236,6 +236,35 @@ def test_training_run_tau_rises_and_target_stays_frozen(tmp_path):
     assert "lm_head.weight" not in trainable and not torch.equal(head.lm_head.weight, torch.zeros(1))
     assert all(torch.equal(v, target.model.state_dict()[k]) for k, v in target_before.items()), "target changed"
     assert load_head(tmp_path / "best", target).kind == "dspark"
+
+
+@pytest.mark.xfail(strict=True, reason="exact resume needs the trainer's checkpointed LossSettings.generator and "
+                   "per-loader generators (wt-reliab, issue 17): a DataLoader iterator draws its seed from the global "
+                   "RNG, so a resumed epoch shifts the anchors. Remove this mark at merge.")
+def test_resume_gives_same_weights(tiny, tmp_path):
+    """A run stopped after a checkpoint and resumed ends with the same weights as an uninterrupted one (the
+    anchors come from the trainer's generator, saved in its checkpoints)."""
+    from specheads.config import load_config
+    from specheads.recipe import Recipe
+    from specheads.train.trainer import Trainer
+
+    data, val = _greedy_samples(tiny, 10, T=24), _greedy_samples(tiny, 2, T=24, seed=1)
+
+    def run(out, stop=None, resume=False):
+        recipe = load_config(Recipe, None, [
+            f"output_dir={out}", "seed=0", "head.kind=dspark", "head.feature_layers=[1,2,3]", "head.block_size=3",
+            "head.markov_rank=8", "train.tracker=none", "train.batch_size=2", "train.lr=1e-2", "train.max_steps=6",
+            "train.save_every=2", "train.max_anchors=4", "eval.every_steps=0", "eval.at_start=false",
+            "eval.max_samples=2"])
+        torch.manual_seed(123 if resume else 0)
+        head = build_head(recipe.head, tiny)
+        Trainer(recipe, tiny, head, data, val).train(resume=resume, stop_after=stop)
+        return head.state_dict()
+
+    a = run(tmp_path / "a")
+    run(tmp_path / "b", stop=4)
+    b = run(tmp_path / "b", resume=True)
+    assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) == 0.0
 
 
 def test_run_training_calibrates_the_head_folders(tmp_path):

@@ -20,7 +20,8 @@ Markov head (sequential stage): draft k's logits add a low-rank bias of the prev
 
     vanilla: B_k = W2 · W1[x_{k-1}]                W1: [V, r] (target ids), W2: r -> V'
     gated:   B_k = W2 · (σ(G [h_k ; W1[x_{k-1}]] + g) ⊙ W1[x_{k-1}])
-    rnn:     s_k = a ⊙ s_{k-1} + (1-a) ⊙ tanh(u),  B_k = W2 · tanh(o),   [a; u; o] = J [s_{k-1} ; W1[x_{k-1}] ; h_k] + j
+    rnn:     s_k = a ⊙ s_{k-1} + (1-a) ⊙ tanh(u),  B_k = W2 · tanh(o),
+             [a; u; o] = J [s_{k-1} ; W1[x_{k-1}] ; h_k] + j      (s_0 = 0)
 
     p_k(v) = softmax(U_k + B_k)(v),   x_{k-1} = the anchor for the first draft, else the previous draft (greedy
     argmax at inference, the data's token in training: teacher forcing)

@@ -387,13 +387,17 @@ def _specforge_block_config(cfg: HeadConfig, where: str) -> dict:
     spec = cfg.head_spec
     if cfg.draft_vocab_size:
         raise SpecheadsError(f"--format specforge: {where} drafts over a {cfg.draft_vocab_size}-token draft vocab; "
-                             "SpecForge's DFlash / DSpark use the target's full vocabulary (head.draft_vocab_size null)")
+                             "SpecForge's DFlash / DSpark use the target's full vocabulary "
+                             "(head.draft_vocab_size null)")
     kind = _block_type(spec)
     config = _block_layer_dict(cfg)
+    ids = [i - 1 for i in cfg.feature_layers]
     config.update(architectures=["DSparkDraftModel" if kind == "dspark" else "DFlashDraftModel"],
                   block_size=spec.block_size, num_target_layers=int(cfg.target_config["num_hidden_layers"]),
-                  dflash_config={"target_layer_ids": [i - 1 for i in cfg.feature_layers],
-                                 "mask_token_id": spec.mask_token_id, "sample_from_anchor": spec.sample_from_anchor})
+                  dflash_config={"target_layer_ids": ids, "mask_token_id": spec.mask_token_id},
+                  # top-level copies: DeepSpec's Qwen3DSparkModel config keys, and llama.cpp's DSparkModel reads
+                  # sample_from_anchor here (its default without it is true)
+                  target_layer_ids=ids, mask_token_id=spec.mask_token_id, sample_from_anchor=spec.sample_from_anchor)
     if kind == "dspark":
         config["model_type"] = "dspark"
         config.update(_block_head_fields(spec), dspark_config=_block_head_fields(spec))
@@ -435,7 +439,7 @@ def _block_spec(fmt: str, config: dict, target, where: str) -> HeadSpec:
         heads = config.get("dspark_config") or config
         if "markov_rank" not in heads:
             heads = {"markov_rank": 0, "enable_confidence_head": False}
-        mask, sfa = dfc.get("mask_token_id"), dfc.get("sample_from_anchor", config.get("model_type") == "dspark")
+        mask, sfa = dfc.get("mask_token_id"), config.get("sample_from_anchor", config.get("model_type") == "dspark")
     _check_dims(layer, target, where)
     dv = int(config.get("draft_vocab_size") or target.vocab_size)
     rank, conf = int(heads.get("markov_rank", 256)), bool(heads.get("enable_confidence_head", True))

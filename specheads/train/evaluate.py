@@ -260,6 +260,7 @@ def calibrate_head(head_dir, target, batches, layers, cfg: EvalConfig, get_hidde
 def calibrate_run(recipe, target, val_ds, collate_fn, layers, extract_fn=None) -> dict | None:
     """After training a block head with a confidence head: calibrate `best/` and `final/` on the held-out split
     (every held-out sample) and write <output_dir>/calibration.json. Main process only (no collectives)."""
+    from specheads.heads.base import load_head
     from specheads.utils import atomic_write_json
 
     if recipe.head.kind != "dspark" or not recipe.head.confidence_head or int(os.environ.get("RANK", "0")) != 0:
@@ -277,10 +278,17 @@ def calibrate_run(recipe, target, val_ds, collate_fn, layers, extract_fn=None) -
                 b["hidden"] = extract_fn(target, b["input_ids"], b["attention_mask"], layers)
             yield b
 
-    out = {}
+    out, root = {}, Path(recipe.output_dir)
+    same = all((root / n / "model.safetensors").exists() for n in ("best", "final")) and \
+        (root / "best" / "model.safetensors").read_bytes() == (root / "final" / "model.safetensors").read_bytes()
     for name in ("best", "final"):
-        d = Path(recipe.output_dir) / name
-        if (d / "config.json").exists():
+        d = root / name
+        if name == "final" and same:  # the best head is the final one: the same temperatures, one pass less
+            head = load_head(d, target, dtype=torch.float32)
+            head.conf_temperature.copy_(torch.tensor(out["best"]["temperatures"]))
+            head.save_pretrained(d)
+            out[name] = out["best"]
+        elif (d / "config.json").exists():
             out[name] = calibrate_head(d, target, batches(), layers, recipe.eval)
             after = out[name]["odd_after"]
             log.info("calibrated %s: temperatures %s; held-out ECE max %.3f -> %.3f", d,

@@ -32,6 +32,7 @@ class LossSettings:
     confidence_alpha: float = CONFIDENCE_ALPHA  # DSpark: confidence BCE weight
     max_anchors: int = 512  # DSpark / DFlash: blocks sampled per sequence (DeepSpec num_anchors 512 at 4k tokens)
     block_full_vocab: bool = False  # DSpark / DFlash: the target over every column, not only the draft vocab's
+    generator: torch.Generator | None = None  # the step's random draws (DSpark anchors); None = torch's global RNG
 
 
 def split_features(hidden: torch.Tensor, layers: list[int], head_layers: list[int], final_layer: int):
@@ -72,13 +73,12 @@ def _d2t(head) -> torch.Tensor | None:
 
 
 def train_loss(kind: str, head, batch: dict, target, layers: list[int], head_layers: list[int],
-               settings: LossSettings, generator: torch.Generator | None = None) -> LossOutput:
-    """Forward the (possibly wrapped) head on one batch and return its loss. `head` may be DDP/DeepSpeed-wrapped.
-    generator (CPU): the step's random draws (DSpark anchors); None = torch's global RNG (seeded, checkpointed)."""
+               settings: LossSettings) -> LossOutput:
+    """Forward the (possibly wrapped) head on one batch and return its loss. `head` may be DDP/DeepSpeed-wrapped."""
     h_in, h_last = split_features(batch["hidden"], layers, head_layers, target.num_layers)
     ids, lmask, amask = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
     if kind == "dspark":
-        return _dspark_train_loss(head, h_in, h_last, batch, target, settings, generator)
+        return _dspark_train_loss(head, h_in, h_last, batch, target, settings)
     if kind == "medusa":
         d2t = _d2t(_unwrap(head))
         # soft labels over the draft vocab only need those lm_head rows: [B,T,V'] (6x fewer at 8k of 49k)
@@ -144,14 +144,15 @@ def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.G
     only at the turn's first answer token), at most max_anchors each, ascending.
 
     loss_mask [B,T] -> (anchors [B,A] long, valid [B,A] bool) on loss_mask's device, A = min(max_anchors, the
-    most candidates of a row); padding anchors are 0 and invalid. The draws come from `generator` (CPU) or the
-    global RNG, so a seeded run and its resume draw the same anchors.
+    most candidates of a row); padding anchors are 0 and invalid. The draws come from `generator` (on its own
+    device) or torch's global RNG: a trainer that checkpoints its generator resumes with the same anchors.
     """
     B, T = loss_mask.shape
-    cand = torch.zeros(B, T, dtype=torch.bool)
-    cand[:, 1:T - 1] = loss_mask[:, 2:].bool().cpu()  # p >= 1 (a context row exists) and x_{p+1} assistant
+    dev = generator.device if generator is not None else torch.device("cpu")
+    cand = torch.zeros(B, T, dtype=torch.bool, device=dev)
+    cand[:, 1:T - 1] = loss_mask[:, 2:].bool().to(dev)  # p >= 1 (a context row exists) and x_{p+1} assistant
     A = max(1, min(int(max_anchors), int(cand.sum(1).max())))
-    score = torch.rand(B, T, generator=generator).masked_fill(~cand, 2.0)  # candidates first, in random order
+    score = torch.rand(B, T, generator=generator, device=dev).masked_fill(~cand, 2.0)  # candidates first, shuffled
     pick = score.argsort(dim=1)[:, :A]
     valid = cand.gather(1, pick)
     anchors = torch.where(valid, pick, torch.full_like(pick, T + 1)).sort(dim=1).values  # valid ones first
@@ -217,12 +218,12 @@ def target_argmax(target, h_last: torch.Tensor, loss_mask: torch.Tensor) -> torc
     return out
 
 
-def _dspark_train_loss(head, h_in, h_last, batch, target, settings: LossSettings, generator) -> LossOutput:
+def _dspark_train_loss(head, h_in, h_last, batch, target, settings: LossSettings) -> LossOutput:
     """Sampled blocks, teacher-forced (previous tokens = the data's), against the target's distributions."""
     ids, lmask = batch["input_ids"], batch["loss_mask"]
     inner = _unwrap(head)
     K = inner.num_drafts
-    anchors, avalid = sample_anchors(lmask, settings.max_anchors, generator)
+    anchors, avalid = sample_anchors(lmask, settings.max_anchors, settings.generator)
     logits, conf = head(h_in.float(), ids, anchors, batch["attention_mask"])  # [B,A,K',V'], [B,A,K']
     valid = block_valid(lmask, anchors, K) & avalid[..., None]
     tgt, lse, ok = block_targets(inner, target, h_last, anchors, valid, settings.block_full_vocab)
