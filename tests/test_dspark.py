@@ -150,6 +150,26 @@ def test_sample_anchors_reproducible_and_on_assistant_rows():
     assert ok.tolist() == [[[True, True, False, False]], [[True, True, False, False]], [[True, True, False, False]]]
 
 
+def test_block_targets_read_row_p_plus_j(tiny):
+    from specheads.train.steps import block_targets
+
+    head = _head(tiny, draft_vocab_size=100)
+    h = torch.randn(2, 12, D, generator=torch.Generator().manual_seed(2))
+    anchors = torch.tensor([[2, 7], [4, 0]])
+    valid = torch.ones(2, 2, 4, dtype=torch.bool)
+    valid[1, 1] = False  # a padding block
+    full = tiny.lm_head(h)  # [2,12,V]
+    tgt, lse, ok = block_targets(head, tiny, h, anchors, valid)  # the draft vocab's columns, renormalised
+    torch.testing.assert_close(tgt[0, 1, 2], full[0, 9, head.d2t])  # draft 2 of the block at 7: row 9
+    torch.testing.assert_close(lse[0, 1, 2], full[0, 9, head.d2t].logsumexp(-1))
+    assert bool(ok.all())
+    tgt, lse, ok = block_targets(head, tiny, h, anchors, valid, full_vocab=True)
+    torch.testing.assert_close(tgt[1, 0, 3], full[1, 7, head.d2t])
+    torch.testing.assert_close(lse[1, 0, 3], full[1, 7].logsumexp(-1))  # the full vocabulary's
+    want = torch.isin(full[0, 2:6].argmax(-1), head.d2t)
+    assert torch.equal(ok[0, 0], want)
+
+
 def test_fit_sequential_temperatures_recovers_obvious_answers():
     z = torch.linspace(-4, 4, 41).repeat_interleave(200)  # 8,200 rows
     g = torch.Generator().manual_seed(0)
