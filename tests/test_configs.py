@@ -33,8 +33,11 @@ def test_every_config_file_is_covered():
 def test_recipe_loads_and_names_its_command(path):
     assert first_line(path).startswith("command: specheads "), f"{path.name}: first line must be `command: ...`"
     recipe = load_config(Recipe, path)
-    assert recipe.head.kind in ("medusa", "eagle", "eagle3")
-    assert path.stem.split("-")[0].startswith(("demo", recipe.head.kind, "prepare"))
+    assert recipe.head.kind in ("medusa", "eagle", "eagle3", "dspark")
+    names = {"dspark": ("dspark", "dflash")}.get(recipe.head.kind, (recipe.head.kind,))  # DFlash = dspark minus heads
+    assert path.stem.split("-")[0].startswith(("demo", "prepare") + names)
+    if recipe.head.kind == "dspark" and path.stem.split("-")[0] == "dflash":
+        assert recipe.head.markov_rank == 0 and not recipe.head.confidence_head
     if recipe.train.lora:
         assert recipe.head.kind == "medusa" and recipe.features.mode == "online"
     if recipe.train.deepspeed:

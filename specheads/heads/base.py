@@ -31,6 +31,7 @@ HEAD_CLASSES: dict[str, tuple[str, str]] = {
     "medusa": ("specheads.heads.medusa", "MedusaHead"),
     "eagle": ("specheads.heads.eagle", "EagleHead"),
     "eagle3": ("specheads.heads.eagle3", "Eagle3Head"),
+    "dspark": ("specheads.heads.dspark", "DSparkHead"),
 }
 HEAD_KINDS = tuple(HEAD_CLASSES)
 FORMAT_VERSION = 1  # bump when config.json or the key layout of model.safetensors changes
@@ -43,7 +44,7 @@ CHECKSUM_NAME = "model.safetensors.sha256"  # `sha256sum -c` format; checked on 
 class HeadSpec:
     """The `head:` section of a recipe: what to build. Resolved against a target into a `HeadConfig`."""
 
-    kind: str = "eagle3"  # medusa | eagle | eagle3
+    kind: str = "eagle3"  # medusa | eagle | eagle3 | dspark (DFlash: dspark with markov_rank 0, no confidence head)
     num_heads: int = 4  # Medusa: K heads (Medusa paper default 4 in the repo's training script)
     num_layers: int = 1  # residual blocks per Medusa head; decoder layers for EAGLE (EAGLE-1/3 use 1)
     draft_vocab_size: int | None = None  # reduced draft vocabulary (EAGLE-3 d2t/t2d); None = target vocab
@@ -51,15 +52,43 @@ class HeadSpec:
     bias: bool | None = None  # fc / ResBlock bias; None = the kind's paper default (Medusa True, EAGLE True, EAGLE-3 False)
     medusa_lm_head: Literal["shared", "per_head"] = "shared"  # shared frozen target lm_head, or per head (Medusa-1 repo)
     ttt_steps: int = 7  # EAGLE-3 training-time-test unroll (EAGLE-3 repo default length 7)
+    # DSpark / DFlash block drafter (heads/dspark.py; docs/training.md "DSpark"). DFlash = markov_rank 0 and
+    # confidence_head false: the same head without its two small heads.
+    block_size: int = 7  # K slots per block incl. the anchor (DeepSpec dspark_qwen3_4b: 7; speculators' default 8)
+    markov_rank: int = 256  # r of the Markov logit bias W2·W1[x_prev] (DeepSpec / speculators: 256); 0 = none
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"  # DeepSpec default vanilla
+    confidence_head: bool = True  # per-draft acceptance predictor c_k (DeepSpec / speculators: on)
+    confidence_with_markov: bool = True  # c_k reads [h_k ; W1[x_{k-1}]] (needs markov_rank > 0), else h_k only
+    sample_from_anchor: bool = True  # slot 0 (the anchor) drafts too: K drafts (DSpark); false: K-1 (DFlash)
+    mask_token_id: int | None = None  # token embedded at the block's mask slots; None = tokenizer mask/pad/eos/unk
 
     def __post_init__(self) -> None:
         if self.kind not in HEAD_KINDS:
             raise SpecheadsError(f"head.kind: {self.kind!r} is not one of {list(HEAD_KINDS)}")
-        for name in ("num_heads", "num_layers", "ttt_steps"):
+        for name in ("num_heads", "num_layers", "ttt_steps", "block_size"):
             if getattr(self, name) < 1:
                 raise SpecheadsError(f"head.{name}: must be >= 1, got {getattr(self, name)}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise SpecheadsError(f"head.draft_vocab_size: must be >= 1 or null, got {self.draft_vocab_size}")
+        if self.kind == "dspark":
+            self._check_block()
+
+    def _check_block(self) -> None:
+        if self.block_size < (1 if self.sample_from_anchor else 2):
+            raise SpecheadsError(f"head.block_size: {self.block_size} drafts nothing with sample_from_anchor "
+                                 f"{str(self.sample_from_anchor).lower()} (the anchor slot only drafts when true)")
+        if self.markov_rank < 0:
+            raise SpecheadsError(f"head.markov_rank: must be >= 0 (0 = no Markov head), got {self.markov_rank}")
+        if self.confidence_head and self.confidence_with_markov and self.markov_rank == 0:
+            raise SpecheadsError("head.confidence_with_markov: needs head.markov_rank > 0 (set it false, or "
+                                 "confidence_head false for plain DFlash)")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise SpecheadsError(f"head.mask_token_id: must be a token id >= 0 or null, got {self.mask_token_id}")
+
+    @property
+    def num_drafts(self) -> int:
+        """Drafted tokens per block (DSpark / DFlash): the K slots, less the anchor slot unless it samples."""
+        return self.block_size - (0 if self.sample_from_anchor else 1)
 
     def resolved_bias(self) -> bool:
         return self.bias if self.bias is not None else self.kind != "eagle3"
@@ -83,6 +112,8 @@ def default_feature_layers(kind: str, num_layers_of_target: int) -> list[int]:
             return [1, L // 2, L - 1]
         raise SpecheadsError(f"head.feature_layers: EAGLE-3 fuses 3 distinct target layers in 1..L-1 and this "
                              f"target has L = {L}; give head.feature_layers explicitly")
+    if kind == "dspark":
+        return [2, L // 2, L - 3] if L >= 7 else default_feature_layers("eagle3", L)  # speculators' default
     raise SpecheadsError(f"head.kind: {kind!r} is not one of {list(HEAD_KINDS)}")
 
 
@@ -125,6 +156,8 @@ class HeadConfig:
         d = dataclasses.asdict(spec)
         d["feature_layers"] = layers
         d["draft_vocab_size"] = dv
+        if spec.kind == "dspark":
+            d["mask_token_id"] = _block_fits(spec, target)
         return cls(kind=spec.kind, target_name=target.name, hidden_size=target.hidden_size,
                    vocab_size=target.vocab_size, feature_layers=layers, fingerprint=target.fingerprint(),
                    draft_vocab_size=dv, spec=d, target_config=target.text_config.to_dict())
@@ -183,6 +216,24 @@ def _check_config_values(d: dict, where: str) -> None:
     for key in ("kind", "draft_vocab_size", "feature_layers"):
         if getattr(spec, key) != d[key]:
             raise SpecheadsError(f"{where}: key 'spec.{key}' is {getattr(spec, key)!r} but {key!r} is {d[key]!r}")
+
+
+def _block_fits(spec: HeadSpec, target) -> int:
+    """A DSpark block must fit the target's positions and vocab: returns the resolved mask token id (explicit,
+    else the tokenizer's mask, pad, eos or unk token, as speculators' resolve_mask_token_id falls back; 0 without
+    a tokenizer)."""
+    if target.max_positions is not None and spec.block_size + 1 >= target.max_positions:
+        raise SpecheadsError(f"head.block_size: {spec.block_size} does not fit the {target.max_positions} positions "
+                             f"of {target.name}")
+    mid = spec.mask_token_id
+    tok = getattr(target, "tokenizer", None)
+    for name in ("mask_token_id", "pad_token_id", "eos_token_id", "unk_token_id"):
+        if mid is None and tok is not None and getattr(tok, name, None) is not None:
+            mid = int(getattr(tok, name))
+    mid = 0 if mid is None else mid
+    if not 0 <= mid < target.vocab_size:
+        raise SpecheadsError(f"head.mask_token_id: {mid} is outside the target vocab 0..{target.vocab_size - 1}")
+    return mid
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -23,6 +23,13 @@ cites the loader code (repository, commit, path) and says what was run and what 
   medusa_fc_bias; blocks.{h}.layers.{l}.weight/bias, lm_heads.{h}.weight [, token_map: absolute ids].
 What no consumer of a format can read is refused, naming the consumer and the reason (`consumer_problems`).
 Every non-native export also carries a `specheads` block: format, consumers checked, verifier, feature layers.
+- speculators, dspark head (vLLM via speculators' DSparkDraftModel / DFlashDraftModel): speculators_model_type
+  dspark (dflash when markov_rank 0 and no confidence head), transformer_layer_config (Qwen3), block_size,
+  aux_hidden_state_layer_ids, mask_token_id, sample_from_anchor, markov_* / *confidence_head*;
+  fc, hidden_norm, layers.{i}.*, norm, markov_head.*, confidence_head.proj.* [, lm_head, d2t, t2d when V' < V].
+- specforge (SpecForge DFlashDraftModel / DSparkDraftModel; SGLang's DFlash loader): a flat Qwen3 config +
+  block_size, num_target_layers, dflash_config {target_layer_ids (ours - 1), mask_token_id}, DSpark fields; the
+  same tensors, full vocabulary only (SpecForge drafts through the target's lm_head).
 
 Imports also accept FasterDecoding Medusa checkpoints (`{h}.{l}.linear.*`, optionally under `medusa_head.`; config
 medusa_num_heads / medusa_num_layers) and EAGLE-1 / EAGLE-3 repo folders (same layouts as `eagle` / `eagle3`).
@@ -43,9 +50,12 @@ from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json, read_
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("native", "eagle", "eagle-vllm", "eagle3", "speculators", "medusa-vllm", "gguf")  # gguf: heads/gguf.py
+FORMATS = ("native", "eagle", "eagle-vllm", "eagle3", "speculators", "medusa-vllm", "specforge",
+           "gguf")  # gguf: heads/gguf.py
 KIND_OF_FORMAT = {"eagle": "eagle", "eagle-vllm": "eagle", "eagle3": "eagle3", "speculators": "eagle3",
-                  "medusa-vllm": "medusa"}
+                  "medusa-vllm": "medusa", "specforge": "dspark"}
+BLOCK_FORMATS = ("speculators", "specforge")  # the formats a dspark head exports to (speculators: dspark / dflash)
+BLOCK_TYPES = ("dspark", "dflash")  # speculators_model_type values imported as a dspark head
 SPECULATIVE_TOKENS = 3  # speculators' greedy proposal default (its EAGLE-3 converter writes 3)
 HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # our aliases -> the id serving engines load
 # What the bundled aliases really are: an export names the hub id as verifier, but the head was trained on these.
@@ -341,6 +351,8 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target=None
     cfg = read_head_config(head_dir)
     sd = read_safetensors(head_dir / WEIGHTS_NAME)
     where = str(head_dir / WEIGHTS_NAME)
+    if cfg.kind == "dspark" and fmt in BLOCK_FORMATS:
+        return export_block_head(cfg, sd, fmt, out_dir, where, verifier_name_or_path)
     if fmt != "native" and KIND_OF_FORMAT[fmt] != cfg.kind:
         raise SpecheadsError(f"--format {fmt}: needs a {KIND_OF_FORMAT[fmt]} head, {head_dir} holds a {cfg.kind} head")
     # Every key our own head would have must be present (a truncated export is worse than none).
@@ -373,6 +385,8 @@ def detect_format(src: Path, config: dict) -> str:
         return "native"
     if "speculators_model_type" in config:
         return "speculators"
+    if "dflash_config" in config or config.get("model_type") == "dspark":
+        return "specforge"
     if config.get("model_type") == "medusa" or "num_heads" in config and "truncated_vocab_size" in config:
         return "medusa-vllm"
     if "medusa_num_heads" in config:
@@ -565,11 +579,14 @@ def import_head(src_dir: str | Path, target, fmt: str | None = None) -> DraftHea
     fmt = fmt or detect_format(src, config)
     if fmt == "native":
         return load_head(src, target)
-    if fmt not in READERS:
+    if fmt not in READERS and fmt != "specforge":
         raise SpecheadsError(f"--format: {fmt!r} is not one of {list(FORMATS) + ['medusa-repo']}")
     wpath = _weights_file(src)
     sd = {k: v for k, v in read_safetensors(wpath).items() if k not in _SKIP_ON_IMPORT}
-    spec, tensors = READERS[fmt](config, sd, target, str(cpath), str(wpath))
+    if fmt == "specforge" or fmt == "speculators" and config.get("speculators_model_type") in BLOCK_TYPES:
+        spec, tensors = import_block_tensors(fmt, config, sd, target, str(cpath), str(wpath))
+    else:
+        spec, tensors = READERS[fmt](config, sd, target, str(cpath), str(wpath))
     head = head_class(spec.kind)(HeadConfig.from_target(spec, target))
     load_state_checked(head, tensors, wpath)
     dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)

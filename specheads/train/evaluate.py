@@ -10,14 +10,28 @@ Teacher forcing: the draft reads the data's tokens and (EAGLE-3 TTT) its own pre
 sees in serving whenever the earlier steps were accepted. With regenerated data the data's tokens are the target's
 own, so this tracks the τ that `specheads bench` measures; on human-written data it reads the target on text it
 would not have written.
+
+Block heads (DSpark / DFlash) add, per draft position j (over start rows whose drafts < j were all accepted, i.e.
+the top-1 of each equals the target's greedy token): greedy acceptance `accept_j`, mean calibrated confidence
+`conf_j`, its ECE / AUROC / Brier score against that acceptance (`ece_j`, `auroc_j`, `brier_j`), the ECE of the
+survival probability prod_{i<=j} c_i against "drafts <= j all accepted" over every start row (`surv_ece_j`, what
+DeepSpec's evaluator reports), and for each `conf_threshold` the τ of the block cut where that survival falls
+below the threshold (`tau_cut{thr}`, with `len_cut{thr}` drafts verified on average); `tau_chain` is the full
+block's. `fit_sequential_temperatures` calibrates the confidences per position on held-out rows after training.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from specheads.train.losses import simulated_tau, step_correct
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,6 +45,8 @@ class EvalConfig:
     eagle_steps: int = 5  # EAGLE-1 unroll depth used for the chain τ
     select: str = "tau_tree"  # metric that picks the best checkpoint: tau_tree | tau_chain
     at_start: bool = True  # evaluate the untrained head first (the baseline τ the training must beat)
+    # DSpark: cut the block where the calibrated survival prod c_i falls below each threshold (a probability)
+    conf_threshold: float | list[float] = field(default_factory=lambda: [0.3, 0.5, 0.7])
 
     def __post_init__(self) -> None:
         from specheads.utils import SpecheadsError, check_values
@@ -39,6 +55,11 @@ class EvalConfig:
                                     "tree_width": ">=1", "tree_depth": ">=1", "eagle_steps": ">=1"})
         if self.select not in ("tau_tree", "tau_chain"):
             raise SpecheadsError(f"eval.select: {self.select!r} is not one of ['tau_tree', 'tau_chain']")
+        if not isinstance(self.conf_threshold, list):
+            self.conf_threshold = [self.conf_threshold]
+        bad = [t for t in self.conf_threshold if not 0.0 < float(t) < 1.0]
+        if bad:
+            raise SpecheadsError(f"eval.conf_threshold: {bad[0]!r} is not a probability in (0, 1)")
 
 
 class EvalAccumulator:
@@ -76,6 +97,209 @@ class EvalAccumulator:
         return out
 
 
+class BlockEvalAccumulator:
+    """Block-head confidence and acceptance sums (over batches, and processes via `reduce` on `sums`) -> metrics.
+    ECE: equal-width bins, sum over bins of |mean prediction - mean outcome| weighted by the bin's share; AUROC
+    from a fine histogram (ties counted half), as DeepSpec's PerPositionConfidenceMetrics computes them."""
+
+    BINS, FINE = 10, 200  # ECE bins; AUROC histogram bins
+
+    def __init__(self, num_drafts: int, thresholds):
+        self.K, self.thr = num_drafts, [float(t) for t in thresholds]
+        K, nb = num_drafts, self.BINS
+        self._shapes = {"cond_hist": (K, 3, nb), "cond_roc": (K, 2, self.FINE), "cond_stats": (K, 4),
+                        "surv_hist": (K, 3, nb), "cut": (len(self.thr), 2), "starts": (1,)}
+        self.sums = torch.zeros(sum(torch.Size(v).numel() for v in self._shapes.values()), dtype=torch.float64)
+
+    def _view(self, name: str) -> torch.Tensor:
+        off = 0
+        for k, shape in self._shapes.items():
+            n = torch.Size(shape).numel()
+            if k == name:
+                return self.sums[off:off + n].view(shape)
+            off += n
+        raise KeyError(name)
+
+    @staticmethod
+    def _hist(h: torch.Tensor, p: torch.Tensor, y: torch.Tensor) -> None:
+        idx = (p * h.shape[-1]).long().clamp(0, h.shape[-1] - 1)
+        for row, w in enumerate((torch.ones_like(p), p, y)):
+            h[row].index_add_(0, idx, w)
+
+    def add(self, top1: torch.Tensor, valid: torch.Tensor, start: torch.Tensor, conf: torch.Tensor) -> None:
+        """top1, valid [K',B,T] bool (draft j correct / exists, step_correct's), start [B,T] bool, conf [K',B,T]
+        calibrated probabilities."""
+        c, y, v = conf[:, start].double().cpu(), top1[:, start].cpu(), valid[:, start].cpu()  # [K',N]
+        if not v.numel():
+            return
+        run = y.long().cumprod(0)  # [K',N]: drafts <= j all accepted
+        before = torch.cat([torch.ones_like(run[:1]), run[:-1]]).bool()
+        surv = c.cumprod(0)
+        hist, roc, stats, shist = (self._view(k) for k in ("cond_hist", "cond_roc", "cond_stats", "surv_hist"))
+        for j in range(self.K):
+            m = v[j] & before[j]  # conditional: drafts < j accepted
+            pj, yj = c[j][m], y[j][m].double()
+            self._hist(hist[j], pj, yj)
+            fine = (pj * self.FINE).long().clamp(0, self.FINE - 1)
+            roc[j, 0].index_add_(0, fine, yj)
+            roc[j, 1].index_add_(0, fine, 1.0 - yj)
+            stats[j] += torch.stack([m.sum().double(), yj.sum(), pj.sum(), ((pj - yj) ** 2).sum()])
+            self._hist(shist[j], surv[j][v[j]], run[j][v[j]].double())
+        accepted = run.sum(0)  # [N]
+        for i, t in enumerate(self.thr):
+            kept = ((surv >= t) & v).long().cumprod(0).sum(0)  # drafts verified: until survival < t
+            self._view("cut")[i] += torch.stack([(1 + torch.minimum(accepted, kept)).sum().double(),
+                                                 kept.sum().double()])
+        self._view("starts")[0] += float(v.shape[1])
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        hist, roc, stats, shist = (self._view(k) for k in ("cond_hist", "cond_roc", "cond_stats", "surv_hist"))
+        for j in range(self.K):
+            n = float(stats[j, 0])
+            if n > 0:
+                out[f"accept_{j}"], out[f"conf_{j}"] = float(stats[j, 1]) / n, float(stats[j, 2]) / n
+                out[f"brier_{j}"] = float(stats[j, 3]) / n
+                out[f"ece_{j}"] = float((hist[j, 1] - hist[j, 2]).abs().sum()) / n
+                auc = _auroc(roc[j, 0], roc[j, 1])
+                if auc is not None:
+                    out[f"auroc_{j}"] = auc
+            ns = float(shist[j, 0].sum())
+            if ns > 0:
+                out[f"surv_ece_{j}"] = float((shist[j, 1] - shist[j, 2]).abs().sum()) / ns
+        starts = max(1.0, float(self._view("starts")[0]))
+        for i, t in enumerate(self.thr):
+            out[f"tau_cut{t:g}"] = float(self._view("cut")[i, 0]) / starts
+            out[f"len_cut{t:g}"] = float(self._view("cut")[i, 1]) / starts
+        eces = [out[f"ece_{j}"] for j in range(self.K) if f"ece_{j}" in out]
+        if eces:
+            out["ece_max"] = max(eces)
+        return out
+
+
+def _auroc(pos: torch.Tensor, neg: torch.Tensor) -> float | None:
+    """AUROC from histograms of the positives' and negatives' scores (ascending bins); None without both."""
+    P, N = float(pos.sum()), float(neg.sum())
+    if P <= 0 or N <= 0:
+        return None
+    below = torch.cumsum(neg, 0) - neg  # negatives in strictly lower bins
+    return float(((pos * below).sum() + 0.5 * (pos * neg).sum()) / (P * N))
+
+
+def fit_sequential_temperatures(logits: torch.Tensor, correct: torch.Tensor, valid: torch.Tensor,
+                                grid: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-position temperatures T_j of the confidence logits, fitted left to right (sequential temperature
+    scaling): T_j minimises the negative log-likelihood of the survival S_j = S_{j-1} · σ(z_j / T_j) (S_{j-1}
+    with the temperatures already fitted) against "drafts <= j all accepted", over the rows where draft j exists.
+
+    logits, correct, valid: [K',N] (raw confidence logits; greedy correctness; draft exists). grid: candidate
+    temperatures (default 301 log-spaced values from 0.03 to 31.6, 2.3% apart). Returns [K'] (1 where no row)."""
+    grid = torch.logspace(-1.5, 1.5, 301, dtype=torch.float64) if grid is None else grid.double()
+    z, lab = logits.double(), correct.long().cumprod(0).double()
+    S = torch.ones(z.shape[1], dtype=torch.float64)
+    out = torch.ones(z.shape[0], dtype=torch.float64)
+    for j in range(z.shape[0]):
+        m = valid[j]
+        if m.any():
+            cand = (S[m][None] * torch.sigmoid(z[j][m][None] / grid[:, None])).clamp(1e-7, 1 - 1e-7)  # [G,M]
+            y = lab[j][m][None]
+            nll = -(y * cand.log() + (1 - y) * (1 - cand).log()).mean(1)
+            out[j] = grid[int(nll.argmin())]
+        S = S * torch.sigmoid(z[j] / out[j])
+    return out.float()
+
+
+@torch.no_grad()
+def collect_block_outputs(head, batches, target, layers, get_hidden=None):
+    """Raw confidence logits, greedy correctness and existence of every draft at every start row of `batches`
+    -> three [K',N] tensors (CPU)."""
+    from specheads.train.steps import block_draft_outputs
+
+    z, y, v = [], [], []
+    head.eval()
+    for batch in batches:
+        batch = get_hidden(batch) if get_hidden is not None else batch
+        steps, conf, targ = block_draft_outputs(head, batch, target, layers, head.config.feature_layers)
+        if conf is None:
+            raise ValueError("collect_block_outputs: the head has no confidence head")
+        valid, top1, _ = step_correct(steps, targ, batch["loss_mask"], head.d2t, topk=1)
+        start = valid[0]
+        z.append(conf[:, start].cpu())
+        y.append(top1[:, start].cpu())
+        v.append(valid[:, start].cpu())
+    return torch.cat(z, 1), torch.cat(y, 1), torch.cat(v, 1)
+
+
+def _block_metrics(z, y, v, temps, thresholds) -> dict[str, float]:
+    acc = BlockEvalAccumulator(z.shape[0], thresholds)
+    acc.add(y[:, None], v[:, None], torch.ones(1, z.shape[1], dtype=torch.bool),
+            torch.sigmoid(z / temps[:, None])[:, None])
+    return acc.metrics()
+
+
+def calibrate_head(head_dir, target, batches, layers, cfg: EvalConfig, get_hidden=None) -> dict:
+    """Fit the confidence temperatures of the block head in `head_dir` on `batches` (held-out rows) and store
+    them in its folder (the `conf_temperature` buffer of model.safetensors, written atomically). The figures
+    returned are honest: temperatures fitted on even rows, metrics measured on odd rows before / after; the
+    stored temperatures are then fitted on all rows."""
+    from specheads.heads.base import load_head
+
+    head = load_head(head_dir, target, dtype=torch.float32)
+    z, y, v = collect_block_outputs(head, batches, target, layers, get_hidden)
+    even, odd = torch.arange(z.shape[1]) % 2 == 0, torch.arange(z.shape[1]) % 2 == 1
+    t_even = fit_sequential_temperatures(z[:, even], y[:, even], v[:, even])
+    ones = torch.ones(z.shape[0])
+    report = {"rows": int(z.shape[1]), "fit_even_temperatures": t_even.tolist(),
+              "odd_before": _block_metrics(z[:, odd], y[:, odd], v[:, odd], ones, cfg.conf_threshold),
+              "odd_after": _block_metrics(z[:, odd], y[:, odd], v[:, odd], t_even, cfg.conf_threshold)}
+    temps = fit_sequential_temperatures(z, y, v)
+    head.conf_temperature.copy_(temps.to(head.conf_temperature.device))
+    head.save_pretrained(head_dir)
+    report["temperatures"] = temps.tolist()
+    return report
+
+
+def calibrate_run(recipe, target, val_ds, collate_fn, layers, extract_fn=None) -> dict | None:
+    """After training a block head with a confidence head: calibrate `best/` and `final/` on the held-out split
+    (every held-out sample) and write <output_dir>/calibration.json. Main process only (no collectives)."""
+    from specheads.heads.base import load_head
+    from specheads.utils import atomic_write_json
+
+    if recipe.head.kind != "dspark" or not recipe.head.confidence_head or int(os.environ.get("RANK", "0")) != 0:
+        return None
+    if val_ds is None or len(val_ds) == 0:
+        log.warning("calibration: no held-out samples; the confidences stay uncalibrated")
+        return None
+    dev = target.device
+
+    def batches():
+        dl = torch.utils.data.DataLoader(val_ds, batch_size=recipe.eval.batch_size, collate_fn=collate_fn)
+        for b in dl:
+            b = {k: (t.to(dev) if isinstance(t, torch.Tensor) else t) for k, t in b.items()}
+            if "hidden" not in b and extract_fn is not None:
+                b["hidden"] = extract_fn(target, b["input_ids"], b["attention_mask"], layers)
+            yield b
+
+    out, root = {}, Path(recipe.output_dir)
+    same = all((root / n / "model.safetensors").exists() for n in ("best", "final")) and \
+        (root / "best" / "model.safetensors").read_bytes() == (root / "final" / "model.safetensors").read_bytes()
+    for name in ("best", "final"):
+        d = root / name
+        if name == "final" and same:  # the best head is the final one: the same temperatures, one pass less
+            head = load_head(d, target, dtype=torch.float32)
+            head.conf_temperature.copy_(torch.tensor(out["best"]["temperatures"]))
+            head.save_pretrained(d)
+            out[name] = out["best"]
+        elif (d / "config.json").exists():
+            out[name] = calibrate_head(d, target, batches(), layers, recipe.eval)
+            after = out[name]["odd_after"]
+            log.info("calibrated %s: temperatures %s; held-out ECE max %.3f -> %.3f", d,
+                     json.dumps([round(t, 3) for t in out[name]["temperatures"]]),
+                     out[name]["odd_before"].get("ece_max", float("nan")), after.get("ece_max", float("nan")))
+    atomic_write_json(Path(recipe.output_dir) / "calibration.json", out)
+    return out
+
+
 @torch.no_grad()
 def evaluate(kind: str, head, batches, target, layers, head_layers, cfg: EvalConfig, reduce=None,
              get_hidden=None) -> dict[str, float]:
@@ -84,24 +308,36 @@ def evaluate(kind: str, head, batches, target, layers, head_layers, cfg: EvalCon
     reduce: callable summing a tensor over processes (accelerator.reduce(..., "sum")); get_hidden: callable
     batch -> batch with `hidden` filled (online features); both optional.
     """
-    from specheads.train.steps import draft_step_logits
+    from specheads.train.steps import block_draft_outputs, draft_step_logits
 
     was_training = head.training
     head.eval()
-    acc = None
+    acc = blk = None
     try:
         for batch in batches:
             if get_hidden is not None:
                 batch = get_hidden(batch)
-            steps, d2t, targ = draft_step_logits(kind, head, batch, target, layers, head_layers,
-                                                 eagle_steps=cfg.eagle_steps)
+            conf = None
+            if kind == "dspark":  # per-draft logits and the confidence logits of the same blocks
+                steps, conf, targ = block_draft_outputs(head, batch, target, layers, head_layers)
+                d2t = getattr(getattr(head, "module", head), "d2t", None)
+            else:
+                steps, d2t, targ = draft_step_logits(kind, head, batch, target, layers, head_layers,
+                                                     eagle_steps=cfg.eagle_steps)
             if acc is None:
                 acc = EvalAccumulator(len(steps))
             acc.add(steps, targ, batch["loss_mask"], d2t, cfg)
+            if conf is not None:
+                blk = blk or BlockEvalAccumulator(len(steps), cfg.conf_threshold)
+                valid, top1, _ = step_correct(steps, targ, batch["loss_mask"], d2t, topk=1)
+                temp = getattr(head, "module", head).conf_temperature.to(conf.device)
+                blk.add(top1, valid, valid[0], torch.sigmoid(conf / temp[:, None, None]))
     finally:
         head.train(was_training)
     if acc is None:
         return {}
     if reduce is not None:
         acc.sums = reduce(acc.sums.to(torch.float64)).cpu()
-    return acc.metrics(cfg)
+        if blk is not None:
+            blk.sums = reduce(blk.sums.to(torch.float64)).cpu()
+    return {**acc.metrics(cfg), **(blk.metrics() if blk is not None else {})}

@@ -193,3 +193,76 @@ def simulated_tau(correct: torch.Tensor, start: torch.Tensor, depth: int | None 
     c = correct if depth is None else correct[:depth]
     run = torch.cumprod(c.long(), dim=0).sum(0)  # [B,T] consecutive correct from step 0
     return (1 + run)[start].float()
+
+
+# --------------------------------------------------------------------------------------- DSpark / DFlash blocks
+BLOCK_GAMMA = 4.0  # position weight exp(-j / gamma) (DeepSpec loss_decay_gamma 4.0; speculators dflash_decay_gamma 4.0)
+BLOCK_W_CE = 0.1  # soft CE against the target (DeepSpec ce_loss_alpha 0.1, there on hard labels)
+BLOCK_W_L1 = 0.9  # ||p_draft - p_target||_1 = 2 TV (DeepSpec l1_loss_alpha 0.9)
+CONFIDENCE_ALPHA = 1.0  # confidence BCE weight (DeepSpec / speculators confidence_head_alpha 1.0)
+
+
+def block_position_weights(num_drafts: int, gamma: float, device=None) -> torch.Tensor:
+    """[K'] weight of draft j: exp(-j / gamma) (DeepSpec _build_loss_weight_mask; speculators' fixed-exp-decay with
+    sample_from_anchor, where draft j is slot j; without it slot j+1, weighted exp(-j / gamma) alike)."""
+    return torch.exp(-torch.arange(num_drafts, device=device, dtype=torch.float32) / gamma)
+
+
+@torch.no_grad()
+def acceptance_rate(logits: torch.Tensor, target_logits: torch.Tensor, target_lse: torch.Tensor) -> torch.Tensor:
+    """The analytic acceptance of a draft that proposes only draft-vocab tokens: sum_v min(q_v, p_v) =
+    1 - 0.5 * ||q - p||_1 over the full vocabulary (q = 0 outside it). logits [..., V'] (draft), target_logits
+    [..., V'] (the target's logits at the draft-vocab columns), target_lse [...] (their full-vocab logsumexp).
+    Without a draft vocabulary it is DeepSpec's / speculators' 1 - TV(q, p). No gradient (a BCE target)."""
+    q = torch.softmax(logits.float(), dim=-1)
+    p = torch.exp(target_logits.float() - target_lse.float().unsqueeze(-1))
+    return torch.minimum(q, p).sum(-1).clamp(0.0, 1.0)
+
+
+def _wmean(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x * w).sum() / w.sum().clamp_min(1e-6)  # an empty selection gives 0 and keeps the graph (DDP)
+
+
+def dspark_loss(logits: torch.Tensor, conf_logits: torch.Tensor | None, target_logits: torch.Tensor,
+                target_lse: torch.Tensor, in_vocab: torch.Tensor, valid: torch.Tensor, gamma: float = BLOCK_GAMMA,
+                w_ce: float = BLOCK_W_CE, w_l1: float = BLOCK_W_L1, alpha: float = CONFIDENCE_ALPHA) -> LossOutput:
+    """DSpark / DFlash block loss over N blocks of K' drafts (DeepSpec deepspec/modeling/dspark/loss.py):
+
+        L = w_ce · CE + w_l1 · L1 + alpha · BCE, each a mean over drafts weighted by w_j = exp(-j / gamma),
+        CE_j = soft CE of the draft against the target restricted to the draft vocab and renormalised,
+        L1_j = ||q_j - p_j||_1 over that restricted target (2 TV),
+        BCE_j = BCE(c_j, a_j) with a_j = acceptance_rate(...), detached: the confidence loss never reaches the
+        logits (it trains the confidence head and, through h_k, the backbone).
+
+    logits [N,K',V'] (Markov-corrected), conf_logits [N,K'] or None, target_logits [N,K',V'] (target logits at
+    the draft-vocab columns), target_lse [N,K'] (their logsumexp: over the full vocabulary, the acceptance is the
+    exact one of a V'-draft; over V' alone, that of the renormalised target, as speculators computes it),
+    in_vocab [N,K'] (the target's argmax lies in the draft vocab: CE and L1 skip the others, as eagle3_loss does;
+    the BCE keeps them, their acceptance is low), valid [N,K'] bool (a contiguous prefix of assistant tokens
+    inside the sequence).
+    """
+    K = logits.shape[1]
+    w = block_position_weights(K, gamma, logits.device) * valid.float()  # [N,K']
+    wd = w * in_vocab.float()
+    lq = torch.log_softmax(logits.float(), dim=-1)
+    p = torch.softmax(target_logits.float(), dim=-1)
+    ce = _wmean(-(p * lq).sum(-1), wd)
+    l1 = _wmean((lq.exp() - p).abs().sum(-1), wd)
+    total = w_ce * ce + w_l1 * l1
+    metrics: dict[str, float] = {"ce": float(ce.detach()), "l1": float(l1.detach())}
+    acc_rate = acceptance_rate(logits.detach(), target_logits, target_lse)  # [N,K']
+    if conf_logits is not None:
+        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), acc_rate, reduction="none")
+        conf_loss = _wmean(bce, w)
+        total = total + alpha * conf_loss
+        metrics["conf_bce"] = float(conf_loss.detach())
+    with torch.no_grad():
+        hit = logits.argmax(-1) == target_logits.argmax(-1)
+        for j in range(K):
+            m = valid[:, j]
+            if m.any():
+                metrics[f"accept_{j}"] = float(acc_rate[:, j][m].mean())  # analytic (sampling) acceptance
+                metrics[f"acc_{j}"] = float((hit[:, j] & in_vocab[:, j])[m].float().mean())  # greedy agreement
+                if conf_logits is not None:
+                    metrics[f"conf_{j}"] = float(torch.sigmoid(conf_logits[:, j][m].float()).mean())
+    return LossOutput(total, metrics)

@@ -12,8 +12,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specheads.train.losses import LossOutput, eagle3_loss, eagle_loss, medusa_loss, shift_rows
+from specheads.train.losses import (BLOCK_GAMMA, BLOCK_W_CE, BLOCK_W_L1, CONFIDENCE_ALPHA, LossOutput, dspark_loss,
+                                    eagle3_loss, eagle_loss, in_draft_vocab, medusa_loss, shift_rows)
 from specheads.utils import SpecheadsError
+
+KINDS = ["medusa", "eagle", "eagle3", "dspark"]
 
 
 @dataclass
@@ -23,7 +26,13 @@ class LossSettings:
     noise: float = 0.2  # EAGLE(-3): width w of the uniform noise U(-w/2, w/2) added to input features
     w_reg: float = 1.0  # EAGLE-1 SmoothL1 weight
     w_ce: float = 0.1  # EAGLE-1 soft CE weight
-    generator: torch.Generator | None = None  # draws the noise (the trainer's own, saved in checkpoints); None = global
+    block_gamma: float = BLOCK_GAMMA  # DSpark / DFlash: draft j weighted exp(-j / gamma)
+    block_w_ce: float = BLOCK_W_CE  # DSpark / DFlash: soft CE weight
+    block_w_l1: float = BLOCK_W_L1  # DSpark / DFlash: ||q - p||_1 weight
+    confidence_alpha: float = CONFIDENCE_ALPHA  # DSpark: confidence BCE weight
+    max_anchors: int = 512  # DSpark / DFlash: blocks sampled per sequence (DeepSpec num_anchors 512 at 4k tokens)
+    block_full_vocab: bool = False  # DSpark / DFlash: the target over every column, not only the draft vocab's
+    generator: torch.Generator | None = None  # the step's random draws (EAGLE feature noise, DSpark anchors): the trainer's own, saved in checkpoints; None = global
 
 
 def split_features(hidden: torch.Tensor, layers: list[int], head_layers: list[int], final_layer: int):
@@ -68,6 +77,8 @@ def train_loss(kind: str, head, batch: dict, target, layers: list[int], head_lay
     """Forward the (possibly wrapped) head on one batch and return its loss. `head` may be DDP/DeepSpeed-wrapped."""
     h_in, h_last = split_features(batch["hidden"], layers, head_layers, target.num_layers)
     ids, lmask, amask = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
+    if kind == "dspark":
+        return _dspark_train_loss(head, h_in, h_last, batch, target, settings)
     if kind == "medusa":
         d2t = _d2t(_unwrap(head))
         # soft labels over the draft vocab only need those lm_head rows: [B,T,V'] (6x fewer at 8k of 49k)
@@ -88,7 +99,7 @@ def train_loss(kind: str, head, batch: dict, target, layers: list[int], head_lay
     if kind == "eagle3":
         steps = head(feats, next_tokens, amask)  # list of [B,T,V'], step i row t predicts x_{t+2+i}
         return eagle3_loss(list(steps), tl, lmask, _d2t(_unwrap(head)), decay=settings.decay)
-    raise SpecheadsError(f"head.kind: {kind!r} is not one of ['medusa', 'eagle', 'eagle3']")
+    raise SpecheadsError(f"head.kind: {kind!r} is not one of {KINDS}")
 
 
 def _unwrap(m):
@@ -106,8 +117,11 @@ def draft_step_logits(kind: str, head, batch: dict, target, layers: list[int], h
     """
     h_in, h_last = split_features(batch["hidden"], layers, head_layers, target.num_layers)
     ids, amask = batch["input_ids"], batch["attention_mask"]
-    targ = target_logits(target, h_last, batch["loss_mask"]).argmax(-1)  # [B,T] greedy token j+1 at row j
     inner = _unwrap(head)
+    if kind == "dspark":
+        steps, _, targ = block_draft_outputs(head, batch, target, layers, head_layers)
+        return steps, _d2t(inner), targ
+    targ = target_logits(target, h_last, batch["loss_mask"]).argmax(-1)  # [B,T] greedy token j+1 at row j
     if kind == "medusa":
         return list(head(h_in.float()).unbind(0)), _d2t(inner), targ
     next_tokens = shift_rows(ids, 1)
@@ -121,4 +135,147 @@ def draft_step_logits(kind: str, head, batch: dict, target, layers: list[int], h
             out.append(shift_rows(logits, k))  # row j of unroll k starts drafting at row t = j - k
             feats = torch.cat([h_in[:, :1].float(), pred[:, :-1]], dim=1)  # row j reads f̂_j
         return out, _d2t(inner), targ
-    raise SpecheadsError(f"head.kind: {kind!r} is not one of ['medusa', 'eagle', 'eagle3']")
+    raise SpecheadsError(f"head.kind: {kind!r} is not one of {KINDS}")
+
+
+# --------------------------------------------------------------------------------------- DSpark / DFlash blocks
+def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator | None = None):
+    """Block anchors per sequence, uniformly without replacement among the positions p whose first drafted token
+    x_{p+1} is an assistant token (DeepSpec sample_anchor_positions; it also asks loss_mask[p], which differs
+    only at the turn's first answer token), at most max_anchors each, ascending.
+
+    loss_mask [B,T] -> (anchors [B,A] long, valid [B,A] bool) on loss_mask's device, A = min(max_anchors, the
+    most candidates of a row); padding anchors are 0 and invalid. The draws come from `generator` (on its own
+    device) or torch's global RNG: a trainer that checkpoints its generator resumes with the same anchors.
+    """
+    B, T = loss_mask.shape
+    dev = generator.device if generator is not None else torch.device("cpu")
+    cand = torch.zeros(B, T, dtype=torch.bool, device=dev)
+    cand[:, 1:T - 1] = loss_mask[:, 2:].bool().to(dev)  # p >= 1 (a context row exists) and x_{p+1} assistant
+    A = max(1, min(int(max_anchors), int(cand.sum(1).max())))
+    score = torch.rand(B, T, generator=generator, device=dev).masked_fill(~cand, 2.0)  # candidates first, shuffled
+    pick = score.argsort(dim=1)[:, :A]
+    valid = cand.gather(1, pick)
+    anchors = torch.where(valid, pick, torch.full_like(pick, T + 1)).sort(dim=1).values  # valid ones first
+    valid = anchors <= T
+    anchors = torch.where(valid, anchors, torch.zeros_like(anchors))
+    return anchors.to(loss_mask.device), valid.to(loss_mask.device)
+
+
+def block_valid(loss_mask: torch.Tensor, anchors: torch.Tensor, num_drafts: int) -> torch.Tensor:
+    """[B,A,K'] bool: draft j of the block at p predicts x_{p+1+j} inside the sequence and an assistant token, and
+    so do drafts < j (DeepSpec build_eval_mask: a contiguous prefix)."""
+    T = loss_mask.shape[1]
+    idx = anchors[..., None] + 1 + torch.arange(num_drafts, device=anchors.device)  # [B,A,K']
+    ok = (idx < T) & loss_mask.bool().gather(1, idx.clamp(max=T - 1).flatten(1)).view(idx.shape)
+    return ok.long().cumprod(-1).bool()
+
+
+@torch.no_grad()
+def block_targets(head, target, h_last: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
+                  full_vocab: bool = False):
+    """The target's distribution for draft j of the block at p is its next-token distribution at row p+j: the
+    frozen lm_head on h_L[p+j], computed once per distinct row the valid drafts read. h_last [B,T,D], anchors
+    [B,A], valid [B,A,K'] -> (logits at the draft-vocab columns [B,A,K',V'], their logsumexp [B,A,K'], target
+    argmax in the draft vocab [B,A,K'] bool); entries of invalid drafts are those of a valid one (masked).
+
+    With a draft vocabulary, by default only its V' columns are computed and the target is renormalised over them
+    (speculators' verifier_lm_head holds exactly those rows): the lm_head over the full vocabulary is the largest
+    matmul of a step (49,152 columns for SmolLM2 against 4-8k). full_vocab: every column, so that the logsumexp
+    is the full one (the confidence target becomes the exact acceptance of a V'-draft, and drafts whose target
+    argmax lies outside V' leave the CE / L1, as in eagle3_loss)."""
+    B, T = h_last.shape[:2]
+    rows = (anchors[..., None] + torch.arange(valid.shape[-1], device=anchors.device)).clamp(max=T - 1)  # [B,A,K']
+    need = torch.zeros(B, T, dtype=torch.bool, device=h_last.device)
+    need[torch.arange(B, device=rows.device)[:, None, None].expand_as(rows)[valid], rows[valid]] = True
+    where = need.flatten().cumsum(0).view(B, T) - 1  # row -> its index among the computed ones
+    d2t = _d2t(head)
+    if d2t is None or full_vocab:
+        lm = target.lm_head
+        logits = lm(h_last[need].to(lm.weight.dtype)).float()  # [R,V]
+    else:
+        logits = head.target_lm_logits(h_last[need]).float()  # [R,V'] (the head caches these lm_head rows)
+    lse = logits.logsumexp(-1)
+    ok = torch.ones_like(lse, dtype=torch.bool)
+    if d2t is not None and full_vocab:
+        d2t = d2t.to(logits.device)
+        ok = in_draft_vocab(d2t, logits.shape[-1])[logits.argmax(-1)]
+        logits = logits[:, d2t]
+    if logits.shape[0] == 0:  # no valid draft in the batch
+        logits, lse, ok = logits.new_zeros(1, logits.shape[1]), lse.new_zeros(1), ok.new_ones(1)
+    idx = where.gather(1, rows.flatten(1)).view(rows.shape).clamp(min=0) * valid
+    return logits[idx], lse[idx], ok[idx]
+
+
+@torch.no_grad()
+def target_argmax(target, h_last: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """[B,T] the target's greedy token j+1 at row j, computed only where token j+1 is an assistant token (the
+    only rows evaluation reads; 0 elsewhere)."""
+    need = torch.zeros_like(loss_mask, dtype=torch.bool)
+    need[:, :-1] = loss_mask[:, 1:].bool()
+    out = torch.zeros(need.shape, dtype=torch.long, device=h_last.device)
+    lm = target.lm_head
+    out[need] = lm(h_last[need].to(lm.weight.dtype)).argmax(-1)
+    return out
+
+
+def _dspark_train_loss(head, h_in, h_last, batch, target, settings: LossSettings) -> LossOutput:
+    """Sampled blocks, teacher-forced (previous tokens = the data's), against the target's distributions."""
+    ids, lmask = batch["input_ids"], batch["loss_mask"]
+    inner = _unwrap(head)
+    K = inner.num_drafts
+    anchors, avalid = sample_anchors(lmask, settings.max_anchors, settings.generator)
+    logits, conf = head(h_in.float(), ids, anchors, batch["attention_mask"])  # [B,A,K',V'], [B,A,K']
+    valid = block_valid(lmask, anchors, K) & avalid[..., None]
+    tgt, lse, ok = block_targets(inner, target, h_last, anchors, valid, settings.block_full_vocab)
+    keep = avalid  # [B,A]: padding blocks leave the loss entirely
+    return dspark_loss(logits[keep], None if conf is None else conf[keep], tgt[keep], lse[keep], ok[keep],
+                       valid[keep], gamma=settings.block_gamma, w_ce=settings.block_w_ce, w_l1=settings.block_w_l1,
+                       alpha=settings.confidence_alpha)
+
+
+@torch.no_grad()
+def block_draft_outputs(head, batch: dict, target, layers: list[int], head_layers: list[int],
+                        targ: torch.Tensor | None = None, chunk: int = 64):
+    """Teacher-forced blocks at EVERY start row for evaluation -> (list of K' [B,T,V'] logits, confidence logits
+    [K',B,T] (raw, before the head's temperatures) or None, target argmax [B,T]).
+
+    Row t holds the block anchored at p = t+1 (context rows 0..t, anchor x_{t+1}): draft j predicts token t+2+j,
+    the alignment every kind's evaluation uses. Only rows whose first draft is an assistant token are computed
+    (the rest stay 0, as evaluation never starts there); blocks go `chunk` anchors at a time per sequence.
+    """
+    inner = _unwrap(head)
+    h_in, h_last = split_features(batch["hidden"], layers, head_layers, target.num_layers)
+    ids, lmask, amask = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
+    if targ is None:
+        targ = target_argmax(target, h_last, lmask)
+    B, T = ids.shape
+    K, V = inner.num_drafts, inner.config.out_vocab
+    anchors, avalid = _all_anchors(lmask)
+    ctx = inner.context_kv(h_in.float())
+    steps = [torch.zeros(B, T, V, dtype=inner.head_dtype, device=ids.device) for _ in range(K)]
+    conf = torch.zeros(K, B, T, device=ids.device) if inner.confidence_head is not None else None
+    pos = torch.arange(T, device=ids.device)
+    for c in range(0, anchors.shape[1], chunk):
+        a, v = anchors[:, c:c + chunk], avalid[:, c:c + chunk]
+        allowed = (pos < a[..., None]) & amask.bool()[:, None, :]
+        h = inner.blocks(ctx, allowed, ids.gather(1, a), a)
+        prev = ids.gather(1, (a[..., None] + torch.arange(K, device=a.device)).clamp(max=T - 1).flatten(1))
+        lg, cf = inner.heads(h, prev.view(*a.shape, K))
+        bi, ai = v.nonzero(as_tuple=True)
+        rows = a[bi, ai] - 1  # the block at p sits on row p-1
+        for j in range(K):
+            steps[j][bi, rows] = lg[bi, ai, j]
+            if conf is not None:
+                conf[j, bi, rows] = cf[bi, ai, j].float()
+    return steps, conf, targ
+
+
+def _all_anchors(loss_mask: torch.Tensor):
+    """Every anchor p whose first draft x_{p+1} is an assistant token -> (anchors [B,A], valid [B,A])."""
+    cand = torch.zeros_like(loss_mask, dtype=torch.bool)
+    cand[:, 1:-1] = loss_mask[:, 2:].bool()
+    A = max(1, int(cand.sum(1).max()))
+    order = torch.where(cand, torch.arange(cand.shape[1], device=cand.device), cand.shape[1]).sort(1).values[:, :A]
+    valid = order < cand.shape[1]
+    return torch.where(valid, order, torch.zeros_like(order)), valid

@@ -69,6 +69,12 @@ class TrainConfig:
     noise: float = 0.2
     eagle_w_reg: float = 1.0  # EAGLE-1 SmoothL1 feature regression weight (paper)
     eagle_w_ce: float = 0.1  # EAGLE-1 soft CE weight (paper)
+    block_gamma: float = 4.0  # DSpark / DFlash: draft j weighted exp(-j / gamma) (DeepSpec loss_decay_gamma 4)
+    block_w_ce: float = 0.1  # DSpark / DFlash: soft CE against the target (DeepSpec ce_loss_alpha 0.1)
+    block_w_l1: float = 0.9  # DSpark / DFlash: ||q - p||_1 = 2 TV (DeepSpec l1_loss_alpha 0.9)
+    confidence_alpha: float = 1.0  # DSpark: confidence BCE weight (DeepSpec / speculators confidence_head_alpha)
+    max_anchors: int = 512  # DSpark / DFlash: blocks per sequence and step (DeepSpec num_anchors 512 at 4k tokens)
+    block_full_vocab: bool = False  # DSpark / DFlash: target over the full vocab (exact acceptance; ~2x the step)
     num_workers: int = 0  # DataLoader workers (0: features are already tensors; workers cost RAM per process)
     # Medusa-2 (head.kind medusa, features.mode online): LoRA on the target trained jointly with the heads
     lora: bool = False  # off = Medusa-1 (frozen target)
@@ -89,7 +95,9 @@ class TrainConfig:
             "keep_last": ">=1", "log_every": ">=1", "lr": ">0", "max_steps": ">=1|None", "weight_decay": ">=0",
             "max_grad_norm": ">=0", "loss_decay": ">0", "noise": ">=0", "eagle_w_reg": ">=0", "eagle_w_ce": ">=0",
             "num_workers": ">=0", "lora_r": ">=1", "lora_alpha": ">0", "lora_dropout": "[0,1)",
-            "lora_lr_ratio": ">=0", "lora_warmup_steps": ">=0", "lm_loss_weight": ">=0"})
+            "lora_lr_ratio": ">=0", "lora_warmup_steps": ">=0", "lm_loss_weight": ">=0",
+            "block_gamma": ">0", "block_w_ce": ">=0", "block_w_l1": ">=0", "confidence_alpha": ">=0",
+            "max_anchors": ">=1"})
         if self.mixed_precision not in ("no", "bf16"):
             raise SpecheadsError(f"train.mixed_precision: {self.mixed_precision!r} is not one of ['no', 'bf16']")
         if self.tracker not in ("wandb", "tensorboard", "none"):
@@ -500,7 +508,10 @@ class Trainer:
         # the noise has its own generator (one stream per process), so that no other draw shifts it
         noise = torch.Generator(device=acc.device).manual_seed(self.recipe.seed + acc.process_index)
         settings = LossSettings(soft_labels=cfg.soft_labels, decay=cfg.loss_decay, noise=cfg.noise,
-                                w_reg=cfg.eagle_w_reg, w_ce=cfg.eagle_w_ce, generator=noise)
+                                w_reg=cfg.eagle_w_reg, w_ce=cfg.eagle_w_ce, block_gamma=cfg.block_gamma,
+                                block_w_ce=cfg.block_w_ce, block_w_l1=cfg.block_w_l1,
+                                confidence_alpha=cfg.confidence_alpha, max_anchors=cfg.max_anchors,
+                                block_full_vocab=cfg.block_full_vocab, generator=noise)
         self.parts = Medusa2(self, settings) if cfg.lora else HeadOnly(self, settings)
         module = self.parts.module()
         opt = self._optimizer(acc, module)
@@ -726,4 +737,8 @@ def run_training(recipe, resume: bool = False, target=None) -> TrainResult:
     head = build_head(recipe.head, target, token_counts=counts)
     trainer = Trainer(recipe, target, head, train_ds, val_ds, collate_fn=collate_fn, layers=layers,
                       extract_fn=extract_fn)
-    return trainer.train(resume=resume)
+    result = trainer.train(resume=resume)
+    from specheads.train.evaluate import calibrate_run  # DSpark: confidence temperatures on the held-out split
+
+    calibrate_run(recipe, target, val_ds, collate_fn, layers, extract_fn)
+    return result

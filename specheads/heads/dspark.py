@@ -1,0 +1,363 @@
+"""DSpark head (Cheng et al. 2026, "DSpark: Confidence-Scheduled Speculative Decoding with Semi-Autoregressive
+Generation", arXiv:2607.05147; training code deepseek-ai/DeepSpec) on the DFlash block drafter. `markov_rank: 0`
+with `confidence_head: false` is plain DFlash (docs/training.md, "DSpark and DFlash").
+
+A block of K slots drafts the tokens after an anchor in ONE forward. With the context x_0..x_{p-1} verified and
+x_p the anchor (the last emitted token: the bonus token at serving), the slots sit at positions p..p+K-1 and hold
+[x_p, m, ..., m] (m = mask token, embedded by the frozen target embedding E):
+
+    c_t  = RMSNorm_h( W_fc · [ h_t^(l1) ; ... ; h_t^(lF) ] )            t < p     fused target features (as EAGLE-3)
+    z^0  = E([x_p, m, ..., m])                                          [K, D]
+    z^i  = Layer_i(z^{i-1}; keys/values = [ k_i(c_{<p}) ; k_i(z^{i-1}) ])   each layer injects the target context
+    h    = RMSNorm(z^n)                                                  [K, D]
+    U_k  = W_lm · h_k                                                    base logits over the draft vocab V'
+
+Attention (DFlash / speculators `create_anchor_block_mask_mod`): a slot attends to the context rows t < p (keys and
+values projected from c_t by each layer's own k/v projections, RoPE at position t) and to ALL K slots of its own
+block (bidirectional), never to another block. Qwen3-style layers (q/k RMSNorm per head), sized from the target.
+
+Markov head (sequential stage): draft k's logits add a low-rank bias of the previous token in the block,
+
+    vanilla: B_k = W2 · W1[x_{k-1}]                W1: [V, r] (target ids), W2: r -> V'
+    gated:   B_k = W2 · (σ(G [h_k ; W1[x_{k-1}]] + g) ⊙ W1[x_{k-1}])
+    rnn:     s_k = a ⊙ s_{k-1} + (1-a) ⊙ tanh(u),  B_k = W2 · tanh(o),
+             [a; u; o] = J [s_{k-1} ; W1[x_{k-1}] ; h_k] + j      (s_0 = 0)
+
+    p_k(v) = softmax(U_k + B_k)(v),   x_{k-1} = the anchor for the first draft, else the previous draft (greedy
+    argmax at inference, the data's token in training: teacher forcing)
+
+Confidence head: c_k = σ( (w · [h_k ; W1[x_{k-1}]] + b) / T_k ), the probability that draft k is accepted given
+drafts < k were; T_k = 1 in training, fitted per position on held-out data afterwards (train/evaluate.py,
+`fit_sequential_temperatures`) and stored as the buffer `conf_temperature`.
+
+Slots and drafts. `sample_from_anchor: true` (DSpark, DeepSpec): slot k predicts x_{p+k+1}, K drafts.
+`false` (DFlash, speculators' dflash): slot 0 is only the anchor, slot k >= 1 predicts x_{p+k}, K-1 drafts. Either
+way draft j predicts x_{p+1+j}, its Markov input is x_{p+j}, and the target's distribution for it is the target's
+next-token distribution at row p+j. In the training alignment (docs/architecture.md) a block anchored at p is
+"row t = p-1": draft j at row t predicts token t+2+j, like EAGLE-3's step j.
+
+What the anchor row sees, and why: the anchor x_p was emitted by the target from row p-1 and has not been run
+through the target yet, so its own target feature h_p does not exist at draft time. The block therefore reads the
+target's features of rows 0..p-1 only (keys/values), and x_p only through its embedding in slot 0. After
+verification the target has computed the features of x_p and of the accepted drafts: they are appended to the
+context cache as true rows, and the bonus token becomes the next anchor.
+
+The lm_head over a draft vocabulary holds the target's lm_head rows of `d2t`, frozen (speculators and DeepSpec keep
+it frozen), saved so exports need no target; without a draft vocabulary the target's lm_head is used by reference.
+Tensor names follow speculators' DFlashDraftModel / DSparkDraftModel (`fc`, `hidden_norm`, `layers.i.*`, `norm`,
+`lm_head`, `markov_head.markov_w1/w2`, `confidence_head.proj`), so heads/export.py renames nothing.
+Shapes: B batch, T sequence, A anchors (blocks), K slots, K' drafts, D hidden, V vocab, V' draft vocab, S context.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from specheads.heads.base import DraftHead, HeadConfig
+from specheads.heads.eagle import RotaryCache
+
+LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "rope_theta",
+              "rope_scaling", "initializer_range")
+
+
+def block_layer_config(target_config: dict, num_layers: int, vocab_size: int):
+    """A Qwen3Config with the target's sizes and `num_layers` layers: what speculators builds for DFlash / DSpark
+    (its transformer_layer_config) and what our layers are sized from."""
+    from transformers import Qwen3Config
+
+    d = {k: target_config[k] for k in LAYER_KEYS if target_config.get(k) is not None}
+    d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
+    cfg = Qwen3Config(**d, num_hidden_layers=num_layers, vocab_size=vocab_size, tie_word_embeddings=False,
+                      attention_bias=False, use_sliding_window=False, layer_types=["full_attention"] * num_layers)
+    return cfg
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., hd] rotated by cos/sin broadcast to it (the rotate-half convention of Llama / Qwen3)."""
+    from transformers.models.qwen3.modeling_qwen3 import rotate_half
+
+    return x * cos + rotate_half(x) * sin
+
+
+class BlockAttention(nn.Module):
+    """Queries from the block; keys/values = the target context (projected here) then the block itself."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+        D, self.H, self.Hkv, self.hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(D, self.H * self.hd, bias=False)
+        self.k_proj = nn.Linear(D, self.Hkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(D, self.Hkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.H * self.hd, D, bias=False)
+        self.q_norm = Qwen3RMSNorm(self.hd, eps=cfg.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.hd, eps=cfg.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [..., N, D] -> keys (normed, rotated) and values [..., Hkv, N, hd]; cos/sin [..., N, hd]."""
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.Hkv, self.hd))).transpose(-2, -3)
+        v = self.v_proj(x).unflatten(-1, (self.Hkv, self.hd)).transpose(-2, -3)
+        return _rope(k, cos.unsqueeze(-3), sin.unsqueeze(-3)), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, allowed):
+        """x [B,A,K,D] (input-normed), cos/sin [B,A,K,hd], ctx_k/ctx_v [B,Hkv,S,hd], allowed [B,A,S] bool (the
+        context rows each block may read) -> [B,A,K,D]."""
+        B, A, K, _ = x.shape
+        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.H, self.hd))).transpose(-2, -3)  # [B,A,H,K,hd]
+        q = _rope(q, cos.unsqueeze(-3), sin.unsqueeze(-3)).permute(0, 2, 1, 3, 4)  # [B,H,A,K,hd]
+        kb, vb = (t.permute(0, 2, 1, 3, 4) for t in self.kv(x, cos, sin))  # [B,Hkv,A,K,hd]
+        g = self.H // self.Hkv  # GQA: query head h reads kv head h // g (HF repeat_kv order)
+        ck, cv = ctx_k.repeat_interleave(g, 1), ctx_v.repeat_interleave(g, 1)
+        kb, vb = kb.repeat_interleave(g, 1), vb.repeat_interleave(g, 1)
+        scale = self.hd ** -0.5
+        s_ctx = torch.einsum("bhakd,bhsd->bhaks", q, ck) * scale  # [B,H,A,K,S]
+        s_ctx = s_ctx.masked_fill(~allowed[:, None, :, None, :], float("-inf"))
+        s_blk = torch.einsum("bhakd,bhajd->bhakj", q, kb) * scale  # [B,H,A,K,K]: bidirectional in the block
+        p = torch.softmax(torch.cat([s_ctx, s_blk], -1).float(), dim=-1).to(q.dtype)
+        S = ck.shape[-2]
+        out = torch.einsum("bhaks,bhsd->bhakd", p[..., :S], cv) + torch.einsum("bhakj,bhajd->bhakd", p[..., S:], vb)
+        return self.o_proj(out.permute(0, 2, 3, 1, 4).flatten(-2))  # [B,A,K,H*hd] -> [B,A,K,D]
+
+
+class BlockLayer(nn.Module):
+    """Pre-norm residual layer: x + Attn(norm(x)), then + MLP(norm(.)) (Qwen3 layout, speculators' names)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
+
+        self.self_attn = BlockAttention(cfg)
+        self.mlp = Qwen3MLP(cfg)
+        self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, allowed):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, allowed)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MarkovHead(nn.Module):
+    """The sequential stage: a low-rank logit bias from the previous token (equations in the module docstring)."""
+
+    def __init__(self, vocab_size: int, draft_vocab: int, rank: int, hidden: int, kind: str):
+        super().__init__()
+        self.kind, self.rank = kind, rank
+        self.markov_w1 = nn.Embedding(vocab_size, rank)  # indexed by TARGET ids (the previous token)
+        nn.init.normal_(self.markov_w1.weight, std=0.01)  # speculators' MarkovHead init: the bias starts near 0
+        self.markov_w2 = nn.Linear(rank, draft_vocab, bias=False)
+        if kind == "gated":
+            self.gate_proj = nn.Linear(hidden + rank, rank)
+        elif kind == "rnn":
+            self.joint_proj = nn.Linear(2 * rank + hidden, 3 * rank)
+
+    def embed(self, prev: torch.Tensor) -> torch.Tensor:
+        """prev [...] target ids -> W1[prev] [..., r] (one lookup for a whole block: one W1 gradient)."""
+        return self.markov_w1(prev).to(self.markov_w2.weight.dtype)
+
+    def step(self, e: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None):
+        """e = W1[x_prev] [..., r], h [..., D] -> (bias [..., V'], state [..., r] or None). vanilla / gated are
+        position-wise (any leading shape, e.g. all drafts at once); rnn carries `state` from draft to draft."""
+        if self.kind == "vanilla":
+            return self.markov_w2(e), None
+        h = h.to(e.dtype)
+        if self.kind == "gated":
+            return self.markov_w2(torch.sigmoid(self.gate_proj(torch.cat([h, e], -1))) * e), None
+        if state is None:
+            state = torch.zeros_like(e)
+        a, u, o = self.joint_proj(torch.cat([state, e, h], -1)).chunk(3, dim=-1)
+        a = torch.sigmoid(a)
+        return self.markov_w2(torch.tanh(o)), a * state + (1.0 - a) * torch.tanh(u)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, input_dim: int):
+        super().__init__()
+        self.proj = nn.Linear(input_dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).squeeze(-1)
+
+
+@dataclass
+class BlockCache:
+    """The head's context at inference: per layer, keys (normed, rotated) and values of the TRUE context rows
+    [B,Hkv,S,hd]; row i has position i. Only verified rows are appended, so nothing is ever rolled back except by
+    `crop` (when the caller's own bookkeeping rewinds)."""
+
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return int(self.keys[0].shape[-2]) if self.keys else 0
+
+    def crop(self, n: int) -> None:
+        """Keep the first n context rows."""
+        self.keys = [k[..., :n, :] for k in self.keys]
+        self.values = [v[..., :n, :] for v in self.values]
+
+
+class DSparkHead(DraftHead):
+    kind = "dspark"
+
+    def __init__(self, config: HeadConfig):
+        super().__init__(config)
+        s, D, F = self.spec, config.hidden_size, len(config.feature_layers)
+        self.layer_config = cfg = block_layer_config(config.target_config, s.num_layers, config.vocab_size)
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+        self.fc = nn.Linear(F * D, D, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(D, eps=cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(BlockLayer(cfg) for _ in range(s.num_layers))
+        self.norm = Qwen3RMSNorm(D, eps=cfg.rms_norm_eps)
+        for m in self.modules():  # HF's _init_weights for the backbone: normal(0, initializer_range)
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=cfg.initializer_range)
+        if config.draft_vocab_size:  # the target's rows of d2t, frozen (init_from_target fills them)
+            self._modules["lm_head"] = nn.Linear(D, config.out_vocab, bias=False).requires_grad_(False)
+        self.markov_head = MarkovHead(config.vocab_size, config.out_vocab, s.markov_rank, D, s.markov_head_type) \
+            if s.markov_rank > 0 else None
+        self.confidence_head = ConfidenceHead(D + (s.markov_rank if s.confidence_with_markov else 0)) \
+            if s.confidence_head else None
+        self.register_buffer("conf_temperature", torch.ones(s.num_drafts))  # T_k, fitted after training
+        self._rope = RotaryCache(Qwen3RotaryEmbedding(cfg))
+        self.mask_token_id = int(s.mask_token_id)
+        self.slot0 = 0 if s.sample_from_anchor else 1  # the slot of draft 0
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self._modules["lm_head"] if self.config.draft_vocab_size else self._get_frozen("lm_head")
+
+    @property
+    def num_drafts(self) -> int:
+        return self.spec.num_drafts
+
+    def init_from_target(self) -> None:
+        """The frozen lm_head over the draft vocab = the target lm_head's rows of d2t."""
+        if self.config.draft_vocab_size:
+            with torch.no_grad():
+                w = self._get_frozen("lm_head").weight[self.d2t.to(self._get_frozen("lm_head").weight.device)]
+                self.lm_head.weight.copy_(w.to(self.lm_head.weight.dtype))
+
+    def _base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h) if self.config.draft_vocab_size else self.target_lm_logits(h)
+
+    # ----- the backbone (shared by training and inference) -----
+    def project_features(self, features: torch.Tensor) -> torch.Tensor:
+        """features [..., F*D] (feature layers concatenated in config order) -> c [..., D]."""
+        return self.hidden_norm(self.fc(features.to(self.head_dtype)))
+
+    def context_kv(self, features: torch.Tensor, start: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """features [B,N,F*D] of context rows start..start+N-1 -> per layer (keys, values) [B,Hkv,N,hd]."""
+        c = self.project_features(features)
+        pos = torch.arange(start, start + c.shape[1], device=c.device).expand(c.shape[0], -1)
+        cos, sin = self._rope(c, pos)
+        return [layer.self_attn.kv(c, cos.to(c.dtype), sin.to(c.dtype)) for layer in self.layers]
+
+    def blocks(self, ctx: list, allowed: torch.Tensor, anchor_tokens: torch.Tensor, anchors: torch.Tensor):
+        """ctx: context_kv(...) of S rows; allowed [B,A,S] bool; anchor_tokens [B,A] target ids at positions
+        anchors [B,A] -> h [B,A,K,D] (final-normed hidden of every slot)."""
+        B, A = anchors.shape
+        K = self.spec.block_size
+        ids = torch.full((B, A, K), self.mask_token_id, dtype=torch.long, device=anchors.device)
+        ids[..., 0] = anchor_tokens
+        x = self.embed(ids)  # [B,A,K,D]
+        pos = anchors[..., None] + torch.arange(K, device=anchors.device)  # [B,A,K]: slot k at position p+k
+        cos, sin = self._rope(x, pos.flatten(1))
+        cos, sin = (t.view(B, A, K, -1).to(x.dtype) for t in (cos, sin))
+        for layer, (ck, cv) in zip(self.layers, ctx):
+            x = layer(x, cos, sin, ck, cv, allowed)
+        return self.norm(x)
+
+    def heads(self, h: torch.Tensor, prev: torch.Tensor, greedy: bool = False):
+        """h [B,A,K,D] -> (logits [B,A,K',V'] incl. the Markov bias, confidence logits [B,A,K'] or None).
+
+        prev: [B,A,K'] target ids, draft j's previous token (teacher forcing: the data's x_{p+j}); with greedy,
+        [B,A] anchors only, and draft j >= 1 reads the argmax of draft j-1 (what the drafter proposes)."""
+        hd = h[:, :, self.slot0:]  # [B,A,K',D]: the drafting slots
+        base = self._base_logits(hd)
+        mk = self.markov_head
+        if mk is None:
+            return base, self._confidence(hd, None)
+        if not greedy and mk.kind != "rnn":  # teacher-forced and position-wise: every draft at once
+            e = mk.embed(prev)
+            return base + mk.step(e, hd, None)[0].to(base.dtype), self._confidence(hd, e)
+        e_all = None if greedy else mk.embed(prev)
+        p, state = (prev if greedy else prev[..., 0]), None
+        if self.slot0 and mk.kind == "rnn":  # speculators runs the rnn state over the anchor slot too
+            state = mk.step(mk.embed(p), h[:, :, 0], None)[1]
+        logits, embs = [], []
+        for j in range(self.num_drafts):
+            e = mk.embed(p) if greedy else e_all[:, :, j]
+            bias, state = mk.step(e, hd[:, :, j], state)
+            logits.append(base[:, :, j] + bias.to(base.dtype))
+            embs.append(e)
+            if greedy and j + 1 < self.num_drafts:
+                p = self.to_target_ids(logits[-1].argmax(-1))
+        return torch.stack(logits, 2), self._confidence(hd, torch.stack(embs, 2))
+
+    def _confidence(self, hd: torch.Tensor, e: torch.Tensor | None) -> torch.Tensor | None:
+        """c_k logits [B,A,K'] from [h_k ; W1[x_{k-1}]] (or h_k alone), before the temperatures."""
+        if self.confidence_head is None:
+            return None
+        x = torch.cat([hd, e.to(hd.dtype)], -1) if self.spec.confidence_with_markov else hd
+        return self.confidence_head(x)
+
+    # ----- training -----
+    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
+                attention_mask: torch.Tensor | None = None):
+        """Teacher-forced blocks: features [B,T,F*D] (row t = target features of token t), input_ids [B,T],
+        anchors [B,A] positions p (1 <= p <= T-2; padding anchors are the caller's to mask), attention_mask [B,T]
+        -> (logits [B,A,K',V'], confidence logits [B,A,K'] or None); draft j of the block at p predicts
+        input_ids[p+1+j] and reads input_ids[p+j] as its previous token."""
+        B, T = input_ids.shape
+        ctx = self.context_kv(features)
+        allowed = torch.arange(T, device=anchors.device) < anchors[..., None]  # [B,A,T]: rows before the anchor
+        if attention_mask is not None:
+            allowed = allowed & attention_mask.bool()[:, None, :]
+        h = self.blocks(ctx, allowed, input_ids.gather(1, anchors), anchors)
+        idx = (anchors[..., None] + torch.arange(self.num_drafts, device=anchors.device)).clamp(max=T - 1)
+        prev = input_ids.gather(1, idx.flatten(1)).view(idx.shape)  # [B,A,K']: x_{p+j}
+        return self.heads(h, prev)
+
+    # ----- inference -----
+    def new_cache(self) -> BlockCache:
+        return BlockCache()
+
+    @torch.no_grad()
+    def extend_context(self, cache: BlockCache, features: torch.Tensor) -> None:
+        """Append the target features [N,F*D] or [1,N,F*D] of newly verified rows (positions cache.length ...)."""
+        f = features if features.dim() == 3 else features.unsqueeze(0)
+        new = self.context_kv(f, start=cache.length)
+        if not cache.keys:
+            cache.keys, cache.values = [k for k, _ in new], [v for _, v in new]
+            return
+        cache.keys = [torch.cat([a, k], -2) for a, (k, _) in zip(cache.keys, new)]
+        cache.values = [torch.cat([a, v], -2) for a, (_, v) in zip(cache.values, new)]
+
+    @torch.no_grad()
+    def draft_block(self, cache: BlockCache, anchor_token) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One block after the cached context (S rows): anchor_token (target id) at position S ->
+        (logits [K',V'] with the Markov bias of the greedy chain: draft j's bias reads the argmax of draft j-1,
+        the anchor for j = 0; calibrated confidences [K'] (σ(z_j / T_j)) or None). The drafted tokens are
+        head.to_target_ids(logits.argmax(-1))."""
+        dev = self.conf_temperature.device
+        S = cache.length
+        anchor = torch.as_tensor(anchor_token, device=dev, dtype=torch.long).view(1, 1)
+        anchors = torch.full((1, 1), S, device=dev, dtype=torch.long)
+        allowed = torch.ones(1, 1, S, dtype=torch.bool, device=dev)
+        ctx = list(zip(cache.keys, cache.values)) if cache.keys else self._empty_context(dev)
+        h = self.blocks(ctx, allowed, anchor, anchors)
+        logits, conf = self.heads(h, anchor, greedy=True)
+        if conf is not None:
+            conf = torch.sigmoid(conf[0, 0].float() / self.conf_temperature.float())
+        return logits[0, 0], conf
+
+    def _empty_context(self, dev) -> list:
+        cfg = self.layer_config
+        z = torch.zeros(1, cfg.num_key_value_heads, 0, cfg.head_dim, device=dev, dtype=self.head_dtype)
+        return [(z, z) for _ in self.layers]

@@ -1,0 +1,474 @@
+"""DSpark / DFlash block heads on the tiny target: training forward == inference forward, the loss and calibration
+math on hand-made inputs, a training run whose simulated τ rises (frozen target bit-identical), save/load and
+export/import round trips, the real `speculators` package running our export, bad input."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specheads.heads import HeadSpec, build_head, load_head
+from specheads.heads.export import export_head, import_head
+from specheads.train.evaluate import BlockEvalAccumulator, fit_sequential_temperatures
+from specheads.train.losses import acceptance_rate, block_position_weights, dspark_loss
+from specheads.train.steps import block_valid, sample_anchors
+from specheads.utils import SpecheadsError
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC_PY = ROOT / ".venv-speculators" / "bin" / "python"
+V, D = 256, 64
+
+
+def _head(tiny, seed=3, **kw):
+    spec = HeadSpec(**{"kind": "dspark", "feature_layers": [1, 2, 3], "block_size": 4, "markov_rank": 16,
+                       "num_layers": 2, **kw})
+    head = build_head(spec, tiny, token_counts=torch.arange(V) if spec.draft_vocab_size else None)
+    torch.manual_seed(seed)
+    with torch.no_grad():  # far from init, so that every part matters (the frozen lm_head rows stay the target's)
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn_like(p))
+    return head
+
+
+def _inputs(T=24, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, T, 3 * D, generator=g), torch.randint(0, V, (1, T), generator=g)
+
+
+VARIANTS = [dict(markov_head_type="vanilla", draft_vocab_size=100), dict(markov_head_type="gated"),
+            dict(markov_head_type="rnn", sample_from_anchor=False), dict(markov_rank=0, confidence_head=False),
+            dict(markov_head_type="rnn", draft_vocab_size=100, confidence_with_markov=False)]
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_training_forward_equals_draft_block(tiny, kw):
+    """The context fed in two pieces to the cache, then draft_block's greedy chain, equals the teacher-forced
+    training forward of the same anchor once the data's next tokens are the drafted ones."""
+    head = _head(tiny, **kw)
+    f, ids = _inputs()
+    p = 9
+    cache = head.new_cache()
+    head.extend_context(cache, f[0, :4])
+    head.extend_context(cache, f[:, 4:p])
+    assert cache.length == p
+    logits, conf = head.draft_block(cache, ids[0, p])
+    K = head.num_drafts
+    assert logits.shape == (K, head.config.out_vocab) and (conf is None) == (not head.spec.confidence_head)
+    drafted = head.to_target_ids(logits.argmax(-1))
+    forced = ids.clone()
+    forced[0, p + 1:p + 1 + K] = drafted  # the data continues with the drafts: teacher forcing = greedy chain
+    tl, tc = head(f, forced, torch.tensor([[3, p]]))
+    torch.testing.assert_close(tl[0, 1], logits, atol=1e-5, rtol=1e-5)
+    if conf is not None:
+        torch.testing.assert_close(torch.sigmoid(tc[0, 1]), conf, atol=1e-6, rtol=1e-5)
+    cache.crop(4)  # rewinding the context reproduces the block drafted there
+    l4, _ = head.draft_block(cache, ids[0, 4])
+    torch.testing.assert_close(head(f, ids, torch.tensor([[4]]))[0][0, 0, 0], l4[0], atol=1e-5, rtol=1e-5)
+
+
+def test_block_reads_only_the_context_before_its_anchor(tiny):
+    head = _head(tiny)
+    f, ids = _inputs()
+    a = torch.tensor([[7]])
+    ref, _ = head(f, ids, a)
+    f2, ids2 = f.clone(), ids.clone()
+    f2[:, 7:] += 1.0  # the anchor's own row and later rows: not read (the anchor's feature does not exist yet)
+    ids2[0, 12:] = (ids2[0, 12:] + 1) % V  # tokens past the block's Markov inputs
+    out, _ = head(f2, ids2, a)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    f2[:, 6] += 1.0  # the last context row is read
+    assert not torch.allclose(head(f2, ids2, a)[0], ref)
+
+
+def test_acceptance_rate_and_confidence_bce_by_hand():
+    big = 30.0
+    same = torch.tensor([[big, 0.0, 0.0, 0.0]])
+    other = torch.tensor([[0.0, big, 0.0, 0.0]])
+    half = torch.tensor([[big, big, 0.0, 0.0]])  # q = (1/2, 1/2, 0, 0)
+    lse = lambda t: t.logsumexp(-1)  # noqa: E731  (no draft vocab: the columns are the whole vocab)
+    assert acceptance_rate(same, same, lse(same)).item() == pytest.approx(1.0)
+    assert acceptance_rate(other, same, lse(same)).item() == pytest.approx(0.0, abs=1e-6)
+    assert acceptance_rate(half, same, lse(same)).item() == pytest.approx(0.5)
+    # a draft vocab of the first two ids; the target puts half its mass on id 3, outside it: at most 1/2 accepted
+    full = torch.tensor([[big, -big, -big, big]])
+    assert acceptance_rate(same[:, :2], full[:, :2], lse(full)).item() == pytest.approx(0.5)
+
+    # the BCE target is detached: the confidence loss alone sends no gradient into the logits
+    logits = torch.randn(3, 2, 4, requires_grad=True)
+    conf = torch.zeros(3, 2, requires_grad=True)  # c = 0.5
+    tgt = logits.detach().clone()  # the draft equals the target: acceptance 1 everywhere
+    ones = torch.ones(3, 2, dtype=torch.bool)
+    out = dspark_loss(logits, conf, tgt, tgt.logsumexp(-1), ones, ones, w_ce=0.0, w_l1=0.0, alpha=1.0)
+    assert out.loss.item() == pytest.approx(math.log(2.0), rel=1e-5)  # BCE(0.5, 1) = log 2
+    out.loss.backward()
+    assert logits.grad is None or not logits.grad.any()  # CE and L1 weigh 0 here: any gradient would be the BCE's
+    assert conf.grad is not None and bool((conf.grad < 0).all())
+
+
+def test_loss_weights_and_masks():
+    w = block_position_weights(3, 4.0)
+    torch.testing.assert_close(w, torch.tensor([1.0, math.exp(-0.25), math.exp(-0.5)]))
+    logits = torch.zeros(1, 3, 4)
+    tgt = torch.tensor([[[5.0, 0, 0, 0]] * 3])
+    ones = torch.ones(1, 3, dtype=torch.bool)
+    ce_all = dspark_loss(logits, None, tgt, tgt.logsumexp(-1), ones, ones, w_ce=1.0, w_l1=0.0).loss
+    assert ce_all.item() == pytest.approx(math.log(4.0), rel=1e-5)  # uniform draft: CE = log 4 at every draft
+    logits = torch.tensor([[[9.0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 9.0]]])
+    ce = -(torch.softmax(tgt, -1) * torch.log_softmax(logits, -1)).sum(-1)[0]  # per draft, by hand
+    first = dspark_loss(logits, None, tgt, tgt.logsumexp(-1), ones, torch.tensor([[True, False, False]]),
+                        w_ce=1.0, w_l1=0.0).loss
+    assert first.item() == pytest.approx(ce[0].item(), rel=1e-5)  # invalid drafts leave the loss
+    mean = dspark_loss(logits, None, tgt, tgt.logsumexp(-1), ones, ones, w_ce=1.0, w_l1=0.0).loss
+    assert mean.item() == pytest.approx(float((ce * w).sum() / w.sum()), rel=1e-5)  # exp(-j / 4)-weighted mean
+    out_of_vocab = dspark_loss(logits, None, tgt, tgt.logsumexp(-1), torch.tensor([[True, True, False]]), ones,
+                               w_ce=1.0, w_l1=0.0).loss  # draft 2's target token lies outside the draft vocab
+    assert out_of_vocab.item() == pytest.approx(float((ce[:2] * w[:2]).sum() / w[:2].sum()), rel=1e-5)
+
+
+def test_sample_anchors_reproducible_and_on_assistant_rows():
+    lm = torch.zeros(3, 20, dtype=torch.long)
+    lm[0, 5:] = 1
+    lm[1, 10:14] = 1
+    lm[2, 18:] = 1
+    a1, v1 = sample_anchors(lm, 6, torch.Generator().manual_seed(0))
+    a2, v2 = sample_anchors(lm, 6, torch.Generator().manual_seed(0))  # the trainer passes LossSettings.generator
+    assert torch.equal(a1, a2) and torch.equal(v1, v2)
+    assert v1.sum(1).tolist() == [6, 4, 2]  # row 1 has 4 candidates (p = 9..12), row 2 two (p = 17, 18)
+    for b in range(3):
+        chosen = a1[b][v1[b]]
+        assert bool((lm[b, chosen + 1] == 1).all()) and len(set(chosen.tolist())) == len(chosen)  # x_{p+1} answers
+        assert chosen.tolist() == sorted(chosen.tolist())
+    assert not torch.equal(a1, sample_anchors(lm, 6, torch.Generator().manual_seed(1))[0])
+    ok = block_valid(lm, torch.tensor([[17], [11], [17]]), 4)  # contiguous prefixes inside the sequence
+    assert ok.tolist() == [[[True, True, False, False]], [[True, True, False, False]], [[True, True, False, False]]]
+
+
+def test_block_targets_read_row_p_plus_j(tiny):
+    from specheads.train.steps import block_targets
+
+    head = _head(tiny, draft_vocab_size=100)
+    h = torch.randn(2, 12, D, generator=torch.Generator().manual_seed(2))
+    anchors = torch.tensor([[2, 7], [4, 0]])
+    valid = torch.ones(2, 2, 4, dtype=torch.bool)
+    valid[1, 1] = False  # a padding block
+    full = tiny.lm_head(h)  # [2,12,V]
+    tgt, lse, ok = block_targets(head, tiny, h, anchors, valid)  # the draft vocab's columns, renormalised
+    torch.testing.assert_close(tgt[0, 1, 2], full[0, 9, head.d2t])  # draft 2 of the block at 7: row 9
+    torch.testing.assert_close(lse[0, 1, 2], full[0, 9, head.d2t].logsumexp(-1))
+    assert bool(ok.all())
+    tgt, lse, ok = block_targets(head, tiny, h, anchors, valid, full_vocab=True)
+    torch.testing.assert_close(tgt[1, 0, 3], full[1, 7, head.d2t])
+    torch.testing.assert_close(lse[1, 0, 3], full[1, 7].logsumexp(-1))  # the full vocabulary's
+    want = torch.isin(full[0, 2:6].argmax(-1), head.d2t)
+    assert torch.equal(ok[0, 0], want)
+
+
+def test_fit_sequential_temperatures_recovers_obvious_answers():
+    z = torch.linspace(-4, 4, 41).repeat_interleave(200)  # 8,200 rows
+    g = torch.Generator().manual_seed(0)
+    y1 = torch.rand(z.shape, generator=g) < torch.sigmoid(z / 2.0)  # truly σ(z / 2): temperature 2
+    t = fit_sequential_temperatures(z[None], y1[None], torch.ones(1, z.numel(), dtype=torch.bool))
+    assert t.item() == pytest.approx(2.0, rel=0.08)
+    # position 0 always accepted (confident and right), position 1 truly σ(z / 0.5) given it: T_1 = 0.5
+    logits = torch.stack([torch.full_like(z, 30.0), z])
+    y = torch.stack([torch.ones_like(y1), torch.rand(z.shape, generator=g) < torch.sigmoid(z / 0.5)])
+    t = fit_sequential_temperatures(logits, y, torch.ones(2, z.numel(), dtype=torch.bool))
+    assert t[1].item() == pytest.approx(0.5, rel=0.08)
+    # a position without rows keeps T = 1
+    v = torch.ones(2, z.numel(), dtype=torch.bool)
+    v[1] = False
+    assert fit_sequential_temperatures(logits, y, v)[1].item() == 1.0
+
+
+def test_block_metrics_by_hand():
+    # 4 blocks of 2 drafts; draft 0 right in blocks 0, 1; draft 1 right in block 0 only; confidences by hand
+    top1 = torch.tensor([[True, True, False, False], [True, False, False, False]])[:, None]
+    valid = torch.ones(2, 1, 4, dtype=torch.bool)
+    conf = torch.tensor([[0.95, 0.95, 0.05, 0.05], [0.95, 0.05, 0.5, 0.5]])[:, None]
+    acc = BlockEvalAccumulator(2, [0.5])
+    acc.add(top1, valid, torch.ones(1, 4, dtype=torch.bool), conf)
+    m = acc.metrics()
+    assert m["accept_0"] == 0.5 and m["accept_1"] == 0.5  # draft 1 counted only where draft 0 was accepted
+    assert m["auroc_0"] == 1.0 and m["auroc_1"] == 1.0  # perfectly ranked
+    assert m["brier_0"] == pytest.approx(0.05 ** 2) and m["ece_0"] == pytest.approx(0.05)
+    assert m["conf_1"] == pytest.approx(0.5)  # over blocks 0, 1 only
+    # survival: block 0 0.9025 (accepted 2), block 1 0.0475 (accepted 1 of 2: label 0 at j = 1)
+    assert m["surv_ece_1"] == pytest.approx((abs(0.9025 - 1) + 0.0475 + 0.025 + 0.025) / 4)
+    # cut at survival 0.5: blocks verify 2, 1, 0, 0 drafts; accepted 2, 1, 0, 0 -> τ = (3 + 2 + 1 + 1) / 4
+    assert m["tau_cut0.5"] == pytest.approx(7 / 4) and m["len_cut0.5"] == pytest.approx(3 / 4)
+
+
+def _sharp_target():
+    """The tiny target with a sharpened output (final norm x 20; argmax unchanged): a random tiny Llama's
+    next-token distributions are nearly flat, which gives soft-target losses little to learn from."""
+    from specheads.target import tiny_target
+
+    t = tiny_target()
+    with torch.no_grad():
+        t.final_norm.weight.mul_(20)
+    return t
+
+
+def _greedy_samples(target, n, T=40, prompt=6, seed=0):
+    """Sequences the target wrote itself (greedy): the target agrees with every answer token."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, V, (n, prompt), generator=g)
+    with torch.no_grad():
+        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=T - prompt,
+                                    min_new_tokens=T - prompt, do_sample=False)
+    lm = torch.zeros(T, dtype=torch.long)
+    lm[prompt:] = 1
+    return [{"input_ids": row[:T], "loss_mask": lm.clone()} for row in out]
+
+
+def test_training_run_tau_rises_and_target_stays_frozen(tmp_path):
+    from specheads.config import load_config
+    from specheads.recipe import Recipe
+    from specheads.train.trainer import Trainer
+
+    target = _sharp_target()
+    data, val = _greedy_samples(target, 24), _greedy_samples(target, 6, seed=1)
+    counts = sum(torch.bincount(d["input_ids"][d["loss_mask"].bool()], minlength=V) for d in data)
+    recipe = load_config(Recipe, None, [
+        f"output_dir={tmp_path}", "seed=0", "head.kind=dspark", "head.feature_layers=[1,2,3]", "head.block_size=4",
+        "head.markov_rank=16", "head.draft_vocab_size=64", "train.tracker=none", "train.batch_size=2",
+        "train.lr=1e-2", "train.block_w_ce=1.0", "train.warmup_steps=1", "train.max_steps=40",
+        "train.max_anchors=16", "eval.every_steps=0", "eval.max_samples=6", "eval.batch_size=2"])
+    torch.manual_seed(0)
+    head = build_head(recipe.head, target, token_counts=counts)
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    target_before = {k: v.clone() for k, v in target.model.state_dict().items()}
+    res = Trainer(recipe, target, head, data, val).train()
+    first, last = res.history[0], res.history[-1]
+    assert last["tau_chain"] > first["tau_chain"] + 0.2, (first["tau_chain"], last["tau_chain"])
+    assert {"accept_0", "ece_0", "conf_0", "tau_cut0.5", "len_cut0.5"} <= set(last)
+    after = head.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    trainable = {n for n, p in head.named_parameters() if p.requires_grad}
+    assert changed == trainable, "every trainable parameter moves; the frozen lm_head rows and buffers do not"
+    assert "lm_head.weight" not in trainable and not torch.equal(head.lm_head.weight, torch.zeros(1))
+    assert all(torch.equal(v, target.model.state_dict()[k]) for k, v in target_before.items()), "target changed"
+    assert load_head(tmp_path / "best", target).kind == "dspark"
+
+
+@pytest.mark.xfail(strict=True, reason="exact resume needs the trainer's checkpointed LossSettings.generator and "
+                   "per-loader generators (wt-reliab, issue 17): a DataLoader iterator draws its seed from the global "
+                   "RNG, so a resumed epoch shifts the anchors. Remove this mark at merge.")
+def test_resume_gives_same_weights(tiny, tmp_path):
+    """A run stopped after a checkpoint and resumed ends with the same weights as an uninterrupted one (the
+    anchors come from the trainer's generator, saved in its checkpoints)."""
+    from specheads.config import load_config
+    from specheads.recipe import Recipe
+    from specheads.train.trainer import Trainer
+
+    data, val = _greedy_samples(tiny, 10, T=24), _greedy_samples(tiny, 2, T=24, seed=1)
+
+    def run(out, stop=None, resume=False):
+        recipe = load_config(Recipe, None, [
+            f"output_dir={out}", "seed=0", "head.kind=dspark", "head.feature_layers=[1,2,3]", "head.block_size=3",
+            "head.markov_rank=8", "train.tracker=none", "train.batch_size=2", "train.lr=1e-2", "train.max_steps=6",
+            "train.save_every=2", "train.max_anchors=4", "eval.every_steps=0", "eval.at_start=false",
+            "eval.max_samples=2"])
+        torch.manual_seed(123 if resume else 0)
+        head = build_head(recipe.head, tiny)
+        Trainer(recipe, tiny, head, data, val).train(resume=resume, stop_after=stop)
+        return head.state_dict()
+
+    a = run(tmp_path / "a")
+    run(tmp_path / "b", stop=4)
+    b = run(tmp_path / "b", resume=True)
+    assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) == 0.0
+
+
+def test_run_training_calibrates_the_head_folders(tmp_path):
+    import datasets
+
+    from specheads.config import load_config
+    from specheads.recipe import Recipe
+    from specheads.train.trainer import run_training
+
+    target = _sharp_target()
+    rows = _greedy_samples(target, 14, T=24)
+    ds = datasets.Dataset.from_dict({"input_ids": [r["input_ids"].tolist() for r in rows],
+                                     "loss_mask": [r["loss_mask"].tolist() for r in rows],
+                                     "conversation_id": [f"c{i}" for i in range(len(rows))]})
+    ds.save_to_disk(str(tmp_path / "data" / "tokens"))
+    recipe = load_config(Recipe, None, [
+        f"output_dir={tmp_path}", "seed=0", "features.mode=online", "data.val_fraction=0.4", "head.kind=dspark",
+        "head.feature_layers=[1,2,3]", "head.block_size=3", "head.markov_rank=8", "train.tracker=none",
+        "train.batch_size=2", "train.lr=1e-2", "train.max_steps=4", "train.max_anchors=8", "eval.every_steps=0",
+        "eval.at_start=false", "eval.batch_size=2"])
+    run_training(recipe, target=target)
+    report = json.loads((tmp_path / "calibration.json").read_text())
+    assert set(report) == {"best", "final"} and report["final"]["rows"] > 0
+    temps = report["final"]["temperatures"]
+    head = load_head(tmp_path / "final", target)
+    assert head.conf_temperature.tolist() == pytest.approx(temps) and temps != [1.0, 1.0, 1.0]
+    assert {"ece_0", "accept_0"} <= set(report["final"]["odd_after"])
+
+
+def test_save_load_bit_exact_and_frozen_parts(tiny, tmp_path):
+    head = _head(tiny, draft_vocab_size=100)
+    head.conf_temperature.copy_(torch.tensor([0.5, 1.5, 2.0, 3.0]))
+    head.save_pretrained(tmp_path / "h")
+    back = load_head(tmp_path / "h", tiny)
+    sd, sd2 = head.state_dict(), back.state_dict()
+    assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
+    assert "embed_tokens.weight" not in sd and back.embed_tokens is tiny.embed_tokens
+    assert not back.lm_head.weight.requires_grad  # the target's rows of d2t, frozen (as speculators / DeepSpec)
+    torch.testing.assert_close(back.lm_head.weight, tiny.lm_head.weight[back.d2t])
+    full = _head(tiny)  # no draft vocab: the target's lm_head by reference, not saved
+    assert "lm_head.weight" not in full.state_dict() and full.lm_head is tiny.lm_head
+
+
+def _same_state(a, b, skip=()):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        if k not in skip:
+            assert torch.equal(sa[k], sb[k]), k
+
+
+CASES = [("speculators", dict(draft_vocab_size=100)), ("speculators", dict(markov_rank=0, confidence_head=False,
+         sample_from_anchor=False)), ("speculators", dict(markov_head_type="rnn")),
+         ("specforge", dict(markov_head_type="gated")), ("specforge", dict(markov_rank=0, confidence_head=False,
+                                                                            sample_from_anchor=False))]
+
+
+@pytest.mark.parametrize("fmt,kw", CASES, ids=[f"{f}-{i}" for i, (f, _) in enumerate(CASES)])
+def test_export_import_round_trip_bit_exact(tiny, tmp_path, fmt, kw):
+    head = _head(tiny, **kw)
+    head.conf_temperature.fill_(2.0)  # neither format carries the temperatures: back as 1
+    head.save_pretrained(tmp_path / "h")
+    export_head(tmp_path / "h", fmt, tmp_path / "out")
+    back = import_head(tmp_path / "out", tiny)
+    assert back.kind == "dspark" and back.spec.block_size == 4 and back.config.feature_layers == [1, 2, 3]
+    for k in ("markov_rank", "markov_head_type", "confidence_head", "sample_from_anchor", "mask_token_id",
+              "num_layers", "draft_vocab_size"):
+        assert getattr(back.spec, k) == getattr(head.spec, k), k
+    _same_state(head, back, skip=("conf_temperature",))
+    assert bool((back.conf_temperature == 1).all())
+
+
+def test_export_layouts_match_the_consumers_contracts(tiny, tmp_path):
+    head = _head(tiny, draft_vocab_size=100)
+    head.save_pretrained(tmp_path / "h")
+    export_head(tmp_path / "h", "speculators", tmp_path / "s", verifier_name_or_path="org/verifier")
+    cfg = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "dspark" and cfg["architectures"] == ["DSparkSpeculator"]
+    assert cfg["aux_hidden_state_layer_ids"] == [1, 2, 3]  # speculators uses hidden_states ids, as we do
+    assert cfg["block_size"] == 4 and cfg["sample_from_anchor"] is True and cfg["mask_token_id"] == 0
+    assert cfg["markov_rank"] == 16 and cfg["enable_confidence_head"] and cfg["confidence_head_with_markov"]
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert cfg["transformer_layer_config"]["model_type"] == "qwen3" and cfg["draft_vocab_size"] == 100
+    sd = load_file(str(tmp_path / "s" / "model.safetensors"))
+    assert torch.equal(sd["d2t"] + torch.arange(100), head.d2t) and "conf_temperature" not in sd  # offsets
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "lm_head.weight", "t2d", "markov_head.markov_w1.weight",
+            "markov_head.markov_w2.weight", "confidence_head.proj.weight", "confidence_head.proj.bias",
+            "layers.1.self_attn.k_norm.weight"} <= set(sd)
+    assert sd["markov_head.markov_w1.weight"].shape == (V, 16) and sd["markov_head.markov_w2.weight"].shape == (100, 16)
+
+    with pytest.raises(SpecheadsError, match="full vocabulary"):
+        export_head(tmp_path / "h", "specforge", tmp_path / "x")
+    full = _head(tiny, markov_head_type="gated")
+    full.save_pretrained(tmp_path / "f")
+    export_head(tmp_path / "f", "specforge", tmp_path / "sf")
+    cfg = json.loads((tmp_path / "sf" / "config.json").read_text())
+    # SpecForge DFlashDraftModel: Qwen3 fields, block_size, num_target_layers, dflash_config (z-lab ids = ours - 1)
+    assert cfg["architectures"] == ["DSparkDraftModel"] and cfg["model_type"] == "dspark"
+    assert cfg["dflash_config"]["target_layer_ids"] == [0, 1, 2] and cfg["num_target_layers"] == 4
+    assert cfg["num_hidden_layers"] == 2 and cfg["layer_types"] == ["full_attention"] * 2
+    assert cfg["dspark_config"]["markov_head_type"] == "gated" and cfg["markov_rank"] == 16
+    keys = set(load_file(str(tmp_path / "sf" / "model.safetensors")))
+    assert "markov_head.gate_proj.weight" in keys and not {"lm_head.weight", "d2t", "t2d"} & keys
+
+
+def test_bad_inputs_give_one_clear_error(tiny, tmp_path):
+    from specheads.target import tiny_target
+
+    with pytest.raises(SpecheadsError, match="head.block_size: 1 drafts nothing"):
+        HeadSpec(kind="dspark", block_size=1, sample_from_anchor=False)
+    with pytest.raises(SpecheadsError, match="head.block_size"):
+        HeadSpec(kind="dspark", block_size=0)
+    positions = tiny.max_positions
+    with pytest.raises(SpecheadsError, match=f"head.block_size: .* does not fit the {positions} positions"):
+        build_head(HeadSpec(kind="dspark", block_size=positions, feature_layers=[1, 2, 3]), tiny)
+    with pytest.raises(SpecheadsError, match=r"head.feature_layers: 9 is outside 0..4"):
+        build_head(HeadSpec(kind="dspark", feature_layers=[1, 9]), tiny)
+    with pytest.raises(SpecheadsError, match="head.confidence_with_markov: needs head.markov_rank > 0"):
+        HeadSpec(kind="dspark", markov_rank=0)
+    with pytest.raises(SpecheadsError, match="head.mask_token_id: 999 is outside the target vocab"):
+        build_head(HeadSpec(kind="dspark", mask_token_id=999, feature_layers=[1, 2, 3]), tiny)
+    with pytest.raises(SpecheadsError, match="head.markov_head_type"):
+        from specheads.config import load_config
+        from specheads.recipe import Recipe
+
+        load_config(Recipe, None, ["head.kind=dspark", "head.markov_head_type=lstm"])
+    from specheads.heads.dspark import DSparkHead
+
+    build_head(HeadSpec(kind="eagle3", feature_layers=[1, 2, 3]), tiny).save_pretrained(tmp_path / "e3")
+    with pytest.raises(SpecheadsError, match=r"key 'kind' is 'eagle3', expected 'dspark'"):
+        DSparkHead.from_pretrained(tmp_path / "e3", tiny)
+    with pytest.raises(SpecheadsError, match="hidden size 64 vs 32"):
+        _head(tiny).save_pretrained(tmp_path / "d")
+        load_head(tmp_path / "d", tiny_target(hidden_size=32))
+
+
+@pytest.mark.skipif(not SPEC_PY.exists(), reason="no .venv-speculators (run scripts/setup_speculators_venv.sh)")
+@pytest.mark.parametrize("kw", [dict(draft_vocab_size=100), dict(markov_head_type="rnn", sample_from_anchor=False),
+                                dict(markov_rank=0, confidence_head=False, sample_from_anchor=False)],
+                         ids=["dspark-vanilla-V'", "dspark-rnn-dflash-slots", "dflash"])
+def test_speculators_package_loads_and_runs_our_export(tiny, tmp_path, kw):
+    """The real consumer: speculators' own config and model classes load the export (every weight equal), and its
+    own training forward gives our Markov-corrected block logits and confidence logits (within 1e-4) and the same
+    verifier targets per draft (the slot <-> token alignment)."""
+    tiny.model.save_pretrained(tmp_path / "verifier")  # speculators reads the verifier config and its weights
+    head = _head(tiny, **kw)
+    head.save_pretrained(tmp_path / "h")
+    export_head(tmp_path / "h", "speculators", tmp_path / "s", verifier_name_or_path=str(tmp_path / "verifier"))
+    T = 24
+    toks = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(7))
+    pre = {}  # speculators rebuilds its targets from the verifier's PRE-norm last state (its verifier_norm)
+    hook = tiny.final_norm.register_forward_hook(lambda m, i, o: pre.setdefault("x", i[0].detach()))
+    with torch.no_grad():
+        tiny.model(toks)  # (a separate call: with output_hidden_states transformers runs the norm its own way)
+        hook.remove()
+        out = tiny.model(toks, output_hidden_states=True)
+        torch.testing.assert_close(tiny.final_norm(pre["x"]), out.hidden_states[4])
+    feats = torch.cat([out.hidden_states[i] for i in (1, 2, 3)], -1)
+    anchors = torch.tensor([[2, 5, 6, 11]])  # A * K = 16 < T
+    lm = torch.zeros(1, T)
+    lm[0, anchors[0]] = 1  # speculators samples its anchors among loss-mask positions: exactly these four
+    with torch.no_grad():
+        logits, conf = head(feats, toks, anchors)
+    rows = anchors[0][:, None] + torch.arange(head.num_drafts)  # draft j of the block at p: target row p + j
+    targets = tiny.lm_head(out.hidden_states[4])[0, rows]
+    if head.d2t is not None:
+        targets = targets[..., head.d2t]
+    ref = {"features": feats, "tokens": toks, "loss_mask": lm, "verifier_last": pre["x"], "logits": logits[0],
+           "targets": targets}
+    if conf is not None:
+        ref["conf"] = conf[0]
+    (tmp_path / "ref").mkdir()
+    save_file({k: v.contiguous() for k, v in ref.items()}, str(tmp_path / "ref" / "inputs.safetensors"))
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HOME": os.environ.get("HOME", str(tmp_path))}
+    r = subprocess.run([str(SPEC_PY), str(ROOT / "tests" / "fixtures" / "speculators_dspark_load.py"),
+                        str(tmp_path / "s"), str(tmp_path / "ref")], capture_output=True, text=True, env=env,
+                       timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    diffs = got.pop("max_abs_diff")
+    kind = "dflash" if not head.spec.confidence_head and head.spec.markov_rank == 0 else "dspark"
+    assert got["class"] == {"dspark": "DSparkDraftModel", "dflash": "DFlashDraftModel"}[kind]
+    assert got["block_size"] == 4 and got["anchors"] == 4 and got["aux_ids"] == [1, 2, 3]
+    assert got["sample_from_anchor"] == head.spec.sample_from_anchor and got["verifier"] == str(tmp_path / "verifier")
+    assert set(diffs) == ({"logits", "targets", "conf"} if conf is not None else {"logits", "targets"})
+    assert max(diffs.values()) < 1e-4, diffs
