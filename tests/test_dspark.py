@@ -258,9 +258,6 @@ def test_training_run_tau_rises_and_target_stays_frozen(tmp_path):
     assert load_head(tmp_path / "best", target).kind == "dspark"
 
 
-@pytest.mark.xfail(strict=True, reason="exact resume needs the trainer's checkpointed LossSettings.generator and "
-                   "per-loader generators (wt-reliab, issue 17): a DataLoader iterator draws its seed from the global "
-                   "RNG, so a resumed epoch shifts the anchors. Remove this mark at merge.")
 def test_resume_gives_same_weights(tiny, tmp_path):
     """A run stopped after a checkpoint and resumed ends with the same weights as an uninterrupted one (the
     anchors come from the trainer's generator, saved in its checkpoints)."""

@@ -592,3 +592,132 @@ def import_head(src_dir: str | Path, target, fmt: str | None = None) -> DraftHea
     dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
     log.info("imported %s checkpoint %s as a %s head", fmt, src, spec.kind)
     return head.to(device=target.device, dtype=dtype).bind(target)
+
+
+# ------------------------------------------------------------------------------------ DSpark / DFlash block heads
+def _block_type(spec: HeadSpec) -> str:
+    """speculators' name for the head: DFlash is DSpark without its Markov and confidence heads."""
+    return "dflash" if spec.markov_rank == 0 and not spec.confidence_head else "dspark"
+
+
+def _block_layer_dict(cfg: HeadConfig) -> dict:
+    from specheads.heads.dspark import block_layer_config
+
+    d = block_layer_config(cfg.target_config, cfg.head_spec.num_layers, cfg.vocab_size).to_dict()
+    for k in ("transformers_version", "_name_or_path", "output_hidden_states",
+              "return_dict", "id2label", "label2id", "architectures"):
+        d.pop(k, None)
+    return d
+
+
+def _block_head_fields(spec: HeadSpec) -> dict:
+    return {"markov_rank": spec.markov_rank, "markov_head_type": spec.markov_head_type,
+            "enable_confidence_head": spec.confidence_head,
+            "confidence_head_with_markov": spec.confidence_head and spec.confidence_with_markov}
+
+
+def _speculators_block_config(cfg: HeadConfig, verifier: str | None) -> dict:
+    """DSparkSpeculatorConfig / DFlashSpeculatorConfig fields (speculators models/dflash/config.py,
+    models/dspark/config.py); aux ids are hidden_states-tuple ids, ours unchanged (its dflash converter maps the
+    z-lab ids by +1)."""
+    spec, kind = cfg.head_spec, _block_type(cfg.head_spec)
+    config = {
+        "architectures": ["DSparkSpeculator" if kind == "dspark" else "DFlashSpeculator"],
+        "speculators_model_type": kind, "transformer_layer_config": _block_layer_dict(cfg),
+        "draft_vocab_size": cfg.out_vocab, "block_size": spec.block_size, "target_hidden_size": None,
+        "aux_hidden_state_layer_ids": list(cfg.feature_layers), "mask_token_id": spec.mask_token_id,
+        "sliding_window_non_causal": False, "sample_from_anchor": spec.sample_from_anchor,
+        "speculators_config": {
+            "algorithm": kind, "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": spec.num_drafts}],
+            "verifier": {"name_or_path": verifier or HUB_IDS.get(cfg.target_name, cfg.target_name),
+                         "architectures": cfg.target_config.get("architectures") or ["LlamaForCausalLM"]}},
+    }
+    if kind == "dspark":
+        config.update(_block_head_fields(spec))
+    return config
+
+
+def _specforge_block_config(cfg: HeadConfig, where: str) -> dict:
+    """SpecForge's DFlashDraftModel reads a Qwen3 config + block_size, num_target_layers and dflash_config
+    (target_layer_ids in z-lab's convention: hidden_states[id + 1], i.e. ours - 1; -1 = the embeddings);
+    DSparkConfig adds the four DSpark fields at the top level (newer SpecForge reads them from dspark_config)."""
+    spec = cfg.head_spec
+    if cfg.draft_vocab_size:
+        raise SpecheadsError(f"--format specforge: {where} drafts over a {cfg.draft_vocab_size}-token draft vocab; "
+                             "SpecForge's DFlash / DSpark use the target's full vocabulary "
+                             "(head.draft_vocab_size null)")
+    kind = _block_type(spec)
+    config = _block_layer_dict(cfg)
+    ids = [i - 1 for i in cfg.feature_layers]
+    config.update(architectures=["DSparkDraftModel" if kind == "dspark" else "DFlashDraftModel"],
+                  block_size=spec.block_size, num_target_layers=int(cfg.target_config["num_hidden_layers"]),
+                  dflash_config={"target_layer_ids": ids, "mask_token_id": spec.mask_token_id},
+                  # top-level copies: DeepSpec's Qwen3DSparkModel config keys, and llama.cpp's DSparkModel reads
+                  # sample_from_anchor here (its default without it is true)
+                  target_layer_ids=ids, mask_token_id=spec.mask_token_id, sample_from_anchor=spec.sample_from_anchor)
+    if kind == "dspark":
+        config["model_type"] = "dspark"
+        config.update(_block_head_fields(spec), dspark_config=_block_head_fields(spec))
+    return config
+
+
+def export_block_head(cfg: HeadConfig, sd: dict, fmt: str, out_dir, where: str, verifier: str | None) -> Path:
+    """A dspark head in speculators' or SpecForge's layout: same tensor names as ours (heads/dspark.py), d2t as
+    offsets; the calibration temperatures have no slot in either format and stay in the native folder."""
+    from specheads.heads.dspark import DSparkHead
+
+    _check_keys(sd, list(DSparkHead(cfg).state_dict()), where)
+    tensors = {k: v for k, v in sd.items() if k not in ("d2t", "t2d", "conf_temperature")}
+    if fmt == "speculators":
+        config = _speculators_block_config(cfg, verifier)
+        if cfg.draft_vocab_size:  # speculators registers d2t/t2d (offsets) and keeps lm_head only when V' < V
+            tensors.update(d2t=_offsets(sd["d2t"]), t2d=sd["t2d"].to(torch.bool))
+    else:
+        config = _specforge_block_config(cfg, where)
+    with atomic_dir(out_dir) as tmp:
+        atomic_write_json(tmp / CONFIG_NAME, config)
+        write_safetensors(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt", "specheads_export": fmt})
+    log.info("exported dspark head %s as %s (%s) to %s", where, fmt, config.get("speculators_model_type") or
+             config["architectures"][0], out_dir)
+    return Path(out_dir)
+
+
+def _block_spec(fmt: str, config: dict, target, where: str) -> HeadSpec:
+    """The HeadSpec a speculators dspark / dflash or SpecForge config describes (speculators' defaults where a key
+    is absent: sample_from_anchor true for dspark, false for dflash; markov_rank 256)."""
+    if fmt == "speculators":
+        layer, kind = _need(config, "transformer_layer_config", where), config["speculators_model_type"]
+        ids = list(_need(config, "aux_hidden_state_layer_ids", where))
+        heads = config if kind == "dspark" else {"markov_rank": 0, "enable_confidence_head": False}
+        mask, sfa = config.get("mask_token_id"), config.get("sample_from_anchor", kind == "dspark")
+    else:
+        layer, dfc = config, _need(config, "dflash_config", where)
+        ids = [i + 1 for i in _need(dfc, "target_layer_ids", where)]
+        heads = config.get("dspark_config") or config
+        if "markov_rank" not in heads:
+            heads = {"markov_rank": 0, "enable_confidence_head": False}
+        mask, sfa = dfc.get("mask_token_id"), config.get("sample_from_anchor", config.get("model_type") == "dspark")
+    _check_dims(layer, target, where)
+    dv = int(config.get("draft_vocab_size") or target.vocab_size)
+    rank, conf = int(heads.get("markov_rank", 256)), bool(heads.get("enable_confidence_head", True))
+    return HeadSpec(kind="dspark", num_layers=int(_need(layer, "num_hidden_layers", where)), feature_layers=ids,
+                    draft_vocab_size=dv if dv < target.vocab_size else None,
+                    block_size=int(_need(config, "block_size", where)), markov_rank=rank,
+                    markov_head_type=heads.get("markov_head_type", "vanilla"), confidence_head=conf,
+                    confidence_with_markov=bool(heads.get("confidence_head_with_markov", rank > 0)) and rank > 0,
+                    sample_from_anchor=bool(sfa), mask_token_id=mask)
+
+
+def import_block_tensors(fmt: str, config: dict, sd: dict, target, where: str, w: str):
+    """(HeadSpec, native state dict) of a speculators dspark / dflash or SpecForge DFlash / DSpark folder."""
+    spec = _block_spec(fmt, config, target, where)
+    _check_keys(sd, ["fc.weight", "hidden_norm.weight", "norm.weight"], w)
+    tensors = {k: v for k, v in sd.items() if k not in ("d2t", "t2d")}
+    if spec.draft_vocab_size:
+        _check_keys(sd, ["d2t", "lm_head.weight"], w)
+        tensors["d2t"] = _absolute_d2t(sd["d2t"], sd.get("t2d"), w)
+        tensors["t2d"] = torch.zeros(target.vocab_size, dtype=torch.bool)
+        tensors["t2d"][tensors["d2t"]] = True
+    tensors["conf_temperature"] = torch.ones(spec.num_drafts)  # uncalibrated: the formats carry no temperatures
+    return spec, tensors
