@@ -372,6 +372,22 @@ CASES: list[dict[str, Any]] = [
      "expect": "not a readable safetensors file", "check": _not_executed},
     {"area": "head", "name": "head trained for another target", "setup": _head_and_other_target,
      "argv": GENERATE[:2] + ["{tmp}/other-target"] + GENERATE[3:], "rc": 2, "expect": "head was trained for target"},
+    # draft tree specs and sampling parameters (infer/treespec.py, infer/verify.SamplingParams)
+    *[{"area": "tree", "name": f"EAGLE --tree {spec}", "setup": _head, "argv": GENERATE[:-2] + [f"--tree={spec}"], "rc": 2,
+       "expect": expect} for spec, expect in (("3,100000,10", "TOP_K 100000 is above the head's draft vocabulary of 64"), ("0,0,0", "DEPTH 0 is outside 1..64"), ("-1,8,48", "DEPTH -1 is outside 1..64"),
+                                              ("3,0,10", "TOP_K 0 must be at least 1"), ("chain:0", "the chain length K 0 is outside 1..64"), ("chain:x", "expected chain:K with K a whole number"),
+                                              ("[[100000]]", "rank 100000 is beyond the head's draft vocabulary of 64"))],
+    *[{"area": "tree", "name": name, "argv": ["generate", "--target", "{target}", "--prompt", "hi",
+                                              "--max-new-tokens", "2", *extra], "rc": 2, "expect": expect}
+      for name, extra, expect in (
+          ("prompt lookup --tree 0", ["--drafter", "prompt-lookup", "--tree", "0"], "the number of draft tokens 0 is outside 1..64"),
+          ("prompt lookup --tree -3", ["--drafter", "prompt-lookup", "--tree=-3"], "the number of draft tokens -3 is outside 1..64"),
+          ("draft model --draft-layers 0", ["--drafter", "draft-model", "--draft-layers", "0"], "--draft-layers 0: must be at least 1"),
+          ("--temperature nan", ["--temperature", "nan"], "--temperature nan: must be a finite number"),
+          ("--temperature inf", ["--temperature", "inf"], "--temperature inf: must be a finite number"),
+          ("--top-p 0", ["--temperature", "1", "--top-p", "0"], "--top-p 0.0: must be in (0, 1]"))],
+    {"area": "tree", "name": "--lookup -4 with a head", "setup": _head, "argv": GENERATE + ["--lookup", "-4"], "rc": 2,
+     "expect": "--lookup -4: must be 0 (off) .. 64"},
 ]
 
 
