@@ -35,8 +35,9 @@ LLAMACPP_DIR ?= .llamacpp
 llamacpp: setup
 	PYTHON=$(BIN)/python SPECHEADS_LLAMACPP=$(LLAMACPP_DIR) bash scripts/setup_llamacpp.sh
 
-test: setup speculators-venv
-	$(BIN)/python -m pytest -q tests
+# CI builds llama.cpp too (about 6 min on 2 idle cores, once), so its conversion and speculative-step tests run.
+test: setup speculators-venv llamacpp
+	SPECHEADS_LLAMACPP=$(LLAMACPP_DIR) $(BIN)/python -m pytest -q tests
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests
