@@ -343,10 +343,9 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target=None
     """
     if fmt not in FORMATS:
         raise SpecheadsError(f"--format: {fmt!r} is not one of {list(FORMATS)}")
-    if fmt == "gguf":  # through llama.cpp's own converter
-        from specheads.heads.gguf import export_gguf
-
-        return export_gguf(head_dir, out_dir)
+    if fmt == "gguf":  # heads/gguf.py builds on this module: it runs llama.cpp's converter on an eagle3 export
+        raise SpecheadsError("--format gguf: written by specheads.heads.gguf.export_gguf (llama.cpp's converter), "
+                             "as `specheads export --format gguf` does")
     head_dir = Path(head_dir)
     cfg = read_head_config(head_dir)
     sd = read_safetensors(head_dir / WEIGHTS_NAME)

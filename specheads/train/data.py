@@ -657,34 +657,3 @@ def tokenize_texts(texts, tokenizer, max_length: int, batch_size: int = 64, desc
     if split:
         log.info("%d texts longer than %d tokens were cut into windows of that length", split, max_length)
     return tok, stats
-
-
-def text_tokens(cfg: DataConfig, target, texts, data_dir: Path, max_length: int, seed: int = 0,
-                progress: bool = True, regen_target=None):
-    """data.mode text: windows of the texts, and with data.regenerate the target's own continuation of each
-    window's first data.regen_prefix_tokens tokens (the first data.regen_conversations windows when set; the rest
-    keep the source). `regen_target()`: the target that regenerates (data.regen_dtype), called only when some
-    window is not yet in the output. Returns (tokens Dataset, tokenize stats, summary fields of the regeneration)."""
-    import datasets
-
-    tokens, stats = tokenize_texts(texts, target.tokenizer, max_length)
-    if not cfg.regenerate:
-        return tokens, stats, {}
-    from specheads.train.regenerate import read_done_ids, read_regenerated_texts, regenerate_texts
-
-    n = len(tokens) if cfg.regen_conversations is None else min(cfg.regen_conversations, len(tokens))
-    todo = tokens.select(range(n))
-    keep = tokens.select(range(n, len(tokens))) if n < len(tokens) else None
-    path = Path(data_dir) / "regenerated-text.jsonl"
-    missing = set(todo["conversation_id"]) - read_done_ids(path)
-    gen = regen_target() if missing and regen_target is not None else target
-    rstats = regenerate_texts(gen, todo, path, prefix_tokens=cfg.regen_prefix_tokens, max_length=max_length,
-                              max_new_tokens=cfg.regen_max_new_tokens, batch_size=cfg.regen_batch_size,
-                              temperature=cfg.regen_temperature, top_p=cfg.regen_top_p, seed=seed, progress=progress)
-    regen = read_regenerated_texts(path, todo["conversation_id"])
-    tokens = regen if keep is None else datasets.concatenate_datasets([regen, keep])
-    n_tokens = sum(len(x) for x in tokens["input_ids"])
-    stats = dict(stats, samples=len(tokens), tokens=n_tokens, masked_tokens=n_tokens)
-    return tokens, stats, {"regenerated_conversations": n, "source_reply_conversations": len(tokens) - n,
-                           "regenerated_new_tokens": rstats["new_tokens"],
-                           "regenerate_tokens_per_s": rstats["tokens_per_s"]}

@@ -199,7 +199,8 @@ def _regenerate(recipe, target, convs, regen_path: Path, max_length: int, summar
 def _tokenize(recipe, convs, target, max_length: int, summary: dict, timings: dict, progress: bool):
     """Chat: the template's tokens and assistant masks. Text: max_length windows, loss on every token, and with
     data.regenerate the target's continuation of each window's prefix (its time is inside tokenize_s)."""
-    from specheads.train.data import text_tokens, tokenize_conversations
+    from specheads.train.data import tokenize_conversations
+    from specheads.train.regenerate import text_tokens
 
     dc = recipe.data
     t = time.perf_counter()

@@ -272,6 +272,65 @@ def _drop_partial_tail(path: Path) -> None:
         f.truncate(data.rfind(b"\n") + 1)
 
 
+class _Answers:
+    """The conversations still to answer, their regenerated histories so far, and the JSONL they are written to
+    (flushed and fsynced every `sync_every` conversations, so a kill loses at most that many)."""
+
+    def __init__(self, todo: list[dict], tok, f, max_length: int, max_new_tokens: int, max_turns: int | None,
+                 sync_every: int, on_done):
+        self.todo, self.tok, self.f = todo, tok, f
+        self.max_length, self.max_new_tokens, self.max_turns = max_length, max_new_tokens, max_turns
+        self.hist: list[list[dict]] = [[] for _ in todo]  # regenerated conversation so far
+        self.cursor = [0] * len(todo)  # next source message index to copy
+        self.sync_every, self.unsynced, self.on_done = sync_every, 0, on_done
+
+    def queue_next_turn(self, j: int, work: deque) -> bool:
+        """Copy the prompts before conversation j's next answer into its history and queue that answer;
+        False when the conversation is complete (no more answers, max_turns reached, or no room left)."""
+        msgs, hist = self.todo[j]["messages"], self.hist[j]
+        while self.cursor[j] < len(msgs) and msgs[self.cursor[j]]["role"] != "assistant":
+            hist.append(dict(msgs[self.cursor[j]]))
+            self.cursor[j] += 1
+        if self.cursor[j] >= len(msgs):
+            return False
+        if self.max_turns is not None and sum(m["role"] == "assistant" for m in hist) >= self.max_turns:
+            while hist and hist[-1]["role"] != "assistant":  # drop the unanswered prompt
+                hist.pop()
+            return False
+        ids = chat_prompt_ids(self.tok, hist)
+        room = min(self.max_new_tokens, self.max_length - len(ids))
+        if room <= 0:  # the prompt alone fills max_length: later turns would be cut anyway
+            return False
+        work.append((j, ids, room))
+        return True
+
+    def answered(self, j: int, answer: list[int]) -> None:
+        self.hist[j].append({"role": "assistant", "content": self.tok.decode(answer, skip_special_tokens=True)})
+        self.cursor[j] += 1
+
+    def finish(self, j: int) -> None:
+        if any(m["role"] == "assistant" for m in self.hist[j]):
+            self.f.write(json.dumps({"id": self.todo[j]["conversation_id"], "messages": self.hist[j]},
+                                    ensure_ascii=False) + "\n")
+            self.unsynced += 1
+        self.hist[j] = []  # written: free it
+        self.on_done()
+        if self.unsynced >= self.sync_every:
+            self.sync()
+
+    def sync(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.unsynced = 0
+
+
+def _first_prompt_chars(row: dict) -> int:
+    """Characters before the first answer (they approximate tokens well enough to sort by length)."""
+    msgs = row["messages"]
+    i = next((k for k, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
+    return sum(len(m["content"]) for m in msgs[:i])
+
+
 def regenerate(target, conversations, out_path: str | os.PathLike, max_length: int = 2048,
                max_new_tokens: int = 512, batch_size: int = 32, temperature: float = 0.0, top_p: float = 1.0,
                seed: int = 0, progress: bool = True, max_turns: int | None = None) -> dict:
@@ -288,73 +347,28 @@ def regenerate(target, conversations, out_path: str | os.PathLike, max_length: i
     _drop_partial_tail(out_path)
     done = read_done_ids(out_path)
     rows = [{"conversation_id": c["conversation_id"], "messages": c["messages"]} for c in conversations]
-    todo = [r for r in rows if r["conversation_id"] not in done]
-    gen = torch.Generator().manual_seed(seed)
-
-    def first_prompt_len(r):
-        i = next((k for k, m in enumerate(r["messages"]) if m["role"] == "assistant"), len(r["messages"]))
-        return sum(len(m["content"]) for m in r["messages"][:i])
-
-    todo.sort(key=first_prompt_len)  # length bucketing (characters approximate tokens well enough to sort)
+    todo = sorted((r for r in rows if r["conversation_id"] not in done), key=_first_prompt_chars)  # length buckets
     stats = {"conversations": len(rows), "already_done": len(rows) - len(todo), "regenerated": 0,
              "new_tokens": 0, "seconds": 0.0}
     log.info("regenerate: %d conversations (%d already in %s), %s, max %d new tokens per answer, %d rows decoding",
              len(rows), stats["already_done"], out_path, "greedy" if temperature <= 0 else f"T={temperature}",
              max_new_tokens, batch_size)
-    hist: list[list[dict]] = [[] for _ in todo]  # regenerated conversation so far
-    cursor = [0] * len(todo)  # next source message index to copy
-    work: deque = deque()
-
-    def queue_next_turn(j: int) -> bool:
-        """Copy the prompts before conversation j's next answer into its history and queue that answer;
-        False when the conversation is complete (no more answers, max_turns reached, or no room left)."""
-        msgs = todo[j]["messages"]
-        while cursor[j] < len(msgs) and msgs[cursor[j]]["role"] != "assistant":
-            hist[j].append(dict(msgs[cursor[j]]))
-            cursor[j] += 1
-        if cursor[j] >= len(msgs):
-            return False
-        if max_turns is not None and sum(m["role"] == "assistant" for m in hist[j]) >= max_turns:
-            while hist[j] and hist[j][-1]["role"] != "assistant":  # drop the unanswered prompt
-                hist[j].pop()
-            return False
-        ids = chat_prompt_ids(tok, hist[j])
-        room = min(max_new_tokens, max_length - len(ids))
-        if room <= 0:  # the prompt alone fills max_length: later turns would be cut anyway
-            return False
-        work.append((j, ids, room))
-        return True
-
     bar = tqdm(total=len(todo), unit="conv", desc="regenerate", disable=not progress)
-    t0 = time.perf_counter()
-    unsynced = 0
+    t0, work = time.perf_counter(), deque()
     with open(out_path, "a", encoding="utf-8") as f:
-        def finish(j: int) -> None:
-            nonlocal unsynced
-            if any(m["role"] == "assistant" for m in hist[j]):
-                f.write(json.dumps({"id": todo[j]["conversation_id"], "messages": hist[j]}, ensure_ascii=False)
-                        + "\n")
-                unsynced += 1
-            hist[j] = []  # written: free it
-            stats["regenerated"] += 1
-            bar.update(1)
-            if unsynced >= batch_size:
-                f.flush()
-                os.fsync(f.fileno())
-                unsynced = 0
-
+        answers = _Answers(todo, tok, f, max_length, max_new_tokens, max_turns, batch_size, lambda: bar.update(1))
         for j in range(len(todo)):
-            if not queue_next_turn(j):
-                finish(j)
+            if not answers.queue_next_turn(j, work):
+                answers.finish(j)
+        gen = torch.Generator().manual_seed(seed)
         for j, answer in generate_stream(target, work, batch_size, temperature, top_p, gen):
-            hist[j].append({"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)})
-            cursor[j] += 1
+            answers.answered(j, answer)
             stats["new_tokens"] += len(answer)
-            if not queue_next_turn(j):
-                finish(j)
-        f.flush()
-        os.fsync(f.fileno())
+            if not answers.queue_next_turn(j, work):
+                answers.finish(j)
+        answers.sync()
     bar.close()
+    stats["regenerated"] = len(todo)
     stats["seconds"] = round(time.perf_counter() - t0, 3)
     stats["tokens_per_s"] = round(stats["new_tokens"] / stats["seconds"], 1) if stats["seconds"] > 0 else 0.0
     log.info("regenerate: %d new tokens in %.1f s (%.0f tokens/s)", stats["new_tokens"], stats["seconds"],
@@ -432,3 +446,35 @@ def read_regenerated_texts(path: str | os.PathLike, ids: Sequence[str]):
     return datasets.Dataset.from_dict({"input_ids": [got[i] for i in ids],
                                        "loss_mask": [[1] * len(got[i]) for i in ids],
                                        "conversation_id": list(ids)}, features=feats)
+
+
+def text_tokens(cfg, target, texts, data_dir: Path, max_length: int, seed: int = 0,
+                progress: bool = True, regen_target=None):
+    """data.mode text: windows of the texts, and with data.regenerate the target's own continuation of each
+    window's first data.regen_prefix_tokens tokens (the first data.regen_conversations windows when set; the rest
+    keep the source). `regen_target()`: the target that regenerates (data.regen_dtype), called only when some
+    window is not yet in the output. Returns (tokens Dataset, tokenize stats, summary fields of the regeneration)."""
+    import datasets
+
+    from specheads.train.data import tokenize_texts
+
+    tokens, stats = tokenize_texts(texts, target.tokenizer, max_length)
+    if not cfg.regenerate:
+        return tokens, stats, {}
+
+    n = len(tokens) if cfg.regen_conversations is None else min(cfg.regen_conversations, len(tokens))
+    todo = tokens.select(range(n))
+    keep = tokens.select(range(n, len(tokens))) if n < len(tokens) else None
+    path = Path(data_dir) / "regenerated-text.jsonl"
+    missing = set(todo["conversation_id"]) - read_done_ids(path)
+    gen = regen_target() if missing and regen_target is not None else target
+    rstats = regenerate_texts(gen, todo, path, prefix_tokens=cfg.regen_prefix_tokens, max_length=max_length,
+                              max_new_tokens=cfg.regen_max_new_tokens, batch_size=cfg.regen_batch_size,
+                              temperature=cfg.regen_temperature, top_p=cfg.regen_top_p, seed=seed, progress=progress)
+    regen = read_regenerated_texts(path, todo["conversation_id"])
+    tokens = regen if keep is None else datasets.concatenate_datasets([regen, keep])
+    n_tokens = sum(len(x) for x in tokens["input_ids"])
+    stats = dict(stats, samples=len(tokens), tokens=n_tokens, masked_tokens=n_tokens)
+    return tokens, stats, {"regenerated_conversations": n, "source_reply_conversations": len(tokens) - n,
+                           "regenerated_new_tokens": rstats["new_tokens"],
+                           "regenerate_tokens_per_s": rstats["tokens_per_s"]}
