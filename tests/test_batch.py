@@ -1,0 +1,228 @@
+"""Batched speculative generation (infer/batch.py), the batch verify budget (infer/batchbudget.py) and the
+rows x tokens cost surface (infer/profile.py): every row's greedy output equals that row decoded alone (fp32), with
+rows of different lengths, rows finishing early and prompts joining; sampling draws each row from its own
+generator and keeps the target's distribution; hand-made packing, pruning and budget cases."""
+import pytest
+import torch
+
+from specheads.heads.base import HeadSpec, build_head
+from specheads.infer.batch import (BatchGenerator, generate_batch, keep_accepted_rows, merge_caches, new_batch_cache,
+                                   pack_trees)
+from specheads.infer.batchbudget import (AcceptanceTracker, BudgetScheduler, choose_batch_budget,
+                                         effective_survival)
+from specheads.infer.drafters import (DraftModelDrafter, Drafter, EagleDrafter, LookupMergedDrafter, MedusaDrafter, NoDrafter,
+                                      PromptLookupDrafter, build_drafter)
+from specheads.infer.generate import generate
+from specheads.infer.tree import DraftTree, chain_tree
+from specheads.infer.verify import Accepted
+from specheads.target import tiny_target
+from specheads.utils import SpecheadsError
+from test_generate import OracleTreeDrafter, hf_greedy
+
+# Small sequential forwards: one intra-op thread is several times faster than two on a shared CPU.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Recording(Drafter):
+    """Wraps a drafter and records every tree it proposes (tokens, parents)."""
+
+    def __init__(self, inner, log):
+        self.inner, self.log, self.feature_layers = inner, log, inner.feature_layers
+
+    def reset(self, prompt_ids, features):
+        self.log.clear()
+        self.inner.reset(prompt_ids, features)
+
+    def propose(self, ctx):
+        tree = self.inner.propose(ctx)
+        self.log.append((tree.tokens.tolist(), tree.parents.tolist()))
+        return tree
+
+    def observe(self, tree, accepted, features):
+        self.inner.observe(tree, accepted, features)
+
+
+def mixed_prompts(vocab, n, seed=0):
+    """Prompts of different lengths (1 .. 25 tokens), every other one repetitive (prompt lookup finds drafts)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        base = torch.randint(3, vocab, (2 + 2 * i,), generator=g).tolist()
+        out.append(base * 3 if i % 2 else base + torch.randint(3, vocab, (3,), generator=g).tolist())
+    out[-1] = out[-1][:1]  # a one-token prompt: nothing to prefill
+    return out
+
+
+def row_makers(target):
+    """name -> make_drafter (a fresh drafter per row; heads shared, read only)."""
+    medusa = build_head(HeadSpec(kind="medusa", num_heads=3), target)
+    eagle3 = build_head(HeadSpec(kind="eagle3", draft_vocab_size=64), target, token_counts=torch.arange(256.0))
+    small = tiny_target(seed=1)
+    return {
+        "plain": NoDrafter,
+        "prompt-lookup": lambda: PromptLookupDrafter(num_tokens=5),
+        "oracle-tree": lambda: OracleTreeDrafter(target.model, seed=1),
+        "draft-model": lambda: DraftModelDrafter(small.model, num_tokens=3),
+        "medusa": lambda: MedusaDrafter(medusa),
+        "eagle3": lambda: EagleDrafter(eagle3, depth=3, top_k=3, total_tokens=8),
+        "eagle3+lookup": lambda: LookupMergedDrafter(EagleDrafter(eagle3, depth=2, top_k=2, total_tokens=4),
+                                                     num_tokens=4, max_ngram=2),
+    }
+
+
+def test_greedy_rows_equal_hf_generate_every_drafter(tiny):
+    """5 prompts of 1..17 tokens, 3 rows at a time (two prompts join as rows finish), 16 new tokens: every row is
+    HF generate's greedy output of that prompt alone, token for token, and drafts as it does alone (the same
+    trees: each drafter got its own row's features); forwards and histograms add up."""
+    ps = mixed_prompts(tiny.vocab_size, 5)
+    refs = [hf_greedy(tiny, p, 16) for p in ps]
+    for name, make in row_makers(tiny).items():
+        logs = []
+
+        def recorded():
+            logs.append([])
+            return Recording(make(), logs[-1])
+
+        res = generate_batch(tiny, recorded, ps, 16, batch_size=3)
+        for i, (row, ref) in enumerate(zip(res.rows, refs)):
+            assert row.ids == ref, (name, i)
+            alone = []
+            generate(tiny, Recording(make(), alone), ps[i], max_new_tokens=16)
+            assert logs[i] == alone, (name, i)  # rows join in prompt order: drafter i is row i's
+            assert sum(row.stats.accept_hist) == row.stats.target_forwards
+            assert sum(n * c for n, c in enumerate(row.stats.accept_hist)) == len(ref)
+        s = res.stats
+        assert s.new_tokens == sum(map(len, refs)) and s.row_forwards == sum(r.stats.target_forwards for r in res.rows)
+        assert s.max_rows == 3 and s.prefills >= 2 and s.tau == pytest.approx(s.new_tokens / s.row_forwards)
+        if name == "plain":
+            assert s.tau == 1.0 and s.padded_nodes == s.tree_nodes
+        if name == "oracle-tree":
+            assert s.tau > 1.5, s  # the trees are accepted, second children included
+
+
+def test_rows_finish_early_stop_tokens_and_caps(tiny):
+    """Rows stop at their own cap (one at 0 and one at 1 token), at a stop token, at the context window; a waiting
+    prompt joins each time; each row equals `generate` of that prompt alone with the same settings."""
+    ps = mixed_prompts(tiny.vocab_size, 6, seed=3)
+    ps[2] = torch.randint(3, 256, (tiny.max_positions - 4,), generator=torch.Generator().manual_seed(1)).tolist()
+    caps = [12, 0, 20, 1, 9, 14]
+    stop = hf_greedy(tiny, ps[0], 12)[5]  # ends row 0 at its 6th token (or earlier)
+    make = lambda: OracleTreeDrafter(tiny.model, depth=4, seed=2)  # noqa: E731
+    res = generate_batch(tiny, make, ps, caps, batch_size=2, eos_token_ids=[stop])
+    for i, (p, cap) in enumerate(zip(ps, caps)):
+        alone = generate(tiny, OracleTreeDrafter(tiny.model, depth=4, seed=2), p, max_new_tokens=cap,
+                         eos_token_ids=[stop])
+        assert res.rows[i].ids == alone.ids, i
+        assert res.rows[i].stats.stop_reason == alone.stats.stop_reason, i
+    reasons = [r.stats.stop_reason for r in res.rows]
+    assert reasons[0] == "eos" and reasons[1] == "max_new_tokens" and reasons[2] == "context_window"
+    assert res.rows[1].ids == [] and len(res.rows[3].ids) == 1 and res.stats.max_rows == 2
+
+
+def test_sampling_rows_equal_each_row_alone_with_its_seed(tiny):
+    """Row i draws from its own generator (seed + i): its tokens equal `generate(seed=seed + i)` of that prompt
+    alone, whatever else shares the batch."""
+    ps = mixed_prompts(tiny.vocab_size, 4, seed=5)
+    eagle3 = build_head(HeadSpec(kind="eagle3"), tiny)
+    small = tiny_target(seed=1)
+    makers = {"prompt-lookup": lambda: PromptLookupDrafter(num_tokens=4),
+              "draft-model": lambda: DraftModelDrafter(small.model, num_tokens=3),  # q recorded: sampled drafts
+              "eagle3": lambda: EagleDrafter(eagle3, depth=2, top_k=2, total_tokens=4)}
+    for name, make in makers.items():
+        res = generate_batch(tiny, make, ps, 10, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+        for i, p in enumerate(ps):
+            alone = generate(tiny, make(), p, max_new_tokens=10, temperature=0.8, top_p=0.95, seed=7 + i,
+                             ignore_eos=True)
+            assert res.rows[i].ids == alone.ids, (name, i)
+
+
+def test_sampling_keeps_the_target_distribution():
+    """600 rows of one prompt in one batch (prompt lookup drafts, point masses): the first emitted token is
+    distributed as the target's softmax(logits / T) (chi-square, bins of expected count >= 5, p > 0.001)."""
+    from scipy.stats import chisquare
+
+    target = tiny_target(vocab_size=32)
+    base = [5, 9, 11, 7]
+    prompt = base * 3 + base[:2]  # lookup drafts the repeat: the first step verifies a chain
+    rows = 600
+    res = generate_batch(target, lambda: PromptLookupDrafter(num_tokens=3), [prompt] * rows, 1, temperature=1.0,
+                         seed=0, ignore_eos=True)
+    with torch.no_grad():
+        p = torch.softmax(target.model(torch.tensor([prompt])).logits[0, -1].double(), -1)
+    counts = torch.bincount(torch.tensor([r.ids[0] for r in res.rows]), minlength=32).double()
+    exp = p * rows
+    big = exp >= 5
+    obs_b = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp_b = torch.cat([exp[big], exp[~big].sum()[None]])
+    keep = exp_b > 0
+    assert chisquare(obs_b[keep].numpy(), exp_b[keep].numpy()).pvalue > 1e-3
+    assert res.stats.max_rows == rows and res.stats.target_forwards == 1
+
+
+def test_pack_trees_masks_and_positions_by_hand():
+    """Row 0: 3 cached entries, a chain root -> a; row 1: 1 cached entry (columns 1, 2 are row 0's length), the
+    root alone (node 1 is padding). cols = 3, N = 2: mask columns [c0 c1 c2 | n0 n1]."""
+    trees = [chain_tree(7, [8]), chain_tree(9, [])]
+    tokens, pos, mask = pack_trees(trees, [3, 1], 3, torch.float32)
+    assert tokens.tolist() == [[7, 8], [9, 9]] and pos.tolist() == [[3, 4], [1, 1]]
+    ok = (mask == 0).int()[:, 0].tolist()
+    assert ok[0] == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert ok[1] == [[1, 0, 0, 1, 0], [0, 0, 0, 0, 1]]  # padding node: only itself
+
+
+class _Layer:
+    def __init__(self, keys):
+        self.keys, self.values, self.is_initialized = keys, keys.clone() + 100, True
+
+
+class _Cache:
+    def __init__(self, keys):
+        self.layers = [_Layer(keys)]
+
+
+def test_keep_accepted_rows_moves_each_rows_nodes_down():
+    """keys[b, 0, c, 0] = 10 b + c: after a forward of N = 3 nodes over cols = 4, row 0 (length 4) keeps nodes
+    0, 2 and row 1 (length 2) keeps node 0: row 0 columns 4, 5 <- 4, 6; row 1 column 2 <- 4; cut to 6 columns."""
+    keys = (10 * torch.arange(2.0)[:, None] + torch.arange(7.0)[None]).reshape(2, 1, 7, 1)
+    cache = _Cache(keys)
+    new = keep_accepted_rows(cache, 4, [4, 2], [[0, 2], [0]])
+    assert new == [6, 3]
+    got = cache.layers[0].keys[:, 0, :, 0]
+    assert got.shape == (2, 6)
+    assert got[0].tolist() == [0, 1, 2, 3, 4, 6] and got[1, :3].tolist() == [10, 11, 14]
+    assert cache.layers[0].values[1, 0, 2, 0] == 114  # values move with their keys
+
+
+def test_merge_caches_pads_the_shorter_rows(tiny):
+    a, b = new_batch_cache(tiny.model), new_batch_cache(tiny.model)
+    with torch.no_grad():
+        tiny.model(input_ids=torch.tensor([[3, 4, 5]]), cache=a, use_cache=True)
+        tiny.model(input_ids=torch.tensor([[6, 7], [8, 9]]), cache=b, use_cache=True)
+    k_a = a.layers[0].keys.clone()
+    merge_caches(a, b, 1, 2)
+    k = a.layers[0].keys
+    assert k.shape[0] == 3 and k.shape[2] == 3 and torch.equal(k[0], k_a[0]) and bool((k[1:, :, 2] == 0).all())
+
+
+def test_sliding_window_target_is_refused():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from specheads.target import Target
+
+    cfg = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention"], max_position_embeddings=128)
+    target = Target(Gemma3ForCausalLM(cfg).eval(), None, "tiny-gemma3")
+    with pytest.raises(SpecheadsError, match="sliding-window"):
+        generate_batch(target, None, [[3, 4, 5]], 4)
+
+
+def test_bad_input_is_one_clear_error(tiny):
+    with pytest.raises(SpecheadsError, match="no prompts"):
+        generate_batch(tiny, None, [], 4)
+    with pytest.raises(SpecheadsError, match="max_new_tokens has 1 values for 2"):
+        generate_batch(tiny, None, [[3], [4]], [4])
+    with pytest.raises(SpecheadsError, match="batch_size"):
+        generate_batch(tiny, None, [[3]], 4, batch_size=0)
+    with pytest.raises(SpecheadsError, match="context window"):
+        generate_batch(tiny, None, [[3] * tiny.max_positions], 4)
