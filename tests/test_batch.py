@@ -226,3 +226,103 @@ def test_bad_input_is_one_clear_error(tiny):
         generate_batch(tiny, None, [[3]], 4, batch_size=0)
     with pytest.raises(SpecheadsError, match="context window"):
         generate_batch(tiny, None, [[3] * tiny.max_positions], 4)
+
+
+# ------------------------------------------------------------------------------------------- the verify budget
+def test_budget_by_hand_padded_and_flat():
+    """Row 0 chain survivals 0.9, 0.8, 0.1; row 1: 0.5. Cheap cost 1 + 0.1 (n - 1): width 3 is best
+    (E = 2 + 0.9 + 0.8 + 0.5 = 4.2 over 1.2 = 3.5; width 4 gives 4.3 / 1.3 = 3.31; plain 2). Cost n: plain."""
+    surv = [[1, 0.9, 0.8, 0.1], [1, 0.5]]
+    c = choose_batch_budget(surv, lambda B, n: 1 + 0.1 * (n - 1))
+    assert c.keep == [[0, 1, 2], [0, 1]] and c.budgets == [2, 1] and c.tokens_per_row == 3
+    assert c.expected_tokens == pytest.approx(4.2) and c.expected_rate == pytest.approx(3.5) and c.plain_rate == 2
+    plain = choose_batch_budget(surv, lambda B, n: float(n))
+    assert plain.budgets == [0, 0] and plain.keep == [[0], [0]] and plain.expected_rate == plain.plain_rate == 2
+    # flat: L draft tokens cost 1 + 0.05 L; the 0.1 node does not pay for itself (4.3 / 1.2 < 4.2 / 1.15)
+    flat = choose_batch_budget(surv, lambda B, n: 1 + 0.1 * (n - 1), packing="flat")
+    assert flat.budgets == [2, 1] and flat.expected_rate == pytest.approx(4.2 / 1.15)
+
+
+def test_budget_padded_equals_brute_force_and_never_expects_less_than_plain():
+    """Random rows and monotone costs: the padded choice is the best width with every row filled (brute force),
+    and its expected rate is never below plain decoding's."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        B = int(torch.randint(1, 6, (1,), generator=g))
+        surv = [[1.0] + torch.rand(int(torch.randint(0, 6, (1,), generator=g)), generator=g).cumprod(0).tolist()
+                for _ in range(B)]
+        slope = float(torch.rand((), generator=g)) * B
+        cost = lambda b, n, s=slope: 1 + s * (n - 1) ** 1.2  # noqa: E731
+        c = choose_batch_budget(surv, cost)
+        brute = max(sum(1 + sum(sorted(s[1:], reverse=True)[:n - 1]) for s in surv) / cost(B, n)
+                    for n in range(1, 2 + max(len(s) for s in surv)))
+        assert c.expected_rate == pytest.approx(brute) and c.expected_rate >= c.plain_rate
+
+
+def test_effective_survival_keeps_parents_and_earlier_siblings_first():
+    # root -> 1, 2 (siblings); 1 -> 3. Node 2 claims more than node 1 and node 3 more than its parent
+    eff = effective_survival([1, 0.3, 0.6, 0.9], [-1, 0, 0, 1])
+    assert eff == [1, 0.3, 0.3, 0.3]
+    c = choose_batch_budget([[1, 0.3, 0.6, 0.9]], lambda B, n: 1 + 0.5 * (n - 1), parents=[[-1, 0, 0, 1]])
+    assert all(p in k for k in c.keep for i in k if i for p in [[-1, 0, 0, 1][i]])
+
+
+def test_tracker_learns_depth_and_rank_rates():
+    t = AcceptanceTracker(prior=0.5, prior_weight=2, shrink=4)
+    tree = DraftTree(torch.tensor([0, 5, 6, 7]), torch.tensor([-1, 0, 0, 1]), torch.tensor([0, 1, 1, 2]))
+    for _ in range(20):  # rank-0 child always accepted, its child never; rank 1 tried each time, never accepted
+        t.observe("a", tree, Accepted([0, 1], 9))
+    assert t.alpha("a", 1, 0) > 0.9 and t.alpha("a", 1, 1) < 0.1 and t.alpha("a", 2, 0) < 0.1
+    s = t.survival("a", tree)
+    assert s[1] > 0.9 and s[3] == pytest.approx(s[1] * t.alpha("a", 2, 0))
+    assert t.alpha("new row", 1, 0) > 0.8  # a new row starts from the pooled rate
+
+
+def test_budget_scheduler_keeps_rows_exact_and_follows_the_cost(tiny):
+    """With the scheduler the rows stay HF's greedy output; on a surface where every extra token costs a full
+    forward it verifies (almost) only roots, on a free one it keeps the accepted oracle trees whole."""
+    ps = mixed_prompts(tiny.vocab_size, 4, seed=2)
+    refs = [hf_greedy(tiny, p, 12) for p in ps]
+    make = lambda: OracleTreeDrafter(tiny.model, depth=4, seed=3)  # noqa: E731
+    dear = BudgetScheduler(lambda B, n: float(B * n), explore_every=4)
+    res = generate_batch(tiny, make, ps, 12, scheduler=dear)
+    assert [r.ids for r in res.rows] == refs
+    assert sum(n > 1 for _, n, _ in dear.choices) <= len(dear.choices) // 4 + 1  # only the exploring steps
+    free = BudgetScheduler(lambda B, n: 1.0)
+    res2 = generate_batch(tiny, make, ps, 12, scheduler=free)
+    assert [r.ids for r in res2.rows] == refs and res2.stats.tau > 1.5 > res.stats.tau
+
+
+# ------------------------------------------------------------------------------------------- the cost surface
+def test_batch_cost_surface_measured_cached_and_interpolated(tiny, tmp_path, monkeypatch):
+    from specheads.infer import profile
+
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    calls = []
+    real = profile.measure_batch_cost
+    monkeypatch.setattr(profile, "measure_batch_cost", lambda *a, **k: calls.append(1) or real(*a, **k))
+    prof = profile.load_or_profile_batch(tiny, rows=(1, 2, 4), tokens=(1, 2, 4), context=16, repeats=2)
+    rel = prof["batch"]["relative"]
+    assert sorted(rel) == ["1", "2", "4"] and rel["1"]["1"] == pytest.approx(1.0)
+    costs = profile.batch_costs(prof)
+    assert all(costs[(b, n)] <= costs[(b, 2 * n)] for b in (1, 2, 4) for n in (1, 2))  # fitted monotone in n
+    assert all(costs[(b, n)] <= costs[(2 * b, n)] for b in (1, 2) for n in (1, 2, 4))  # and in B
+    fn = profile.batch_cost_fn(prof)
+    assert fn(1, 1) == pytest.approx(1.0) and fn(3, 3) == pytest.approx(
+        (costs[(2, 2)] + costs[(2, 4)] + costs[(4, 2)] + costs[(4, 4)]) / 4)
+    if not prof["noisy"]:  # a profile measured on a busy machine is never trusted later
+        again = profile.load_or_profile_batch(tiny, rows=(1, 2, 4), tokens=(1, 2, 4), context=16, repeats=2)
+        assert again["cached"] and len(calls) == prof["attempts"]
+    assert profile.batch_profile_path(tiny, tiny.dtype).name.endswith("-batch.json")
+    one = profile.load_or_profile(tiny, sizes=(1, 2), context=16, repeats=1)  # the batch-1 profile: its own file
+    assert set(one["verify"]["relative"]) == {"1", "2"} and one["path"] != prof["path"]
+
+
+def test_monotone_surface_and_noise_guard():
+    from specheads.infer.profile import monotone_surface, profile_noise, surface_drop
+
+    raw = {(1, 1): 1.0, (1, 2): 1.4, (2, 1): 1.2, (2, 2): 1.1}  # (2, 2) measured below (2, 1) and (1, 2)
+    fit = monotone_surface(raw, (1, 2), (1, 2))
+    assert fit[(2, 2)] >= max(fit[(2, 1)], fit[(1, 2)]) and fit[(1, 1)] == 1.0
+    assert surface_drop(raw, (1, 2), (1, 2)) == pytest.approx(1 - 1.1 / 1.4)
+    assert "cheaper" in profile_noise({"cost_drop": 0.5, "t1_spread": 1.0})
