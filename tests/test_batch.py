@@ -279,17 +279,27 @@ def test_tracker_learns_depth_and_rank_rates():
 
 
 def test_budget_scheduler_keeps_rows_exact_and_follows_the_cost(tiny):
-    """With the scheduler the rows stay HF's greedy output; on a surface where every extra token costs a full
-    forward it verifies (almost) only roots, on a free one it keeps the accepted oracle trees whole."""
+    """With the scheduler the rows stay HF's greedy output. On a surface where every extra token costs a full
+    forward it verifies only roots except on exploring steps (one per explore_every + 1) and skips drafting on the
+    steps between; on a free surface it keeps the accepted oracle trees whole."""
     ps = mixed_prompts(tiny.vocab_size, 4, seed=2)
     refs = [hf_greedy(tiny, p, 12) for p in ps]
-    make = lambda: OracleTreeDrafter(tiny.model, depth=4, seed=3)  # noqa: E731
+    logs = []
+
+    def make():
+        logs.append([])
+        return Recording(OracleTreeDrafter(tiny.model, depth=4, seed=3), logs[-1])
+
     dear = BudgetScheduler(lambda B, n: float(B * n), explore_every=4)
     res = generate_batch(tiny, make, ps, 12, scheduler=dear)
     assert [r.ids for r in res.rows] == refs
-    assert sum(n > 1 for _, n, _ in dear.choices) <= len(dear.choices) // 4 + 1  # only the exploring steps
+    steps = len(dear.choices)
+    wide = sum(n > 1 for _, n, _ in dear.choices)
+    assert 1 <= wide <= steps // 5 + 1  # only the exploring steps verify a draft node
+    drafted = sum(len(tokens) > 1 for log in logs for tokens, _ in log)
+    assert drafted <= sum(len(log) for log in logs) // 2 + len(ps)  # most steps draft nothing
     free = BudgetScheduler(lambda B, n: 1.0)
-    res2 = generate_batch(tiny, make, ps, 12, scheduler=free)
+    res2 = generate_batch(tiny, lambda: OracleTreeDrafter(tiny.model, depth=4, seed=3), ps, 12, scheduler=free)
     assert [r.ids for r in res2.rows] == refs and res2.stats.tau > 1.5 > res.stats.tau
 
 
@@ -326,3 +336,59 @@ def test_monotone_surface_and_noise_guard():
     assert fit[(2, 2)] >= max(fit[(2, 1)], fit[(1, 2)]) and fit[(1, 1)] == 1.0
     assert surface_drop(raw, (1, 2), (1, 2)) == pytest.approx(1 - 1.1 / 1.4)
     assert "cheaper" in profile_noise({"cost_drop": 0.5, "t1_spread": 1.0})
+
+
+# ------------------------------------------------------------------------------------------- bench --batch-sizes
+def test_batch_figures_on_hand_made_runs():
+    from specheads.infer.batchbench import BatchRun, compare_runs
+
+    van = [BatchRun("vanilla", 2, ["a", "b"], [[1, 2, 3], [4, 5]], 1.0, 3, 5)]
+    plain = [BatchRun("plain", 2, ["a", "b"], [[1, 2, 3], [4, 5]], 2.0, 3, 5)]
+    mine = [BatchRun("x", 2, ["a", "b"], [[1, 2, 3], [4, 6]], 0.5, 2, 4)]
+    s = compare_runs(mine, van, plain, greedy=True)
+    assert s["tokens_per_s"] == 10 and s["speedup"] == 2 and s["speedup_vs_plain"] == 4
+    assert s["tau"] == 5 / 4 and s["identical"] == 0.5 and s["rows"] == 2
+
+
+def test_batch_sweep_on_the_tiny_target(tiny, tmp_path, monkeypatch):
+    """vanilla, plain, prompt-lookup and prompt-lookup+sched at B = 1, 2, 4 on 5 prompts (the last chunk of B = 2
+    and 4 is short): every row of ours equals vanilla's (fp32 greedy), τ is 1.00 for vanilla and plain, the
+    results files are written."""
+    import json
+
+    from specheads.infer import profile
+    from specheads.infer.batchbench import BatchBenchSettings, build_batch_methods, run_batch_bench
+    from specheads.infer.bench import MethodOptions
+
+    real = profile.load_or_profile_batch
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(profile, "load_or_profile_batch", lambda target, refresh=False: real(
+        target, refresh, rows=(1, 2), tokens=(1, 2), context=16, repeats=1))
+    ps = [(f"p{i}", p) for i, p in enumerate(mixed_prompts(tiny.vocab_size, 6)[:5])]
+    methods, extra = build_batch_methods(["plain", "prompt-lookup", "prompt-lookup+sched"], tiny, MethodOptions())
+    assert [m.name for m in methods] == ["vanilla", "plain", "prompt-lookup", "prompt-lookup+sched"]
+    settings = BatchBenchSettings("tiny", "hand-made", "float32", batch_sizes=[4, 1, 2], max_new_tokens=10)
+    res = run_batch_bench(ps, methods, settings, out_dir=tmp_path / "out", extra=extra, progress=False)
+    assert list(res["batch_sizes"]) == ["1", "2", "4"] and res["num_prompts"] == 5 and res["complete"]
+    for b, per in res["batch_sizes"].items():
+        assert per["vanilla"]["tau"] == 1.0 == per["plain"]["tau"] and per["vanilla"]["rows"] == 5
+        assert all(per[n]["identical"] == 1.0 and per[n]["speedup"] > 0 for n in per), b
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["schema"] == "specheads.batchbench/1" and saved["cost_surface"]["batch"]["rows"] == [1, 2]
+    assert "| prompt-lookup+sched |" in (tmp_path / "out" / "results.md").read_text()
+    assert (tmp_path / "out" / "speedup_batch.png").stat().st_size > 1000
+
+
+def test_cli_batch_sizes_checked_before_the_target_loads(tmp_path, monkeypatch, capsys):
+    import specheads.target
+    from specheads.cli import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(specheads.target, "load_target", no_load)
+    assert main(["bench", "--batch-sizes", "0,2", "--out", str(tmp_path)]) == 2
+    assert "--batch-sizes 0,2" in capsys.readouterr().err
+    assert main(["bench", "--batch-sizes", "1,2", "--methods", "vanilla,plain+sched", "--out", str(tmp_path)]) == 2
+    assert "plain+sched" in capsys.readouterr().err
+    assert main(["bench", "--batch-sizes", "1,x", "--out", str(tmp_path)]) == 2

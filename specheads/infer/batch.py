@@ -208,8 +208,9 @@ def cache_columns(cache) -> int:
 # ------------------------------------------------------------------------------------------------ the loop
 class BatchGenerator:
     """One target, a drafter per row (`make_drafter()` builds one), one verification rule, an optional scheduler
-    (`select(trees, rows) -> trees` before the forward, `observe(rows, trees, accepted)` after it; rows are the
-    rows' prompt indices). `run(...)` decodes every prompt with at most `batch_size` rows together."""
+    (`depth_limits(rows) -> [max depth] | None` before drafting, `select(trees, rows) -> trees` before the forward,
+    `observe(rows, trees, accepted)` after it; rows are the rows' prompt indices; batchbudget.BudgetScheduler).
+    `run(...)` decodes every prompt with at most `batch_size` rows together."""
 
     def __init__(self, target, make_drafter: Callable[[], Drafter], verification: str = "auto", scheduler=None):
         if verification not in VERIFICATIONS:
@@ -319,7 +320,8 @@ class BatchGenerator:
         tm, rows, cols = self.stats.timings, self.rows, cache_columns(self.cache)
         lengths = [row.length for row in rows]
         with phase_timer(tm, "draft"):  # each row's own drafter; a depth-d node sits at length + d (bonus: + 1)
-            trees = [self._propose(row) for row in rows]
+            limits = self.scheduler.depth_limits([row.index for row in rows]) if self.scheduler is not None else None
+            trees = [self._propose(row, None if limits is None else limits[r]) for r, row in enumerate(rows)]
             if self.scheduler is not None:  # per-row verify budgets: the trees cut to their most likely nodes
                 trees = self.scheduler.select(trees, [row.index for row in rows])
         with phase_timer(tm, "tree"):  # padded to the largest tree; each node sees its row's cache, ancestors, self
@@ -347,11 +349,14 @@ class BatchGenerator:
         s.max_rows = max(s.max_rows, len(rows))
         return finished
 
-    def _propose(self, row: _Row) -> DraftTree:
-        room = row.req.window - len(row.ids)  # positions left; the deepest node may sit at room - 1 below the root
+    def _propose(self, row: _Row, limit: int | None = None) -> DraftTree:
+        """The row's tree, no deeper than the positions left (room - 1 below the root) and the scheduler's limit
+        (0 = no drafting this step: drafters return the root alone and keep their state for the next step)."""
+        depth = row.req.window - len(row.ids) - 1
+        depth = depth if limit is None else min(depth, limit)
         tree = row.drafter.propose(DraftContext(ids=row.ids, sampling=row.req.sampling, generator=row.req.generator,
-                                                max_depth=room - 1))
-        return tree.truncate_depth(room - 1) if tree.max_depth > room - 1 else tree
+                                                max_depth=depth))
+        return tree.truncate_depth(depth) if tree.max_depth > depth else tree
 
     def _emit(self, row: _Row, tree: DraftTree, acc: Accepted) -> bool:
         """Emit the row's accepted tokens + bonus (cut at a stop); True when the row is done."""

@@ -142,30 +142,41 @@ class AcceptanceTracker:
 
 
 class BudgetScheduler:
-    """batch.generate_batch's `scheduler`: before each forward, every row's tree is cut to the nodes
-    `choose_batch_budget` keeps (survival from `survival_fn(row, tree)`, default an AcceptanceTracker); after it, the
-    tracker learns the outcomes. When the whole batch chose plain decoding for `explore_every` steps in a row, one
-    step verifies each row's most likely node (else a good drafter never accepted would never be tried again)."""
+    """batch.generate_batch's `scheduler`. `depth_limits(rows)` before drafting, `select(trees, rows)` before the
+    forward, `observe(rows, trees, accepted)` after it.
+    select: every row's tree is cut to the nodes `choose_batch_budget` keeps (survival from `survival_fn(row,
+    tree)`, default the AcceptanceTracker's; the cost surface `cost(B, n)`).
+    Once the whole batch chose plain decoding, the next steps skip drafting (depth limit 0: the estimates cannot
+    change without outcomes) until `explore_every` steps have passed; then the rows draft again and, if plain is
+    still the choice, that step verifies each row's most likely node, so a drafter that got better is noticed."""
 
     def __init__(self, cost: CostFn, survival_fn: Callable | None = None, overhead: float = 0.0,
-                 explore_every: int = 16, tracker: AcceptanceTracker | None = None):
-        self.cost, self.overhead, self.explore_every = cost, overhead, explore_every
+                 explore_every: int = 16, tracker: AcceptanceTracker | None = None, packing: str = "padded"):
+        self.cost, self.overhead, self.explore_every, self.packing = cost, overhead, explore_every, packing
         self.tracker = tracker or AcceptanceTracker()
         self.survival_fn = survival_fn or self.tracker.survival
-        self.plain_steps = 0  # consecutive steps the batch chose L = 0 for every row
+        self.plain_streak = 0  # steps since the batch last chose plain decoding with drafts in hand (0 = drafting)
         self.choices: list[tuple[int, int, float]] = []  # per step (rows, tokens per row, expected rate / plain)
 
+    def depth_limits(self, rows: list[int]) -> list[int] | None:
+        """0 for every row while the batch rests on plain decoding (no drafting), else None (no limit)."""
+        return [0] * len(rows) if 0 < self.plain_streak < self.explore_every else None
+
     def select(self, trees: list[DraftTree], rows: list[int]) -> list[DraftTree]:
+        if all(len(t) == 1 for t in trees):  # nothing drafted (skipped, or no drafts): plain decoding
+            self.plain_streak += self.plain_streak > 0
+            self.choices.append((len(trees), 1, 1.0))
+            return trees
         surv = [self.survival_fn(r, t) for r, t in zip(rows, trees)]
-        choice = choose_batch_budget(surv, self.cost, [t.parents.tolist() for t in trees], self.overhead)
+        choice = choose_batch_budget(surv, self.cost, [t.parents.tolist() for t in trees], self.overhead,
+                                     self.packing)
         keep = choice.keep
-        if choice.tokens_per_row == 1 and any(len(t) > 1 for t in trees):
-            self.plain_steps += 1
-            if self.plain_steps >= self.explore_every:
-                self.plain_steps = 0
-                keep = [[0, 1] if len(t) > 1 else [0] for t in trees]  # node 1: the first child of the root
+        if choice.tokens_per_row > 1:
+            self.plain_streak = 0
+        elif self.plain_streak >= self.explore_every:  # explore: each row's first child of the root
+            keep, self.plain_streak = [[0, 1] if len(t) > 1 else [0] for t in trees], 0
         else:
-            self.plain_steps = 0
+            self.plain_streak = 1
         self.choices.append((len(trees), max(len(k) for k in keep), choice.expected_rate / choice.plain_rate))
         return [t if len(k) == len(t) else t.select(torch.tensor(k)) for t, k in zip(trees, keep)]
 
