@@ -314,6 +314,11 @@ def main(argv=None) -> int:
     check = Check(Path(a.out), a.budget_s, tiny)
     n, new = (3, 12) if tiny else (6, 48)
     check.section("environment", environment, device)
+    import transformers
+
+    if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 24):
+        print(f"[gpu_check] transformers {transformers.__version__} is older than our 5.24 (the `cache=` argument): "
+              "carry the wheel (docs/gpu.md) and put /tmp/site first on PYTHONPATH", flush=True)
     check.section("exactness_fp32", exactness, device, torch.float32, n, new)
     check.section("verify_cost_llama-1b", verify_cost, "llama-1b", device, tiny)
     check.section("training_bf16", training, device, tiny)
