@@ -276,7 +276,8 @@ def training(device: str, tiny: bool) -> dict:
                                                                               if q.requires_grad)))
         best = min(times[1:])
         out["kinds"][kind] = {"tokens_per_s": B * T / best, "step_s": best, "target_s": min(feats[1:]),
-                              "head_tokens_per_s": B * T / max(best - min(feats[1:]), 1e-9), "loss": float(loss.detach()),
+                              "head_tokens_per_s": B * T / max(best - min(feats[1:]), 1e-9),
+                              "loss": float(loss.detach()),
                               "finite": bool(torch.isfinite(loss)), "params_changed": changed}
         del head, opt
     return out

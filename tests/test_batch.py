@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from specheads.heads.base import HeadSpec, build_head
-from specheads.infer.batch import (BatchGenerator, generate_batch, keep_accepted_rows, merge_caches, new_batch_cache,
+from specheads.infer.batch import (generate_batch, keep_accepted_rows, merge_caches, new_batch_cache,
                                    pack_trees)
 from specheads.infer.batchbudget import (AcceptanceTracker, BudgetScheduler, choose_batch_budget,
                                          effective_survival)
-from specheads.infer.drafters import (DraftModelDrafter, Drafter, EagleDrafter, LookupMergedDrafter, MedusaDrafter, NoDrafter,
-                                      PromptLookupDrafter, build_drafter)
+from specheads.infer.drafters import (DraftModelDrafter, Drafter, EagleDrafter, LookupMergedDrafter, MedusaDrafter,
+                                      NoDrafter, PromptLookupDrafter)
 from specheads.infer.generate import generate
 from specheads.infer.tree import DraftTree, chain_tree
 from specheads.infer.verify import Accepted

@@ -215,7 +215,8 @@ class BatchGenerator:
     def __init__(self, target, make_drafter: Callable[[], Drafter], verification: str = "auto", scheduler=None):
         if verification not in VERIFICATIONS:
             raise SpecheadsError(f"verification {verification!r}: expected auto, greedy, sampling or typical-lossy")
-        self.target, self.make_drafter, self.verification, self.scheduler = target, make_drafter, verification, scheduler
+        self.target, self.make_drafter, self.verification = target, make_drafter, verification
+        self.scheduler = scheduler
         self.cache = None
         self.layers: list[int] | None = None  # hidden-state ids the rows' drafters read
         self.rows: list[_Row] = []  # the live rows, in batch order
@@ -299,8 +300,8 @@ class BatchGenerator:
         layers = {tuple(r.drafter.feature_layers) if r.drafter.feature_layers is not None else None
                   for r in new + self.rows}
         if len(layers) > 1:
-            raise SpecheadsError(f"generate_batch: the drafters read different feature layers {sorted(map(str, layers))}"
-                                 "; make_drafter must build drafters of one kind")
+            raise SpecheadsError(f"generate_batch: the drafters read different feature layers "
+                                 f"{sorted(map(str, layers))}; make_drafter must build drafters of one kind")
         (one,) = layers
         return None if one is None else list(one)
 
