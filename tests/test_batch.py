@@ -396,3 +396,20 @@ def test_cli_batch_sizes_checked_before_the_target_loads(tmp_path, monkeypatch, 
     assert main(["bench", "--batch-sizes", "1,2", "--methods", "vanilla,plain+sched", "--out", str(tmp_path)]) == 2
     assert "plain+sched" in capsys.readouterr().err
     assert main(["bench", "--batch-sizes", "1,x", "--out", str(tmp_path)]) == 2
+
+
+def test_stop_strings_end_rows_as_alone(tiny):
+    """A stop string (decoded with a toy tokenizer) ends each row where `generate` alone ends it."""
+    from test_generate import CharTokenizer
+
+    tiny.tokenizer = CharTokenizer()
+    ps = mixed_prompts(tiny.vocab_size, 4, seed=4)
+    stop = CharTokenizer().decode(hf_greedy(tiny, ps[1], 20))[6:8]
+    res = generate_batch(tiny, lambda: PromptLookupDrafter(num_tokens=4), ps, 20, stop_strings=[stop],
+                         ignore_eos=True)
+    for i, p in enumerate(ps):
+        alone = generate(tiny, PromptLookupDrafter(num_tokens=4), p, max_new_tokens=20, stop_strings=[stop],
+                         ignore_eos=True)
+        assert res.rows[i].ids == alone.ids and res.rows[i].stats.stop_reason == alone.stats.stop_reason
+        assert res.rows[i].text == alone.text
+    assert res.rows[1].stats.stop_reason == "stop_string"
