@@ -377,6 +377,7 @@ def test_batch_sweep_on_the_tiny_target(tiny, tmp_path, monkeypatch):
     for b, per in res["batch_sizes"].items():
         assert per["vanilla"]["tau"] == 1.0 == per["plain"]["tau"] and per["vanilla"]["rows"] == 5
         assert all(per[n]["identical"] == 1.0 and per[n]["speedup"] > 0 for n in per), b
+        assert per["vanilla"]["phase_seconds"] is None and per["plain"]["phase_seconds"]["target"] > 0
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["schema"] == "specheads.batchbench/1" and saved["cost_surface"]["batch"]["rows"] == [1, 2]
     assert "| prompt-lookup+sched |" in (tmp_path / "out" / "results.md").read_text()

@@ -55,6 +55,7 @@ class BatchRun:
     time_s: float
     target_forwards: int  # batched forwards (prefills excluded for ours; HF's prefill counts, it emits a token)
     row_forwards: int  # forwards x the rows in each; vanilla: one per new token (τ = 1.00)
+    timings: dict[str, float] | None = None  # ours: seconds per phase (batch.BatchStats.timings) and prefill
 
     @property
     def new_tokens(self) -> int:
@@ -128,7 +129,7 @@ class OursBatch(BatchMethod):
                              seed=seed if self.temperature > 0 else None, scheduler=sched)
         dt = time.perf_counter() - t0
         return BatchRun(self.name, len(prompts), [], [r.ids for r in res.rows], dt, res.stats.target_forwards,
-                        res.stats.row_forwards)
+                        res.stats.row_forwards, {**res.stats.timings, "prefill": res.stats.prefill_s})
 
 
 # --------------------------------------------------------------------------------------------------- figures
@@ -139,10 +140,14 @@ def _ratio(a, b):
 def summarize_runs(runs: list[BatchRun]) -> dict[str, Any]:
     tokens, time_s = sum(r.new_tokens for r in runs), sum(r.time_s for r in runs)
     rows_fw = sum(r.row_forwards for r in runs)
+    phases: dict[str, float] = {}
+    for r in runs:
+        for k, v in (r.timings or {}).items():
+            phases[k] = phases.get(k, 0.0) + v
     return {"rows": sum(len(r.outputs) for r in runs), "chunks": len(runs), "new_tokens": tokens,
             "time_s": round(time_s, 6), "tokens_per_s": _ratio(tokens, time_s),
             "target_forwards": sum(r.target_forwards for r in runs), "row_forwards": rows_fw,
-            "tau": _ratio(tokens, rows_fw)}
+            "tau": _ratio(tokens, rows_fw), "phase_seconds": {k: round(v, 4) for k, v in phases.items()} or None}
 
 
 def compare_runs(runs: list[BatchRun], vanilla: list[BatchRun], plain: list[BatchRun], greedy: bool) -> dict:
@@ -289,10 +294,12 @@ def write_batch_plot(results: dict[str, Any], out_dir: Path) -> list[str]:
     if not sizes:
         return []
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for n in results["methods"]:
-        axes[1].plot(sizes, [per_b[str(b)][n]["tokens_per_s"] or 0 for b in sizes], marker="o", label=n)
+    for i, n in enumerate(results["methods"]):  # one colour per method in both panels; vanilla grey
+        color = "grey" if n == "vanilla" else f"C{i % 10}"
+        axes[1].plot(sizes, [per_b[str(b)][n]["tokens_per_s"] or 0 for b in sizes], marker="o", color=color,
+                     ls="--" if n == "vanilla" else "-", label=n)
         if n != "vanilla":
-            axes[0].plot(sizes, [per_b[str(b)][n]["speedup"] or 0 for b in sizes], marker="o", label=n)
+            axes[0].plot(sizes, [per_b[str(b)][n]["speedup"] or 0 for b in sizes], marker="o", color=color, label=n)
     axes[0].axhline(1.0, color="grey", lw=1, ls="--", label="vanilla = 1.00")
     for ax, title in ((axes[0], "Speedup vs vanilla (same batch size)"), (axes[1], "Tokens/s, all rows")):
         ax.set_xscale("log", base=2)
@@ -300,7 +307,7 @@ def write_batch_plot(results: dict[str, Any], out_dir: Path) -> list[str]:
         ax.set_xlabel("batch size (rows)")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=7)
     s = results["settings"]
     fig.suptitle(f"{s['target']} · {s['dataset']} · {s['dtype']} · T={s['temperature']} · {results['num_prompts']} "
                  f"prompts · {s['max_new_tokens']} new tokens", fontsize=10)
