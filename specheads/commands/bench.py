@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is steadier on a machine shared with other jobs)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: where the target loads)")
+    p.add_argument("--batch-sizes", default=None, metavar="B,B,...",  # the batched sweep: commands/batchbench.py
+                   help="batched sweep, e.g. 1,2,4,8,16: vanilla (HF generate, left-padded), plain, prompt-lookup and "
+                        "each head at each batch size, +sched methods with the batch verify budget")
     p.add_argument("--out", required=True, help="output folder: results.json, results.md, PNG plots, outputs.jsonl")
 
 
@@ -85,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
     from specheads.infer.prompts import load_prompts
     from specheads.target import load_target
 
+    if args.batch_sizes:  # the batched sweep (infer/batchbench.py)
+        from specheads.commands import batchbench
+
+        return batchbench.run(args)
     if args.max_new_tokens < 1:
         raise SpecheadsError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
     names = method_names(args)

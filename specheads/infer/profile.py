@@ -3,6 +3,9 @@ tree nodes over a cache of `context` tokens against one token, n in PROFILE_SIZE
 machine + target + dtype under cache_root()/profiles/*.json; a profile measured while another process shared the
 cores is measured again (`profile_noise`) and never trusted later. Tree choice (autotree.py) reads it through
 `load_or_profile`, `relative_costs`, `interp_cost` and `t1_seconds`.
+Batched decoding (batch.py) has a second profile beside it, the cost surface t(B, n)/t(1, 1) of B rows x n tokens
+per row (B in BATCH_ROWS, n in BATCH_TOKENS), with the same guards and its own file (`load_or_profile_batch`,
+read through `batch_costs`, `interp_batch_cost` and `batch_cost_fn`; batchbudget.py spends it).
 """
 from __future__ import annotations
 
@@ -214,3 +217,173 @@ def relative_costs(profile: dict[str, Any]) -> dict[int, float]:
 def t1_seconds(profile: dict[str, Any]) -> float:
     s = profile["verify"]["seconds"]
     return float(s[str(min(int(k) for k in s))])
+
+
+# --------------------------------------------------------------------------------------- rows x tokens per row
+BATCH_ROWS = (1, 2, 4, 8, 16)  # rows decoding together (B)
+BATCH_TOKENS = (1, 2, 4, 8, 16)  # tokens per row in one forward (n: tree nodes, root included)
+BATCH_PROFILE_VERSION = 1  # bump when the batch measurement changes
+
+
+def _chain_inputs(B: int, n: int, context: int, vocab: int, dtype, dev, g: torch.Generator):
+    """[B, n] random tokens as a chain over `context` cached tokens per row: ids, 4D mask, positions."""
+    allowed = torch.ones(n, context + n, dtype=torch.bool)
+    allowed[:, context:] = torch.ones(n, n, dtype=torch.bool).tril()
+    mask = torch.zeros(B, 1, n, context + n, dtype=dtype).masked_fill_(~allowed[None, None], float("-inf"))
+    ids = torch.randint(0, vocab, (B, n), generator=g)
+    pos = torch.arange(context, context + n).repeat(B, 1)
+    return ids.to(dev), mask.to(dev), pos.to(dev)
+
+
+def _row_caches(target, rows: Sequence[int], context: int, g: torch.Generator) -> dict[int, Any]:
+    """One cache of `context` random tokens per batch size (rows x context), written in place as the batched loop's
+    (batch.new_batch_cache)."""
+    from specheads.infer.batch import new_batch_cache
+
+    model, dev = target.model, target.device
+    caches = {}
+    for B in sorted(set(rows) | {1}):
+        cache = new_batch_cache(model)
+        prefix = torch.randint(0, target.vocab_size, (B, context), generator=g).to(dev)
+        model(input_ids=prefix, position_ids=torch.arange(context, device=dev).repeat(B, 1), cache=cache,
+              use_cache=True)
+        caches[B] = cache
+    return caches
+
+
+@torch.no_grad()
+def measure_batch_cost(target, rows: Sequence[int] = BATCH_ROWS, tokens: Sequence[int] = BATCH_TOKENS,
+                       context: int = PROFILE_CONTEXT, repeats: int = PROFILE_REPEATS, seed: int = 0
+                       ) -> dict[str, Any]:
+    """Cost of one forward of B rows x n tokens (each row a chain over `context` cached tokens) relative to one row
+    of one token: {"relative": {B: {n: t(B,n)/t(1,1)}}, "relative_raw", "seconds", ...}. Each t(B, n) is paired
+    with a t(1, 1) timed just before it, as measure_verify_cost pairs t(n) with t(1)."""
+    g = torch.Generator().manual_seed(seed)
+    context = _clip_context(target, context, tokens)
+    caches = _row_caches(target, rows, context, g)
+    inputs = {(B, n): _chain_inputs(B, n, context, target.vocab_size, target.dtype, target.device, g)
+              for B in sorted(set(rows) | {1}) for n in sorted(set(tokens) | {1})}
+    for (B, n), inp in inputs.items():
+        _time_forward(target.model, *inp, caches[B])  # warm-up per shape
+    grid = [(B, n) for B in rows for n in tokens]
+    times: dict[tuple, list[float]] = {c: [] for c in grid}
+    ratios: dict[tuple, list[float]] = {c: [] for c in grid}
+    ones: list[float] = []
+    for _ in range(repeats):
+        for B, n in grid:
+            t_one = _time_forward(target.model, *inputs[(1, 1)], caches[1])
+            t_bn = _time_forward(target.model, *inputs[(B, n)], caches[B]) if (B, n) != (1, 1) else t_one
+            ones.append(t_one)
+            times[(B, n)].append(t_bn)
+            ratios[(B, n)].append(t_bn / t_one)
+    raw = {c: sorted(r)[len(r) // 2] for c, r in ratios.items()}
+    fit = monotone_surface(raw, rows, tokens)
+    ones.sort()
+    return {"rows": list(rows), "tokens": list(tokens), "context": context, "repeats": repeats,
+            "relative": _nested(fit, rows, tokens), "relative_raw": _nested(raw, rows, tokens),
+            "seconds": _nested({c: min(v) for c, v in times.items()}, rows, tokens),
+            "t1_spread": ones[len(ones) // 2] / ones[0], "cost_drop": surface_drop(raw, rows, tokens),
+            "note": "relative[B][n] = t(B rows x n tokens per row) / t(1, 1): median over repeats of ratios timed "
+                    "back to back, fitted non-decreasing in n (isotonic per B) and in B (running max per n), "
+                    "normalised to relative[1][1] = 1 when B = 1 and n = 1 are on the grid; seconds = fastest seen"}
+
+
+def monotone_surface(raw: dict[tuple, float], rows: Sequence[int], tokens: Sequence[int]) -> dict[tuple, float]:
+    """More rows or more tokens never cost less: isotonic along n for each B, then a running max along B."""
+    rs, ns = sorted(rows), sorted(tokens)
+    fit: dict[tuple, float] = {}
+    for B in rs:
+        for n, v in zip(ns, isotonic([raw[(B, n)] for n in ns])):
+            fit[(B, n)] = v
+    for n in ns:
+        top = 0.0
+        for B in rs:
+            top = max(top, fit[(B, n)])
+            fit[(B, n)] = top
+    unit = fit.get((1, 1), 1.0)
+    return {c: v / unit for c, v in fit.items()}
+
+
+def surface_drop(raw: dict[tuple, float], rows: Sequence[int], tokens: Sequence[int]) -> float:
+    """The largest `cost_drop` along n (each B) or along B (each n) of the raw surface."""
+    rs, ns = sorted(rows), sorted(tokens)
+    drops = [cost_drop([raw[(B, n)] for n in ns]) for B in rs] + [cost_drop([raw[(B, n)] for B in rs]) for n in ns]
+    return max(drops)
+
+
+def _nested(values: dict[tuple, float], rows, tokens) -> dict[str, dict[str, float]]:
+    return {str(B): {str(n): float(values[(B, n)]) for n in tokens} for B in rows}
+
+
+def batch_profile_path(target, dtype) -> "os.PathLike":
+    p = profile_path(target, dtype)
+    return p.with_name(p.stem + "-batch.json")
+
+
+def _usable_batch(prof: dict, rows, tokens, context: int) -> bool:
+    b = prof.get("batch") or {}
+    return (prof.get("version") == BATCH_PROFILE_VERSION and b.get("rows") == list(rows)
+            and b.get("tokens") == list(tokens) and b.get("context") == context and not prof.get("noisy"))
+
+
+def load_or_profile_batch(target, refresh: bool = False, rows: Sequence[int] | None = None,
+                          tokens: Sequence[int] | None = None, context: int | None = None,
+                          repeats: int | None = None) -> dict[str, Any]:
+    """The cached rows x tokens cost surface for this machine + target + dtype, measured once if missing (beside
+    the batch-1 profile, same key, same noise guards: 3 attempts, a noisy one serves this run only)."""
+    rows, tokens = tuple(rows or BATCH_ROWS), tuple(tokens or BATCH_TOKENS)
+    context, repeats = context or PROFILE_CONTEXT, repeats or PROFILE_REPEATS
+    path = batch_profile_path(target, target.dtype)
+    if not refresh and os.path.exists(path):
+        prof = read_json(path)
+        if _usable_batch(prof, rows, tokens, _clip_context(target, context, tokens)):
+            return {**prof, "cached": True, "path": str(path)}
+    log.info("profiling the target's batched forward cost (rows %s x tokens %s, %d cached tokens a row)",
+             list(rows), list(tokens), context)
+    t = time.perf_counter()
+    for attempt in range(1, PROFILE_ATTEMPTS + 1):
+        batch = measure_batch_cost(target, rows, tokens, context, repeats, seed=attempt - 1)
+        noise = profile_noise(batch)
+        if not noise:
+            break
+        log.warning("batch cost profile attempt %d/%d looks disturbed by other work on this machine (%s)%s", attempt,
+                    PROFILE_ATTEMPTS, noise, "; measuring again" if attempt < PROFILE_ATTEMPTS else "")
+    env = environment()
+    prof = {"version": BATCH_PROFILE_VERSION, "kind": "batch", "target": target.name,
+            "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device), "cpu": env["cpu"],
+            "gpu": env["gpu"], "torch_threads": env["torch_threads"], "torch": env["torch"], "batch": batch,
+            "attempts": attempt, "noisy": bool(noise), "noise": noise,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "profiling_s": round(time.perf_counter() - t, 2)}
+    atomic_write_json(path, prof)
+    return {**prof, "cached": False, "path": str(path)}
+
+
+def batch_costs(profile: dict[str, Any]) -> dict[tuple[int, int], float]:
+    """{(B, n): t(B, n) / t(1, 1)} from a batch profile (load_or_profile_batch) or its "batch" part."""
+    b = profile.get("batch", profile)
+    return {(int(B), int(n)): float(v) for B, row in b["relative"].items() for n, v in row.items()}
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise linear through (xs, ys) (xs ascending), extrapolated linearly past the last point."""
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    for x0, y0, x1, y1 in zip(xs, ys, xs[1:], ys[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[-1] + (ys[-1] - ys[-2]) * (x - xs[-1]) / (xs[-1] - xs[-2])
+
+
+def interp_batch_cost(costs: dict[tuple[int, int], float], B: float, n: float) -> float:
+    """t(B, n) / t(1, 1) anywhere: linear in n along each measured B, then linear in B between them (both
+    extrapolated linearly past the grid)."""
+    rows = sorted({b for b, _ in costs})
+    tokens = sorted({k for _, k in costs})
+    at_rows = [_interp(tokens, [costs[(b, k)] for k in tokens], n) for b in rows]
+    return _interp(rows, at_rows, B)
+
+
+def batch_cost_fn(profile: dict[str, Any]):
+    """cost(B, n) for batchbudget.choose_batch_budget, from a batch profile."""
+    costs = batch_costs(profile)
+    return lambda B, n: interp_batch_cost(costs, B, n)

@@ -1,0 +1,448 @@
+"""Batched speculative generation: many prompts, ONE target forward per step over every row's tree.
+
+B rows, N tree nodes (the batch's largest tree; smaller ones are padded), S cache columns, V vocab, D hidden,
+F feature layers.
+Cache layout: row r holds its `length_r` cached entries in columns [0, length_r) (left-aligned); columns
+[length_r, S) are padding its mask hides, S = the longest row. Positions are per row (length_r + depth), so a
+row's entries never move for another row's sake. One step:
+  1. each row's own drafter proposes a tree (one Drafter per row: drafters keep per-request state); an optional
+     scheduler trims the trees to per-row verify budgets (batchbudget.BudgetScheduler);
+  2. the trees are packed (`pack_trees`): tokens [B,N], positions [B,N], ONE 4D float mask [B,1,N,S+N]
+     (a node sees its row's cached columns, its ancestors and itself; a padding node sees only itself);
+  3. ONE target forward appends N columns to every row;
+  4. each row is verified alone by the same verify_greedy / verify_sampling as `generate` (never the drafter);
+  5. `keep_accepted_rows`: each row's accepted nodes move down to columns [length_r, length_r + A_r) (one gather
+     per layer for the whole batch), then the cache is cut to its longest row;
+  6. drafters observe, tokens are emitted and cut at stops; finished rows leave the batch (one copy of the cache)
+     and waiting prompts join (prefilled together, right-padded, then appended as rows).
+Greedy output of every row equals that row decoded alone (fp32; tests/test_batch.py). Sampling draws each row from
+its own generator (seed + row index). Sliding-window caches are refused (their rows cannot be re-aligned).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from specheads.infer.drafters import DraftContext, Drafter
+from specheads.infer.generate import PHASES, GenerationResult, GenerationStats, Request, encode_prompt, phase_timer
+from specheads.infer.tree import DraftTree
+from specheads.infer.verify import VERIFICATIONS, Accepted, SamplingParams, verifier
+from specheads.utils import SpecheadsError
+
+
+@dataclass
+class BatchStats:
+    rows: int = 0  # prompts decoded
+    new_tokens: int = 0
+    target_forwards: int = 0  # batched tree forwards (prefills excluded)
+    row_forwards: int = 0  # forwards summed over rows (a forward of b rows counts b)
+    tau: float = 0.0  # new_tokens / row_forwards: tokens per row per forward, bonus included; plain = 1.00
+    tokens_per_s: float = 0.0  # new_tokens / wall_s (prefills included: rows join while others decode)
+    wall_s: float = 0.0
+    prefill_s: float = 0.0  # every prefill forward (the first rows' and each join's)
+    prefills: int = 0
+    max_rows: int = 0  # most rows in one forward
+    mean_rows: float = 0.0  # rows per tree forward, averaged
+    tree_nodes: int = 0  # nodes sent, padding excluded
+    padded_nodes: int = 0  # rows x N summed over forwards (padding included)
+    timings: dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})  # seconds per phase
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class BatchResult:
+    rows: list[GenerationResult]  # in prompt order; each row's stats count the forwards it took part in
+    stats: BatchStats
+
+
+@dataclass
+class _Row:
+    index: int  # position in the prompt list
+    ids: list[int]  # prompt + emitted; ids[-1] is the root, not yet cached
+    drafter: Drafter
+    req: Request
+    prompt_len: int
+    new: list[int] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    t_join: float = 0.0
+
+    @property
+    def length(self) -> int:
+        """Cached entries of this row: every token but the root."""
+        return len(self.ids) - 1
+
+
+# ------------------------------------------------------------------------------------------------ pure helpers
+def pack_trees(trees: Sequence[DraftTree], lengths: Sequence[int], cols: int, dtype: torch.dtype, device=None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch's trees as one forward: tokens [B,N], position ids [B,N] (length_r + depth) and the 4D float mask
+    [B,1,N,cols+N] (0 = attend). Row r's node i attends the row's cached columns [0, length_r), its ancestors and
+    itself; columns [length_r, cols) are another row's length, hidden. A padding node (i >= len(tree_r)) repeats
+    the root at position length_r and attends only itself (a fully masked row would give NaN)."""
+    B, N = len(trees), max(len(t) for t in trees)
+    tokens = torch.zeros(B, N, dtype=torch.long)
+    pos = torch.zeros(B, N, dtype=torch.long)
+    allowed = torch.zeros(B, N, cols + N, dtype=torch.bool)
+    allowed[:, :, cols:] = torch.eye(N, dtype=torch.bool)  # every node sees itself (padding ones only that)
+    for r, (tree, length) in enumerate(zip(trees, lengths)):
+        n = len(tree)
+        tokens[r, :n], tokens[r, n:] = tree.tokens, tree.tokens[0]
+        pos[r, :n], pos[r, n:] = length + tree.depth, length
+        allowed[r, :n, :length] = True
+        allowed[r, :n, cols:cols + n] = tree.ancestors()
+    mask = torch.zeros(B, 1, N, cols + N, dtype=dtype).masked_fill_(~allowed[:, None], float("-inf"))
+    if device is not None:
+        tokens, pos, mask = tokens.to(device), pos.to(device), mask.to(device)
+    return tokens, pos, mask
+
+
+def keep_accepted_rows(cache, cols: int, lengths: Sequence[int], accepted: Sequence[Sequence[int]]) -> list[int]:
+    """After a forward of N nodes over `cols` columns, keep each row's accepted nodes (indices, root first): row r's
+    node accepted[r][j] moves from column cols + accepted[r][j] down to length_r + j (gathered before it is
+    written, so overlaps are safe), then every layer is cut to the longest row. Returns the rows' new lengths."""
+    B = len(lengths)
+    a_max = max(len(a) for a in accepted)
+    src = torch.tensor([[cols + a[min(j, len(a) - 1)] for j in range(a_max)] for a in accepted])  # [B, A]
+    dst = torch.tensor([[length + min(j, len(a) - 1) for j in range(a_max)] for length, a in zip(lengths, accepted)])
+    new = [length + len(a) for length, a in zip(lengths, accepted)]  # short rows repeat their last pair: same value
+    moved = not torch.equal(src, dst)
+    rows = torch.arange(B)[:, None]
+    for layer in cache.layers:
+        keys, values = layer.keys, layer.values  # [B, H, cols + N, hd]
+        if moved:
+            r, s, d = rows.to(keys.device), src.to(keys.device), dst.to(keys.device)
+            keys[r, :, d] = keys[r, :, s]  # [B, A, H, hd] gathered (a copy), then written
+            values[r, :, d] = values[r, :, s]
+        layer.keys, layer.values = keys[:, :, :max(new)], values[:, :, :max(new)]
+    return new
+
+
+def cut_at_stop(step: list[int], new: list[int], req: Request, tokenizer) -> tuple[list[int], str]:
+    """The prefix of `step` to emit and why the row stops after it ("" = it does not): the token cap, a stop
+    token (emitted itself) or a stop string (decoded jointly with the tokens before it)."""
+    emit: list[int] = []
+    for x in step:
+        if len(new) + len(emit) >= req.max_new_tokens:
+            return emit, "max_new_tokens"
+        emit.append(x)
+        if x in req.stops:
+            return emit, "eos"
+        if req.stop_strings and tokenizer is not None:
+            tail = tokenizer.decode((new + emit)[-16:])  # multi-byte characters span tokens
+            if any(s in tail for s in req.stop_strings):
+                return emit, "stop_string"
+    return emit, ""
+
+
+# ------------------------------------------------------------------------------------------------ the cache
+def new_batch_cache(model):
+    """A DynamicCache whose layers write each forward in place (regeneration's BufferedLayer: spare columns, no
+    copy of the whole cache per step). Sliding-window layers are refused: they keep only their window, so rows of
+    different lengths cannot share columns."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    from specheads.train.regenerate import _buffered_layer_class
+
+    cache = DynamicCache(config=model.config)
+    if not all(type(x) is DynamicLayer for x in cache.layers):
+        raise SpecheadsError("generate_batch: the target has sliding-window (or other non-plain) cache layers; "
+                             "batched generation needs full-attention layers (use generate, one prompt at a time)")
+    cache.layers = [_buffered_layer_class()() for _ in cache.layers]
+    return cache
+
+
+def merge_caches(live, fresh, live_rows: int, fresh_rows: int, model=None) -> None:
+    """Append `fresh`'s rows below `live`'s (in place in `live`): both are right-padded with zeros to the longer
+    one's columns (left-aligned rows: nothing moves, the masks hide the padding). A layer no forward has written
+    yet (prompts of one token) counts as 0 columns."""
+    for a, b in zip(live.layers, fresh.layers):
+        ka, kb = _written(a), _written(b)
+        if ka is None and kb is None:
+            continue
+        like = ka if ka is not None else kb  # [rows, H, cols, hd]
+        cols = max(x.shape[2] for x in (ka, kb) if x is not None)
+
+        def padded(layer, x, rows: int, values: bool) -> torch.Tensor:
+            if x is None:
+                return like.new_zeros(rows, like.shape[1], cols, like.shape[3])
+            x = layer.values if values else x
+            n = cols - x.shape[2]
+            return x if n == 0 else torch.cat([x, x.new_zeros(*x.shape[:2], n, x.shape[3])], dim=2)
+
+        keys = torch.cat([padded(a, ka, live_rows, False), padded(b, kb, fresh_rows, False)])
+        values = torch.cat([padded(a, ka, live_rows, True), padded(b, kb, fresh_rows, True)])
+        if ka is None:
+            a.lazy_initialization(keys, values)
+        a.keys, a.values = keys, values
+
+
+def _written(layer) -> torch.Tensor | None:
+    """A layer's keys [B, H, cols, hd], or None before any forward wrote it."""
+    if not getattr(layer, "is_initialized", True) or layer.keys is None or not layer.keys.numel():
+        return None
+    return layer.keys
+
+
+def select_rows(cache, keep: list[int], cols: int) -> None:
+    """Keep the rows `keep` (batch indices, in order) and the first `cols` columns (the longest kept row)."""
+    for layer in cache.layers:
+        if _written(layer) is None:
+            continue
+        sel = torch.tensor(keep, device=layer.keys.device)
+        layer.keys = layer.keys.index_select(0, sel)[:, :, :cols]
+        layer.values = layer.values.index_select(0, sel)[:, :, :cols]
+
+
+def cache_columns(cache) -> int:
+    keys = _written(cache.layers[0])
+    return 0 if keys is None else int(keys.shape[2])
+
+
+# ------------------------------------------------------------------------------------------------ the loop
+class BatchGenerator:
+    """One target, a drafter per row (`make_drafter()` builds one), one verification rule, an optional scheduler
+    (`depth_limits(rows) -> [max depth] | None` before drafting, `select(trees, rows) -> trees` before the forward,
+    `observe(rows, trees, accepted)` after it; rows are the rows' prompt indices; batchbudget.BudgetScheduler).
+    `run(...)` decodes every prompt with at most `batch_size` rows together."""
+
+    def __init__(self, target, make_drafter: Callable[[], Drafter], verification: str = "auto", scheduler=None):
+        if verification not in VERIFICATIONS:
+            raise SpecheadsError(f"verification {verification!r}: expected auto, greedy, sampling or typical-lossy")
+        self.target, self.make_drafter, self.verification = target, make_drafter, verification
+        self.scheduler = scheduler
+        self.cache = None
+        self.layers: list[int] | None = None  # hidden-state ids the rows' drafters read
+        self.rows: list[_Row] = []  # the live rows, in batch order
+        self.stats = BatchStats()
+
+    @torch.no_grad()
+    def run(self, prompts: Sequence, max_new_tokens: int | Sequence[int] = 128, *, batch_size: int | None = None,
+            temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, eos_token_ids: Sequence[int] | None = None,
+            stop_strings: Sequence[str] = (), seed: int | Sequence[int] | None = None, ignore_eos: bool = False
+            ) -> BatchResult:
+        t0 = time.perf_counter()
+        sampling = SamplingParams(float(temperature), float(top_p), int(top_k or 0))
+        caps = _per_row(max_new_tokens, len(prompts), "max_new_tokens")
+        seeds = _seeds(seed, len(prompts))
+        ids = [encode_prompt(self.target, input_ids=p) for p in prompts]
+        work = deque(_Row(i, p, None, self._request(i, len(p), caps[i], sampling, eos_token_ids, stop_strings,
+                                                     seeds[i], ignore_eos), len(p)) for i, p in enumerate(ids))
+        size = len(prompts) if batch_size is None else int(batch_size)
+        if size < 1:
+            raise SpecheadsError(f"batch_size {batch_size}: must be at least 1")
+        self.cache, self.rows, self.stats = None, [], BatchStats(rows=len(prompts))
+        done: dict[int, GenerationResult] = {}
+        while self.rows or work:
+            if work and len(self.rows) < size:
+                self._join([work.popleft() for _ in range(min(size - len(self.rows), len(work)))])
+            finished = [r for r in self.rows if r.stats.stop_reason]  # a prompt may fill its cap at 0 tokens
+            if len(finished) < len(self.rows):
+                finished += self._step()
+            for row in finished:
+                done[row.index] = self._row_result(row)
+            self._drop(finished)
+        results = [done[i] for i in range(len(prompts))]
+        self.stats.new_tokens = sum(len(r.ids) for r in results)
+        return BatchResult(results, self._finish(t0))
+
+    def _request(self, i: int, prompt_len: int, cap: int, sampling: SamplingParams, eos, stop_strings, seed,
+                 ignore_eos: bool) -> Request:
+        window = self.target.max_positions or (1 << 62)
+        if prompt_len >= window:
+            raise SpecheadsError(f"prompt {i}: {prompt_len} tokens do not fit the context window of {window} of "
+                                 f"target {self.target.name} (no room for a new token); shorten it")
+        generator = None if seed is None else torch.Generator().manual_seed(int(seed))
+        stops = set() if ignore_eos else set(self.target.eos_token_ids if eos is None else eos)
+        return Request(int(cap), stops, stop_strings, window, sampling, generator,
+                       verifier(self.verification, sampling, generator))
+
+    def _join(self, new: list[_Row]) -> None:
+        """Prefill the newcomers together (every prompt token but the root, right-padded: causal attention keeps
+        the padding out of every real position), reset their drafters with their features, and append them below
+        the live rows."""
+        t = time.perf_counter()
+        for row in new:
+            row.drafter = self.make_drafter()
+        layers = self.layers = self._feature_layers(new)
+        lens = [row.length for row in new]
+        fresh = new_batch_cache(self.target.model)
+        feats = None
+        if max(lens) > 0:
+            ids = torch.zeros(len(new), max(lens), dtype=torch.long)
+            for r, row in enumerate(new):
+                ids[r, :lens[r]] = torch.tensor(row.ids[:-1])
+            pos = torch.arange(max(lens)).repeat(len(new), 1)
+            _, feats = self._forward(ids, pos, None, fresh, layers)
+        for r, row in enumerate(new):
+            row.drafter.reset(torch.tensor(row.ids), None if feats is None else feats[r, :lens[r]])
+            row.t_join = time.perf_counter()
+        if self.cache is None:
+            self.cache = fresh
+        else:
+            merge_caches(self.cache, fresh, len(self.rows), len(new), self.target.model)
+        self.rows += new
+        dt = time.perf_counter() - t
+        for row in new:
+            row.stats.prefill_s = dt
+            _check_room(row)
+        self.stats.prefill_s += dt
+        self.stats.prefills += 1
+
+    def _feature_layers(self, new: list[_Row]) -> list[int] | None:
+        """The hidden-state ids the drafters read (one list for the batch: the rows' drafters are of one kind)."""
+        layers = {tuple(r.drafter.feature_layers) if r.drafter.feature_layers is not None else None
+                  for r in new + self.rows}
+        if len(layers) > 1:
+            raise SpecheadsError(f"generate_batch: the drafters read different feature layers "
+                                 f"{sorted(map(str, layers))}; make_drafter must build drafters of one kind")
+        (one,) = layers
+        return None if one is None else list(one)
+
+    def _forward(self, tokens: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache, layers):
+        """One target forward over [B, n] tokens -> (logits [B, n, V], features [B, n, F*D] | None)."""
+        dev = self.target.device
+        out = self.target.model(input_ids=tokens.to(dev), attention_mask=None if mask is None else mask.to(dev),
+                                position_ids=pos.to(dev),
+                                cache=cache, use_cache=True, output_hidden_states=layers is not None)
+        feats = None
+        if layers is not None:
+            feats = torch.cat([out.hidden_states[i] for i in layers], dim=-1)  # [B, n, F*D]
+        return out.logits, feats
+
+    def _step(self) -> list[_Row]:
+        """One speculative step of every live row in ONE target forward; returns the rows that finished."""
+        tm, rows, cols = self.stats.timings, self.rows, cache_columns(self.cache)
+        lengths = [row.length for row in rows]
+        with phase_timer(tm, "draft"):  # each row's own drafter; a depth-d node sits at length + d (bonus: + 1)
+            limits = self.scheduler.depth_limits([row.index for row in rows]) if self.scheduler is not None else None
+            trees = [self._propose(row, None if limits is None else limits[r]) for r, row in enumerate(rows)]
+            if self.scheduler is not None:  # per-row verify budgets: the trees cut to their most likely nodes
+                trees = self.scheduler.select(trees, [row.index for row in rows])
+        with phase_timer(tm, "tree"):  # padded to the largest tree; each node sees its row's cache, ancestors, self
+            tokens, pos, mask = pack_trees(trees, lengths, cols, self.target.dtype)  # [B,N], [B,N], [B,1,N,cols+N]
+        with phase_timer(tm, "target"):  # ONE forward over every row's nodes
+            logits, feats = self._forward(tokens, pos, mask, self.cache, self.layers)  # [B,N,V], [B,N,F*D] | None
+        with phase_timer(tm, "verify"):
+            # each row alone, as `generate` does: greedy = the longest path equal to the target's argmax plus the
+            # bonus argmax; sampling = recursive rejection with the row's own generator. Never sees the drafter
+            accs = [row.req.verify(tree, logits[r, :len(tree)]) for r, (row, tree) in enumerate(zip(rows, trees))]
+        with phase_timer(tm, "cache"):  # each row keeps its prefix + root + accepted nodes, left-aligned
+            keep_accepted_rows(self.cache, cols, lengths, [acc.nodes for acc in accs])
+        with phase_timer(tm, "draft"):  # each drafter sees its outcome and its accepted nodes' true features
+            for r, (row, tree, acc) in enumerate(zip(rows, trees, accs)):
+                row.drafter.observe(tree, acc, None if feats is None else feats[r, acc.nodes])
+            if self.scheduler is not None:
+                self.scheduler.observe([row.index for row in rows], trees, accs)
+        with phase_timer(tm, "other"):  # emit accepted tokens + bonus, cut at a stop (the stop token is emitted)
+            finished = [row for row, tree, acc in zip(rows, trees, accs) if self._emit(row, tree, acc)]
+        s = self.stats
+        s.target_forwards += 1
+        s.row_forwards += len(rows)
+        s.tree_nodes += sum(len(t) for t in trees)
+        s.padded_nodes += len(rows) * tokens.shape[1]
+        s.max_rows = max(s.max_rows, len(rows))
+        return finished
+
+    def _propose(self, row: _Row, limit: int | None = None) -> DraftTree:
+        """The row's tree, no deeper than the positions left (room - 1 below the root) and the scheduler's limit
+        (0 = no drafting this step: drafters return the root alone and keep their state for the next step)."""
+        depth = row.req.window - len(row.ids) - 1
+        depth = depth if limit is None else min(depth, limit)
+        tree = row.drafter.propose(DraftContext(ids=row.ids, sampling=row.req.sampling, generator=row.req.generator,
+                                                max_depth=depth))
+        return tree.truncate_depth(depth) if tree.max_depth > depth else tree
+
+    def _emit(self, row: _Row, tree: DraftTree, acc: Accepted) -> bool:
+        """Emit the row's accepted tokens + bonus (cut at a stop); True when the row is done."""
+        step = [int(tree.tokens[i]) for i in acc.nodes[1:]] + [acc.bonus]
+        emit, row.stats.stop_reason = cut_at_stop(step, row.new, row.req, self.target.tokenizer)
+        row.ids.extend(emit)
+        row.new.extend(emit)
+        row.stats.count_step(len(tree), len(emit))
+        _check_room(row)
+        return bool(row.stats.stop_reason)
+
+    def _drop(self, finished: list[_Row]) -> None:
+        """Finished rows leave the batch: one copy of the cache, cut to the longest remaining row."""
+        if not finished:
+            return
+        gone = {id(r) for r in finished}
+        keep = [i for i, r in enumerate(self.rows) if id(r) not in gone]
+        self.rows = [self.rows[i] for i in keep]
+        if not self.rows:
+            self.cache = None
+            return
+        select_rows(self.cache, keep, max(r.length for r in self.rows))
+
+    def _row_result(self, row: _Row) -> GenerationResult:
+        st, now = row.stats, time.perf_counter()
+        st.new_tokens = len(row.new)
+        st.tau = st.new_tokens / max(st.target_forwards, 1)
+        st.wall_s = now - row.t_join + st.prefill_s
+        st.tokens_per_s = st.new_tokens / (now - row.t_join) if now > row.t_join else 0.0
+        tok = self.target.tokenizer
+        text = tok.decode(row.new, skip_special_tokens=True) if tok is not None else None
+        return GenerationResult(ids=list(row.new), text=text, stats=st, prompt_ids=row.ids[:row.prompt_len])
+
+    def _finish(self, t0: float) -> BatchStats:
+        s = self.stats
+        s.wall_s = time.perf_counter() - t0
+        s.tau = s.new_tokens / max(s.row_forwards, 1)
+        s.tokens_per_s = s.new_tokens / s.wall_s if s.wall_s > 0 else 0.0
+        s.mean_rows = s.row_forwards / max(s.target_forwards, 1)
+        return s
+
+
+def _check_room(row: _Row) -> None:
+    """A row stops at its token cap or when its next token would have no position left."""
+    if row.stats.stop_reason:
+        return
+    if len(row.new) >= row.req.max_new_tokens:
+        row.stats.stop_reason = "max_new_tokens"
+    elif len(row.ids) >= row.req.window:
+        row.stats.stop_reason = "context_window"
+
+
+def _per_row(value, n: int, name: str) -> list[int]:
+    """One value for every row, or one per row."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value] * n
+    values = [int(v) for v in value]
+    if len(values) != n:
+        raise SpecheadsError(f"generate_batch: {name} has {len(values)} values for {n} prompts")
+    return values
+
+
+def _seeds(seed, n: int) -> list[int | None]:
+    """seed None = the global generator; an int = row i draws from seed + i; a list = one seed per row."""
+    if seed is None:
+        return [None] * n
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        return [seed + i for i in range(n)]
+    return _per_row(seed, n, "seed")
+
+
+def generate_batch(target, make_drafter: Callable[[], Drafter] | None, prompts: Sequence,
+                   max_new_tokens: int | Sequence[int] = 128, *, batch_size: int | None = None,
+                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                   eos_token_ids: Sequence[int] | None = None, stop_strings: Sequence[str] = (),
+                   seed: int | Sequence[int] | None = None, verification: str = "auto", ignore_eos: bool = False,
+                   scheduler=None) -> BatchResult:
+    """Speculative generation of many prompts (token id lists), at most `batch_size` rows per target forward
+    (None = all): a finished row leaves the batch and the next waiting prompt joins. `make_drafter()` builds one
+    drafter per row (None = plain decoding). Exact per row at temperature 0; lossless sampling above (row i draws
+    from its own generator, seeded seed + i). `scheduler`: batchbudget.BudgetScheduler (per-row verify budgets)."""
+    from specheads.infer.drafters import NoDrafter
+
+    if not prompts:
+        raise SpecheadsError("generate_batch: no prompts")
+    g = BatchGenerator(target, make_drafter or NoDrafter, verification=verification, scheduler=scheduler)
+    return g.run(prompts, max_new_tokens, batch_size=batch_size, temperature=temperature, top_p=top_p, top_k=top_k,
+                 eos_token_ids=eos_token_ids, stop_strings=stop_strings, seed=seed, ignore_eos=ignore_eos)

@@ -1,0 +1,416 @@
+"""Batched speculative generation (infer/batch.py), the batch verify budget (infer/batchbudget.py) and the
+rows x tokens cost surface (infer/profile.py): every row's greedy output equals that row decoded alone (fp32), with
+rows of different lengths, rows finishing early and prompts joining; sampling draws each row from its own
+generator and keeps the target's distribution; hand-made packing, pruning and budget cases."""
+import pytest
+import torch
+
+from specheads.heads.base import HeadSpec, build_head
+from specheads.infer.batch import (generate_batch, keep_accepted_rows, merge_caches, new_batch_cache,
+                                   pack_trees)
+from specheads.infer.batchbudget import (AcceptanceTracker, BudgetScheduler, choose_batch_budget,
+                                         effective_survival)
+from specheads.infer.drafters import (DraftModelDrafter, Drafter, EagleDrafter, LookupMergedDrafter, MedusaDrafter,
+                                      NoDrafter, PromptLookupDrafter)
+from specheads.infer.generate import generate
+from specheads.infer.tree import DraftTree, chain_tree
+from specheads.infer.verify import Accepted
+from specheads.target import tiny_target
+from specheads.utils import SpecheadsError
+from test_generate import OracleTreeDrafter, hf_greedy
+
+# Small sequential forwards: one intra-op thread is several times faster than two on a shared CPU.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Recording(Drafter):
+    """Wraps a drafter and records every tree it proposes (tokens, parents)."""
+
+    def __init__(self, inner, log):
+        self.inner, self.log, self.feature_layers = inner, log, inner.feature_layers
+
+    def reset(self, prompt_ids, features):
+        self.log.clear()
+        self.inner.reset(prompt_ids, features)
+
+    def propose(self, ctx):
+        tree = self.inner.propose(ctx)
+        self.log.append((tree.tokens.tolist(), tree.parents.tolist()))
+        return tree
+
+    def observe(self, tree, accepted, features):
+        self.inner.observe(tree, accepted, features)
+
+
+def mixed_prompts(vocab, n, seed=0):
+    """Prompts of different lengths (1 .. 25 tokens), every other one repetitive (prompt lookup finds drafts)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        base = torch.randint(3, vocab, (2 + 2 * i,), generator=g).tolist()
+        out.append(base * 3 if i % 2 else base + torch.randint(3, vocab, (3,), generator=g).tolist())
+    out[-1] = out[-1][:1]  # a one-token prompt: nothing to prefill
+    return out
+
+
+def row_makers(target):
+    """name -> make_drafter (a fresh drafter per row; heads shared, read only)."""
+    medusa = build_head(HeadSpec(kind="medusa", num_heads=3), target)
+    eagle3 = build_head(HeadSpec(kind="eagle3", draft_vocab_size=64), target, token_counts=torch.arange(256.0))
+    small = tiny_target(seed=1)
+    return {
+        "plain": NoDrafter,
+        "prompt-lookup": lambda: PromptLookupDrafter(num_tokens=5),
+        "oracle-tree": lambda: OracleTreeDrafter(target.model, seed=1),
+        "draft-model": lambda: DraftModelDrafter(small.model, num_tokens=3),
+        "medusa": lambda: MedusaDrafter(medusa),
+        "eagle3": lambda: EagleDrafter(eagle3, depth=3, top_k=3, total_tokens=8),
+        "eagle3+lookup": lambda: LookupMergedDrafter(EagleDrafter(eagle3, depth=2, top_k=2, total_tokens=4),
+                                                     num_tokens=4, max_ngram=2),
+    }
+
+
+def test_greedy_rows_equal_hf_generate_every_drafter(tiny):
+    """5 prompts of 1..17 tokens, 3 rows at a time (two prompts join as rows finish), 16 new tokens: every row is
+    HF generate's greedy output of that prompt alone, token for token, and drafts as it does alone (the same
+    trees: each drafter got its own row's features); forwards and histograms add up."""
+    ps = mixed_prompts(tiny.vocab_size, 5)
+    refs = [hf_greedy(tiny, p, 16) for p in ps]
+    for name, make in row_makers(tiny).items():
+        logs = []
+
+        def recorded():
+            logs.append([])
+            return Recording(make(), logs[-1])
+
+        res = generate_batch(tiny, recorded, ps, 16, batch_size=3)
+        for i, (row, ref) in enumerate(zip(res.rows, refs)):
+            assert row.ids == ref, (name, i)
+            alone = []
+            generate(tiny, Recording(make(), alone), ps[i], max_new_tokens=16)
+            assert logs[i] == alone, (name, i)  # rows join in prompt order: drafter i is row i's
+            assert sum(row.stats.accept_hist) == row.stats.target_forwards
+            assert sum(n * c for n, c in enumerate(row.stats.accept_hist)) == len(ref)
+        s = res.stats
+        assert s.new_tokens == sum(map(len, refs)) and s.row_forwards == sum(r.stats.target_forwards for r in res.rows)
+        assert s.max_rows == 3 and s.prefills >= 2 and s.tau == pytest.approx(s.new_tokens / s.row_forwards)
+        if name == "plain":
+            assert s.tau == 1.0 and s.padded_nodes == s.tree_nodes
+        if name == "oracle-tree":
+            assert s.tau > 1.5, s  # the trees are accepted, second children included
+
+
+def test_rows_finish_early_stop_tokens_and_caps(tiny):
+    """Rows stop at their own cap (one at 0 and one at 1 token), at a stop token, at the context window; a waiting
+    prompt joins each time; each row equals `generate` of that prompt alone with the same settings."""
+    ps = mixed_prompts(tiny.vocab_size, 6, seed=3)
+    ps[2] = torch.randint(3, 256, (tiny.max_positions - 4,), generator=torch.Generator().manual_seed(1)).tolist()
+    caps = [12, 0, 20, 1, 9, 14]
+    stop = hf_greedy(tiny, ps[0], 12)[5]  # ends row 0 at its 6th token (or earlier)
+    make = lambda: OracleTreeDrafter(tiny.model, depth=4, seed=2)  # noqa: E731
+    res = generate_batch(tiny, make, ps, caps, batch_size=2, eos_token_ids=[stop])
+    for i, (p, cap) in enumerate(zip(ps, caps)):
+        alone = generate(tiny, OracleTreeDrafter(tiny.model, depth=4, seed=2), p, max_new_tokens=cap,
+                         eos_token_ids=[stop])
+        assert res.rows[i].ids == alone.ids, i
+        assert res.rows[i].stats.stop_reason == alone.stats.stop_reason, i
+    reasons = [r.stats.stop_reason for r in res.rows]
+    assert reasons[0] == "eos" and reasons[1] == "max_new_tokens" and reasons[2] == "context_window"
+    assert res.rows[1].ids == [] and len(res.rows[3].ids) == 1 and res.stats.max_rows == 2
+
+
+def test_sampling_rows_equal_each_row_alone_with_its_seed(tiny):
+    """Row i draws from its own generator (seed + i): its tokens equal `generate(seed=seed + i)` of that prompt
+    alone, whatever else shares the batch."""
+    ps = mixed_prompts(tiny.vocab_size, 4, seed=5)
+    eagle3 = build_head(HeadSpec(kind="eagle3"), tiny)
+    small = tiny_target(seed=1)
+    makers = {"prompt-lookup": lambda: PromptLookupDrafter(num_tokens=4),
+              "draft-model": lambda: DraftModelDrafter(small.model, num_tokens=3),  # q recorded: sampled drafts
+              "eagle3": lambda: EagleDrafter(eagle3, depth=2, top_k=2, total_tokens=4)}
+    for name, make in makers.items():
+        res = generate_batch(tiny, make, ps, 10, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+        for i, p in enumerate(ps):
+            alone = generate(tiny, make(), p, max_new_tokens=10, temperature=0.8, top_p=0.95, seed=7 + i,
+                             ignore_eos=True)
+            assert res.rows[i].ids == alone.ids, (name, i)
+
+
+def test_sampling_keeps_the_target_distribution():
+    """600 rows of one prompt in one batch (prompt lookup drafts, point masses): the first emitted token is
+    distributed as the target's softmax(logits / T) (chi-square, bins of expected count >= 5, p > 0.001)."""
+    from scipy.stats import chisquare
+
+    target = tiny_target(vocab_size=32)
+    base = [5, 9, 11, 7]
+    prompt = base * 3 + base[:2]  # lookup drafts the repeat: the first step verifies a chain
+    rows = 600
+    res = generate_batch(target, lambda: PromptLookupDrafter(num_tokens=3), [prompt] * rows, 1, temperature=1.0,
+                         seed=0, ignore_eos=True)
+    with torch.no_grad():
+        p = torch.softmax(target.model(torch.tensor([prompt])).logits[0, -1].double(), -1)
+    counts = torch.bincount(torch.tensor([r.ids[0] for r in res.rows]), minlength=32).double()
+    exp = p * rows
+    big = exp >= 5
+    obs_b = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp_b = torch.cat([exp[big], exp[~big].sum()[None]])
+    keep = exp_b > 0
+    assert chisquare(obs_b[keep].numpy(), exp_b[keep].numpy()).pvalue > 1e-3
+    assert res.stats.max_rows == rows and res.stats.target_forwards == 1
+
+
+def test_pack_trees_masks_and_positions_by_hand():
+    """Row 0: 3 cached entries, a chain root -> a; row 1: 1 cached entry (columns 1, 2 are row 0's length), the
+    root alone (node 1 is padding). cols = 3, N = 2: mask columns [c0 c1 c2 | n0 n1]."""
+    trees = [chain_tree(7, [8]), chain_tree(9, [])]
+    tokens, pos, mask = pack_trees(trees, [3, 1], 3, torch.float32)
+    assert tokens.tolist() == [[7, 8], [9, 9]] and pos.tolist() == [[3, 4], [1, 1]]
+    ok = (mask == 0).int()[:, 0].tolist()
+    assert ok[0] == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert ok[1] == [[1, 0, 0, 1, 0], [0, 0, 0, 0, 1]]  # padding node: only itself
+
+
+class _Layer:
+    def __init__(self, keys):
+        self.keys, self.values, self.is_initialized = keys, keys.clone() + 100, True
+
+
+class _Cache:
+    def __init__(self, keys):
+        self.layers = [_Layer(keys)]
+
+
+def test_keep_accepted_rows_moves_each_rows_nodes_down():
+    """keys[b, 0, c, 0] = 10 b + c: after a forward of N = 3 nodes over cols = 4, row 0 (length 4) keeps nodes
+    0, 2 and row 1 (length 2) keeps node 0: row 0 columns 4, 5 <- 4, 6; row 1 column 2 <- 4; cut to 6 columns."""
+    keys = (10 * torch.arange(2.0)[:, None] + torch.arange(7.0)[None]).reshape(2, 1, 7, 1)
+    cache = _Cache(keys)
+    new = keep_accepted_rows(cache, 4, [4, 2], [[0, 2], [0]])
+    assert new == [6, 3]
+    got = cache.layers[0].keys[:, 0, :, 0]
+    assert got.shape == (2, 6)
+    assert got[0].tolist() == [0, 1, 2, 3, 4, 6] and got[1, :3].tolist() == [10, 11, 14]
+    assert cache.layers[0].values[1, 0, 2, 0] == 114  # values move with their keys
+
+
+def test_merge_caches_pads_the_shorter_rows(tiny):
+    a, b = new_batch_cache(tiny.model), new_batch_cache(tiny.model)
+    with torch.no_grad():
+        tiny.model(input_ids=torch.tensor([[3, 4, 5]]), cache=a, use_cache=True)
+        tiny.model(input_ids=torch.tensor([[6, 7], [8, 9]]), cache=b, use_cache=True)
+    k_a = a.layers[0].keys.clone()
+    merge_caches(a, b, 1, 2)
+    k = a.layers[0].keys
+    assert k.shape[0] == 3 and k.shape[2] == 3 and torch.equal(k[0], k_a[0]) and bool((k[1:, :, 2] == 0).all())
+
+
+def test_sliding_window_target_is_refused():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from specheads.target import Target
+
+    cfg = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention"], max_position_embeddings=128)
+    target = Target(Gemma3ForCausalLM(cfg).eval(), None, "tiny-gemma3")
+    with pytest.raises(SpecheadsError, match="sliding-window"):
+        generate_batch(target, None, [[3, 4, 5]], 4)
+
+
+def test_bad_input_is_one_clear_error(tiny):
+    with pytest.raises(SpecheadsError, match="no prompts"):
+        generate_batch(tiny, None, [], 4)
+    with pytest.raises(SpecheadsError, match="max_new_tokens has 1 values for 2"):
+        generate_batch(tiny, None, [[3], [4]], [4])
+    with pytest.raises(SpecheadsError, match="batch_size"):
+        generate_batch(tiny, None, [[3]], 4, batch_size=0)
+    with pytest.raises(SpecheadsError, match="context window"):
+        generate_batch(tiny, None, [[3] * tiny.max_positions], 4)
+
+
+# ------------------------------------------------------------------------------------------- the verify budget
+def test_budget_by_hand_padded_and_flat():
+    """Row 0 chain survivals 0.9, 0.8, 0.1; row 1: 0.5. Cheap cost 1 + 0.1 (n - 1): width 3 is best
+    (E = 2 + 0.9 + 0.8 + 0.5 = 4.2 over 1.2 = 3.5; width 4 gives 4.3 / 1.3 = 3.31; plain 2). Cost n: plain."""
+    surv = [[1, 0.9, 0.8, 0.1], [1, 0.5]]
+    c = choose_batch_budget(surv, lambda B, n: 1 + 0.1 * (n - 1))
+    assert c.keep == [[0, 1, 2], [0, 1]] and c.budgets == [2, 1] and c.tokens_per_row == 3
+    assert c.expected_tokens == pytest.approx(4.2) and c.expected_rate == pytest.approx(3.5) and c.plain_rate == 2
+    plain = choose_batch_budget(surv, lambda B, n: float(n))
+    assert plain.budgets == [0, 0] and plain.keep == [[0], [0]] and plain.expected_rate == plain.plain_rate == 2
+    # flat: L draft tokens cost 1 + 0.05 L; the 0.1 node does not pay for itself (4.3 / 1.2 < 4.2 / 1.15)
+    flat = choose_batch_budget(surv, lambda B, n: 1 + 0.1 * (n - 1), packing="flat")
+    assert flat.budgets == [2, 1] and flat.expected_rate == pytest.approx(4.2 / 1.15)
+
+
+def test_budget_padded_equals_brute_force_and_never_expects_less_than_plain():
+    """Random rows and monotone costs: the padded choice is the best width with every row filled (brute force),
+    and its expected rate is never below plain decoding's."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        B = int(torch.randint(1, 6, (1,), generator=g))
+        surv = [[1.0] + torch.rand(int(torch.randint(0, 6, (1,), generator=g)), generator=g).cumprod(0).tolist()
+                for _ in range(B)]
+        slope = float(torch.rand((), generator=g)) * B
+        cost = lambda b, n, s=slope: 1 + s * (n - 1) ** 1.2  # noqa: E731
+        c = choose_batch_budget(surv, cost)
+        brute = max(sum(1 + sum(sorted(s[1:], reverse=True)[:n - 1]) for s in surv) / cost(B, n)
+                    for n in range(1, 2 + max(len(s) for s in surv)))
+        assert c.expected_rate == pytest.approx(brute) and c.expected_rate >= c.plain_rate
+
+
+def test_effective_survival_keeps_parents_and_earlier_siblings_first():
+    # root -> 1, 2 (siblings); 1 -> 3. Node 2 claims more than node 1 and node 3 more than its parent
+    eff = effective_survival([1, 0.3, 0.6, 0.9], [-1, 0, 0, 1])
+    assert eff == [1, 0.3, 0.3, 0.3]
+    c = choose_batch_budget([[1, 0.3, 0.6, 0.9]], lambda B, n: 1 + 0.5 * (n - 1), parents=[[-1, 0, 0, 1]])
+    assert all(p in k for k in c.keep for i in k if i for p in [[-1, 0, 0, 1][i]])
+
+
+def test_tracker_learns_depth_and_rank_rates():
+    t = AcceptanceTracker(prior=0.5, prior_weight=2, shrink=4)
+    tree = DraftTree(torch.tensor([0, 5, 6, 7]), torch.tensor([-1, 0, 0, 1]), torch.tensor([0, 1, 1, 2]))
+    for _ in range(20):  # rank-0 child always accepted, its child never; rank 1 tried each time, never accepted
+        t.observe("a", tree, Accepted([0, 1], 9))
+    assert t.alpha("a", 1, 0) > 0.9 and t.alpha("a", 1, 1) < 0.1 and t.alpha("a", 2, 0) < 0.1
+    s = t.survival("a", tree)
+    assert s[1] > 0.9 and s[3] == pytest.approx(s[1] * t.alpha("a", 2, 0))
+    assert t.alpha("new row", 1, 0) > 0.8  # a new row starts from the pooled rate
+
+
+def test_budget_scheduler_keeps_rows_exact_and_follows_the_cost(tiny):
+    """With the scheduler the rows stay HF's greedy output. On a surface where every extra token costs a full
+    forward it verifies only roots except on exploring steps (one per explore_every + 1) and skips drafting on the
+    steps between; on a free surface it keeps the accepted oracle trees whole."""
+    ps = mixed_prompts(tiny.vocab_size, 4, seed=2)
+    refs = [hf_greedy(tiny, p, 12) for p in ps]
+    logs = []
+
+    def make():
+        logs.append([])
+        return Recording(OracleTreeDrafter(tiny.model, depth=4, seed=3), logs[-1])
+
+    dear = BudgetScheduler(lambda B, n: float(B * n), explore_every=4)
+    res = generate_batch(tiny, make, ps, 12, scheduler=dear)
+    assert [r.ids for r in res.rows] == refs
+    steps = len(dear.choices)
+    wide = sum(n > 1 for _, n, _ in dear.choices)
+    assert 1 <= wide <= steps // 5 + 1  # only the exploring steps verify a draft node
+    drafted = sum(len(tokens) > 1 for log in logs for tokens, _ in log)
+    assert drafted <= sum(len(log) for log in logs) // 2 + len(ps)  # most steps draft nothing
+    free = BudgetScheduler(lambda B, n: 1.0)
+    res2 = generate_batch(tiny, lambda: OracleTreeDrafter(tiny.model, depth=4, seed=3), ps, 12, scheduler=free)
+    assert [r.ids for r in res2.rows] == refs and res2.stats.tau > 1.5 > res.stats.tau
+
+
+# ------------------------------------------------------------------------------------------- the cost surface
+def test_batch_cost_surface_measured_cached_and_interpolated(tiny, tmp_path, monkeypatch):
+    from specheads.infer import profile
+
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    calls = []
+    real = profile.measure_batch_cost
+    monkeypatch.setattr(profile, "measure_batch_cost", lambda *a, **k: calls.append(1) or real(*a, **k))
+    prof = profile.load_or_profile_batch(tiny, rows=(1, 2, 4), tokens=(1, 2, 4), context=16, repeats=2)
+    rel = prof["batch"]["relative"]
+    assert sorted(rel) == ["1", "2", "4"] and rel["1"]["1"] == pytest.approx(1.0)
+    costs = profile.batch_costs(prof)
+    assert all(costs[(b, n)] <= costs[(b, 2 * n)] for b in (1, 2, 4) for n in (1, 2))  # fitted monotone in n
+    assert all(costs[(b, n)] <= costs[(2 * b, n)] for b in (1, 2) for n in (1, 2, 4))  # and in B
+    fn = profile.batch_cost_fn(prof)
+    assert fn(1, 1) == pytest.approx(1.0) and fn(3, 3) == pytest.approx(
+        (costs[(2, 2)] + costs[(2, 4)] + costs[(4, 2)] + costs[(4, 4)]) / 4)
+    if not prof["noisy"]:  # a profile measured on a busy machine is never trusted later
+        again = profile.load_or_profile_batch(tiny, rows=(1, 2, 4), tokens=(1, 2, 4), context=16, repeats=2)
+        assert again["cached"] and len(calls) == prof["attempts"]
+    assert profile.batch_profile_path(tiny, tiny.dtype).name.endswith("-batch.json")
+    one = profile.load_or_profile(tiny, sizes=(1, 2), context=16, repeats=1)  # the batch-1 profile: its own file
+    assert set(one["verify"]["relative"]) == {"1", "2"} and one["path"] != prof["path"]
+
+
+def test_monotone_surface_and_noise_guard():
+    from specheads.infer.profile import monotone_surface, profile_noise, surface_drop
+
+    raw = {(1, 1): 1.0, (1, 2): 1.4, (2, 1): 1.2, (2, 2): 1.1}  # (2, 2) measured below (2, 1) and (1, 2)
+    fit = monotone_surface(raw, (1, 2), (1, 2))
+    assert fit[(2, 2)] >= max(fit[(2, 1)], fit[(1, 2)]) and fit[(1, 1)] == 1.0
+    assert surface_drop(raw, (1, 2), (1, 2)) == pytest.approx(1 - 1.1 / 1.4)
+    assert "cheaper" in profile_noise({"cost_drop": 0.5, "t1_spread": 1.0})
+
+
+# ------------------------------------------------------------------------------------------- bench --batch-sizes
+def test_batch_figures_on_hand_made_runs():
+    from specheads.infer.batchbench import BatchRun, compare_runs
+
+    van = [BatchRun("vanilla", 2, ["a", "b"], [[1, 2, 3], [4, 5]], 1.0, 3, 5)]
+    plain = [BatchRun("plain", 2, ["a", "b"], [[1, 2, 3], [4, 5]], 2.0, 3, 5)]
+    mine = [BatchRun("x", 2, ["a", "b"], [[1, 2, 3], [4, 6]], 0.5, 2, 4)]
+    s = compare_runs(mine, van, plain, greedy=True)
+    assert s["tokens_per_s"] == 10 and s["speedup"] == 2 and s["speedup_vs_plain"] == 4
+    assert s["tau"] == 5 / 4 and s["identical"] == 0.5 and s["rows"] == 2
+
+
+def test_batch_sweep_on_the_tiny_target(tiny, tmp_path, monkeypatch):
+    """vanilla, plain, prompt-lookup, prompt-lookup+sched and an EAGLE-3 head+sched at B = 1, 2, 4 on 5 prompts
+    (the last chunk of B = 2 and 4 is short): every row of ours equals vanilla's (fp32 greedy), τ is 1.00 for vanilla and plain, the
+    results files are written."""
+    import json
+
+    from specheads.infer import profile
+    from specheads.infer.batchbench import BatchBenchSettings, build_batch_methods, run_batch_bench
+    from specheads.infer.bench import MethodOptions
+
+    real = profile.load_or_profile_batch
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(profile, "load_or_profile_batch", lambda target, refresh=False: real(
+        target, refresh, rows=(1, 2), tokens=(1, 2), context=16, repeats=1))
+    ps = [(f"p{i}", p) for i, p in enumerate(mixed_prompts(tiny.vocab_size, 6)[:5])]
+    build_head(HeadSpec(kind="eagle3"), tiny).save_pretrained(tmp_path / "head")
+    options = MethodOptions(heads={"head": str(tmp_path / "head")}, tree="2,2,4")
+    methods, extra = build_batch_methods(["plain", "prompt-lookup", "prompt-lookup+sched", "head+sched"], tiny,
+                                         options)
+    assert [m.name for m in methods] == ["vanilla", "plain", "prompt-lookup", "prompt-lookup+sched", "head+sched"]
+    assert extra["trees"]["head"]["reason"] == "given with --tree"
+    settings = BatchBenchSettings("tiny", "hand-made", "float32", batch_sizes=[4, 1, 2], max_new_tokens=10)
+    res = run_batch_bench(ps, methods, settings, out_dir=tmp_path / "out", extra=extra, progress=False)
+    assert list(res["batch_sizes"]) == ["1", "2", "4"] and res["num_prompts"] == 5 and res["complete"]
+    for b, per in res["batch_sizes"].items():
+        assert per["vanilla"]["tau"] == 1.0 == per["plain"]["tau"] and per["vanilla"]["rows"] == 5
+        assert all(per[n]["identical"] == 1.0 and per[n]["speedup"] > 0 for n in per), b
+        assert per["vanilla"]["phase_seconds"] is None and per["plain"]["phase_seconds"]["target"] > 0
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["schema"] == "specheads.batchbench/1" and saved["cost_surface"]["batch"]["rows"] == [1, 2]
+    assert "| prompt-lookup+sched |" in (tmp_path / "out" / "results.md").read_text()
+    assert (tmp_path / "out" / "speedup_batch.png").stat().st_size > 1000
+
+
+def test_cli_batch_sizes_checked_before_the_target_loads(tmp_path, monkeypatch, capsys):
+    import specheads.target
+    from specheads.cli import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(specheads.target, "load_target", no_load)
+    assert main(["bench", "--batch-sizes", "0,2", "--out", str(tmp_path)]) == 2
+    assert "--batch-sizes 0,2" in capsys.readouterr().err
+    assert main(["bench", "--batch-sizes", "1,2", "--methods", "vanilla,plain+sched", "--out", str(tmp_path)]) == 2
+    assert "plain+sched" in capsys.readouterr().err
+    assert main(["bench", "--batch-sizes", "1,x", "--out", str(tmp_path)]) == 2
+
+
+def test_stop_strings_end_rows_as_alone(tiny):
+    """A stop string (decoded with a toy tokenizer) ends each row where `generate` alone ends it."""
+    from test_generate import CharTokenizer
+
+    tiny.tokenizer = CharTokenizer()
+    ps = mixed_prompts(tiny.vocab_size, 4, seed=4)
+    stop = CharTokenizer().decode(hf_greedy(tiny, ps[1], 20))[6:8]
+    res = generate_batch(tiny, lambda: PromptLookupDrafter(num_tokens=4), ps, 20, stop_strings=[stop],
+                         ignore_eos=True)
+    for i, p in enumerate(ps):
+        alone = generate(tiny, PromptLookupDrafter(num_tokens=4), p, max_new_tokens=20, stop_strings=[stop],
+                         ignore_eos=True)
+        assert res.rows[i].ids == alone.ids and res.rows[i].stats.stop_reason == alone.stats.stop_reason
+        assert res.rows[i].text == alone.text
+    assert res.rows[1].stats.stop_reason == "stop_string"

@@ -1,0 +1,52 @@
+"""scripts/gpu_check.py, the prepared device check, run on CPU with tiny sizes so that it cannot rot before a GPU
+is lent (about 20 s on 2 shared cores). On the device it runs the same sections at full size (docs/gpu.md)."""
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_DRAFTER_YET = {"dspark"}  # head kinds whose drafter another branch adds; once registered they must be exact too
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _exact(drafters: dict) -> None:
+    for name, v in drafters.items():
+        if "error" in v:
+            assert name.split("+")[0] in NO_DRAFTER_YET and "has no drafter" in v["error"], (name, v)
+        else:
+            assert v["identical"] == 1.0 and v["tau"] >= 1.0, (name, v)
+
+
+def test_gpu_check_runs_every_section_on_cpu(tmp_path):
+    threads = torch.get_num_threads()
+    try:
+        rc = _script().main(["--tiny", "--out", str(tmp_path / "gpu_check.json")])
+    finally:
+        torch.set_num_threads(threads)
+    rec = json.loads((tmp_path / "gpu_check.json").read_text())
+    sec = rec["sections"]
+    assert rc == 0 and rec["schema"] == "specheads.gpu_check/1" and rec["mode"] == "tiny"
+    assert set(sec) == {"environment", "exactness_fp32", "verify_cost_llama-1b", "training_bf16", "batched_fp32",
+                        "verify_cost_llama-8b", "identical_bf16"}
+    assert all(v["ok"] for v in sec.values()) and rec["summary"]["failed_sections"] == []
+    assert sec["environment"]["torch"] == torch.__version__ and sec["environment"]["transformers"]
+    assert {"plain", "prompt-lookup", "medusa", "eagle", "eagle3", "dspark"} <= set(sec["exactness_fp32"]["drafters"])
+    _exact(sec["exactness_fp32"]["drafters"])  # fp32 greedy: every drafter equals HF generate
+    _exact(sec["batched_fp32"]["drafters"])  # batched rows too, with and without the verify budget
+    assert {"eagle3+sched", "prompt-lookup+sched"} <= set(sec["batched_fp32"]["drafters"])
+    assert 0 <= sec["identical_bf16"]["drafters"]["plain"]["identical"] <= 1  # a share, not a promise, in bf16
+    for shape in ("llama-1b", "llama-8b"):
+        v = sec[f"verify_cost_{shape}"]
+        rel = [v["verify"]["relative"][k] for k in sorted(v["verify"]["relative"], key=int)]
+        assert rel[0] == 1.0 and rel == sorted(rel) and v["batch"]["relative"]["1"]["1"] == 1.0
+    kinds = sec["training_bf16"]["kinds"]
+    assert set(kinds) == {"medusa", "eagle", "eagle3", "dspark"}
+    assert all(k["finite"] and k["params_changed"] and k["tokens_per_s"] > 0 for k in kinds.values())
