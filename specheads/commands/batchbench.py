@@ -15,9 +15,9 @@ def parse_batch_sizes(text: str) -> list[int]:
     return check_batch_sizes([int(p) for p in parts])
 
 
-def run(args: argparse.Namespace) -> int:
-    """The flags as plain values, checked before the target loads; then the sweep."""
-    from specheads.commands.bench import method_options
+def run(args: argparse.Namespace, options) -> int:
+    """The flags as plain values (`options`: bench.MethodOptions, from commands/bench.py), checked before the target
+    loads; then the sweep."""
     from specheads.infer.autotree import calibration_ids
     from specheads.infer.batchbench import (BatchBenchSettings, batch_markdown, build_batch_methods,
                                             check_batch_methods, default_batch_methods, run_batch_bench)
@@ -39,7 +39,6 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    options = method_options(args)
     prompts = load_prompts(args.dataset, args.limit)
     dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype, args.dtype)
     target = load_target(args.target, dtype=dtype, device=args.device)

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_sizes:  # the batched sweep (infer/batchbench.py)
         from specheads.commands import batchbench
 
-        return batchbench.run(args)
+        return batchbench.run(args, method_options(args))
     if args.max_new_tokens < 1:
         raise SpecheadsError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
     names = method_names(args)
