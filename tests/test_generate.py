@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from specheads.heads.base import HeadSpec, build_head
-from specheads.infer.drafters import (DraftContext, DraftModelDrafter, Drafter, EagleDrafter, LookupMergedDrafter,
-                                      MedusaDrafter, NoDrafter, PromptLookupDrafter, load_drafter,
+from specheads.infer.drafters import (DraftContext, DraftModelDrafter, Drafter, DSparkDrafter, EagleDrafter,
+                                      MedusaDrafter, NoDrafter, PromptLookupDrafter, combine_drafters, load_drafter,
                                       truncated_draft_model)
 from specheads.infer.generate import SpeculativeGenerator, generate
 from specheads.infer.tree import DraftTree
@@ -62,7 +62,17 @@ def prompts(vocab, n, seed=0):
 
 
 def tiny_drafters(target):
+    from specheads.infer.scheduler import Scheduler
+
     other = tiny_target(seed=1)
+    flat = {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2, 32: 1.4}
+    sched = Scheduler(flat, 1e-3)  # a hand-made profile: nothing measured, no cache written
+    torch.manual_seed(0)
+    dspark = build_head(HeadSpec(kind="dspark", feature_layers=[1, 2, 3], block_size=4, markov_rank=16,
+                                 num_layers=1, draft_vocab_size=64), target, token_counts=torch.arange(256.0))
+    dflash = build_head(HeadSpec(kind="dspark", feature_layers=[4], block_size=3, markov_rank=0,
+                                 confidence_head=False, sample_from_anchor=False), target)
+    eagle = EagleDrafter(build_head(HeadSpec(kind="eagle"), target), depth=2, top_k=2, total_tokens=4)
     return {
         "plain": NoDrafter(),
         "prompt-lookup": PromptLookupDrafter(num_tokens=5),
@@ -73,10 +83,19 @@ def tiny_drafters(target):
         "eagle": EagleDrafter(build_head(HeadSpec(kind="eagle"), target), depth=3, top_k=3, total_tokens=8),
         "eagle3": EagleDrafter(build_head(HeadSpec(kind="eagle3", draft_vocab_size=64), target, token_counts=torch.arange(256.0)),
                                depth=3, top_k=3, total_tokens=8),
-        "eagle+lookup": LookupMergedDrafter(EagleDrafter(build_head(HeadSpec(kind="eagle"), target), depth=2,
-                                                         top_k=2, total_tokens=4), num_tokens=4, max_ngram=2),
-        "medusa+lookup": LookupMergedDrafter(MedusaDrafter(build_head(HeadSpec(kind="medusa", num_heads=2), target)),
-                                             num_tokens=4, max_ngram=2),
+        "eagle+lookup": combine_drafters(target, [eagle], lookup=4, lookup_ngram=2, scheduler=sched),
+        "medusa+lookup": combine_drafters(target, [MedusaDrafter(build_head(HeadSpec(kind="medusa", num_heads=2),
+                                                                            target))],
+                                          lookup=4, lookup_ngram=2, scheduler=Scheduler(flat, 1e-3)),
+        "dspark": DSparkDrafter(dspark, scheduler=Scheduler(flat, 1e-3)),
+        "dspark-chain": DSparkDrafter(dspark, num_tokens=3),
+        "dflash": DSparkDrafter(dflash, scheduler=Scheduler(flat, 1e-3)),
+        "dspark+lookup": combine_drafters(target, [DSparkDrafter(dspark, scheduler=Scheduler(flat, 1e-3))],
+                                          lookup=5, lookup_ngram=2),
+        "combo": combine_drafters(target, [DSparkDrafter(dspark, scheduler=Scheduler(flat, 1e-3)),
+                                           EagleDrafter(build_head(HeadSpec(kind="eagle3", draft_vocab_size=64), target,
+                                                                   token_counts=torch.arange(256.0)), 2, 3, 6)],
+                                  lookup=5, lookup_ngram=2, scheduler=Scheduler(flat, 1e-3)),
     }
 
 
