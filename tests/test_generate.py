@@ -1,4 +1,6 @@
 """The speculative loop: greedy output identical to plain HF generate with every drafter; streaming; stops; bad input."""
+import json
+
 import pytest
 import torch
 
@@ -397,6 +399,45 @@ def test_cli_tree_auto_needs_a_head(capsys, monkeypatch):
     monkeypatch.setattr(specheads.target, "load_target", no_load)  # refused before any model is loaded
     assert main(["generate", "--prompt", "Hi", "--drafter", "prompt-lookup", "--tree", "auto"]) == 2
     assert "--tree auto: needs --head" in capsys.readouterr().err
+
+
+def test_cli_generate_takes_a_dspark_head(tiny, tmp_path, capsys, monkeypatch):
+    """`specheads generate --head DIR` with a DSpark head: its tree forms checked against the folder before any
+    model loads, then (auto, the default) the scheduled drafter streams and reports the scheduler's figures."""
+    import specheads.infer.drafters as drafters_mod
+    import specheads.target
+    from specheads.cli import main
+    from specheads.infer.scheduler import Scheduler
+
+    build_head(HeadSpec(kind="dspark", feature_layers=[1, 2, 3], block_size=4, markov_rank=8), tiny
+               ).save_pretrained(tmp_path / "ds")
+    base = ["generate", "--head", str(tmp_path / "ds"), "--prompt", "hi", "--raw", "--json"]
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(specheads.target, "load_target", no_load)
+    assert main(base + ["--tree", "9"]) == 2
+    assert "--tree 9: the number of draft tokens 9 is outside 1..4; a DSpark head takes auto" in capsys.readouterr().err
+
+    class Tok:
+        eos_token_id = None
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [1] + [3 + b % 250 for b in text.encode()] * 3}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    tiny.tokenizer = Tok()
+    monkeypatch.setattr(specheads.target, "load_target", lambda *a, **k: tiny)
+    monkeypatch.setattr(drafters_mod.Scheduler, "for_target",
+                        classmethod(lambda cls, target, refresh=False: Scheduler({1: 1.0, 8: 1.1}, 1e-3)))
+    for extra in ([], ["--lookup", "4"]):
+        assert main(base + ["--max-new-tokens", "8"] + extra) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert len(out["ids"]) == 8 and out["stats"]["scheduled_steps"] == out["stats"]["target_forwards"]
+        assert bool(out["stats"]["source_tokens"]) == bool(extra)
 
 
 @pytest.mark.slow

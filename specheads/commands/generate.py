@@ -140,3 +140,10 @@ def _report(res, args) -> None:
     print("    accepted per step: " + " ".join(f"{n}:{c}" for n, c in enumerate(s.accept_hist) if c), file=sys.stderr)
     print("    seconds: " + " ".join(f"{k} {v:.3f}" for k, v in t.items()) + f" prefill {s.prefill_s:.3f}",
           file=sys.stderr)
+    if s.scheduled_steps:  # the per-step scheduler's own prediction (infer/scheduler.py), and the sources alone
+        line = (f"    scheduler: expected τ {s.expected_tau_sum / s.scheduled_steps:.2f}, expected speedup "
+                f"{s.expected_tau_sum / max(s.expected_cost_sum, 1e-9):.2f}x over {s.scheduled_steps} steps")
+        if s.source_tokens:
+            alone = ", ".join(f"{k} {v / s.scheduled_steps:.2f}" for k, v in s.source_tokens.items())
+            line += f"; alone τ: {alone}; oracle τ {s.oracle_tokens / s.scheduled_steps:.2f}"
+        print(line, file=sys.stderr)

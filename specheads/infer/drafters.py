@@ -687,7 +687,7 @@ def tree_limits(head=None) -> TreeLimits:
     cfg = getattr(head, "config", head)
     if cfg is None:
         return TreeLimits()
-    kind = DRAFTERS.get(cfg.kind)
+    kind = DRAFTERS.get(getattr(cfg, "kind", None))
     if kind is not None and kind.family == "block":
         return TreeLimits(max_rank=int(cfg.draft_vocab_size or cfg.vocab_size), max_depth=int(cfg.head_spec.num_drafts))
     return TreeLimits(max_rank=int(cfg.draft_vocab_size or cfg.vocab_size))
@@ -735,7 +735,7 @@ def build_drafter(target, head_or_name, spec: TreeSpec | str | None = None, *, l
 
 
 def check_lookup(lookup: int) -> None:
-    """The prompt-lookup chain merged into a head's tree: 0 (off) .. MAX_TREE_DEPTH tokens."""
+    """The prompt-lookup chain scheduled with a head: 0 (off) .. MAX_TREE_DEPTH tokens."""
     if isinstance(lookup, bool) or not isinstance(lookup, int) or not 0 <= lookup <= MAX_TREE_DEPTH:
         raise SpecheadsError(f"--lookup {lookup}: must be 0 (off) .. {MAX_TREE_DEPTH} prompt-lookup tokens")
 
