@@ -38,7 +38,7 @@ import torch
 from specheads.infer import autotree
 from specheads.infer.drafters import build_drafter, combine_drafters, drafter_kind, parse_tree
 from specheads.infer.generate import generate
-from specheads.infer.profile import load_or_profile, relative_costs, t1_seconds
+from specheads.infer.profile import load_or_profile, t1_seconds
 from specheads.infer.scheduler import RULE as SCHEDULER_RULE
 from specheads.infer.scheduler import Scheduler
 from specheads.infer.prompts import BenchPrompt, encode_turn
@@ -695,7 +695,7 @@ def build_methods(names: list[str], target, options: MethodOptions, calib_ids: l
         expanded += [h + LOOKUP_SUFFIX * merged for h in options.heads] if base == "head" and options.heads else [n]
     factories = hf_methods(target, options.temperature)
     loaded: dict[str, Any] = {}  # head folder -> {"head", and with --tree auto "spec", "tree"}: one load, one probe
-    # (and "profile": the cost profile every scheduler of the run is priced by, read once)
+    # (and "costs": the cost profile every scheduler of the run is priced by, read once)
     methods: list[Method] = []
     extra: dict[str, Any] = {"methods_info": {}}
     for n in expanded:
@@ -784,6 +784,7 @@ def head_and_tree(target, options: MethodOptions, calib_ids: list[list[int]], he
             entry["spec"], entry["tree"] = autotree.choose_tree_for_head(target, head, calib_ids,
                                                                          refresh=options.refresh_profile)
         spec, tree = entry["spec"], dict(entry["tree"])
+        loaded.setdefault("costs", tree["profile"])  # the profile the probe settled on prices the run's schedulers
     else:
         tree = given_tree_record(head.config.kind, kind.family, spec)
     return head, spec, tree
@@ -797,11 +798,14 @@ def acceptance_prior(tree: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def run_scheduler(target, options: MethodOptions, loaded: dict) -> Scheduler:
-    """A fresh per-step scheduler priced by the run's cost profile (measured or read once per run)."""
-    if "profile" not in loaded:
-        loaded["profile"] = load_or_profile(target, refresh=options.refresh_profile)
-    prof = loaded["profile"]
-    return Scheduler(relative_costs(prof), t1_seconds(prof), profile=prof)
+    """A fresh per-step scheduler priced by the run's cost profile: the one a `--tree auto` probe of this run
+    settled on, else read (or measured) once per run."""
+    if "costs" not in loaded:
+        prof = load_or_profile(target, refresh=options.refresh_profile)
+        loaded["costs"] = {"verify_relative": prof["verify"]["relative"], "t1_s": t1_seconds(prof),
+                           **{k: prof.get(k) for k in ("path", "cached", "noisy", "measured_at")}}
+    costs = loaded["costs"]
+    return Scheduler(costs["verify_relative"], costs["t1_s"], profile=costs)
 
 
 def build_combo_method(target, options: MethodOptions, calib_ids: list[list[int]], loaded: dict
