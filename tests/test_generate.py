@@ -292,7 +292,11 @@ SMOL_PROMPTS = [
 
 
 def smol_drafters(target):
+    from specheads.infer.scheduler import Scheduler
+
     small = dict(depth=3, top_k=4, total_tokens=12)  # untrained heads: small trees keep the test affordable
+    flat = {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1}  # a hand-made profile: the untrained block is verified most steps
+    dspark = build_head(HeadSpec(kind="dspark", block_size=4, markov_rank=32), target).eval()
     return {
         "prompt-lookup": PromptLookupDrafter(num_tokens=5),
         "draft-model": DraftModelDrafter(truncated_draft_model(target, 4), num_tokens=3),
@@ -300,6 +304,9 @@ def smol_drafters(target):
                                 choices=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
         "eagle": EagleDrafter(build_head(HeadSpec(kind="eagle"), target), **small),
         "eagle3": EagleDrafter(build_head(HeadSpec(kind="eagle3"), target), **small),
+        "dspark": DSparkDrafter(dspark, scheduler=Scheduler(flat, 0.03)),
+        "dspark+lookup": combine_drafters(target, [DSparkDrafter(dspark, scheduler=Scheduler(flat, 0.03))],
+                                          lookup=6, lookup_ngram=2),
     }
 
 
