@@ -212,7 +212,7 @@ def test_markdown_and_plots_from_hand_made_results(tmp_path):
     res = build_results(van + head + pl, ["vanilla", "head", "prompt-lookup"],
                         BenchSettings("t", "mt-bench", "float32"), meta, True)
     md = markdown_table(res)
-    assert "| head | 8.0 | 2.50 | 1.60x | 100% |" in md  # 20 tokens / 2.5 s; 20 / 8 forwards; 8.0 / 5.0
+    assert "| head | 8.0 | 2.50 | 1.60x | n/a | 100% |" in md  # 20 tokens / 2.5 s; 20 / 8 forwards; 8.0 / 5.0
     assert "| prompt-lookup |" in md and "n/a" in md and "Why: because" in md
     write_outputs(res, van + head + pl, tmp_path)
     assert (tmp_path / "accept_hist.png").exists() and (tmp_path / "speedup_tau.png").exists()
@@ -377,3 +377,75 @@ def test_calibration_prompts_spread_over_the_set():
     assert calibration_prompts(list(range(80))) == [0, 20, 40, 60]  # one per two MT-bench categories
     assert calibration_prompts([7, 8]) == [7, 8]  # fewer prompts than asked: all of them
     assert calibration_prompts([]) == []
+
+
+def test_schedule_summary_expected_and_oracle_on_hand_made_records():
+    van = [rec("vanilla", "a", 10, 2.0, [1] * 10), rec("vanilla", "b", 10, 2.0, [1] * 10)]
+    a, b = rec("m", "a", 10, 1.0, [2] * 5), rec("m", "b", 10, 1.0, [2] * 5)
+    a.schedule = {"scheduled_steps": 5, "expected_tau_sum": 11.0, "expected_cost_sum": 5.0,
+                  "source_tokens": {"head": 8, "lookup": 7}, "oracle_tokens": 10, "oracle_cost_sum": 6.0,
+                  "oracle_censored": 1}
+    b.schedule = {"scheduled_steps": 5, "expected_tau_sum": 9.0, "expected_cost_sum": 5.0,
+                  "source_tokens": {"head": 6, "lookup": 9}, "oracle_tokens": 10, "oracle_cost_sum": 4.0,
+                  "oracle_censored": 0}
+    s = compare([a, b], van, greedy=True)
+    assert s["expected_tau"] == pytest.approx(2.0) and s["expected_speedup"] == pytest.approx(2.0)
+    assert s["sources_tau"] == pytest.approx({"head": 1.4, "lookup": 1.6})
+    assert s["oracle_tau"] == pytest.approx(2.0) and s["oracle_speedup"] == pytest.approx(2.0)
+    assert s["oracle_censored"] == 1
+    assert s["speedup"] == pytest.approx(2.0) and s["expected_vs_measured"] == pytest.approx(1.0)
+    plain = compare(van, van, greedy=True)
+    assert plain["expected_tau"] is None and plain["oracle_tau"] is None and plain["expected_vs_measured"] is None
+    res = build_results(van + [a, b], ["vanilla", "m"], BenchSettings("t", "x", "float32"),
+                        {"command": "x", "date": "d", "environment": {"cpu": "cpu", "torch_threads": 2}}, True)
+    md = markdown_table(res)
+    assert "| m | 10.0 | 2.00 | 2.00x | 2.00x | 100% |" in md
+    assert "| m | 2.00 | 2.00 | 2.00x | 2.00x | 1.00 | head 1.40, lookup 1.60 | 2.00 | 2.00x | 1 |" in md
+
+
+def test_dspark_lookup_and_combo_methods_on_tiny(tiny, tmp_path, monkeypatch):
+    """head:dspark (its --tree auto is the per-step scheduler), dspark+lookup and eagle+lookup (one scheduler over
+    the head and the lookup chain), combo (both heads and lookup): all identical to vanilla, with the scheduler's
+    expected figures and the oracle in results.json and results.md."""
+    from specheads.heads.base import HeadSpec, build_head
+
+    import specheads.infer.autotree as autotree
+    import specheads.infer.profile as prof_mod
+
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(prof_mod, "PROFILE_CONTEXT", 32)
+    monkeypatch.setattr(prof_mod, "PROFILE_REPEATS", 1)
+    monkeypatch.setattr(autotree, "CALIBRATION_TOKENS", 8)
+    tiny.tokenizer = ByteTok()
+    build_head(HeadSpec(kind="dspark", feature_layers=[1, 2, 3], block_size=4, markov_rank=16), tiny
+               ).save_pretrained(tmp_path / "dspark")
+    build_head(HeadSpec(kind="eagle"), tiny).save_pretrained(tmp_path / "eagle")
+    options = MethodOptions(heads=head_entries([str(tmp_path / "dspark"), str(tmp_path / "eagle")]), head_lookup=4)
+    names = ["head:dspark", "head:dspark+lookup", "head:eagle+lookup", "combo"]
+    methods, extra = build_methods(names, tiny, options, calib_ids=[[1, 5, 6, 7, 5, 6, 7, 5, 6]])
+    assert [m.name for m in methods] == ["vanilla"] + names
+    trees = extra["trees"]
+    assert trees["head:dspark"]["family"] == "block" and "per step" in trees["head:dspark"]["reason"]
+    assert set(trees["head:dspark"]["scheduler"]["verify_relative"]) == {"1", "2", "4", "8", "16", "32"}
+    assert trees["combo"]["sources"] == ["dspark", "eagle", "lookup"] and "one verify budget" in trees["combo"]["summary"]
+    assert "scheduler" in trees["head:eagle+lookup"] and trees["head:eagle+lookup"]["mode"] == "auto"  # probed
+    prompts = [BenchPrompt(id=str(i), category="a", turns=[t], chat=False)
+               for i, t in enumerate(["abcabcabcabc", "hello hello hello"])]
+    res = run_bench(prompts, methods, BenchSettings("tiny", "x", "float32", max_new_tokens=12, warmup_tokens=2),
+                    tiny.tokenizer, out_dir=tmp_path / "out", extra=extra, progress=False)
+    for n in names:
+        o = res["methods"][n]["overall"]
+        assert o["identical"] == 1.0, n
+        assert o["expected_tau"] >= 1.0 and o["expected_speedup"] > 0, n
+    for n in names[1:]:
+        o = res["methods"][n]["overall"]
+        assert o["oracle_tau"] >= 1.0 and o["oracle_speedup"] > 0 and o["oracle_censored"] >= 0, n
+    assert set(res["methods"]["combo"]["overall"]["sources_tau"]) == {"dspark", "eagle", "lookup"}
+    assert res["methods"]["head:dspark"]["overall"]["oracle_tau"] is None  # one source: no oracle
+    check_schema(json.loads((tmp_path / "out" / "results.json").read_text()))
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "## Scheduler: expected against measured" in md and "| combo |" in md
+    with pytest.raises(SpecheadsError, match="greedy only"):
+        build_methods(["combo"], tiny, dataclasses.replace(options, temperature=0.7))
+    with pytest.raises(SpecheadsError, match="combo: needs --head"):
+        build_methods(["combo"], tiny, MethodOptions())

@@ -2,18 +2,36 @@
 EAGLE drafter's proposals token for token against the implementation it replaced (kept below for this test only)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from specheads.heads.base import HeadSpec, build_head
-from specheads.infer.drafters import (DRAFTERS, DraftContext, DraftModelDrafter, Drafter, DrafterKind, EagleDrafter,
-                                      LookupMergedDrafter, MedusaDrafter, NoDrafter, PromptLookupDrafter, build_drafter,
-                                      drafter_kind, load_drafter, parse_tree, register_drafter)
+from specheads.infer.drafters import (DRAFTERS, DraftContext, DraftModelDrafter, Drafter, DrafterKind, DSparkDrafter,
+                                      EagleDrafter, MedusaDrafter, NoDrafter, PromptLookupDrafter,
+                                      ScheduledUnionDrafter, ScoredLookupDrafter, ScoredTreeDrafter, build_drafter,
+                                      combine_drafters, drafter_kind, load_drafter, parse_tree, register_drafter)
+from specheads.infer.scheduler import Scheduler
 from specheads.infer.tree import DraftTree, chain_tree, dynamic_tree
 from specheads.infer.treespec import TreeSpec
 from specheads.utils import SpecheadsError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+FLAT = {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2, 32: 1.4}  # a cost profile t(n)/t(1) as flat as a CPU's
+
+
+def scheduler(costs=FLAT, t1=1e-3):
+    """A scheduler priced by a hand-made profile (no measurement, no cache written)."""
+    return Scheduler(costs, t1)
+
+
+def dspark_head(target, **kw):
+    spec = HeadSpec(**{"kind": "dspark", "feature_layers": [1, 2, 3], "block_size": 4, "markov_rank": 16,
+                       "num_layers": 1, "draft_vocab_size": 64, **kw})
+    torch.manual_seed(0)
+    return build_head(spec, target, token_counts=torch.arange(256.0)).eval()
 
 
 def test_build_drafter_for_every_registered_kind(tiny):
@@ -30,8 +48,15 @@ def test_build_drafter_for_every_registered_kind(tiny):
     dm = build_drafter(tiny, "draft-model", "3", draft_layers=2)
     assert isinstance(dm, DraftModelDrafter) and dm.k == 3 and len(dm.model.model.layers) == 2
     assert isinstance(build_drafter(tiny, "plain"), NoDrafter)
-    merged = build_drafter(tiny, eagle3, "2,2,4", lookup=5)
-    assert isinstance(merged, LookupMergedDrafter) and merged.lookup.k == 5 and merged.inner.top_k == 2
+    merged = build_drafter(tiny, eagle3, "2,2,4", lookup=5, scheduler=scheduler())
+    assert isinstance(merged, ScheduledUnionDrafter) and merged.names == ["eagle", "lookup"]
+    assert isinstance(merged.sources[0], ScoredTreeDrafter) and merged.sources[0].inner.top_k == 2
+    assert isinstance(merged.sources[1], ScoredLookupDrafter) and merged.sources[1].lookup.k == 5
+    ds = dspark_head(tiny)
+    auto = build_drafter(tiny, ds, scheduler=scheduler())  # default: auto, the per-step scheduler
+    assert isinstance(auto, DSparkDrafter) and auto.scheduler is not None and auto.k == 4
+    fixed = build_drafter(tiny, ds, "chain:2")
+    assert fixed.scheduler is None and fixed.k == 2 and build_drafter(tiny, ds, "3").k == 3
     with pytest.raises(ValueError, match="autotree"):
         build_drafter(tiny, eagle3, "auto")
     with pytest.raises(SpecheadsError, match="--drafter nonsense: expected prompt-lookup, draft-model, plain"):
@@ -40,7 +65,7 @@ def test_build_drafter_for_every_registered_kind(tiny):
         drafter_kind("eagle3")
     # one family per kind, named once
     assert {k: v.family for k, v in DRAFTERS.items()} == {
-        "medusa": "static", "eagle": "dynamic", "eagle3": "dynamic", "prompt-lookup": "tokens",
+        "medusa": "static", "eagle": "dynamic", "eagle3": "dynamic", "dspark": "block", "prompt-lookup": "tokens",
         "draft-model": "tokens", "plain": "none"}
 
 
@@ -71,9 +96,10 @@ def test_a_new_head_kind_plugs_in_by_registering(tiny, monkeypatch):
 
 def test_load_drafter_from_a_head_folder(tiny, tmp_path):
     build_head(HeadSpec(kind="eagle"), tiny).save_pretrained(tmp_path / "h")
-    d = load_drafter("plain", tiny, head_dir=str(tmp_path / "h"), tree="3,2,5", lookup=2)
-    assert isinstance(d, LookupMergedDrafter) and (d.inner.depth, d.inner.top_k, d.inner.total_tokens) == (3, 2, 5)
-    assert not d.inner.head.training
+    d = load_drafter("plain", tiny, head_dir=str(tmp_path / "h"), tree="3,2,5", lookup=2, scheduler=scheduler())
+    inner = d.sources[0].inner
+    assert isinstance(d, ScheduledUnionDrafter) and (inner.depth, inner.top_k, inner.total_tokens) == (3, 2, 5)
+    assert not inner.head.training
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -234,3 +260,52 @@ def test_eagle_draft_rows_are_cropped_even_when_expansion_fails(tiny, monkeypatc
             d.propose(DraftContext(ids=ids))
     assert d.cache.get_seq_length() == d.rows == len(ids) - 1 and d.draft is None
     monkeypatch.setattr(drafters_mod, "dynamic_tree", dynamic_tree)
+
+
+def test_dspark_tree_specs_and_one_clear_error(tiny):
+    ds = dspark_head(tiny)
+    assert parse_tree("auto", "dspark", ds) == TreeSpec.auto() and parse_tree(None, "dspark", ds).mode == "auto"
+    assert parse_tree("chain:3", "dspark", ds.config).num_tokens == 3 and parse_tree("4", "dspark", ds).num_tokens == 4
+    for bad, why in (("5", "the number of draft tokens 5 is outside 1..4"), ("0", "the number of draft tokens 0 is outside 1..4"),
+                     ("2,2,4", "expected a whole number of tokens"), ("chain:x", "expected chain:K"),
+                     ("[[0]]", "expected a whole number")):
+        with pytest.raises(SpecheadsError, match=rf"--tree {re.escape(bad)}: {why}.*a DSpark head takes auto \(the "
+                                                 r"per-step scheduler"):
+            parse_tree(bad, "dspark", ds)
+
+
+def test_dspark_proposes_a_prefix_of_its_block(tiny):
+    """The scheduled drafter verifies a prefix of the one block its head drafted (greedy: the Markov chain's
+    argmax), chosen by the survival of the calibrated confidences."""
+    ds = dspark_head(tiny)
+    d = DSparkDrafter(ds, scheduler=scheduler())
+    p = [5, 6, 7, 8, 9, 10] * 2
+    d.reset(torch.tensor(p), _target_features(tiny, p[:-1], ds.config.feature_layers))
+    ctx = DraftContext(ids=p)
+    logits, conf = ds.draft_block(d.cache, p[-1])
+    block = ds.to_target_ids(logits.argmax(-1)).tolist()
+    cand = d.candidates(ctx)
+    assert cand.tree.tokens.tolist() == [p[-1]] + block
+    assert cand.p == pytest.approx([1.0] + torch.cumprod(conf, 0).tolist())
+    tree = d.propose(ctx)
+    assert tree.tokens.tolist() == cand.tree.tokens.tolist()[:len(tree)] and d.step_report() is not None
+    assert d.step_report().expected_tau == pytest.approx(sum(cand.p[:len(tree)]))
+    assert d.candidates(DraftContext(ids=p, max_depth=2)).tree.max_depth == 2  # the context window's room
+
+
+def _target_features(target, ids, layers):
+    with torch.no_grad():
+        hs = target.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    return torch.cat([hs[l][0] for l in layers], dim=-1)
+
+
+def test_union_feeds_each_source_its_own_feature_layers(tiny):
+    """A union of heads reading different layers gets the union of their layers from the target, and each source
+    its own columns in its own order."""
+    ds = dspark_head(tiny, feature_layers=[3, 1])
+    eagle = EagleDrafter(build_head(HeadSpec(kind="eagle"), tiny), 2, 2, 4)  # reads layer 4
+    u = combine_drafters(tiny, [DSparkDrafter(ds, num_tokens=2), eagle], lookup=3, scheduler=scheduler())
+    assert u.feature_layers == [1, 3, 4]
+    f = torch.arange(2 * 3 * 64, dtype=torch.float32).view(2, 3 * 64)  # [n, F*D] for layers 1, 3, 4
+    assert torch.equal(u._features(u.sources[0], f), torch.cat([f[:, 64:128], f[:, :64]], -1))
+    assert torch.equal(u._features(u.sources[1], f), f[:, 128:]) and u._features(u.sources[2], f) is None

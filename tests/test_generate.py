@@ -1,10 +1,12 @@
 """The speculative loop: greedy output identical to plain HF generate with every drafter; streaming; stops; bad input."""
+import json
+
 import pytest
 import torch
 
 from specheads.heads.base import HeadSpec, build_head
-from specheads.infer.drafters import (DraftContext, DraftModelDrafter, Drafter, EagleDrafter, LookupMergedDrafter,
-                                      MedusaDrafter, NoDrafter, PromptLookupDrafter, load_drafter,
+from specheads.infer.drafters import (DraftContext, DraftModelDrafter, Drafter, DSparkDrafter, EagleDrafter,
+                                      MedusaDrafter, NoDrafter, PromptLookupDrafter, combine_drafters, load_drafter,
                                       truncated_draft_model)
 from specheads.infer.generate import SpeculativeGenerator, generate
 from specheads.infer.tree import DraftTree
@@ -62,7 +64,17 @@ def prompts(vocab, n, seed=0):
 
 
 def tiny_drafters(target):
+    from specheads.infer.scheduler import Scheduler
+
     other = tiny_target(seed=1)
+    flat = {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2, 32: 1.4}
+    sched = Scheduler(flat, 1e-3)  # a hand-made profile: nothing measured, no cache written
+    torch.manual_seed(0)
+    dspark = build_head(HeadSpec(kind="dspark", feature_layers=[1, 2, 3], block_size=4, markov_rank=16,
+                                 num_layers=1, draft_vocab_size=64), target, token_counts=torch.arange(256.0))
+    dflash = build_head(HeadSpec(kind="dspark", feature_layers=[4], block_size=3, markov_rank=0,
+                                 confidence_head=False, sample_from_anchor=False), target)
+    eagle = EagleDrafter(build_head(HeadSpec(kind="eagle"), target), depth=2, top_k=2, total_tokens=4)
     return {
         "plain": NoDrafter(),
         "prompt-lookup": PromptLookupDrafter(num_tokens=5),
@@ -73,10 +85,19 @@ def tiny_drafters(target):
         "eagle": EagleDrafter(build_head(HeadSpec(kind="eagle"), target), depth=3, top_k=3, total_tokens=8),
         "eagle3": EagleDrafter(build_head(HeadSpec(kind="eagle3", draft_vocab_size=64), target, token_counts=torch.arange(256.0)),
                                depth=3, top_k=3, total_tokens=8),
-        "eagle+lookup": LookupMergedDrafter(EagleDrafter(build_head(HeadSpec(kind="eagle"), target), depth=2,
-                                                         top_k=2, total_tokens=4), num_tokens=4, max_ngram=2),
-        "medusa+lookup": LookupMergedDrafter(MedusaDrafter(build_head(HeadSpec(kind="medusa", num_heads=2), target)),
-                                             num_tokens=4, max_ngram=2),
+        "eagle+lookup": combine_drafters(target, [eagle], lookup=4, lookup_ngram=2, scheduler=sched),
+        "medusa+lookup": combine_drafters(target, [MedusaDrafter(build_head(HeadSpec(kind="medusa", num_heads=2),
+                                                                            target))],
+                                          lookup=4, lookup_ngram=2, scheduler=Scheduler(flat, 1e-3)),
+        "dspark": DSparkDrafter(dspark, scheduler=Scheduler(flat, 1e-3)),
+        "dspark-chain": DSparkDrafter(dspark, num_tokens=3),
+        "dflash": DSparkDrafter(dflash, scheduler=Scheduler(flat, 1e-3)),
+        "dspark+lookup": combine_drafters(target, [DSparkDrafter(dspark, scheduler=Scheduler(flat, 1e-3))],
+                                          lookup=5, lookup_ngram=2),
+        "combo": combine_drafters(target, [DSparkDrafter(dspark, scheduler=Scheduler(flat, 1e-3)),
+                                           EagleDrafter(build_head(HeadSpec(kind="eagle3", draft_vocab_size=64), target,
+                                                                   token_counts=torch.arange(256.0)), 2, 3, 6)],
+                                  lookup=5, lookup_ngram=2, scheduler=Scheduler(flat, 1e-3)),
     }
 
 
@@ -271,7 +292,11 @@ SMOL_PROMPTS = [
 
 
 def smol_drafters(target):
+    from specheads.infer.scheduler import Scheduler
+
     small = dict(depth=3, top_k=4, total_tokens=12)  # untrained heads: small trees keep the test affordable
+    flat = {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1}  # a hand-made profile: the untrained block is verified most steps
+    dspark = build_head(HeadSpec(kind="dspark", block_size=4, markov_rank=32), target).eval()
     return {
         "prompt-lookup": PromptLookupDrafter(num_tokens=5),
         "draft-model": DraftModelDrafter(truncated_draft_model(target, 4), num_tokens=3),
@@ -279,6 +304,9 @@ def smol_drafters(target):
                                 choices=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
         "eagle": EagleDrafter(build_head(HeadSpec(kind="eagle"), target), **small),
         "eagle3": EagleDrafter(build_head(HeadSpec(kind="eagle3"), target), **small),
+        "dspark": DSparkDrafter(dspark, scheduler=Scheduler(flat, 0.03)),
+        "dspark+lookup": combine_drafters(target, [DSparkDrafter(dspark, scheduler=Scheduler(flat, 0.03))],
+                                          lookup=6, lookup_ngram=2),
     }
 
 
@@ -378,6 +406,45 @@ def test_cli_tree_auto_needs_a_head(capsys, monkeypatch):
     monkeypatch.setattr(specheads.target, "load_target", no_load)  # refused before any model is loaded
     assert main(["generate", "--prompt", "Hi", "--drafter", "prompt-lookup", "--tree", "auto"]) == 2
     assert "--tree auto: needs --head" in capsys.readouterr().err
+
+
+def test_cli_generate_takes_a_dspark_head(tiny, tmp_path, capsys, monkeypatch):
+    """`specheads generate --head DIR` with a DSpark head: its tree forms checked against the folder before any
+    model loads, then (auto, the default) the scheduled drafter streams and reports the scheduler's figures."""
+    import specheads.infer.drafters as drafters_mod
+    import specheads.target
+    from specheads.cli import main
+    from specheads.infer.scheduler import Scheduler
+
+    build_head(HeadSpec(kind="dspark", feature_layers=[1, 2, 3], block_size=4, markov_rank=8), tiny
+               ).save_pretrained(tmp_path / "ds")
+    base = ["generate", "--head", str(tmp_path / "ds"), "--prompt", "hi", "--raw", "--json"]
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(specheads.target, "load_target", no_load)
+    assert main(base + ["--tree", "9"]) == 2
+    assert "--tree 9: the number of draft tokens 9 is outside 1..4; a DSpark head takes auto" in capsys.readouterr().err
+
+    class Tok:
+        eos_token_id = None
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [1] + [3 + b % 250 for b in text.encode()] * 3}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    tiny.tokenizer = Tok()
+    monkeypatch.setattr(specheads.target, "load_target", lambda *a, **k: tiny)
+    monkeypatch.setattr(drafters_mod.Scheduler, "for_target",
+                        classmethod(lambda cls, target, refresh=False: Scheduler({1: 1.0, 8: 1.1}, 1e-3)))
+    for extra in ([], ["--lookup", "4"]):
+        assert main(base + ["--max-new-tokens", "8"] + extra) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert len(out["ids"]) == 8 and out["stats"]["scheduled_steps"] == out["stats"]["target_forwards"]
+        assert bool(out["stats"]["source_tokens"]) == bool(extra)
 
 
 @pytest.mark.slow

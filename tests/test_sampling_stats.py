@@ -111,3 +111,44 @@ def test_end_to_end_draft_model_sampling():
         ids = [x for chunk in out for x in chunk]
         counts[ids[0] * V + ids[1]] += 1
     assert_same(counts, expected * n)
+
+
+@pytest.mark.parametrize("markov", ["vanilla", "rnn"])
+def test_end_to_end_dspark_block_sampling(markov):
+    """generate() with a DSpark block drafter (each draft drawn from its warped block distribution, the next draft's
+    Markov bias reading the drawn token, q recorded; its own scheduler choosing the prefix) on an 8-token
+    vocabulary: first two new tokens vs the exact target distribution."""
+    from specheads.heads.base import HeadSpec, build_head
+    from specheads.infer.drafters import DSparkDrafter
+    from specheads.infer.generate import SpeculativeGenerator
+    from specheads.infer.scheduler import Scheduler
+    from specheads.target import tiny_target
+
+    target = tiny_target(vocab_size=V, hidden_size=32, num_layers=2, seed=0)
+    torch.manual_seed(1)
+    head = build_head(HeadSpec(kind="dspark", feature_layers=[1, 2], block_size=3, markov_rank=4, num_layers=1,
+                               markov_head_type=markov), target).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(0.5 * torch.randn_like(p))  # a draft that differs from the target (and from uniform)
+    prompt = [1, 5, 3]
+    sampling = SamplingParams(temperature=1.0, top_k=4)
+    with torch.no_grad():
+        p1 = target_probs(target.model(torch.tensor([prompt])).logits[0, -1:], sampling)[0]
+        seqs = torch.tensor([prompt + [x] for x in range(V)])
+        p2 = target_probs(target.model(seqs).logits[:, -1], sampling)  # [V, V]
+    expected = (p1[:, None] * p2).flatten()
+    n = 600
+    counts = torch.zeros(V * V)
+    drafter = DSparkDrafter(head, num_tokens=2) if markov == "vanilla" else \
+        DSparkDrafter(head, scheduler=Scheduler({1: 1.0, 2: 1.01, 4: 1.02}, 1.0))  # t(1) 1 s: drafting is free
+    gen = SpeculativeGenerator(target, drafter)
+    drafted = 0
+    for s in range(n):
+        out = list(gen.stream(prompt, max_new_tokens=2, temperature=1.0, top_k=4, seed=s, ignore_eos=True))
+        ids = [x for chunk in out for x in chunk]
+        counts[ids[0] * V + ids[1]] += 1
+        drafted += gen.result.stats.tree_nodes - gen.result.stats.target_forwards
+    assert drafted > n  # drafts were proposed (and verified) on most steps
+    assert_same(counts, expected * n)

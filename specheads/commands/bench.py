@@ -13,15 +13,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="smollm2-135m", help="hub id, local folder, .gguf file or alias (default: smollm2-135m)")
     p.add_argument("--head", action="append", default=None, metavar="[LABEL=]DIR",
                    help="head folder for the `head` method; repeat to compare heads in one run (methods "
-                        "head:LABEL, LABEL defaulting to the head kind, e.g. head:eagle3, head:medusa)")
+                        "head:LABEL, LABEL defaulting to the head kind, e.g. head:eagle3, head:dspark)")
     p.add_argument("--draft-model", default=None, help="small draft model for the `draft-model` method")
     p.add_argument("--draft-tokens", type=int, default=4, help="draft-model: chain length per step (default 4 tokens)")
     p.add_argument("--dataset", default="mt-bench",
                    help="mt-bench | humaneval | sharegpt:START | FILE.jsonl (\"prompt\" or \"turns\" per line)")
     p.add_argument("--methods", default=None,
-                   help="comma-separated: vanilla,prompt-lookup,head,draft-model,plain,prompt-lookup-ours; "
+                   help="comma-separated: vanilla,prompt-lookup,head,draft-model,plain,prompt-lookup-ours,combo; "
                         "head:LABEL picks one --head; +lookup after a head method (head+lookup, head:LABEL+lookup) "
-                        "merges a prompt-lookup chain into its tree, greedy only "
+                        "puts the head and a prompt-lookup chain under one per-step scheduler, greedy only; combo: "
+                        "every --head and the lookup chain under one scheduler, greedy only "
                         "(default: vanilla,prompt-lookup plus head / draft-model when given)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; outputs checked against vanilla)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per turn (default 256)")
@@ -31,12 +32,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "bfloat16", "float32"],
                    help="target dtype (default bf16; use fp32 for the identical-output check)")
     p.add_argument("--tree", default="auto",
-                   help="the heads' tree, as `specheads generate --tree`: auto (profile this machine, choose size "
-                        "and depth; default); EAGLE heads: DEPTH,TOP_K,TOTAL (e.g. 4,4,16); Medusa heads: chain:K, "
-                        "JSON rank paths or default")
+                   help="the heads' tree, as `specheads generate --tree`: auto (default: EAGLE / Medusa heads: profile "
+                        "this machine, choose size and depth; DSpark heads: the per-step scheduler); EAGLE heads: "
+                        "DEPTH,TOP_K,TOTAL (e.g. 4,4,16); Medusa heads: chain:K, JSON rank paths or default; DSpark "
+                        "heads: K or chain:K draft tokens per step")
     p.add_argument("--head-lookup", type=int, default=None, metavar="N",
-                   help="chain length of the +lookup methods: up to N prompt-lookup tokens merged into the head's "
-                        "tree (default 10, HF prompt lookup's candidate tokens per step)")
+                   help="chain length of the +lookup and combo methods: up to N prompt-lookup tokens offered to the "
+                        "scheduler each step (default 10, HF prompt lookup's candidate tokens per step)")
     p.add_argument("--refresh-profile", action="store_true", help="re-measure the cached hardware profile")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the same for every method)")
     p.add_argument("--warmup-tokens", type=int, default=16, help="untimed warm-up tokens per method (default 16)")
@@ -102,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     check_method_names(names)  # before the target loads
-    if any(is_head_method(n) for n in names) and not args.head:
+    if any(is_head_method(n) or n == "combo" for n in names) and not args.head:
         raise SpecheadsError("--methods head: needs --head DIR (a head folder written by `specheads train`)")
     if "draft-model" in names and not args.draft_model:
         raise SpecheadsError("--methods draft-model: needs --draft-model NAME (or truncated:N)")

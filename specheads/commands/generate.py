@@ -10,7 +10,7 @@ from specheads.utils import SpecheadsError
 def add_arguments(p) -> None:
     p.add_argument("--target", default="smollm2-135m", help="target alias, HF folder, hub id or .gguf")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--head", help="head folder (medusa, eagle, eagle3; native layout)")
+    src.add_argument("--head", help="head folder (medusa, eagle, eagle3, dspark; native layout)")
     src.add_argument("--drafter", choices=["plain", "prompt-lookup", "draft-model"], default=None,
                      help="training-free drafter (default prompt-lookup when no --head)")
     q = p.add_mutually_exclusive_group(required=True)
@@ -25,12 +25,14 @@ def add_arguments(p) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--tree", default=None,
                    help="EAGLE heads: DEPTH,TOP_K,TOTAL (default 5,8,48), chain:K or JSON rank paths; Medusa heads: "
-                        "chain:K, JSON rank paths such as [[0],[0,0],[1]] or default; prompt-lookup (default 8) / "
-                        "draft-model (default 4): draft tokens per step; auto (with --head): the size and depth that "
-                        "pay on this machine (cached cost profile + a short acceptance probe, as bench does)")
+                        "chain:K, JSON rank paths such as [[0],[0,0],[1]] or default; DSpark heads: auto (default: "
+                        "the per-step scheduler verifies the prefix of each block that pays) or K / chain:K draft "
+                        "tokens per step; prompt-lookup (default 8) / draft-model (default 4): draft tokens per "
+                        "step; auto (with an EAGLE / Medusa head): the size and depth that pay on this machine "
+                        "(cached cost profile + a short acceptance probe, as bench does)")
     p.add_argument("--lookup", type=int, default=0, metavar="N",
-                   help="with --head, greedy: also merge a prompt-lookup chain of up to N tokens into the tree "
-                        "(0 = off)")
+                   help="with --head, greedy: also propose a prompt-lookup chain of up to N tokens, the head's "
+                        "tree and the chain under one per-step scheduler (one verify budget; 0 = off)")
     p.add_argument("--draft-layers", type=int, default=4,
                    help="draft-model: the target's first N layers form the draft (1..layers-1; default 4)")
     p.add_argument("--draft-target", default=None, help="draft-model: a separate small model with the same vocabulary")
@@ -54,19 +56,21 @@ def drafter_source(args):
 
 
 def auto_tree(target, head):
-    """`--tree auto`: autotree.choose_tree_for_head on a few MT-bench questions spread over its categories."""
+    """`--tree auto` of a tree head: autotree.choose_tree_for_head on a few MT-bench questions spread over its
+    categories -> (the spec, the probe's acceptance as the prior of its rates under a scheduler)."""
     from specheads.infer.autotree import calibration_ids, choose_tree_for_head
     from specheads.infer.prompts import load_prompts
 
     spec, tree = choose_tree_for_head(target, head, calibration_ids(target.tokenizer, load_prompts("mt-bench")))
     print(f"--tree auto: {tree['summary']} ({tree['reason']})", file=sys.stderr)
-    return spec
+    acc = tree["acceptance"]
+    return spec, {"acc": acc["acc_monotone"], "counts": acc["counts"]}
 
 
 def build(args):
     """Target and drafter from the flags; every flag is checked before the target loads where it can be."""
     from specheads.heads.base import load_head
-    from specheads.infer.drafters import build_drafter, check_lookup, parse_tree
+    from specheads.infer.drafters import build_drafter, check_lookup, drafter_kind, parse_tree
     from specheads.infer.verify import SamplingParams
     from specheads.target import load_target
 
@@ -84,10 +88,11 @@ def build(args):
         raise SpecheadsError(f"--draft-layers {args.draft_layers}: must be at least 1 (target layers the draft keeps)")
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     source = load_head(args.head, target).eval() if args.head else name
-    if spec.mode == "auto":
-        spec = auto_tree(target, source)
+    acceptance = None
+    if spec.mode == "auto" and drafter_kind(name, head=True).family != "block":  # a block head schedules per step
+        spec, acceptance = auto_tree(target, source)
     options = {"draft_layers": args.draft_layers, "draft_target": args.draft_target} if name == "draft-model" else {}
-    return target, build_drafter(target, source, spec, lookup=args.lookup, **options)
+    return target, build_drafter(target, source, spec, lookup=args.lookup, acceptance=acceptance, **options)
 
 
 def run(args) -> int:
@@ -135,3 +140,10 @@ def _report(res, args) -> None:
     print("    accepted per step: " + " ".join(f"{n}:{c}" for n, c in enumerate(s.accept_hist) if c), file=sys.stderr)
     print("    seconds: " + " ".join(f"{k} {v:.3f}" for k, v in t.items()) + f" prefill {s.prefill_s:.3f}",
           file=sys.stderr)
+    if s.scheduled_steps:  # the per-step scheduler's own prediction (infer/scheduler.py), and the sources alone
+        line = (f"    scheduler: expected τ {s.expected_tau_sum / s.scheduled_steps:.2f}, expected speedup "
+                f"{s.expected_tau_sum / max(s.expected_cost_sum, 1e-9):.2f}x over {s.scheduled_steps} steps")
+        if s.source_tokens:
+            alone = ", ".join(f"{k} {v / s.scheduled_steps:.2f}" for k, v in s.source_tokens.items())
+            line += f"; alone τ: {alone}; oracle τ {s.oracle_tokens / s.scheduled_steps:.2f}"
+        print(line, file=sys.stderr)

@@ -273,11 +273,12 @@ class DSparkHead(DraftHead):
             x = layer(x, cos, sin, ck, cv, allowed)
         return self.norm(x)
 
-    def heads(self, h: torch.Tensor, prev: torch.Tensor, greedy: bool = False):
+    def heads(self, h: torch.Tensor, prev: torch.Tensor, greedy: bool = False, pick=None):
         """h [B,A,K,D] -> (logits [B,A,K',V'] incl. the Markov bias, confidence logits [B,A,K'] or None).
 
         prev: [B,A,K'] target ids, draft j's previous token (teacher forcing: the data's x_{p+j}); with greedy,
-        [B,A] anchors only, and draft j >= 1 reads the argmax of draft j-1 (what the drafter proposes)."""
+        [B,A] anchors only, and draft j >= 1 reads the argmax of draft j-1 (what the drafter proposes), or with
+        pick(j, logits_j [B,A,V']) -> draft ids [B,A] the token pick chose for draft j (a sampling drafter)."""
         hd = h[:, :, self.slot0:]  # [B,A,K',D]: the drafting slots
         base = self._base_logits(hd)
         mk = self.markov_head
@@ -296,7 +297,9 @@ class DSparkHead(DraftHead):
             bias, state = mk.step(e, hd[:, :, j], state)
             logits.append(base[:, :, j] + bias.to(base.dtype))
             embs.append(e)
-            if greedy and j + 1 < self.num_drafts:
+            if greedy and pick is not None:
+                p = self.to_target_ids(pick(j, logits[-1]))
+            elif greedy and j + 1 < self.num_drafts:
                 p = self.to_target_ids(logits[-1].argmax(-1))
         return torch.stack(logits, 2), self._confidence(hd, torch.stack(embs, 2))
 
@@ -340,11 +343,13 @@ class DSparkHead(DraftHead):
         cache.values = [torch.cat([a, v], -2) for a, (_, v) in zip(cache.values, new)]
 
     @torch.no_grad()
-    def draft_block(self, cache: BlockCache, anchor_token) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def draft_block(self, cache: BlockCache, anchor_token, pick=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One block after the cached context (S rows): anchor_token (target id) at position S ->
         (logits [K',V'] with the Markov bias of the greedy chain: draft j's bias reads the argmax of draft j-1,
         the anchor for j = 0; calibrated confidences [K'] (σ(z_j / T_j)) or None). The drafted tokens are
-        head.to_target_ids(logits.argmax(-1))."""
+        head.to_target_ids(logits.argmax(-1)). pick(j, logits_j [1,1,V']) -> draft ids [1,1]: the token chosen
+        for draft j instead of its argmax (sampling), read by draft j+1's Markov bias (called for every draft
+        when the head has a Markov head)."""
         dev = self.conf_temperature.device
         S = cache.length
         anchor = torch.as_tensor(anchor_token, device=dev, dtype=torch.long).view(1, 1)
@@ -352,7 +357,7 @@ class DSparkHead(DraftHead):
         allowed = torch.ones(1, 1, S, dtype=torch.bool, device=dev)
         ctx = list(zip(cache.keys, cache.values)) if cache.keys else self._empty_context(dev)
         h = self.blocks(ctx, allowed, anchor, anchors)
-        logits, conf = self.heads(h, anchor, greedy=True)
+        logits, conf = self.heads(h, anchor, greedy=True, pick=pick)
         if conf is not None:
             conf = torch.sigmoid(conf[0, 0].float() / self.conf_temperature.float())
         return logits[0, 0], conf

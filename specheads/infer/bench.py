@@ -10,11 +10,17 @@ Figures (all computed by the pure functions `summarize` / `compare`, tested on h
 - acceptance-length histogram: how many target forwards emitted 1, 2, 3, ... tokens (its mean is τ);
 - identical (greedy only): share of prompt turns whose output token ids equal vanilla's exactly.
 
+- expected speedup (scheduled methods: DSpark `--tree auto`, +lookup, combo): Σ expected τ / Σ expected step cost
+  in one-token target forwards, the per-step scheduler's own prediction (infer/scheduler.py), beside the measured
+  speedup; the oracle: per step the better of the sources alone (head alone, lookup alone), priced by the same
+  cost model (`oracle_tau`, `oracle_speedup`).
+
 Methods: `vanilla` = HF `model.generate`; `prompt-lookup` = HF `model.generate(prompt_lookup_num_tokens=...)` (the
 peer users already have; target forwards counted with a forward pre-hook); `head` = ours (specheads.infer.generate
-with the head's drafter; `head+lookup` = the same tree with a prompt-lookup chain merged in, greedy only);
-`draft-model` = ours with a small draft model as drafter. Every drafter comes from drafters.build_drafter; a head's
-`--tree auto` from autotree.choose_tree_for_head (one probe per head, shared by its plain and +lookup methods).
+with the head's drafter; `head+lookup` = the head and a prompt-lookup chain under one per-step scheduler, greedy
+only; `combo` = every --head and the lookup chain under one scheduler); `draft-model` = ours with a small draft
+model as drafter. Every drafter comes from drafters.build_drafter / combine_drafters; a tree head's `--tree auto`
+from autotree.choose_tree_for_head (one probe per head, shared by its methods), a block head's is its scheduler.
 """
 from __future__ import annotations
 
@@ -30,8 +36,11 @@ from typing import Any, Callable
 import torch
 
 from specheads.infer import autotree
-from specheads.infer.drafters import build_drafter, drafter_kind, parse_tree
+from specheads.infer.drafters import build_drafter, combine_drafters, drafter_kind, parse_tree
 from specheads.infer.generate import generate
+from specheads.infer.profile import load_or_profile, t1_seconds
+from specheads.infer.scheduler import RULE as SCHEDULER_RULE
+from specheads.infer.scheduler import Scheduler
 from specheads.infer.prompts import BenchPrompt, encode_turn
 from specheads.infer.treespec import MAX_TREE_DEPTH, TreeSpec
 from specheads.runinfo import command_line, environment
@@ -40,12 +49,12 @@ from specheads.utils import SpecheadsError, atomic_write_json, atomic_write_text
 log = logging.getLogger(__name__)
 
 SCHEMA = "specheads.bench/1"
-KNOWN_METHODS = ("vanilla", "prompt-lookup", "head", "draft-model", "plain", "prompt-lookup-ours")
+KNOWN_METHODS = ("vanilla", "prompt-lookup", "head", "draft-model", "plain", "prompt-lookup-ours", "combo")
 # plain: our loop with no drafter (its gap to vanilla is our loop's overhead); prompt-lookup-ours: our loop with our
-# PromptLookupDrafter (compare with HF's prompt-lookup)
+# PromptLookupDrafter (compare with HF's prompt-lookup); combo: every --head and prompt lookup under one scheduler
 PROMPT_LOOKUP_NUM_TOKENS = 10  # HF docs' example value for prompt_lookup_num_tokens (candidate tokens per step)
 PROMPT_LOOKUP_MAX_NGRAM = 2  # HF default max_matching_ngram_size
-LOOKUP_SUFFIX = "+lookup"  # head:LABEL+lookup = that head's tree with a prompt-lookup chain merged in
+LOOKUP_SUFFIX = "+lookup"  # head:LABEL+lookup = that head and a prompt-lookup chain under one per-step scheduler
 HEAD_LOOKUP_TOKENS = PROMPT_LOOKUP_NUM_TOKENS  # +lookup chain length by default: the same chain as HF prompt lookup
 DEFINITIONS = {
     "tokens_per_s": "total new tokens / total wall time of the generate calls (prefill included)",
@@ -54,7 +63,21 @@ DEFINITIONS = {
     "speedup": "tokens_per_s(method) / tokens_per_s(vanilla) over the same prompts (ratio of totals)",
     "accept_hist": "number of target forwards that emitted k tokens (k = accepted draft tokens + 1 bonus)",
     "identical": "greedy runs only: share of prompt turns whose output token ids equal vanilla's",
+    "expected_tau": "scheduled methods: the scheduler's expected tokens per step, Σ (1 + Σ p over verified nodes) / "
+                    "scheduled steps",
+    "expected_speedup": "scheduled methods: Σ expected τ / Σ expected step cost (t(n)/t(1) + drafters' and loop's "
+                        "measured seconds / t(1)), i.e. the predicted speedup over one target forward per token",
+    "sources_tau": "greedy unions: per source, Σ tokens its own proposal alone would have emitted / steps (the "
+                   "target's argmax is known along every emitted path)",
+    "oracle_tau": "per step the better source alone (more tokens; equal: cheaper), Σ its tokens / steps, on the "
+                  "method's own steps (a lower bound where censored)",
+    "oracle_speedup": "the oracle's Σ tokens / Σ its own step costs (its source's tree verified alone + its draft + "
+                      "the loop, by the scheduler's cost model): comparable with expected_speedup",
+    "oracle_censored": "steps where the better source matched every emitted token and proposed deeper (the "
+                       "scheduler cut it): its figure there is a lower bound",
 }
+SCHEDULE_FIELDS = ("scheduled_steps", "expected_tau_sum", "expected_cost_sum", "source_tokens", "oracle_tokens",
+                   "oracle_cost_sum", "oracle_censored")  # GenerationStats fields a record keeps
 
 
 # --------------------------------------------------------------------------------------------------- records
@@ -74,6 +97,7 @@ class RunRecord:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     phase_times: dict[str, float] | None = None  # seconds per phase (ours only)
+    schedule: dict[str, Any] | None = None  # the scheduler's figures (GenerationStats SCHEDULE_FIELDS), ours only
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -103,7 +127,29 @@ def summarize(records: list[RunRecord]) -> dict[str, Any]:
         "target_forwards": fw,
         "tau": _ratio(tokens, fw) if fw else None,
         "accept_hist": accept_histogram(records),
+        **schedule_summary(records),
     }
+
+
+def schedule_summary(records: list[RunRecord]) -> dict[str, Any]:
+    """The scheduler's expected figures and the oracle's over a set of records (None where nothing was scheduled)."""
+    out: dict[str, Any] = {"expected_tau": None, "expected_speedup": None, "sources_tau": None, "oracle_tau": None,
+                           "oracle_speedup": None, "oracle_censored": None}
+    recs = [r.schedule for r in records if r.schedule and r.schedule.get("scheduled_steps")]
+    steps = sum(s["scheduled_steps"] for s in recs)
+    if not steps:
+        return out
+    tau, cost = sum(s["expected_tau_sum"] for s in recs), sum(s["expected_cost_sum"] for s in recs)
+    out.update(expected_tau=tau / steps, expected_speedup=_ratio(tau, cost))
+    sources: Counter = Counter()
+    for s in recs:
+        sources.update(s.get("source_tokens") or {})
+    if sources:
+        oracle = sum(s["oracle_tokens"] for s in recs)
+        out.update(sources_tau={k: v / steps for k, v in sorted(sources.items())}, oracle_tau=oracle / steps,
+                   oracle_speedup=_ratio(oracle, sum(s["oracle_cost_sum"] for s in recs)),
+                   oracle_censored=sum(s["oracle_censored"] for s in recs))
+    return out
 
 
 def compare(method_records: list[RunRecord], vanilla_records: list[RunRecord] | None, greedy: bool) -> dict[str, Any]:
@@ -111,8 +157,10 @@ def compare(method_records: list[RunRecord], vanilla_records: list[RunRecord] | 
     s = summarize(method_records)
     s["speedup"] = None
     s["identical"] = None
+    s["expected_vs_measured"] = None
     if vanilla_records:
         s["speedup"] = _ratio(s["tokens_per_s"], summarize(vanilla_records)["tokens_per_s"])
+        s["expected_vs_measured"] = _ratio(s["expected_speedup"], s["speedup"])
         if greedy:
             ref = {(r.prompt_id, r.turn): r.output_ids for r in vanilla_records}
             pairs = [(r.output_ids, ref[(r.prompt_id, r.turn)]) for r in method_records if (r.prompt_id, r.turn) in ref]
@@ -280,9 +328,10 @@ def record_from_generation(name: str, res: Any, prompt_len: int, dt: float, toke
         if pre is not None:
             phases["prefill"] = float(pre)
     text = _get(res, "text") or (tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else "")
+    schedule = {k: _get(stats, k) for k in SCHEDULE_FIELDS} if _get(stats, "scheduled_steps") else None
     return RunRecord(method=name, prompt_id="", category="", turn=0, prompt_tokens=prompt_len, new_tokens=len(new),
                      time_s=dt, target_forwards=int(fw) if fw is not None else None, step_tokens=step_tokens,
-                     output_ids=list(new), text=text, phase_times=phases)
+                     output_ids=list(new), text=text, phase_times=phases, schedule=schedule)
 
 
 # --------------------------------------------------------------------------------------------------- the run
@@ -394,12 +443,14 @@ def markdown_table(results: dict[str, Any]) -> str:
              f"max {s['max_new_tokens']} new tokens per turn, {results['environment']['cpu'] or 'unknown CPU'}"
              f" ({results['environment']['torch_threads']} threads), {results['date']}."
              + ("" if results.get("complete") else " **Incomplete run (interrupted).**"), "",
-             "| method | tokens/s | τ | speedup | identical | new tokens | target forwards |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| method | tokens/s | τ | speedup | expected | identical | new tokens | target forwards |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, m in results["methods"].items():
         o = m["overall"]
         lines.append(f"| {name} | {_fmt(o['tokens_per_s'], '.1f')} | {_fmt(o['tau'])} | {_fmt(o['speedup'], '.2f', 'x')}"
-                     f" | {_fmt(o['identical'], '.0%')} | {o['new_tokens']} | {_fmt(o['target_forwards'], 'd')} |")
+                     f" | {_fmt(o.get('expected_speedup'), '.2f', 'x')} | {_fmt(o['identical'], '.0%')} | "
+                     f"{o['new_tokens']} | {_fmt(o['target_forwards'], 'd')} |")
+    lines += schedule_table(results)
     cats = results["categories"]
     if len(cats) > 1:
         names = list(results["methods"])
@@ -426,6 +477,27 @@ def markdown_table(results: dict[str, Any]) -> str:
         lines += ["", f"## {title}", "", f"{tree.get('summary', '')}", "", f"Why: {tree.get('reason', '')}"]
     lines += ["", "Definitions: " + "; ".join(f"**{k}** = {v}" for k, v in results["definitions"].items()) + ".", ""]
     return "\n".join(lines)
+
+
+def schedule_table(results: dict[str, Any]) -> list[str]:
+    """results.md's scheduler section: expected against measured per scheduled method, each source alone and the
+    oracle on the same steps."""
+    rows = [(n, m["overall"]) for n, m in results["methods"].items() if m["overall"].get("expected_tau") is not None]
+    if not rows:
+        return []
+    lines = ["", "## Scheduler: expected against measured, each source alone, the oracle", "",
+             "| method | τ | expected τ | speedup | expected speedup | expected / measured | alone τ (same steps) | "
+             "oracle τ | oracle speedup (est.) | censored steps |", "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for n, o in rows:
+        alone = ", ".join(f"{k} {v:.2f}" for k, v in (o.get("sources_tau") or {}).items()) or "n/a"
+        lines.append(f"| {n} | {_fmt(o['tau'])} | {_fmt(o['expected_tau'])} | {_fmt(o['speedup'], '.2f', 'x')} | "
+                     f"{_fmt(o['expected_speedup'], '.2f', 'x')} | {_fmt(o.get('expected_vs_measured'), '.2f')} | "
+                     f"{alone} | {_fmt(o['oracle_tau'])} | {_fmt(o['oracle_speedup'], '.2f', 'x')} | "
+                     f"{_fmt(o['oracle_censored'], 'd')} |")
+    lines += ["", "Expected figures are the scheduler's own predictions (over one target forward per token, by the "
+              "machine's cost profile and the run's measured draft and loop seconds); the oracle takes, per step, the "
+              "better source alone, priced by the same model, so compare oracle speedup with expected speedup."]
+    return lines
 
 
 def write_plots(results: dict[str, Any], out_dir: str | Path) -> list[str]:
@@ -553,7 +625,8 @@ def check_method_names(names: list[str]) -> None:
     unknown = [n for n in names if n not in KNOWN_METHODS and not is_head_method(n) and not is_llamacpp_method(n)]
     if unknown:
         raise SpecheadsError(f"--methods: unknown method(s) {unknown}; choose from {list(KNOWN_METHODS)} "
-                             f"or head:LABEL, with {LOOKUP_SUFFIX} after a head method to merge a prompt-lookup chain, "
+                             f"or head:LABEL, with {LOOKUP_SUFFIX} after a head method to schedule a prompt-lookup "
+                             "chain with it, "
                              "or llama.cpp, llama.cpp:LABEL, llama.cpp-ngram")
 
 
@@ -613,8 +686,8 @@ def build_methods(names: list[str], target, options: MethodOptions, calib_ids: l
     for each head method and why. `calib_ids`: prompts for the heads' acceptance probe (`--tree auto`)."""
     check_method_names(names)
     names = ["vanilla"] + [n for n in names if n != "vanilla"]  # speedup and identical are measured against it
-    if options.temperature > 0 and any(split_lookup(n)[1] for n in names):
-        raise SpecheadsError(f"--methods {','.join(names)}: {LOOKUP_SUFFIX} methods are greedy only "
+    if options.temperature > 0 and any(split_lookup(n)[1] or n == "combo" for n in names):
+        raise SpecheadsError(f"--methods {','.join(names)}: {LOOKUP_SUFFIX} and combo methods are greedy only "
                              "(use --temperature 0)")
     expanded: list[str] = []
     for n in names:  # `head` / `head+lookup` stand for every --head given
@@ -622,6 +695,7 @@ def build_methods(names: list[str], target, options: MethodOptions, calib_ids: l
         expanded += [h + LOOKUP_SUFFIX * merged for h in options.heads] if base == "head" and options.heads else [n]
     factories = hf_methods(target, options.temperature)
     loaded: dict[str, Any] = {}  # head folder -> {"head", and with --tree auto "spec", "tree"}: one load, one probe
+    # (and "costs": the cost profile every scheduler of the run is priced by, read once)
     methods: list[Method] = []
     extra: dict[str, Any] = {"methods_info": {}}
     for n in expanded:
@@ -638,6 +712,9 @@ def build_methods(names: list[str], target, options: MethodOptions, calib_ids: l
                                         lookup=options.head_lookup if merged else 0, loaded=loaded)
             extra.setdefault("trees", {})[m.name] = tree
             extra.setdefault("tree", tree)  # the first head's tree (results.json schema 1)
+        elif n == "combo":
+            m, tree = build_combo_method(target, options, calib_ids or [], loaded)
+            extra.setdefault("trees", {})[m.name] = tree
         elif is_llamacpp_method(n):  # llama-server engines (infer/llamacpp.py)
             from specheads.infer.llamacpp import build_llamacpp_method
 
@@ -664,35 +741,95 @@ def build_ours_method(name: str, target, temperature: float) -> Method:
 def build_head_method(target, options: MethodOptions, calib_ids: list[list[int]], head_dir: str,
                       name: str = "head", lookup: int = 0, loaded: dict | None = None
                       ) -> tuple[Method, dict[str, Any]]:
-    """`head`: our loop with the head's drafter and tree (`--tree auto`: autotree.choose_tree_for_head). `lookup`
-    > 0: a prompt-lookup chain of up to that many tokens merged into the head's tree (method NAME+lookup; greedy
-    only). `loaded`: {head folder: ...} shared by one run's methods, so that a head's plain and +lookup methods load
-    it and run the `--tree auto` probe once."""
-    from specheads.heads.base import load_head
-
+    """`head`: our loop with the head's drafter and tree (`--tree auto`: autotree.choose_tree_for_head for tree
+    heads, the per-step scheduler for block heads). `lookup` > 0: the head and a prompt-lookup chain of up to that
+    many tokens under one per-step scheduler (method NAME+lookup; greedy only). `loaded`: {head folder: ...} shared
+    by one run's methods, so that a head's methods load it and run the `--tree auto` probe once."""
     loaded = {} if loaded is None else loaded
-    entry = loaded.setdefault(str(head_dir), {})
-    if "head" not in entry:
-        entry["head"] = load_head(head_dir, target).eval()
-    head = entry["head"]
-    spec = parse_tree(options.tree, head.config.kind, head)
-    if spec.mode == "auto":
-        if "spec" not in entry:
-            entry["spec"], entry["tree"] = autotree.choose_tree_for_head(target, head, calib_ids,
-                                                                         refresh=options.refresh_profile)
-        spec, tree = entry["spec"], dict(entry["tree"])
-    else:
-        tree = given_tree_record(head.config.kind, drafter_kind(head.config.kind, head=True).family, spec)
-    drafter = build_drafter(target, head, spec, lookup=lookup, lookup_ngram=PROMPT_LOOKUP_MAX_NGRAM)
+    head, spec, tree = head_and_tree(target, options, calib_ids, head_dir, loaded)
+    scheduler = run_scheduler(target, options, loaded) if lookup or tree.get("family") == "block" else None
+    drafter = build_drafter(target, head, spec, lookup=lookup, lookup_ngram=PROMPT_LOOKUP_MAX_NGRAM,
+                            acceptance=acceptance_prior(tree), scheduler=scheduler)
     info: dict[str, Any] = {"implementation": "specheads.infer.generate", "head": str(head_dir),
                             "head_kind": head.config.kind,
                             "tree": {k: tree.get(k) for k in ("total_tokens", "depth", "top_k") if k in tree}}
     if lookup > 0:
         name += LOOKUP_SUFFIX
         info["lookup_tokens"] = lookup
-        tree["summary"] = f"{tree.get('summary', '')} + a prompt-lookup chain of up to {lookup} tokens merged in"
+        tree["summary"] = (f"{tree.get('summary', '')} + a prompt-lookup chain of up to {lookup} tokens, one verify "
+                           "budget per step (scheduler)")
+        tree["scheduler"] = scheduler.record()
     tree["method"] = name
     return OursGenerate(name, target, drafter, options.temperature, info), tree
+
+
+def head_and_tree(target, options: MethodOptions, calib_ids: list[list[int]], head_dir: str, loaded: dict
+                  ) -> tuple[Any, TreeSpec, dict[str, Any]]:
+    """(the head, its tree spec, the tree's record), the head loaded and a tree head's `--tree auto` probe run once
+    per run (cached in `loaded`)."""
+    from specheads.heads.base import load_head
+
+    entry = loaded.setdefault(str(head_dir), {})
+    if "head" not in entry:
+        entry["head"] = load_head(head_dir, target).eval()
+    head = entry["head"]
+    kind = drafter_kind(head.config.kind, head=True)
+    spec = parse_tree(options.tree, head.config.kind, head)
+    if spec.mode == "auto" and kind.family == "block":
+        tree = {"mode": "auto", "kind": head.config.kind, "family": kind.family, "reason": SCHEDULER_RULE,
+                "summary": f"per-step scheduler over the block of {head.num_drafts} drafts (prefix that pays)",
+                "scheduler": run_scheduler(target, options, loaded).record()}
+    elif spec.mode == "auto":
+        if "spec" not in entry:
+            entry["spec"], entry["tree"] = autotree.choose_tree_for_head(target, head, calib_ids,
+                                                                         refresh=options.refresh_profile)
+        spec, tree = entry["spec"], dict(entry["tree"])
+        loaded.setdefault("costs", tree["profile"])  # the profile the probe settled on prices the run's schedulers
+    else:
+        tree = given_tree_record(head.config.kind, kind.family, spec)
+    return head, spec, tree
+
+
+def acceptance_prior(tree: dict[str, Any]) -> dict[str, Any] | None:
+    """A tree head's `--tree auto` probe acceptance (per depth and rank, with counts): its rates' prior under a
+    scheduler; None without a probe."""
+    acc = tree.get("acceptance")
+    return {"acc": acc["acc_monotone"], "counts": acc["counts"]} if acc else None
+
+
+def run_scheduler(target, options: MethodOptions, loaded: dict) -> Scheduler:
+    """A fresh per-step scheduler priced by the run's cost profile: the one a `--tree auto` probe of this run
+    settled on, else read (or measured) once per run."""
+    if "costs" not in loaded:
+        prof = load_or_profile(target, refresh=options.refresh_profile)
+        loaded["costs"] = {"verify_relative": prof["verify"]["relative"], "t1_s": t1_seconds(prof),
+                           **{k: prof.get(k) for k in ("path", "cached", "noisy", "measured_at")}}
+    costs = loaded["costs"]
+    return Scheduler(costs["verify_relative"], costs["t1_s"], profile=costs)
+
+
+def build_combo_method(target, options: MethodOptions, calib_ids: list[list[int]], loaded: dict
+                       ) -> tuple[Method, dict[str, Any]]:
+    """`combo`: every --head and a prompt-lookup chain of --head-lookup tokens under one per-step scheduler (each
+    head's draft pass is paid every step and priced by the measured drafter seconds). Greedy only."""
+    if not options.heads:
+        raise SpecheadsError("--methods combo: needs --head DIR (one or more)")
+    scheduler = run_scheduler(target, options, loaded)
+    drafters, priors, parts = [], [], {}
+    for label, head_dir in options.heads.items():
+        head, spec, tree = head_and_tree(target, options, calib_ids, head_dir, loaded)
+        drafters.append(build_drafter(target, head, spec, scheduler=scheduler))
+        priors.append(acceptance_prior(tree))
+        parts[label] = tree.get("summary", "")
+    drafter = combine_drafters(target, drafters, lookup=options.head_lookup, lookup_ngram=PROMPT_LOOKUP_MAX_NGRAM,
+                               acceptances=priors, scheduler=scheduler)
+    summary = (f"{' + '.join(f'{k} ({v})' for k, v in parts.items())} + a prompt-lookup chain of up to "
+               f"{options.head_lookup} tokens, one verify budget per step (scheduler)")
+    tree = {"mode": "combo", "method": "combo", "summary": summary, "reason": SCHEDULER_RULE,
+            "sources": drafter.names, "scheduler": scheduler.record()}
+    info = {"implementation": "specheads.infer.generate + ScheduledUnionDrafter", "heads": dict(options.heads),
+            "lookup_tokens": options.head_lookup, "sources": drafter.names}
+    return OursGenerate("combo", target, drafter, options.temperature, info), tree
 
 
 def given_tree_record(kind: str, family: str, spec: TreeSpec) -> dict[str, Any]:

@@ -6,18 +6,26 @@ Interface (one small seam):
   reset(prompt_ids [T], features [T-1, F*D] | None)   features of the cached prompt positions (all but the root)
   propose(ctx) -> DraftTree                          ctx: DraftContext (ids so far, root last; sampling; room left)
   observe(tree, accepted, features [A, F*D] | None)  features of the accepted nodes (root first), now cached
+  step_report() -> StepReport | None                 a scheduled step's expected figures (generator -> stats)
+A drafter whose proposals carry per-node acceptance estimates (ScoredDrafter: `candidates(ctx)`) can be put under
+the per-step scheduler (infer/scheduler.py) alone or with others (ScheduledUnionDrafter: one verify budget).
 B batch, T sequence, N tree nodes, K heads/depth, D hidden, V vocab (V' draft vocab), F feature layers.
 """
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from specheads.infer.tree import (DEFAULT_MEDUSA_CHOICES, DraftTree, chain_tree, dynamic_tree, merge_trees,
-                                  normalize_choices, tree_from_choices)
+from specheads.infer.scheduler import (MATCH_CAP, WINDOW_STEPS, Candidates, LookupRates, Rates, Scheduler, StepClock,
+                                       StepReport, accepted_along, merge_candidates, outcomes, path_products,
+                                       rank_rates, survival)
+from specheads.infer.tree import (DEFAULT_MEDUSA_CHOICES, DraftTree, chain_tree, dynamic_tree, normalize_choices,
+                                  tree_from_choices)
 from specheads.infer.treespec import (FAMILIES, MAX_TREE_DEPTH, TreeLimits, TreeSpec, check_tree_spec,
                                       parse_tree_spec)
 from specheads.infer.verify import Accepted, SamplingParams, target_probs
@@ -32,6 +40,7 @@ class DraftContext:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     generator: torch.Generator | None = None
     max_depth: int = 1 << 30  # deepest node the context window still allows
+    clock: StepClock | None = None  # the request's measured seconds per step (the scheduler's prices)
 
 
 class Drafter:
@@ -46,6 +55,10 @@ class Drafter:
 
     def observe(self, tree: DraftTree, accepted: Accepted, features: torch.Tensor | None) -> None:
         pass
+
+    def step_report(self) -> StepReport | None:
+        """What a scheduled step expected (read by the generator after observe); None = not scheduled."""
+        return None
 
 
 class NoDrafter(Drafter):
@@ -62,7 +75,11 @@ class PromptLookupDrafter(Drafter):
         self.k, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram  # k: draft tokens per step
 
     def propose(self, ctx: DraftContext) -> DraftTree:
-        ids, k = ctx.ids, min(self.k, ctx.max_depth)
+        return chain_tree(ctx.ids[-1], self.find(ctx.ids, min(self.k, ctx.max_depth))[0])
+
+    def find(self, ids: list[int], k: int) -> tuple[list[int], int]:
+        """(up to k continuation tokens, match length: context tokens before the continuation equal to the
+        context's last ones, counted up to scheduler.MATCH_CAP); ([], 0) without a match."""
         t = torch.tensor(ids)
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
             if n <= 0 or k <= 0:
@@ -73,8 +90,11 @@ class PromptLookupDrafter(Drafter):
                 start = int(hits[-1]) + n  # latest match
                 cont = ids[start:start + k]
                 if cont:
-                    return chain_tree(ids[-1], cont)
-        return chain_tree(ids[-1], [])
+                    match = n
+                    while match < MATCH_CAP and start - 1 - match >= 0 and ids[start - 1 - match] == ids[-1 - match]:
+                        match += 1
+                    return cont, match
+        return [], 0
 
 
 class DraftModelDrafter(Drafter):
@@ -347,31 +367,280 @@ class _DraftRows:
         return DraftTree(torch.tensor(self.tokens), torch.tensor(self.parents), torch.tensor(self.depth))
 
 
-class LookupMergedDrafter(Drafter):
-    """A drafter's tree plus prompt lookup's chain, merged as a trie (tree.merge_trees): the head covers what is
-    predictable from meaning, lookup covers spans copied from the context (code, quotes, lists) that heads rarely
-    draft deep. Greedy only: with sampling (or a tree carrying its own q) the inner tree goes out alone.
-    Only the inner drafter observes the outcome (prompt lookup keeps no state: it reads the context each step); it
-    gets the merged tree and the true features of the accepted path, whichever drafter proposed its nodes."""
+# ---------------------------------------------------------------------------------------------------------------
+# Scored drafters: proposals with per-node acceptance estimates, for the per-step scheduler (infer/scheduler.py).
+# ---------------------------------------------------------------------------------------------------------------
 
-    def __init__(self, inner: Drafter, num_tokens: int = 4, max_ngram: int = 3):
-        self.inner = inner
-        self.lookup = PromptLookupDrafter(num_tokens=num_tokens, max_ngram=max_ngram)
-        self.feature_layers = inner.feature_layers
-        self.name = f"{inner.name}+lookup"
+class ScoredDrafter(Drafter):
+    """A drafter whose proposal carries per-node acceptance estimates (scheduler.Candidates), so a scheduler can
+    choose what of it to verify, alone or merged with other sources (ScheduledUnionDrafter)."""
+
+    report: StepReport | None = None
+
+    def candidates(self, ctx: DraftContext) -> Candidates:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def learn(self, cand: Candidates, truth: list[int | None]) -> None:
+        """The step's outcome for the estimates: `truth` = the emitted tokens (greedy: the target's own argmax
+        continuation, bonus included, which decides every candidate whose parent was on it)."""
+
+    def alone(self, cand: Candidates, scheduler: Scheduler, prices, draft_s: float) -> DraftTree:
+        """What this source would verify on its own (the oracle's figure): its whole proposal unless overridden."""
+        return cand.tree
+
+    def step_report(self) -> StepReport | None:
+        return self.report
+
+
+def emitted_tokens(tree: DraftTree, accepted: Accepted) -> list[int]:
+    """The tokens a step emits before any stop cut: the accepted draft nodes' tokens, then the bonus."""
+    return [int(tree.tokens[i]) for i in accepted.nodes[1:]] + [accepted.bonus]
+
+
+class DSparkDrafter(ScoredDrafter):
+    """DSpark / DFlash block heads (heads/dspark.py): ONE head pass per step drafts the block anchored at the root,
+    as a chain. The head's context cache holds TRUE rows only: reset feeds the prompt's features (every cached
+    position), observe appends the accepted rows' target features (root first), so nothing is rolled back.
+    Greedy: the Markov chain's argmax tokens. Sampling: draft j is drawn from its warped distribution and draft
+    j+1's Markov bias reads the drawn token; those distributions are the tree's q rows, so verify_sampling stays
+    lossless. Estimates: survival a_i = c_1 ... c_i of the calibrated confidences (a head without a confidence
+    head: per-depth rates learned per request). scheduler: the per-step prefix choice (`--tree auto`); None =
+    num_tokens drafts every step."""
+    name = "dspark"
+
+    def __init__(self, head, scheduler: Scheduler | None = None, num_tokens: int | None = None):
+        self.head, self.scheduler = head, scheduler
+        self.k = head.num_drafts if num_tokens is None else min(int(num_tokens), head.num_drafts)  # drafts per step
+        self.feature_layers = list(head.config.feature_layers)
+        self.cache = None
+        self.depth_rates = Rates()  # P(draft j accepted | drafts < j were), only without a confidence head
+        self.pending: tuple[Candidates, bool] | None = None  # own proposal to learn from (candidates, greedy)
+
+    def reset(self, prompt_ids, features) -> None:
+        self.cache = self.head.new_cache()
+        self.depth_rates.clear()
+        if features is not None and features.shape[0]:
+            self.head.extend_context(self.cache, features)
+
+    def observe(self, tree, accepted, features) -> None:
+        if features is not None and features.shape[0]:
+            self.head.extend_context(self.cache, features)  # root + accepted nodes: true rows only
+        if self.pending is not None:  # alone: the chain's outcome (sampling: only what was verified)
+            cand, greedy = self.pending
+            truth = emitted_tokens(tree, accepted)
+            self.learn(cand if greedy else Candidates(tree, []), truth if greedy else truth[:-1] + [None])
+            self.pending = None
+
+    @torch.no_grad()
+    def candidates(self, ctx: DraftContext) -> Candidates:
+        root, k = ctx.ids[-1], min(self.k, ctx.max_depth)
+        if self.cache is None or k <= 0:
+            return Candidates(chain_tree(root, []), [1.0], self.name)
+        assert self.cache.length == len(ctx.ids) - 1, (self.cache.length, len(ctx.ids))
+        drafts, conf, q = self._block(ctx, k)
+        if conf is None:
+            conf = [self.depth_rates.rate(d) for d in range(1, k + 1)]
+        return Candidates(chain_tree(root, drafts, q), [1.0] + survival(conf[:k]), self.name)
+
+    def _block(self, ctx: DraftContext, k: int) -> tuple[list[int], list[float] | None, torch.Tensor | None]:
+        """One head pass: (k draft target ids, confidences or None, q [k+1, V] or None (greedy))."""
+        head, root = self.head, ctx.ids[-1]
+        if ctx.sampling.greedy:
+            logits, conf = head.draft_block(self.cache, root)  # [K', V'], [K'] | None
+            drafts = head.to_target_ids(logits[:k].argmax(-1)).tolist()
+            return drafts, None if conf is None else conf.tolist(), None
+        drawn: dict[int, torch.Tensor] = {}
+
+        def pick(j: int, lg: torch.Tensor) -> torch.Tensor:  # lg [1, 1, V']: draft j drawn from its warped q
+            drawn[j] = torch.multinomial(target_probs(lg[0, 0:1], ctx.sampling)[0].cpu(), 1, generator=ctx.generator)
+            return drawn[j].to(lg.device).view(1, 1)
+
+        logits, conf = head.draft_block(self.cache, root, pick=pick)  # Markov bias of draft j reads drawn j-1
+        qs = target_probs(logits[:k], ctx.sampling).cpu()  # [k, V'] the distributions the drafts came from
+        ids = [drawn[j] if j in drawn else torch.multinomial(qs[j], 1, generator=ctx.generator) for j in range(k)]
+        drafts = head.to_target_ids(torch.cat(ids).to(logits.device)).tolist()
+        vocab = head.config.vocab_size
+        q = torch.zeros(k + 1, vocab)
+        cols = torch.arange(vocab) if getattr(head, "d2t", None) is None else head.d2t.cpu()
+        q[:k, cols] = qs
+        q[k] = 1.0 / vocab  # the leaf's row is never read
+        return drafts, None if conf is None else conf.tolist(), q
+
+    def learn(self, cand, truth) -> None:
+        if self.head.confidence_head is None:
+            for node, ok in outcomes(cand.tree, truth):
+                self.depth_rates.add(int(cand.tree.depth[node]), ok)
+
+    def alone(self, cand, scheduler, prices, draft_s) -> DraftTree:
+        if self.scheduler is None:
+            return cand.tree
+        return cand.tree.select(scheduler.choose(cand, prices, draft_s).keep)
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        t0 = time.perf_counter()
+        cand = self.candidates(ctx)
+        self.pending, self.report = (cand, ctx.sampling.greedy), None
+        if self.scheduler is None:
+            return cand.tree
+        prices = self.scheduler.prices(ctx.clock, draft_now=time.perf_counter() - t0)
+        choice = self.scheduler.choose(cand, prices)
+        self.report = StepReport(choice.expected_tau, choice.cost)
+        return cand.tree.select(choice.keep)
+
+
+class ScoredTreeDrafter(ScoredDrafter):
+    """An EAGLE / Medusa drafter's tree with per-node estimates p = the product along the path of P(accepted |
+    parent accepted) by (depth, rank) (scheduler.rank_rates: the `--tree auto` probe's matrix as prior, learned per
+    request from every step's greedy outcome). Rates by depth and rank are what autotree measured for this head and
+    are calibrated by construction; a small head's draft probabilities would need a calibration map of their own."""
+
+    def __init__(self, inner: Drafter, acceptance: dict | None = None):
+        self.inner, self.name, self.feature_layers = inner, inner.name, inner.feature_layers
+        acceptance = acceptance or {}
+        self.rates = rank_rates(acceptance.get("acc"), acceptance.get("counts"))
 
     def reset(self, prompt_ids, features) -> None:
         self.inner.reset(prompt_ids, features)
+        self.rates.clear()
 
-    def propose(self, ctx: DraftContext) -> DraftTree:
-        tree = self.inner.propose(ctx)
-        if ctx.sampling.temperature > 0 or tree.q is not None:
-            return tree
-        extra = self.lookup.propose(ctx)
-        return merge_trees(tree, extra) if len(extra) > 1 else tree
+    def propose(self, ctx):
+        return self.inner.propose(ctx)
 
     def observe(self, tree, accepted, features) -> None:
         self.inner.observe(tree, accepted, features)
+
+    def candidates(self, ctx) -> Candidates:
+        tree = self.inner.propose(ctx)
+        return Candidates(tree, path_products(tree, lambda d, r: self.rates.rate((d, r))), self.name)
+
+    def learn(self, cand, truth) -> None:
+        rank = [0] * len(cand.tree)
+        for ch in cand.tree.children_lists():
+            for r, c in enumerate(ch):
+                rank[c] = r
+        for node, ok in outcomes(cand.tree, truth):
+            self.rates.add((int(cand.tree.depth[node]), rank[node]), ok)
+
+
+class ScoredLookupDrafter(ScoredDrafter):
+    """Prompt lookup's chain with per-token estimates: P(accepted | parent accepted) by match length and depth
+    (scheduler.LookupRates), learned per request from each step's greedy outcome."""
+    name = "lookup"
+
+    def __init__(self, num_tokens: int = 10, max_ngram: int = 3):
+        self.lookup = PromptLookupDrafter(num_tokens=num_tokens, max_ngram=max_ngram)
+        self.rates = LookupRates()
+        self.match = 0  # this step's match length
+
+    def reset(self, prompt_ids, features) -> None:
+        self.rates.clear()
+
+    def propose(self, ctx):
+        return self.lookup.propose(ctx)
+
+    def candidates(self, ctx) -> Candidates:
+        cont, self.match = self.lookup.find(ctx.ids, min(self.lookup.k, ctx.max_depth))
+        conf = [self.rates.rate(self.match, d) for d in range(1, len(cont) + 1)]
+        return Candidates(chain_tree(ctx.ids[-1], cont), [1.0] + survival(conf), self.name)
+
+    def learn(self, cand, truth) -> None:
+        for node, ok in outcomes(cand.tree, truth):
+            self.rates.add(self.match, int(cand.tree.depth[node]), ok)
+
+
+class ScheduledUnionDrafter(Drafter):
+    """Several scored drafters under one scheduler: each step every source proposes its candidates, their trie union
+    is scored (scheduler.merge_candidates) and the scheduler verifies its best ancestor-closed part, so one verify
+    budget is spent across the sources; every source's draft pass is paid (the measured drafter seconds price it).
+    Greedy only: with sampling the first source drafts alone. Every source observes every step (their caches hold
+    true rows only). The report also says what each source alone would have emitted (greedy: the target's argmax is
+    known along the emitted path), for the oracle figure."""
+
+    def __init__(self, sources: list[ScoredDrafter], scheduler: Scheduler):
+        self.sources, self.scheduler = list(sources), scheduler
+        names = [s.name for s in self.sources]
+        self.names = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
+        self.name = "+".join(self.names)
+        layers = sorted({l for s in self.sources for l in (s.feature_layers or [])})
+        self.feature_layers = layers or None
+        self.seconds = {n: deque(maxlen=WINDOW_STEPS) for n in self.names}  # per source: seconds per step
+        self.step: dict | None = None  # this step's candidates, prices and seconds (greedy)
+        self.report: StepReport | None = None
+
+    def _features(self, source: Drafter, features: torch.Tensor | None) -> torch.Tensor | None:
+        """The columns of `features` [n, F*D] (this drafter's layers) that `source` reads, in its order."""
+        if features is None or not source.feature_layers:
+            return None
+        if source.feature_layers == self.feature_layers:
+            return features
+        d = features.shape[-1] // len(self.feature_layers)
+        idx = [self.feature_layers.index(l) for l in source.feature_layers]
+        return torch.cat([features[..., i * d:(i + 1) * d] for i in idx], dim=-1)
+
+    def reset(self, prompt_ids, features) -> None:
+        for s in self.sources:
+            s.reset(prompt_ids, self._features(s, features))
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        self.step, self.report = None, None
+        if not ctx.sampling.greedy:
+            return self.sources[0].propose(ctx)
+        t0 = time.perf_counter()
+        cands, secs = [], {}
+        for name, s in zip(self.names, self.sources):
+            t = time.perf_counter()
+            cands.append(s.candidates(ctx))
+            secs[name] = time.perf_counter() - t
+        merged, _ = merge_candidates(cands)
+        prices = self.scheduler.prices(ctx.clock, draft_now=time.perf_counter() - t0)
+        choice = self.scheduler.choose(merged, prices)
+        self.step = {"cands": cands, "prices": prices, "seconds": secs}
+        self.report = StepReport(choice.expected_tau, choice.cost)
+        return merged.tree.select(choice.keep)
+
+    def observe(self, tree, accepted, features) -> None:
+        secs = self.step["seconds"] if self.step else {}
+        for name, s in zip(self.names, self.sources):
+            t = time.perf_counter()
+            s.observe(tree, accepted, self._features(s, features))
+            self.seconds[name].append(secs.get(name, 0.0) + time.perf_counter() - t)
+        if self.step is not None:
+            self._learn_and_replay(emitted_tokens(tree, accepted))
+
+    def _learn_and_replay(self, truth: list[int]) -> None:
+        """Each source learns from the outcome and is replayed alone: its own proposal's accepted length and the
+        cost of its own step (its draft seconds, the loop's, the verification of its own tree)."""
+        prices = self.step["prices"]
+        for name, s, cand in zip(self.names, self.sources, self.step["cands"]):
+            s.learn(cand, truth)
+            own = sorted(self.seconds[name])[len(self.seconds[name]) // 2]
+            tree = s.alone(cand, self.scheduler, prices, own)
+            n, censored = accepted_along(tree, truth)
+            self.report.sources[name] = n + 1
+            self.report.source_cost[name] = self.scheduler.cost_of(len(tree), prices, own)
+            self.report.censored[name] = censored
+
+    def step_report(self) -> StepReport | None:
+        return self.report if self.step is not None else self.sources[0].step_report()
+
+
+def scored(drafter: Drafter, acceptance: dict | None = None) -> ScoredDrafter:
+    """A drafter as a scheduler source: scored drafters as they are, tree drafters with (depth, rank) rates."""
+    return drafter if isinstance(drafter, ScoredDrafter) else ScoredTreeDrafter(drafter, acceptance)
+
+
+def combine_drafters(target, drafters: list[Drafter], *, lookup: int = 0, lookup_ngram: int = 3,
+                     acceptances: list[dict | None] | None = None, scheduler: Scheduler | None = None
+                     ) -> ScheduledUnionDrafter:
+    """Drafters (and, lookup > 0, prompt lookup's chain of up to that many tokens) under one per-step scheduler.
+    acceptances: per drafter, the `--tree auto` probe's {"acc", "counts"} (the prior of a tree head's rates).
+    scheduler: None = a drafter's own, else one priced by the target's cached cost profile."""
+    sources = [scored(d, a) for d, a in zip(drafters, acceptances or [None] * len(drafters))]
+    if lookup:
+        sources.append(ScoredLookupDrafter(num_tokens=lookup, max_ngram=lookup_ngram))
+    if scheduler is None:
+        scheduler = next((d.scheduler for d in drafters if getattr(d, "scheduler", None) is not None), None)
+    return ScheduledUnionDrafter(sources, scheduler or Scheduler.for_target(target))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -383,7 +652,7 @@ class LookupMergedDrafter(Drafter):
 @dataclass(frozen=True)
 class DrafterKind:
     name: str  # head kind (config.kind) or training-free drafter name
-    family: str  # treespec.FAMILIES key: dynamic | static | tokens | none
+    family: str  # treespec.FAMILIES key: dynamic | static | block | tokens | none
     label: str  # how messages name it ("an EAGLE-3 head", "prompt-lookup")
     build: Callable[..., Drafter]  # build(target, head | None, spec: TreeSpec, **options) -> Drafter
     default_tree: str | None = None  # --tree when none is given (None: the family takes none)
@@ -413,10 +682,14 @@ def drafter_kind(name: str, head: bool = False) -> DrafterKind:
 
 
 def tree_limits(head=None) -> TreeLimits:
-    """Bounds of a tree spec for a head (a DraftHead or its HeadConfig): ranks within its draft vocabulary."""
+    """Bounds of a tree spec for a head (a DraftHead or its HeadConfig): ranks within its draft vocabulary; a block
+    head's draft tokens within its block's drafts."""
     cfg = getattr(head, "config", head)
     if cfg is None:
         return TreeLimits()
+    kind = DRAFTERS.get(getattr(cfg, "kind", None))
+    if kind is not None and kind.family == "block":
+        return TreeLimits(max_rank=int(cfg.draft_vocab_size or cfg.vocab_size), max_depth=int(cfg.head_spec.num_drafts))
     return TreeLimits(max_rank=int(cfg.draft_vocab_size or cfg.vocab_size))
 
 
@@ -431,12 +704,16 @@ def parse_tree(text: str | None, name: str, head=None, flag: str = "--tree") -> 
 
 
 def build_drafter(target, head_or_name, spec: TreeSpec | str | None = None, *, lookup: int = 0,
-                  lookup_ngram: int = 3, **options) -> Drafter:
+                  lookup_ngram: int = 3, acceptance: dict | None = None, scheduler: Scheduler | None = None,
+                  **options) -> Drafter:
     """The one drafter constructor. head_or_name: a loaded DraftHead (its kind picks the drafter) or a training-free
     drafter name (plain, prompt-lookup, draft-model). spec: a TreeSpec, `--tree` text, or None (the drafter's
-    default); `auto` is resolved first by autotree.choose_tree_for_head. lookup > 0 merges a prompt-lookup chain of
-    up to that many tokens into the tree (greedy only; LookupMergedDrafter). options go to the drafter's builder
-    (prompt-lookup: max_ngram; draft-model: draft_target, draft_layers)."""
+    default); a tree head's `auto` is resolved first by autotree.choose_tree_for_head, a block head's `auto` is its
+    per-step scheduler. lookup > 0 puts the drafter and a prompt-lookup chain of up to that many tokens under one
+    per-step scheduler (greedy only; combine_drafters; acceptance: the `--tree auto` probe's {"acc", "counts"} as
+    the tree head's prior). scheduler: the per-step scheduler (None = priced by the target's cached cost profile,
+    made when needed). options go to the drafter's builder (prompt-lookup: max_ngram; draft-model: draft_target,
+    draft_layers)."""
     head = None if isinstance(head_or_name, str) else head_or_name
     name = head.config.kind if head is not None else head_or_name
     kind = drafter_kind(name, head=head is not None)
@@ -444,17 +721,21 @@ def build_drafter(target, head_or_name, spec: TreeSpec | str | None = None, *, l
         spec = check_tree_spec(spec, kind.family, drafter=kind.label, limits=tree_limits(head))
     else:
         spec = parse_tree(spec, name, head)
-    if spec.mode == "auto":
+    if spec.mode == "auto" and kind.family != "block":
         raise ValueError("build_drafter: resolve --tree auto with autotree.choose_tree_for_head first")
     check_lookup(lookup)
+    if kind.family == "block":  # scheduled per step: one scheduler for the head and any lookup merged in
+        scheduler = scheduler or (Scheduler.for_target(target) if spec.mode == "auto" or lookup else None)
+        options["scheduler"] = scheduler
     drafter = kind.build(target, head, spec, **options)
     if lookup:
-        drafter = LookupMergedDrafter(drafter, num_tokens=lookup, max_ngram=lookup_ngram)
+        drafter = combine_drafters(target, [drafter], lookup=lookup, lookup_ngram=lookup_ngram,
+                                   acceptances=[acceptance], scheduler=scheduler)
     return drafter
 
 
 def check_lookup(lookup: int) -> None:
-    """The prompt-lookup chain merged into a head's tree: 0 (off) .. MAX_TREE_DEPTH tokens."""
+    """The prompt-lookup chain scheduled with a head: 0 (off) .. MAX_TREE_DEPTH tokens."""
     if isinstance(lookup, bool) or not isinstance(lookup, int) or not 0 <= lookup <= MAX_TREE_DEPTH:
         raise SpecheadsError(f"--lookup {lookup}: must be 0 (off) .. {MAX_TREE_DEPTH} prompt-lookup tokens")
 
@@ -465,6 +746,13 @@ def _medusa(target, head, spec: TreeSpec) -> Drafter:
 
 def _eagle(target, head, spec: TreeSpec) -> Drafter:
     return EagleDrafter(head, depth=spec.depth, top_k=spec.top_k, total_tokens=spec.total_tokens)
+
+
+def _dspark(target, head, spec: TreeSpec, scheduler: Scheduler | None = None) -> Drafter:
+    """`auto`: the per-step scheduler chooses the prefix; K: the first K drafts of every block."""
+    if spec.mode == "auto":
+        return DSparkDrafter(head, scheduler=scheduler)
+    return DSparkDrafter(head, num_tokens=spec.num_tokens)
 
 
 def _prompt_lookup(target, head, spec: TreeSpec, max_ngram: int = 3) -> Drafter:
@@ -493,6 +781,7 @@ def _plain(target, head, spec: TreeSpec) -> Drafter:
 for _kind in (DrafterKind("medusa", "static", "a Medusa head", _medusa, default_tree="default", head=True),
               DrafterKind("eagle", "dynamic", "an EAGLE head", _eagle, default_tree="5,8,48", head=True),
               DrafterKind("eagle3", "dynamic", "an EAGLE-3 head", _eagle, default_tree="5,8,48", head=True),
+              DrafterKind("dspark", "block", "a DSpark head", _dspark, default_tree="auto", head=True),
               DrafterKind("prompt-lookup", "tokens", "prompt-lookup", _prompt_lookup, default_tree="8"),
               DrafterKind("draft-model", "tokens", "draft-model", _draft_model, default_tree="4"),
               DrafterKind("plain", "none", "plain decoding", _plain)):

@@ -18,6 +18,7 @@ import torch
 
 from specheads.infer.cache import keep_accepted, prepare_cache, tree_attention_mask
 from specheads.infer.drafters import DraftContext, Drafter, NoDrafter
+from specheads.infer.scheduler import StepClock, StepReport
 from specheads.infer.tree import DraftTree
 from specheads.infer.verify import VERIFICATIONS, Accepted, SamplingParams, verifier
 from specheads.utils import SpecheadsError
@@ -40,13 +41,36 @@ class GenerationStats:
     timings: dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})  # seconds per phase
     tree_nodes: int = 0  # total tree nodes sent to the target (root included)
     stop_reason: str = ""  # eos | stop_string | max_new_tokens | context_window
+    # steps a scheduler chose (infer/scheduler.py): what it expected, in tokens and in one-token target forwards t(1)
+    scheduled_steps: int = 0
+    expected_tau_sum: float = 0.0  # Σ expected tokens per step (1 + Σ p over the verified nodes)
+    expected_cost_sum: float = 0.0  # Σ expected step cost, t(n)/t(1) + draft + loop, in t(1)
+    # greedy unions of several sources: what each source's own proposal alone would have emitted, and the oracle
+    # that per step takes the better source (more tokens; equal: cheaper), priced by the same cost model
+    source_tokens: dict[str, int] = field(default_factory=dict)  # Σ per source of accepted + bonus, alone
+    oracle_tokens: int = 0  # Σ of the better source's tokens
+    oracle_cost_sum: float = 0.0  # Σ of the better source's own step cost alone, t(1)
+    oracle_censored: int = 0  # steps where the better source's figure is only a lower bound
 
-    def count_step(self, nodes: int, emitted: int) -> None:
-        """One target forward over `nodes` tree nodes that emitted `emitted` tokens (after a stop cut)."""
+    def count_step(self, nodes: int, emitted: int, report: StepReport | None = None) -> None:
+        """One target forward over `nodes` tree nodes that emitted `emitted` tokens (after a stop cut); `report`:
+        the scheduler's expectations for it (None: not scheduled)."""
         self.target_forwards += 1
         self.tree_nodes += nodes
         self.accept_hist.extend([0] * (emitted + 1 - len(self.accept_hist)))
         self.accept_hist[emitted] += 1
+        if report is None:
+            return
+        self.scheduled_steps += 1
+        self.expected_tau_sum += report.expected_tau
+        self.expected_cost_sum += report.expected_cost
+        for name, n in report.sources.items():
+            self.source_tokens[name] = self.source_tokens.get(name, 0) + n
+        best = report.oracle()
+        if best is not None:
+            self.oracle_tokens += best[1]
+            self.oracle_cost_sum += best[2]
+            self.oracle_censored += int(best[3])
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -103,6 +127,7 @@ class Request:
     sampling: SamplingParams
     generator: torch.Generator | None
     verify: Callable[[DraftTree, torch.Tensor], Accepted]  # verify.verifier(...)
+    clock: StepClock = field(default_factory=StepClock)  # each step's seconds by phase: the scheduler's prices
 
 
 class SpeculativeGenerator:
@@ -148,9 +173,10 @@ class SpeculativeGenerator:
         """One speculative step: draft a tree, one target forward over it, verify, keep the accepted path, emit."""
         target, drafter, tm = self.target, self.drafter, stats.timings
         cache_len, room = len(ids) - 1, req.window - len(ids)  # all but the root is cached; room = positions left
+        before = dict(tm)  # this step's seconds by phase go to req.clock (what a scheduler's prices are measured from)
         with phase_timer(tm, "draft"):  # a tree whose depth-d nodes sit at position cache_len + d (bonus: + 1)
             tree = drafter.propose(DraftContext(ids=ids, sampling=req.sampling, generator=req.generator,
-                                                max_depth=room - 1))
+                                                max_depth=room - 1, clock=req.clock))
             tree = tree.truncate_depth(room - 1) if tree.max_depth > room - 1 else tree
         with phase_timer(tm, "tree"):  # each node sees the cached prefix, its ancestors and itself
             mask = tree_attention_mask(tree, cache, cache_len, target.dtype, target.device)  # [1,1,N,cache_len+N]
@@ -170,7 +196,8 @@ class SpeculativeGenerator:
             emit, stats.stop_reason = self._cut(step, new, req)
             ids.extend(emit)
             new.extend(emit)
-            stats.count_step(len(tree), len(emit))
+            stats.count_step(len(tree), len(emit), drafter.step_report())
+        req.clock.add_step({k: tm[k] - before[k] for k in tm}, len(tree))
         return emit
 
     def _request(self, prompt_len: int, max_new_tokens: int, sampling: SamplingParams, eos_token_ids,

@@ -119,22 +119,32 @@ def merge_trees(a: DraftTree, b: DraftTree) -> DraftTree:
     """Union of two deterministic trees over the same root, as a trie: a's nodes keep their indices, b's nodes
     that a lacks (same token under the same parent) are appended in b's order. q must be None on both (mixing
     sampled and point-mass proposals per node would need their mixture as q)."""
-    if a.q is not None or b.q is not None:
+    return trie_union([a, b])[0]
+
+
+def trie_union(trees: Sequence[DraftTree]) -> tuple[DraftTree, list[list[int]]]:
+    """Union of deterministic trees over the same root as a trie (same token under the same parent = one node):
+    the first tree's nodes keep their indices, each further tree's new nodes are appended in its order. Returns
+    (the union, per tree the union node of each of its nodes)."""
+    if any(t.q is not None for t in trees):
         raise ValueError("merge_trees: only deterministic trees (q None) can be merged")
-    if int(a.tokens[0]) != int(b.tokens[0]):
+    if len({int(t.tokens[0]) for t in trees}) != 1:
         raise ValueError("merge_trees: the trees have different roots")
-    toks, pars, deps = a.tokens.tolist(), a.parents.tolist(), a.depth.tolist()
-    index = {(p, t): i for i, (p, t) in enumerate(zip(pars, toks)) if i > 0}  # (parent, token) -> node
-    where = [0]  # b's node j -> merged node
-    for j in range(1, len(b)):
-        key = (where[int(b.parents[j])], int(b.tokens[j]))
-        if key not in index:
-            index[key] = len(toks)
-            toks.append(key[1])
-            pars.append(key[0])
-            deps.append(deps[key[0]] + 1)
-        where.append(index[key])
-    return DraftTree(torch.tensor(toks), torch.tensor(pars), torch.tensor(deps))
+    toks, pars, deps = [int(trees[0].tokens[0])], [-1], [0]
+    index: dict[tuple[int, int], int] = {}  # (parent, token) -> union node
+    maps = []
+    for t in trees:
+        where = [0]  # t's node j -> union node
+        for p, tok in zip(t.parents.tolist()[1:], t.tokens.tolist()[1:]):
+            key = (where[p], tok)
+            if key not in index:
+                index[key] = len(toks)
+                toks.append(tok)
+                pars.append(key[0])
+                deps.append(deps[key[0]] + 1)
+            where.append(index[key])
+        maps.append(where)
+    return DraftTree(torch.tensor(toks), torch.tensor(pars), torch.tensor(deps)), maps
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -7,8 +7,10 @@ each drafter's family once):
   of their depth, widest rank and size; `auto` = the tree that pays on this machine (infer/autotree.py);
 - static (Medusa): rank paths, `chain:K` = [[0], [0, 0], ...] or JSON such as [[0], [0, 0], [1]] (path of per-depth
   ranks), `default` = tree.DEFAULT_MEDUSA_CHOICES, or `auto`;
-- tokens (prompt lookup, draft model): draft tokens per step, a chain, e.g. `8` (also the form for a drafter that
-  drafts a block of K positions per pass);
+- block (DSpark / DFlash block heads): `auto` = the per-step scheduler (infer/scheduler.py: each step verifies the
+  prefix of the block that pays on this machine), or a fixed number of draft tokens per step, `K` or `chain:K`
+  (1..the head's drafts per block);
+- tokens (prompt lookup, draft model): draft tokens per step, a chain, e.g. `8`;
 - none (plain decoding): drafts nothing, takes no `--tree`.
 Sizes are bounded (TreeLimits): a spec the head or the machine cannot hold is one SpecheadsError naming the flag,
 the bound and the accepted forms, before anything is allocated.
@@ -35,6 +37,8 @@ FAMILIES = {
     "static": f"chain:K (K 1..{MAX_TREE_DEPTH}) or JSON rank paths such as [[0],[0,0],[1]] (Medusa static tree: "
               f"ranks 0..{MAX_TOP_K - 1} and below the draft vocabulary, at most {MAX_TREE_NODES} paths), default, "
               f"or auto",
+    "block": "auto (the per-step scheduler: the prefix of each block that pays on this machine) or a fixed number "
+             "of draft tokens per step, K or chain:K (K 1..the head's drafts per block)",
     "tokens": f"a number of draft tokens per step, 1..{MAX_TREE_DEPTH} (e.g. 8)",
     "none": "no --tree (plain decoding drafts nothing)",
 }
@@ -120,8 +124,11 @@ def parse_tree_spec(text: str, family: str, *, drafter: str = "this drafter", li
         if family == "tokens":
             raise bad("automatic tree choice is for heads that draft trees")
         return TreeSpec.auto()
-    if family == "tokens":
+    if family == "tokens" or (family == "block" and not raw.startswith("chain:")):
         spec = TreeSpec.tokens(_whole(raw, bad, "expected a whole number of tokens"), text=raw)
+    elif family == "block":
+        spec = TreeSpec.tokens(_whole(raw.split(":", 1)[1].strip(), bad, "expected chain:K with K a whole number"),
+                               text=raw)
     elif family == "dynamic" and raw.count(",") == 2 and not raw.startswith("["):
         depth, top_k, total = (_whole(x.strip(), bad, "expected three whole numbers DEPTH,TOP_K,TOTAL")
                                for x in raw.split(","))
@@ -137,7 +144,8 @@ def parse_tree_spec(text: str, family: str, *, drafter: str = "this drafter", li
     return check_tree_spec(spec, family, drafter=drafter, limits=limits, flag=flag)
 
 
-FAMILY_MODES = {"dynamic": ("dynamic", "auto"), "static": ("static", "auto"), "tokens": ("tokens",), "none": ("none",)}
+FAMILY_MODES = {"dynamic": ("dynamic", "auto"), "static": ("static", "auto"), "block": ("tokens", "auto"),
+                "tokens": ("tokens",), "none": ("none",)}
 
 
 def check_tree_spec(spec: TreeSpec, family: str, *, drafter: str = "this drafter", limits: TreeLimits | None = None,
