@@ -10,13 +10,16 @@ from specheads.infer.batch import (generate_batch, keep_accepted_rows, merge_cac
                                    pack_trees)
 from specheads.infer.batchbudget import (AcceptanceTracker, BudgetScheduler, choose_batch_budget,
                                          effective_survival)
-from specheads.infer.drafters import (DraftModelDrafter, Drafter, EagleDrafter, LookupMergedDrafter, MedusaDrafter,
-                                      NoDrafter, PromptLookupDrafter)
+from specheads.infer.drafters import (DraftModelDrafter, Drafter, EagleDrafter, MedusaDrafter, NoDrafter,
+                                      PromptLookupDrafter, combine_drafters)
 from specheads.infer.generate import generate
+from specheads.infer.scheduler import Scheduler
 from specheads.infer.tree import DraftTree, chain_tree
 from specheads.infer.verify import Accepted
 from specheads.target import tiny_target
 from specheads.utils import SpecheadsError
+
+FLAT = {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2, 32: 1.4}  # a hand-made cost profile: nothing measured
 from test_generate import OracleTreeDrafter, hf_greedy
 
 # Small sequential forwards: one intra-op thread is several times faster than two on a shared CPU.
@@ -65,8 +68,8 @@ def row_makers(target):
         "draft-model": lambda: DraftModelDrafter(small.model, num_tokens=3),
         "medusa": lambda: MedusaDrafter(medusa),
         "eagle3": lambda: EagleDrafter(eagle3, depth=3, top_k=3, total_tokens=8),
-        "eagle3+lookup": lambda: LookupMergedDrafter(EagleDrafter(eagle3, depth=2, top_k=2, total_tokens=4),
-                                                     num_tokens=4, max_ngram=2),
+        "eagle3+lookup": lambda: combine_drafters(target, [EagleDrafter(eagle3, depth=2, top_k=2, total_tokens=4)],
+                                                  lookup=4, lookup_ngram=2, scheduler=Scheduler(FLAT, 1e-3)),
     }
 
 
