@@ -39,9 +39,10 @@ from specheads.infer import autotree
 from specheads.infer.drafters import build_drafter, combine_drafters, drafter_kind, parse_tree
 from specheads.infer.generate import generate
 from specheads.infer.profile import load_or_profile, t1_seconds
+from specheads.infer.prompts import BenchPrompt, encode_turn
+from specheads.infer.records import Method, RunRecord  # noqa: F401 (re-exported)
 from specheads.infer.scheduler import RULE as SCHEDULER_RULE
 from specheads.infer.scheduler import Scheduler
-from specheads.infer.prompts import BenchPrompt, encode_turn
 from specheads.infer.treespec import MAX_TREE_DEPTH, TreeSpec
 from specheads.runinfo import command_line, environment
 from specheads.utils import SpecheadsError, atomic_write_json, atomic_write_text
@@ -81,25 +82,6 @@ SCHEDULE_FIELDS = ("scheduled_steps", "expected_tau_sum", "expected_cost_sum", "
 
 
 # --------------------------------------------------------------------------------------------------- records
-@dataclass
-class RunRecord:
-    """One method on one prompt turn."""
-
-    method: str
-    prompt_id: str
-    category: str
-    turn: int
-    prompt_tokens: int
-    new_tokens: int
-    time_s: float
-    target_forwards: int | None  # None = could not be counted
-    step_tokens: list[int] | None  # tokens emitted by each target forward (sum = new_tokens); None = unknown
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    phase_times: dict[str, float] | None = None  # seconds per phase (ours only)
-    schedule: dict[str, Any] | None = None  # the scheduler's figures (GenerationStats SCHEDULE_FIELDS), ours only
-
-
 def _ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None
@@ -194,14 +176,6 @@ NOT_STEP_PHASES = {"prefill"}
 
 
 # --------------------------------------------------------------------------------------------------- methods
-class Method:
-    name: str = "method"
-    info: dict[str, Any]
-
-    def generate(self, input_ids: list[int], max_new_tokens: int) -> RunRecord:  # pragma: no cover - interface
-        raise NotImplementedError
-
-
 def _sampling_kwargs(temperature: float) -> dict[str, Any]:
     if temperature <= 0:
         return {"do_sample": False}

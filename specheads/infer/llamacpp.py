@@ -154,7 +154,7 @@ class LlamaServer:
 # ----------------------------------------------------------------------------------------------- the method
 def record_from_reply(name: str, reply: dict, prompt_len: int, dt: float, tokenizer):
     """A bench RunRecord from one /completion reply (see the module docstring for the counting)."""
-    from specheads.infer.bench import RunRecord
+    from specheads.infer.records import RunRecord
 
     ids = [int(t) for t in reply.get("tokens") or []]
     timings = reply.get("timings") or {}
