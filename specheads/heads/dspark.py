@@ -200,13 +200,19 @@ class ConfidenceHead(nn.Module):
 @dataclass
 class BlockContext:
     """The target context the blocks read: per layer (keys normed and rotated, values) [B,Hkv,S,hd], and with
-    head.anchor_features the fused rows c [B,S,D] (the anchor slot reads c_{p-1}). Iterates over the layers."""
+    head.anchor_features the fused rows c [B,S,D] (the anchor slot reads c_{p-1}). Reads as the list of layers."""
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     fused: torch.Tensor | None = None
 
     def __iter__(self):
         return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i):
+        return self.layers[i]
 
 
 @dataclass
