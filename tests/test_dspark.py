@@ -44,7 +44,9 @@ def _inputs(T=24, seed=5):
 
 VARIANTS = [dict(markov_head_type="vanilla", draft_vocab_size=100), dict(markov_head_type="gated"),
             dict(markov_head_type="rnn", sample_from_anchor=False), dict(markov_rank=0, confidence_head=False),
-            dict(markov_head_type="rnn", draft_vocab_size=100, confidence_with_markov=False)]
+            dict(markov_head_type="rnn", draft_vocab_size=100, confidence_with_markov=False),
+            dict(anchor_features=True, draft_vocab_size=100),
+            dict(anchor_features=True, markov_head_type="rnn", sample_from_anchor=False)]
 
 
 @pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
@@ -71,6 +73,33 @@ def test_training_forward_equals_draft_block(tiny, kw):
     cache.crop(4)  # rewinding the context reproduces the block drafted there
     l4, _ = head.draft_block(cache, ids[0, 4])
     torch.testing.assert_close(head(f, ids, torch.tensor([[4]]))[0][0, 0, 0], l4[0], atol=1e-5, rtol=1e-5)
+
+
+def test_anchor_features_variant_starts_as_the_reference_and_reads_row_p_minus_1(tiny):
+    """W_a = 0 at init and every other weight drawn as the reference's: the same function. Once W_a moves, the
+    anchor slot's extra input is W_a c_{p-1} (the fused row before the anchor), and with no context at all
+    draft_block equals the training forward at p = 0 (c_{-1} = 0)."""
+    spec = dict(kind="dspark", feature_layers=[1, 2, 3], block_size=4, markov_rank=16, draft_vocab_size=100)
+    torch.manual_seed(0)
+    ref = build_head(HeadSpec(**spec), tiny, token_counts=torch.arange(V))
+    torch.manual_seed(0)
+    var = build_head(HeadSpec(**spec, anchor_features=True), tiny, token_counts=torch.arange(V))
+    sr, sv = ref.state_dict(), var.state_dict()
+    assert set(sv) - set(sr) == {"anchor_proj.weight"} and all(torch.equal(sr[k], sv[k]) for k in sr)
+    assert not var.anchor_proj.weight.any() and var.anchor_proj.weight.requires_grad
+    f, ids = _inputs()
+    a = torch.tensor([[3, 9]])
+    torch.testing.assert_close(var(f, ids, a)[0], ref(f, ids, a)[0], atol=0, rtol=0)
+    with torch.no_grad():
+        var.anchor_proj.weight.normal_(std=0.1)
+    assert not torch.allclose(var(f, ids, a)[0], ref(f, ids, a)[0])
+    c = var.project_features(f)  # [1,T,D]
+    got = var._anchor_input(var.context_kv(f), a)
+    torch.testing.assert_close(got, var.anchor_proj(c[:, [2, 8]]), atol=0, rtol=0)  # rows p-1 = 2, 8
+    logits, _ = var.draft_block(var.new_cache(), ids[0, 0])  # empty context: anchor at position 0
+    forced = ids.clone()
+    forced[0, 1:1 + var.num_drafts] = var.to_target_ids(logits.argmax(-1))
+    torch.testing.assert_close(var(f, forced, torch.tensor([[0]]))[0][0, 0], logits, atol=1e-5, rtol=1e-5)
 
 
 def test_block_reads_only_the_context_before_its_anchor(tiny):
@@ -228,7 +257,8 @@ def _greedy_samples(target, n, T=40, prompt=6, seed=0):
     return [{"input_ids": row[:T], "loss_mask": lm.clone()} for row in out]
 
 
-def test_training_run_tau_rises_and_target_stays_frozen(tmp_path):
+@pytest.mark.parametrize("anchor_features", [False, True], ids=["reference", "anchor_features"])
+def test_training_run_tau_rises_and_target_stays_frozen(tmp_path, anchor_features):
     from specheads.config import load_config
     from specheads.recipe import Recipe
     from specheads.train.trainer import Trainer
@@ -240,9 +270,11 @@ def test_training_run_tau_rises_and_target_stays_frozen(tmp_path):
         f"output_dir={tmp_path}", "seed=0", "head.kind=dspark", "head.feature_layers=[1,2,3]", "head.block_size=4",
         "head.markov_rank=16", "head.draft_vocab_size=64", "train.tracker=none", "train.batch_size=2",
         "train.lr=1e-2", "train.block_w_ce=1.0", "train.warmup_steps=1", "train.max_steps=40",
-        "train.max_anchors=16", "eval.every_steps=0", "eval.max_samples=6", "eval.batch_size=2"])
+        "train.max_anchors=16", "eval.every_steps=0", "eval.max_samples=6", "eval.batch_size=2",
+        f"head.anchor_features={str(anchor_features).lower()}"])
     torch.manual_seed(0)
     head = build_head(recipe.head, target, token_counts=counts)
+    assert (head.anchor_proj is not None) == anchor_features
     before = {k: v.clone() for k, v in head.state_dict().items()}
     target_before = {k: v.clone() for k, v in target.model.state_dict().items()}
     res = Trainer(recipe, target, head, data, val).train()
@@ -254,6 +286,7 @@ def test_training_run_tau_rises_and_target_stays_frozen(tmp_path):
     trainable = {n for n, p in head.named_parameters() if p.requires_grad}
     assert changed == trainable, "every trainable parameter moves; the frozen lm_head rows and buffers do not"
     assert "lm_head.weight" not in trainable and not torch.equal(head.lm_head.weight, torch.zeros(1))
+    assert ("anchor_proj.weight" in changed) == anchor_features  # W_a left zero
     assert all(torch.equal(v, target.model.state_dict()[k]) for k, v in target_before.items()), "target changed"
     assert load_head(tmp_path / "best", target).kind == "dspark"
 
@@ -352,6 +385,24 @@ def test_export_import_round_trip_bit_exact(tiny, tmp_path, fmt, kw):
         assert getattr(back.spec, k) == getattr(head.spec, k), k
     _same_state(head, back, skip=("conf_temperature",))
     assert bool((back.conf_temperature == 1).all())
+
+
+def test_anchor_features_head_stays_native_and_its_exports_are_refused(tiny, tmp_path):
+    head = _head(tiny, anchor_features=True, draft_vocab_size=100)
+    head.save_pretrained(tmp_path / "h")
+    back = load_head(tmp_path / "h", tiny)
+    _same_state(head, back)
+    f, ids = _inputs()
+    a = torch.tensor([[5]])
+    torch.testing.assert_close(back(f, ids, a)[0], head(f, ids, a)[0], atol=0, rtol=0)
+    for fmt, loader in [("speculators", "speculators. DSparkDraftModel"),
+                        ("specforge", "SpecForge.s DSparkDraftModel")]:
+        with pytest.raises(SpecheadsError, match=rf"--format {fmt}: .*{loader}.* cannot run this head: .*"
+                                                 "head.anchor_features"):
+            export_head(tmp_path / "h", fmt, tmp_path / fmt)
+        assert not (tmp_path / fmt).exists()
+    with pytest.raises(SpecheadsError, match="head.anchor_features: a DSpark block-drafter switch"):
+        HeadSpec(kind="eagle3", anchor_features=True)
 
 
 def test_export_layouts_match_the_consumers_contracts(tiny, tmp_path):

@@ -7,6 +7,7 @@ cannot disagree on a near tie: speculative greedy output must equal plain greedy
 """
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -15,7 +16,8 @@ import torch
 
 from specheads.heads import HeadSpec, build_head
 from specheads.heads.base import read_head_config, read_safetensors
-from specheads.heads.gguf import (DRAFT_KINDS, _eagle3_converter_config, find_tools, gguf_metadata, llamacpp_root)
+from specheads.heads.gguf import (DRAFT_KINDS, _dspark_converter_config, _eagle3_converter_config, find_tools,
+                                  gguf_metadata, llamacpp_root)
 from specheads.utils import SpecheadsError
 
 V, D, L = 49152, 64, 4  # SmolLM2's vocabulary (its tokenizer), a tiny body
@@ -136,6 +138,38 @@ def test_heads_llamacpp_cannot_run_are_refused(tiny, tmp_path, spec, msg):
         DRAFT_KINDS["eagle3"].check_head(read_head_config(tmp_path / "h"), tmp_path / "h")
 
 
+def test_dspark_converter_config_sets_every_key_the_converter_reads(tiny):
+    head = build_head(HeadSpec(kind="dspark", feature_layers=[3, 1, 2], block_size=5, markov_rank=8,
+                               draft_vocab_size=100, sample_from_anchor=False), tiny, token_counts=torch.arange(256))
+    config = _dspark_converter_config(head.config, {"architectures": ["DSparkSpeculator"], "block_size": 16})
+    # conversion/qwen.py: DSparkModel registers DSparkSpeculator; block_size defaults to 16 and sample_from_anchor to
+    # true without transformer_layer_config; aux ids are hidden_states ids (stored - 1, written + 1)
+    assert config["architectures"] == ["DSparkSpeculator"] and config["block_size"] == 5
+    assert config["sample_from_anchor"] is False and config["mask_token_id"] == head.spec.mask_token_id
+    assert config["aux_hidden_state_layer_ids"] == [3, 1, 2] and config["draft_vocab_size"] == 100
+    assert config["dflash_config"] == {"block_size": 5, "mask_token_id": head.spec.mask_token_id,
+                                       "target_layer_ids": [2, 0, 1], "causal": False}
+    dflash = build_head(HeadSpec(kind="dspark", feature_layers=[1, 2, 3], markov_rank=0, confidence_head=False,
+                                 sample_from_anchor=False), tiny)
+    assert _dspark_converter_config(dflash.config, {"architectures": ["DFlashSpeculator"]})["architectures"] == \
+        ["DSparkSpeculator"]  # the converter registers no DFlashSpeculator; without Markov tensors it is DFlash
+
+
+@pytest.mark.parametrize("spec,msg", [
+    (dict(markov_head_type="gated"), "vanilla one only"),
+    (dict(markov_head_type="rnn"), "vanilla one only"),
+    (dict(confidence_with_markov=False), r"reads \[h_k ; W1\[x_prev\]\]"),
+    (dict(feature_layers=[1, 2, 4]), "pre-norm"),  # layer L: llama.cpp's is pre-norm
+    (dict(anchor_features=True), "head.anchor_features"),
+])
+def test_dspark_heads_llamacpp_cannot_run_are_refused(tiny, tmp_path, spec, msg):
+    spec = {"kind": "dspark", "feature_layers": [1, 2, 3], "block_size": 3, "markov_rank": 8, **spec}
+    build_head(HeadSpec(**spec), tiny).save_pretrained(tmp_path / "h")
+    with pytest.raises(SpecheadsError, match=rf"--format gguf: .*llama.cpp's DSpark draft.* cannot run this head"
+                                             rf".*{msg}"):
+        DRAFT_KINDS["dspark"].check_head(read_head_config(tmp_path / "h"), tmp_path / "h")
+
+
 def test_missing_tools_is_one_clear_error(tiny, tmp_path, monkeypatch):
     from specheads.heads.gguf import export_gguf
 
@@ -237,6 +271,179 @@ def test_every_draft_accepted_gives_the_obvious_counts(repeat_smol):
         assert a.output_ids == [REPEAT] * 25 and b.output_ids == a.output_ids
         assert (a.target_forwards, b.target_forwards) == (25, 7)
         assert (spec.drafted, spec.accepted) == (18, 18)
+    finally:
+        plain.server.stop()
+        spec.server.stop()
+
+
+# ----------------------------------------------------------------------------------------------- DSpark drafts
+K_BLOCK = 4  # slots per block of the DSpark test heads
+TIE = 0.02  # a top-2 logit margin below this is a near tie: fp32 llama.cpp and torch may pick either token
+
+
+def _dspark_head(root: Path, target, name: str, counts=None, **kw):
+    """A random DSpark head (block of 4) reading layers 1, 2, 3, perturbed away from its init, saved at root/name."""
+    torch.manual_seed(1)
+    head = build_head(HeadSpec(kind="dspark", feature_layers=FEATURES, block_size=K_BLOCK, **kw), target,
+                      token_counts=counts)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    head.save_pretrained(root / name)
+    return head, root / name
+
+
+def _logged_blocks(log: str) -> list[list[int]]:
+    """Each drafted block's tokens as llama-server logs them at -lv 5 (common/speculative.cpp:1283-1287: candidate 0
+    of every slot read, slot index `pos`); a block starts where the slot index stops rising."""
+    blocks, last = [], None
+    for m in re.finditer(r"draft candidate +0, pos +(\d+): +(\d+)", log):
+        i, tok = int(m[1]), int(m[2])
+        if last is None or i <= last:
+            blocks.append([])
+        blocks[-1].append(tok)
+        last = i
+    return blocks
+
+
+def _our_blocks(head, target, seq: list[int], start: int) -> dict:
+    """Our draft_block at every anchor a >= start of seq (context seq[:a], the target's own features) ->
+    {a: (draft tokens, top-2 logit margins, confidences or None)}."""
+    with torch.no_grad():
+        hs = target.model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+    f = torch.cat([hs[i] for i in FEATURES], -1)[0]
+    out = {}
+    for a in range(start, len(seq)):
+        cache = head.new_cache()
+        head.extend_context(cache, f[:a])
+        logits, conf = head.draft_block(cache, seq[a])
+        top = logits.topk(2, -1).values
+        out[a] = (head.to_target_ids(logits.argmax(-1)).tolist(), (top[:, 0] - top[:, 1]).tolist(),
+                  None if conf is None else conf.tolist())
+    return out
+
+
+def _gap_threshold(values: list[float]) -> float:
+    """A p-min inside the widest gap between the confidences of the 10-40% quantiles (none lies within half of it):
+    most blocks run several slots, some are cut."""
+    v = sorted(values)[len(values) // 10:2 * len(values) // 5 + 1]
+    i = max(range(len(v) - 1), key=lambda j: v[j + 1] - v[j])
+    return (v[i] + v[i + 1]) / 2
+
+
+def _replay(ours: dict, blocks: list, seq: list[int], start: int, n_predict: int, p_min: float):
+    """llama-server's steps replayed: the prefill emits seq[start]; each step drafts a block at the last token
+    (cut at the first confidence below p_min, then truncated to the n_predict budget: n_remaining - 1,
+    tools/server/server-context.cpp:463-466), the target accepts the drafts that match and adds one token. Every
+    logged block is checked against ours (tokens up to the first near tie; its length = our cut) ->
+    (drafted, accepted, tokens compared)."""
+    a, n_out, drafted, accepted, compared, blocks = start, 1, 0, 0, 0, list(blocks)
+    while n_out < n_predict:
+        toks, margins, conf = ours[a]
+        cut = next((j for j, c in enumerate(conf) if c < p_min), len(toks)) if p_min else len(toks)
+        d = []
+        if n_predict - n_out - 1 > 0 and cut > 0:
+            got = blocks.pop(0)
+            tie = next((j for j, m in enumerate(margins) if m < TIE), len(toks))
+            assert got[:min(tie, cut)] == toks[:min(tie, cut)], (a, got, toks)
+            assert cut > tie or len(got) == cut, (a, got, conf)  # confidences past a tie read another token
+            compared += min(tie, cut)
+            d = got[:n_predict - n_out - 1]
+        acc = 0
+        while acc < len(d) and d[acc] == seq[a + 1 + acc]:
+            acc += 1
+        drafted, accepted, a, n_out = drafted + len(d), accepted + acc, a + acc + 1, n_out + acc + 1
+    assert not blocks, f"{len(blocks)} logged blocks left over"
+    return drafted, accepted, compared
+
+
+@pytest.fixture(scope="module")
+def dspark_heads(tiny_smol):
+    """On the peaked random target: a DSpark head (vanilla Markov, confidence, 2,048-token draft vocab, 2 layers)
+    and a DFlash one (no Markov / confidence head, the anchor slot not drafting, the target's full vocabulary)."""
+    folder, target, _ = tiny_smol
+    return {"dspark": _dspark_head(folder.parent, target, "dspark", counts=torch.randint(0, 1000, (V,)),
+                                   markov_rank=16, draft_vocab_size=DRAFT_V, num_layers=2),
+            "dflash": _dspark_head(folder.parent, target, "dflash", markov_rank=0, confidence_head=False,
+                                   sample_from_anchor=False)}
+
+
+@needs_tools
+def test_dspark_export_gguf_cli_reads_back_every_convention(tiny_smol, dspark_heads, tmp_path):
+    import json
+
+    from specheads.cli import main
+
+    head, head_dir = dspark_heads["dspark"]
+    out = tmp_path / "gguf"
+    assert main(["export", "--head", str(head_dir), "--format", "gguf", "--out", str(out), "--gguf-type", "f32"]) == 0
+    meta, tensors = gguf_metadata(out / "draft.gguf")
+    assert meta["general.architecture"] == "dflash" and meta["dflash.target_layers"] == FEATURES
+    assert meta["dflash.block_size"] == K_BLOCK and meta["dflash.sample_from_anchor"] is True
+    assert meta["dflash.has_confidence_head"] is True and meta["dflash.block_count"] == 2
+    assert meta["tokenizer.ggml.mask_token_id"] == head.spec.mask_token_id
+    assert tuple(tensors["markov_w1.weight"].shape) == (16, V)  # ggml order: [rank, vocab] = torch [V, r]
+    d2t = torch.as_tensor(tensors["d2t"].data.copy()).long()
+    assert torch.equal(d2t, head.d2t)  # absolute ids: the converter added arange to our offsets
+    manifest = json.loads((out / "gguf_export.json").read_text())
+    assert manifest["llama_server"].endswith("--spec-type draft-dspark --spec-draft-n-max 4")
+    assert manifest["conf_temperature_not_in_gguf"] == [1.0] * K_BLOCK
+
+
+@needs_tools
+@pytest.mark.parametrize("which", ["dspark", "dflash"])
+def test_dspark_llamacpp_drafts_are_our_drafts_and_greedy_equals_plain(tiny_smol, dspark_heads, which):
+    """llama.cpp's draft-dspark with our converted head: greedy output equals llama.cpp plain, and every block it
+    drafted (read from its debug log) holds our draft_block's tokens for the same context and anchor (up to a near
+    tie), cut where our confidence first falls below --spec-draft-p-min; its draft counters add up."""
+    from specheads.heads.gguf import draft_gguf, target_gguf
+    from specheads.infer.llamacpp import LlamaServer
+
+    folder, target, _ = tiny_smol
+    head, head_dir = dspark_heads[which]
+    model = target_gguf(str(folder), "f32")
+    draft = draft_gguf(head_dir, target=str(folder), outtype="f32")
+    ids, n_predict = target.tokenizer("The capital of France is")["input_ids"], 20
+    with LlamaServer(model) as plain:
+        want = plain.complete(ids, n_predict)["tokens"]
+    seq = ids + want
+    ours = _our_blocks(head, target, seq, len(ids))
+    p_min = _gap_threshold([c for _, _, cs in ours.values() for c in cs]) if head.spec.confidence_head else 0.0
+    log_file = folder.parent / f"{which}-server.log"
+    args = ("--spec-type", "draft-dspark", "--spec-draft-n-max", str(head.num_drafts),
+            "--spec-draft-p-min", f"{p_min:.6f}", "-lv", "5")
+    with LlamaServer(model, draft, args, log_file=log_file) as spec:
+        reply = spec.complete(ids, n_predict)
+    assert reply["tokens"] == want  # lossless: greedy speculative = greedy plain
+    blocks = _logged_blocks(log_file.read_text(errors="replace"))
+    drafted, accepted, compared = _replay(ours, blocks, seq, len(ids), n_predict, p_min)
+    assert (drafted, accepted) == (reply["timings"]["draft_n"], reply["timings"]["draft_n_accepted"])
+    assert compared >= 0.8 * sum(len(b) for b in blocks) and compared >= 10
+    if p_min:  # the confidence cut was exercised: some blocks were cut short
+        assert any(len(b) < head.num_drafts for b in blocks)
+
+
+@needs_tools
+def test_dspark_every_draft_accepted_gives_the_obvious_counts(repeat_smol):
+    """The repeat target and a DSpark head whose one-token draft vocabulary is REPEAT: 25 tokens = the prefill's 1
+    + 4 steps of 4 accepted drafts + 1 bonus + a last step of 3 (the budget leaves n_remaining - 1), so 6 target
+    forwards, 19 drafted, 19 accepted: every slot of the block drafts (sample_from_anchor)."""
+    from specheads.infer.bench import MethodOptions, head_entries
+    from specheads.infer.llamacpp import build_llamacpp_method
+
+    folder, target, _ = repeat_smol
+    _, head_dir = _dspark_head(folder.parent, target, "repeat-dspark", markov_rank=8, draft_vocab_size=1,
+                               counts=torch.nn.functional.one_hot(torch.tensor(REPEAT), V))
+    options = MethodOptions(heads=head_entries([f"r={head_dir}"]), llamacpp_draft_max=K_BLOCK)
+    plain, spec = (build_llamacpp_method(n, target, options) for n in ("llama.cpp", "llama.cpp:r"))
+    try:
+        ids = target.tokenizer("Hello there, how are you?")["input_ids"]
+        a, b = plain.generate(ids, 25), spec.generate(ids, 25)
+        assert a.output_ids == [REPEAT] * 25 and b.output_ids == a.output_ids
+        assert (a.target_forwards, b.target_forwards) == (25, 6)
+        assert (spec.drafted, spec.accepted) == (19, 19)
+        assert spec.info["server_args"][:2] == ["--spec-type", "draft-dspark"]
     finally:
         plain.server.stop()
         spec.server.stop()

@@ -61,6 +61,9 @@ class HeadSpec:
     confidence_with_markov: bool = True  # c_k reads [h_k ; W1[x_{k-1}]] (needs markov_rank > 0), else h_k only
     sample_from_anchor: bool = True  # slot 0 (the anchor) drafts too: K drafts (DSpark); false: K-1 (DFlash)
     mask_token_id: int | None = None  # token embedded at the block's mask slots; None = tokenizer mask/pad/eos/unk
+    # The anchor slot also reads the fused target features of the last context row, E(x_p) + W_a c_{p-1} (as
+    # EAGLE-3's row reads [E(x_{t+1}); g_t]); false = the reference DSpark / DFlash design, which every engine runs.
+    anchor_features: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in HEAD_KINDS:
@@ -72,6 +75,8 @@ class HeadSpec:
             raise SpecheadsError(f"head.draft_vocab_size: must be >= 1 or null, got {self.draft_vocab_size}")
         if self.kind == "dspark":
             self._check_block()
+        elif self.anchor_features:
+            raise SpecheadsError(f"head.anchor_features: a DSpark block-drafter switch; head.kind is {self.kind!r}")
 
     def _check_block(self) -> None:
         if self.block_size < (1 if self.sample_from_anchor else 2):

@@ -42,10 +42,25 @@ target's features of rows 0..p-1 only (keys/values), and x_p only through its em
 verification the target has computed the features of x_p and of the accepted drafts: they are appended to the
 context cache as true rows, and the bonus token becomes the next anchor.
 
+Anchor-reads-features variant (`head.anchor_features: true`; not the reference design, no engine runs it). In the
+reference the last target state c_{p-1} reaches the block only as one key/value among the p context rows, while
+EAGLE-3's row reads [E(x_{t+1}) ; g_t] directly (and P-EAGLE's depth-0 row likewise, its later depths a learned
+mask vector). The variant puts c_{p-1} into the anchor slot's input, the slots after it unchanged:
+
+    z^0_0 = E(x_p) + W_a · c_{p-1}        W_a: D -> D, no bias, zero at init (the head starts as the reference)
+    z^0_k = E(m)                           k >= 1: the mask slots, which read the anchor slot by attention
+
+c_{p-1} is the same fused row the context keys are projected from (shared W_fc, RMSNorm_h). Only the anchor
+slot: the first draft is where the reference trails EAGLE-3 most (issue 19's calibration run: top-1 0.22 vs 0.30),
+EAGLE-3 and P-EAGLE give target features to their first position only, and bidirectional attention hands every
+mask slot the enriched anchor row as one key/value in the first layer. With no context row (p = 0, inference
+only: training anchors start at 1) c_{-1} = 0, the reference input.
+
 The lm_head over a draft vocabulary holds the target's lm_head rows of `d2t`, frozen (speculators and DeepSpec keep
 it frozen), saved so exports need no target; without a draft vocabulary the target's lm_head is used by reference.
 Tensor names follow speculators' DFlashDraftModel / DSparkDraftModel (`fc`, `hidden_norm`, `layers.i.*`, `norm`,
-`lm_head`, `markov_head.markov_w1/w2`, `confidence_head.proj`), so heads/export.py renames nothing.
+`lm_head`, `markov_head.markov_w1/w2`, `confidence_head.proj`), so heads/export.py renames nothing; the variant's
+`anchor_proj` has no counterpart there, and its exports are refused.
 Shapes: B batch, T sequence, A anchors (blocks), K slots, K' drafts, D hidden, V vocab, V' draft vocab, S context.
 """
 from __future__ import annotations
@@ -183,6 +198,24 @@ class ConfidenceHead(nn.Module):
 
 
 @dataclass
+class BlockContext:
+    """The target context the blocks read: per layer (keys normed and rotated, values) [B,Hkv,S,hd], and with
+    head.anchor_features the fused rows c [B,S,D] (the anchor slot reads c_{p-1}). Reads as the list of layers."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    fused: torch.Tensor | None = None
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i):
+        return self.layers[i]
+
+
+@dataclass
 class BlockCache:
     """The head's context at inference: per layer, keys (normed, rotated) and values of the TRUE context rows
     [B,Hkv,S,hd]; row i has position i. Only verified rows are appended, so nothing is ever rolled back except by
@@ -190,6 +223,7 @@ class BlockCache:
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
+    fused: torch.Tensor | None = None  # [B,S,D] fused rows c, kept only for head.anchor_features
 
     @property
     def length(self) -> int:
@@ -199,6 +233,8 @@ class BlockCache:
         """Keep the first n context rows."""
         self.keys = [k[..., :n, :] for k in self.keys]
         self.values = [v[..., :n, :] for v in self.values]
+        if self.fused is not None:
+            self.fused = self.fused[:, :n]
 
 
 class DSparkHead(DraftHead):
@@ -227,6 +263,10 @@ class DSparkHead(DraftHead):
         self._rope = RotaryCache(Qwen3RotaryEmbedding(cfg))
         self.mask_token_id = int(s.mask_token_id)
         self.slot0 = 0 if s.sample_from_anchor else 1  # the slot of draft 0
+        self.anchor_proj = None
+        if s.anchor_features:  # built last: the other modules draw the same initial weights as the reference's
+            self.anchor_proj = nn.Linear(D, D, bias=False)
+            nn.init.zeros_(self.anchor_proj.weight)  # W_a = 0: the reference design at init
 
     @property
     def lm_head(self) -> nn.Module:
@@ -251,14 +291,27 @@ class DSparkHead(DraftHead):
         """features [..., F*D] (feature layers concatenated in config order) -> c [..., D]."""
         return self.hidden_norm(self.fc(features.to(self.head_dtype)))
 
-    def context_kv(self, features: torch.Tensor, start: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """features [B,N,F*D] of context rows start..start+N-1 -> per layer (keys, values) [B,Hkv,N,hd]."""
+    def context_kv(self, features: torch.Tensor, start: int = 0) -> BlockContext:
+        """features [B,N,F*D] of context rows start..start+N-1 -> per layer (keys, values) [B,Hkv,N,hd] (+ the
+        fused rows [B,N,D] with head.anchor_features)."""
         c = self.project_features(features)
         pos = torch.arange(start, start + c.shape[1], device=c.device).expand(c.shape[0], -1)
         cos, sin = self._rope(c, pos)
-        return [layer.self_attn.kv(c, cos.to(c.dtype), sin.to(c.dtype)) for layer in self.layers]
+        return BlockContext([layer.self_attn.kv(c, cos.to(c.dtype), sin.to(c.dtype)) for layer in self.layers],
+                            c if self.anchor_proj is not None else None)
 
-    def blocks(self, ctx: list, allowed: torch.Tensor, anchor_tokens: torch.Tensor, anchors: torch.Tensor):
+    def _anchor_input(self, ctx: BlockContext, anchors: torch.Tensor) -> torch.Tensor:
+        """W_a c_{p-1} [B,A,D] for blocks anchored at anchors [B,A] (0 where p = 0: no context row)."""
+        c = ctx.fused
+        if c is None:
+            raise RuntimeError("DSparkHead: head.anchor_features needs the fused rows (context_kv's BlockContext)")
+        if c.shape[1] == 0:
+            return c.new_zeros(*anchors.shape, c.shape[-1])
+        rows = (anchors - 1).clamp(min=0)
+        g = c.gather(1, rows.unsqueeze(-1).expand(-1, -1, c.shape[-1]))  # [B,A,D]: c_{p-1}
+        return self.anchor_proj(g * (anchors >= 1).unsqueeze(-1).to(g.dtype))
+
+    def blocks(self, ctx: BlockContext, allowed: torch.Tensor, anchor_tokens: torch.Tensor, anchors: torch.Tensor):
         """ctx: context_kv(...) of S rows; allowed [B,A,S] bool; anchor_tokens [B,A] target ids at positions
         anchors [B,A] -> h [B,A,K,D] (final-normed hidden of every slot)."""
         B, A = anchors.shape
@@ -266,6 +319,8 @@ class DSparkHead(DraftHead):
         ids = torch.full((B, A, K), self.mask_token_id, dtype=torch.long, device=anchors.device)
         ids[..., 0] = anchor_tokens
         x = self.embed(ids)  # [B,A,K,D]
+        if self.anchor_proj is not None:  # z^0_0 = E(x_p) + W_a c_{p-1}; the mask slots keep E(m)
+            x = torch.cat([x[:, :, :1] + self._anchor_input(ctx, anchors).unsqueeze(2), x[:, :, 1:]], dim=2)
         pos = anchors[..., None] + torch.arange(K, device=anchors.device)  # [B,A,K]: slot k at position p+k
         cos, sin = self._rope(x, pos.flatten(1))
         cos, sin = (t.view(B, A, K, -1).to(x.dtype) for t in (cos, sin))
@@ -336,6 +391,8 @@ class DSparkHead(DraftHead):
         """Append the target features [N,F*D] or [1,N,F*D] of newly verified rows (positions cache.length ...)."""
         f = features if features.dim() == 3 else features.unsqueeze(0)
         new = self.context_kv(f, start=cache.length)
+        if new.fused is not None:
+            cache.fused = new.fused if cache.fused is None else torch.cat([cache.fused, new.fused], 1)
         if not cache.keys:
             cache.keys, cache.values = [k for k, _ in new], [v for _, v in new]
             return
@@ -355,14 +412,16 @@ class DSparkHead(DraftHead):
         anchor = torch.as_tensor(anchor_token, device=dev, dtype=torch.long).view(1, 1)
         anchors = torch.full((1, 1), S, device=dev, dtype=torch.long)
         allowed = torch.ones(1, 1, S, dtype=torch.bool, device=dev)
-        ctx = list(zip(cache.keys, cache.values)) if cache.keys else self._empty_context(dev)
+        ctx = BlockContext(list(zip(cache.keys, cache.values)), cache.fused) if cache.keys \
+            else self._empty_context(dev)
         h = self.blocks(ctx, allowed, anchor, anchors)
         logits, conf = self.heads(h, anchor, greedy=True, pick=pick)
         if conf is not None:
             conf = torch.sigmoid(conf[0, 0].float() / self.conf_temperature.float())
         return logits[0, 0], conf
 
-    def _empty_context(self, dev) -> list:
+    def _empty_context(self, dev) -> BlockContext:
         cfg = self.layer_config
         z = torch.zeros(1, cfg.num_key_value_heads, 0, cfg.head_dim, device=dev, dtype=self.head_dtype)
-        return [(z, z) for _ in self.layers]
+        fused = torch.zeros(1, 0, self.config.hidden_size, device=dev, dtype=self.head_dtype)
+        return BlockContext([(z, z) for _ in self.layers], fused if self.anchor_proj is not None else None)

@@ -661,11 +661,29 @@ def _specforge_block_config(cfg: HeadConfig, where: str) -> dict:
     return config
 
 
+# The loaders of the block formats, as refusals name them.
+BLOCK_LOADERS = {"speculators": "speculators' DSparkDraftModel / DFlashDraftModel (and vLLM, which runs it)",
+                 "specforge": "SpecForge's DSparkDraftModel / DFlashDraftModel (and SGLang's DFlash loader)"}
+
+
+def check_block_exportable(cfg: HeadConfig, flag: str, consumer: str, where: str) -> None:
+    """One SpecheadsError naming the consumer when it cannot run this dspark head: the anchor-features variant
+    (head.anchor_features) adds W_a c_{p-1} to the anchor slot's input, and the engines build the block's input
+    from token embeddings alone ([x_p, m, ..., m]), with no tensor or config key for anchor_proj."""
+    if cfg.head_spec.anchor_features:
+        raise SpecheadsError(f"{flag}: {where}: {consumer} cannot run this head: it was trained with "
+                             "head.anchor_features (the anchor slot reads the fused target features of the last "
+                             "context row through anchor_proj.weight), and that engine builds the block's input "
+                             "from the token embeddings alone; the native folder keeps the head (specheads "
+                             "generate / bench run it), or train one with head.anchor_features false for the engines")
+
+
 def export_block_head(cfg: HeadConfig, sd: dict, fmt: str, out_dir, where: str, verifier: str | None) -> Path:
     """A dspark head in speculators' or SpecForge's layout: same tensor names as ours (heads/dspark.py), d2t as
     offsets; the calibration temperatures have no slot in either format and stay in the native folder."""
     from specheads.heads.dspark import DSparkHead
 
+    check_block_exportable(cfg, f"--format {fmt}", BLOCK_LOADERS[fmt], where)
     _check_keys(sd, list(DSparkHead(cfg).state_dict()), where)
     tensors = {k: v for k, v in sd.items() if k not in ("d2t", "t2d", "conf_temperature")}
     if fmt == "speculators":

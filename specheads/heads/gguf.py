@@ -1,10 +1,11 @@
-"""GGUF export for llama.cpp: draft heads (EAGLE-3; DSpark plugs in below) and their target, converted by the
+"""GGUF export for llama.cpp: draft heads (EAGLE-3, DSpark / DFlash) and their target, converted by the
 `convert_hf_to_gguf.py` of the llama.cpp source pinned by `scripts/setup_llamacpp.sh` (the vendor/llama.cpp of the
 PyPI sdist llama-cpp-python==0.3.36), then read back and checked against the head.
 
     specheads export --head runs/x/final --format gguf --out runs/x/gguf [--target-gguf]
     -> runs/x/gguf/draft.gguf (+ target.gguf), gguf_export.json
     llama-server -m target.gguf -md draft.gguf --spec-type draft-eagle3 --spec-draft-n-max 3
+    llama-server -m target.gguf -md draft.gguf --spec-type draft-dspark --spec-draft-n-max K'   (a dspark head)
 
 The converter takes an HF-style draft folder plus `--target-model-dir` (tokenizer, vocab, target sizes). We write
 that folder ourselves (the eagle3 layout of heads/export.py, then the keys the converter reads set explicitly), so
@@ -24,8 +25,24 @@ that no convention is left to the converter's defaults. What the pinned source r
   (conversion/llama.py:345); `t2d` is dropped (:247). The fc has no bias in llama.cpp (src/models/eagle3.cpp fc).
 - RoPE base from `rope_parameters.rope_theta` / `rope_theta` (conversion/base.py:1359-1371, :1505), RMSNorm eps
   from `rms_norm_eps` (:1511). No `embed_tokens` in the draft: llama.cpp uses the target's (src/models/eagle3.cpp).
-DSpark (the DFlash architecture plus a Markov head) is read by `DSparkModel` (conversion/qwen.py:869): see
-`DRAFT_KINDS` and docs/llamacpp.md for its keys.
+DSpark / DFlash heads (the speculators dspark layout, then the keys below) are read by `DSparkModel`
+(conversion/qwen.py:861-949, on DFlashModel :664-858) into the `dflash` GGUF architecture:
+- `architectures` DSparkSpeculator (registered :861-867; DFlashSpeculator is not, so DFlash heads use it too: the
+  runtime adds the Markov head only when `markov_w1` exists, src/models/dflash.cpp:125-137, :849).
+- `block_size`, from `dflash_config` or top level, DEFAULT 16 when absent (:710); `sample_from_anchor`, default
+  true only without `transformer_layer_config` / aux ids (:879-881), i.e. false for a speculators folder that
+  omits it; `mask_token_id` (:696-698 -> tokenizer.ggml.mask_token_id); `aux_hidden_state_layer_ids` stored as
+  `id - 1` (:888-892) and written `+ 1` (:735-738), so `dflash.target_layers` = ours, fed as target layer inputs
+  (common/speculative.cpp:1056-1059); `dflash_config.causal` false (:749-753; the block is bidirectional).
+- `markov_head_type` vanilla only (:898); `draft_vocab_size` (:902) with `d2t` offsets written absolute
+  (:938-949), `t2d` dropped (:917), `lm_head` dropped with a full vocabulary (:926: the target's output is used,
+  src/models/dflash.cpp:802-811, as our head does); `has_confidence_head` from `confidence_head.proj` (:912).
+- Qwen3 layers with q/k norms (src/models/dflash.cpp:234-235), NeoX RoPE (src/llama-model.cpp:3179-3185), the
+  context's keys/values from RMSNorm(fc(features)) without the input norm (:606-640), as ours; confidence
+  sigmoid(conf_proj [h_k ; W1[x_prev]] + b) on the final-normed hidden (:368-381, :797-800).
+Refused: gated / rnn Markov heads, a confidence head without the Markov input, feature layer L, activations
+other than SiLU (no hidden_act is written), RoPE scaling the converter does not write, and the anchor-features
+variant. The per-slot confidence temperatures have no slot in the GGUF (gguf_export.json lists them).
 """
 from __future__ import annotations
 
@@ -233,6 +250,7 @@ class DraftKind:
     check_head: Callable[[HeadConfig, Path], None]
     converter_config: Callable[[HeadConfig, dict], dict]  # (head config, exported config.json) -> config.json
     check_gguf: Callable[[HeadConfig, dict, dict, Path], None]  # (head config, metadata, tensors, path)
+    notes: Callable[[HeadConfig, Path], dict] = lambda cfg, head_dir: {}  # gguf_export.json extras: server_args
 
 
 def _rope_theta(cfg: HeadConfig) -> float:
@@ -276,11 +294,100 @@ def _eagle3_check_gguf(cfg: HeadConfig, meta: dict, tensors: dict, path: Path) -
                              f"draft vocabulary {cfg.out_vocab}")
 
 
+DSPARK_ENGINE = "llama.cpp's DSpark draft (converter conversion/qwen.py DSparkModel, runtime src/models/dflash.cpp)"
+
+
+def _dspark_check_head(cfg: HeadConfig, head_dir: Path) -> None:
+    """What llama.cpp's DFlash / DSpark graph cannot run, refused with the reason (file:line in vendor/llama.cpp)."""
+    from specheads.heads.export import check_block_exportable
+
+    spec, tc, L = cfg.head_spec, cfg.target_config, int(cfg.target_config["num_hidden_layers"])
+    check_block_exportable(cfg, "--format gguf", DSPARK_ENGINE, str(head_dir))
+    problems = []
+    if spec.markov_rank and spec.markov_head_type != "vanilla":
+        problems.append(f"its Markov head is {spec.markov_head_type!r} and llama.cpp runs the vanilla one only "
+                        "(conversion/qwen.py:898; the bias W2 W1[x_prev] of src/models/dflash.cpp:350-351)")
+    if spec.confidence_head and not spec.confidence_with_markov:
+        problems.append("its confidence head reads h_k alone and llama.cpp's reads [h_k ; W1[x_prev]] "
+                        "(conf_proj of D + rank inputs, loaded beside a Markov head: src/models/dflash.cpp:126-134)")
+    if L in cfg.feature_layers:
+        problems.append(f"feature layer {L} is our final post-norm state, and llama.cpp feeds the pre-norm state "
+                        "for that id")
+    if tc.get("hidden_act", "silu") != "silu":
+        problems.append(f"its MLP activation is {tc['hidden_act']!r}: the converter writes no hidden_act and "
+                        "llama.cpp's DFlash then runs SiLU (src/models/dflash.cpp:13-21)")
+    rope = (tc.get("rope_parameters") or tc.get("rope_scaling") or {}).get("rope_type", "default")
+    if rope not in ("default", "linear", "yarn"):
+        problems.append(f"RoPE type {rope!r}: the converter writes the scaling of linear / yarn only "
+                        "(conversion/base.py:1462-1494)")
+    if problems:
+        raise SpecheadsError(f"--format gguf: {head_dir}: {DSPARK_ENGINE} cannot run this head: "
+                             + "; ".join(problems))
+
+
+def _dspark_converter_config(cfg: HeadConfig, config: dict) -> dict:
+    """The speculators dspark export plus every key DSparkModel / DFlashModel read, set explicitly: the
+    architecture it registers (DFlash heads too: DFlashSpeculator is not registered), block_size (default 16
+    when absent), sample_from_anchor (default true only without transformer_layer_config), mask token,
+    hidden_states ids (the converter stores id - 1 and writes + 1) and non-causal attention."""
+    spec, ids = cfg.head_spec, list(cfg.feature_layers)
+    config = dict(config)
+    config.update(architectures=["DSparkSpeculator"], block_size=spec.block_size,  # conversion/qwen.py:861-867, :710
+                  sample_from_anchor=spec.sample_from_anchor,  # :879-881
+                  mask_token_id=spec.mask_token_id, aux_hidden_state_layer_ids=ids,  # :888-892
+                  draft_vocab_size=cfg.out_vocab, markov_head_type="vanilla",  # :898, :902
+                  dflash_config={"block_size": spec.block_size, "mask_token_id": spec.mask_token_id,  # :696, :710
+                                 "target_layer_ids": [i - 1 for i in ids], "causal": False})  # :735-738, :749-753
+    return config
+
+
+def _dspark_check_gguf(cfg: HeadConfig, meta: dict, tensors: dict, path: Path) -> None:
+    spec = cfg.head_spec
+    for key, want in [("general.architecture", "dflash"), ("dflash.target_layers", list(cfg.feature_layers)),
+                      ("dflash.block_size", spec.block_size), ("dflash.sample_from_anchor", spec.sample_from_anchor),
+                      ("dflash.has_confidence_head", spec.confidence_head), ("dflash.attention.causal", False),
+                      ("tokenizer.ggml.mask_token_id", spec.mask_token_id), ("dflash.block_count", spec.num_layers),
+                      ("dflash.embedding_length", cfg.hidden_size)]:
+        _expect(meta, key, want, path)
+    _expect(meta, "dflash.rope.freq_base", _rope_theta(cfg), path, close=True)
+    _expect(meta, "dflash.attention.layer_norm_rms_epsilon", float(cfg.target_config["rms_norm_eps"]), path,
+            close=True)
+    need = ["fc.weight", "enc.output_norm.weight", "output_norm.weight"]
+    need += [f"blk.{i}.attn_{n}_norm.weight" for i in range(spec.num_layers) for n in ("q", "k")]
+    need += ["markov_w1.weight", "markov_w2.weight"] if spec.markov_rank else []
+    need += ["conf_proj.weight", "conf_proj.bias"] if spec.confidence_head else []
+    need += ["output.weight", "d2t"] if cfg.draft_vocab_size else []
+    for name in need:
+        if name not in tensors:
+            raise SpecheadsError(f"{path}: tensor {name!r} missing from the converted draft")
+    if cfg.draft_vocab_size and int(tensors["output.weight"].shape[-1]) != cfg.out_vocab:
+        raise SpecheadsError(f"{path}: output.weight has {tensors['output.weight'].shape[-1]} rows, the head's "
+                             f"draft vocabulary {cfg.out_vocab}")
+    if not cfg.draft_vocab_size and "output.weight" in tensors:  # ours is the target's lm_head, llama.cpp's too
+        raise SpecheadsError(f"{path}: a full-vocabulary draft carries output.weight; llama.cpp would use it "
+                             "instead of the target's output projection")
+
+
+def _dspark_notes(cfg: HeadConfig, head_dir: Path) -> dict:
+    spec = cfg.head_spec
+    notes = {"server_args": ["--spec-draft-n-max", str(spec.num_drafts)],
+             "block": f"--spec-draft-n-max {spec.num_drafts} runs the block as trained ({spec.block_size} slots); "
+                      "a smaller N decodes a shorter block, whose bidirectional attention differs from training"}
+    if spec.confidence_head:
+        notes["confidence"] = ("--spec-draft-p-min P stops the draft at the first slot whose confidence "
+                               "sigmoid(w . [h_k ; W1[x_prev]] + b) is below P (per slot, not the survival product; "
+                               "common/speculative.cpp:1267-1276); the GGUF carries the uncalibrated head "
+                               "(its per-slot temperatures have no slot there)")
+        temps = read_safetensors(Path(head_dir) / WEIGHTS_NAME)["conf_temperature"]
+        notes["conf_temperature_not_in_gguf"] = [round(float(t), 4) for t in temps]
+    return notes
+
+
 DRAFT_KINDS: dict[str, DraftKind] = {
     "eagle3": DraftKind("eagle3", "draft-eagle3", "eagle3", _eagle3_check_head, _eagle3_converter_config,
                         _eagle3_check_gguf),
-    # "dspark": DraftKind(layout=<heads/export.py's speculators dspark layout>, spec_type="draft-dspark",
-    #     arch="dflash", ...): see docs/llamacpp.md "DSpark" for the converter keys its three functions set/check.
+    "dspark": DraftKind("speculators", "draft-dspark", "dflash", _dspark_check_head, _dspark_converter_config,
+                        _dspark_check_gguf, _dspark_notes),
 }
 
 
@@ -333,6 +440,8 @@ def check_draft_gguf(path: Path, cfg: HeadConfig, head_dir: Path | None = None) 
     want = torch.arange(cfg.out_vocab)
     if cfg.draft_vocab_size and head_dir is not None:
         want = read_safetensors(Path(head_dir) / WEIGHTS_NAME)["d2t"].to(torch.int64)
+    if "d2t" not in tensors and not cfg.draft_vocab_size:  # a full-vocabulary DSpark draft has no map
+        return
     got = torch.as_tensor(tensors["d2t"].data.copy()).to(torch.int64).reshape(-1)
     if not torch.equal(got, want):
         raise SpecheadsError(f"{path}: d2t does not hold the head's draft -> target ids (offsets read wrong)")
@@ -382,6 +491,8 @@ def export_gguf(head_dir: str | Path, out_dir: str | Path, target: str | None = 
             "target": target or cfg.target_name, "feature_layers": list(cfg.feature_layers),
             "converter": f"vendor/llama.cpp/convert_hf_to_gguf.py of {LLAMACPP_PIN}",
             "llama_server": f"llama-server -m TARGET.gguf -md {DRAFT_NAME} --spec-type {kind.spec_type}"}
+        manifest.update(kind.notes(cfg, head_dir))
+        manifest["llama_server"] = " ".join([manifest["llama_server"], *manifest.get("server_args", [])])
         if with_target:
             src = target_gguf(target or cfg.target_name, outtype)
             try:
