@@ -206,7 +206,8 @@ def _draft_source(label: str, heads: dict[str, str]) -> str:
 def build_llamacpp_method(name: str, target, options) -> LlamaCppMethod:
     """`llama.cpp`, `llama.cpp:LABEL` or `llama.cpp-ngram` for `specheads bench`, its server started. `options`:
     bench.MethodOptions. The target GGUF is `options.llamacpp_target` when set, else the target's folder converted
-    in the run's dtype (cached); `options.llamacpp_draft_max` sets --spec-draft-n-max (default: llama.cpp's 3)."""
+    in the run's dtype (cached); `options.llamacpp_draft_max` sets --spec-draft-n-max (default: a DSpark head's drafts per block, else
+    llama.cpp's 3)."""
     from specheads.heads.gguf import draft_gguf, find_tools, spec_type_of, target_gguf
 
     tools = find_tools("llama-server", converter=True)
@@ -222,6 +223,11 @@ def build_llamacpp_method(name: str, target, options) -> LlamaCppMethod:
         draft = draft_gguf(src, target=None if src.endswith(".gguf") else target.name, outtype=outtype)
         spec_args = ("--spec-type", spec_type_of(draft))
         n_max = options.llamacpp_draft_max
+        if n_max is None and not src.endswith(".gguf"):  # a block head runs its whole block, as trained
+            from specheads.heads.base import read_head_config
+
+            cfg = read_head_config(Path(src))
+            n_max = cfg.head_spec.num_drafts if cfg.kind == "dspark" else None
         if n_max is not None:
             spec_args += ("--spec-draft-n-max", str(int(n_max)))
         info.update(head=src, draft_gguf=str(draft), draft_max=int(n_max) if n_max is not None else 3)
