@@ -200,21 +200,22 @@ def distill_loss(logits: torch.Tensor, target_logits: torch.Tensor, loss: Distil
     lq = torch.log_softmax(logits.float(), dim=-1)
     tl = target_logits.float()
     p = torch.softmax(tl, dim=-1)  # p', the target renormalised over V'
+    q = lq.exp() if names & {"tv", "l1", "lk_alpha", "lk_lambda"} else None
     rows: dict[str, torch.Tensor] = {}
-    if names & {"soft_ce", "kl", "lk_lambda"}:
+    if "soft_ce" in names:
         rows["soft_ce"] = -(p * lq).sum(-1)
-        if names & {"kl", "lk_lambda"}:
-            lp = torch.log_softmax(tl, dim=-1)
-            rows["kl"] = torch.where(p > 0, p * (lp - lq), torch.zeros_like(p)).sum(-1)
+    if names & {"kl", "lk_lambda"}:
+        lp = torch.log_softmax(tl, dim=-1)
+        rows["kl"] = torch.where(p > 0, p * (lp - lq), torch.zeros_like(p)).sum(-1)
     if names & {"tv", "l1"}:
-        rows["l1"] = (lq.exp() - p).abs().sum(-1)
+        rows["l1"] = (q - p).abs().sum(-1)
         rows["tv"] = 0.5 * rows["l1"]
     alpha = None
     if loss.needs_lse:
         if target_lse is None:
             raise ValueError("the LK losses need the target's full-vocabulary logsumexp (target_lse)")
         exact = torch.exp(tl - target_lse.float().unsqueeze(-1))  # p_v at the V' columns, not renormalised
-        alpha = torch.minimum(lq.exp(), exact).sum(-1)
+        alpha = torch.minimum(q, exact).sum(-1)
         rows["lk_alpha"] = -torch.log(alpha.clamp_min(LK_EPS))
         if "lk_lambda" in names:
             lam = torch.exp(-loss.eta * _row_mean(alpha.detach(), weights))
