@@ -199,3 +199,171 @@ def test_smollm2_cached_states_equal_direct_forward(smollm2, tmp_path):
         ref, logits = _direct(smollm2, ids, layers)
         torch.testing.assert_close(s["hidden"], ref.bfloat16(), atol=0.05, rtol=0.02)
         torch.testing.assert_close(smollm2.lm_head(ref[:, -1]), logits, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------- target sidecars
+def _shard_mtimes(folder):
+    return {p.name: p.stat().st_mtime_ns for p in folder.glob("shard-*.safetensors")}
+
+
+def test_target_sidecars_hold_the_full_lm_head_greedy_and_lse(tiny, tmp_path):
+    rows = _rows(9)
+    L = tiny.num_layers
+    write_features(tiny, rows, tmp_path, [2, L], FeatureConfig(shard_tokens=60), progress=False)
+    m = F.write_target_sidecars(tiny, tmp_path, progress=False)
+    assert m["targets"] == {"format": F.TARGETS_FORMAT, "dtype": "float32"}
+    assert all(s["targets"]["shard_sha256"] == s["sha256"] for s in m["shards"]) and verify_features(tmp_path) == []
+    ds = FeatureDataset(tmp_path)
+    assert ds.has_targets
+    for s in ds:
+        need = torch.zeros(len(s["input_ids"]), dtype=torch.bool)
+        need[:-1] = s["loss_mask"][1:].bool()
+        logits = tiny.lm_head(s["hidden"][:, 1].float())  # from the STORED layer-L state, as training reads it
+        assert torch.equal(s["target_greedy"][need], logits.argmax(-1)[need])
+        torch.testing.assert_close(s["target_lse"][need], logits.logsumexp(-1)[need], atol=1e-5, rtol=1e-6)
+        assert (s["target_greedy"][~need] == -1).all() and (s["target_lse"][~need] == 0).all()
+    b = collate([ds[0], ds[len(ds) - 1]])
+    T0 = len(ds[0]["input_ids"])
+    assert b["target_greedy"].shape == b["input_ids"].shape and (b["target_greedy"][0, T0:] == -1).all()
+
+
+def test_old_folder_loads_with_one_warning_and_sidecars_are_added_without_reextraction(tiny, tmp_path, caplog):
+    rows = _rows(8, seed=4)
+    L = tiny.num_layers
+    write_features(tiny, rows, tmp_path, [L], FeatureConfig(shard_tokens=50), progress=False)  # no sidecars
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert "targets" not in manifest and manifest["format"] == F.FORMAT  # the format an older specheads wrote
+    F._WARNED.clear()
+    with caplog.at_level("WARNING"):
+        a, b = FeatureDataset(tmp_path, "train"), FeatureDataset(tmp_path, "val")
+    assert not a.has_targets and "target_greedy" not in a[0]
+    assert sum("no target sidecars" in r.message for r in caplog.records) == 1  # once per folder, not per split
+    before = _shard_mtimes(tmp_path)
+
+    class Killed(RuntimeError):
+        pass
+
+    def kill(k):
+        raise Killed
+
+    with pytest.raises(Killed):  # killed after the first sidecar: it is listed, the others are not
+        F.write_target_sidecars(tiny, tmp_path, progress=False, after_shard=kill)
+    half = json.loads((tmp_path / "manifest.json").read_text())
+    assert sum("targets" in s for s in half["shards"]) == 1 and not FeatureDataset(tmp_path).has_targets
+    written = []
+    F.write_target_sidecars(tiny, tmp_path, progress=False, after_shard=written.append)
+    assert len(written) == len(half["shards"]) - 1 and half["shards"][0]["index"] not in written
+    assert _shard_mtimes(tmp_path) == before  # the feature shards were only read
+    assert FeatureDataset(tmp_path).has_targets and not list(tmp_path.glob(".targets-*"))
+
+
+def test_damaged_stale_or_other_dtype_sidecars_are_not_used(tiny, tmp_path, caplog):
+    from specheads.utils import atomic_write_json
+
+    L = tiny.num_layers
+    write_features(tiny, _rows(6, seed=5), tmp_path, [L], FeatureConfig(shard_tokens=40), progress=False)
+    m = F.write_target_sidecars(tiny, tmp_path, progress=False)
+    side = tmp_path / m["shards"][0]["targets"]["file"]
+    side.write_bytes(side.read_bytes()[:50])  # truncated
+    assert m["shards"][0]["targets"]["file"] in verify_features(tmp_path)
+    with pytest.raises(SpecheadsError, match="targets-00000.safetensors.*rerun `specheads prepare`"):
+        FeatureDataset(tmp_path)[0]
+    m["shards"][1]["targets"]["shard_sha256"] = "0" * 64  # a sidecar of an earlier version of shard 1
+    atomic_write_json(tmp_path / "manifest.json", m)
+    assert F.sidecars_usable(m) == f"1 of {len(m['shards'])} shards without their target sidecar"
+    written = []
+    F.write_target_sidecars(tiny, tmp_path, progress=False, after_shard=written.append)
+    assert written == [0, 1] and verify_features(tmp_path) == [] and FeatureDataset(tmp_path).has_targets
+    F._WARNED.clear()
+    with caplog.at_level("WARNING"):  # training a bf16 target on fp32 sidecars: not used, said once
+        assert not FeatureDataset(tmp_path, targets_dtype="bfloat16").has_targets
+    assert any("computed in float32, the target runs in bfloat16" in r.message for r in caplog.records)
+    bf16 = tiny_bf16()
+    with caplog.at_level("WARNING"):  # nor replaced by a bf16 pass: they belong to the folder's first writer
+        F.write_target_sidecars(bf16, tmp_path, progress=False)
+    assert json.loads((tmp_path / "manifest.json").read_text())["targets"]["dtype"] == "float32"
+
+
+def tiny_bf16():
+    from specheads.target import tiny_target
+
+    return tiny_target(dtype=torch.bfloat16)
+
+
+def test_prepare_adds_sidecars_to_a_shared_features_folder(tiny, tmp_path):
+    from specheads.config import load_config
+    from specheads.recipe import Recipe
+    from specheads.train.prepare import prepare
+
+    shared = tmp_path / "shared"
+    write_features(tiny, _rows(5, seed=6), shared, [tiny.num_layers], FeatureConfig(), progress=False)
+    recipe = load_config(Recipe, None, [f"output_dir={tmp_path / 'run'}", "head.kind=medusa",
+                                        f"features.dir={shared}"])
+    summary = prepare(recipe, target=tiny, progress=False)
+    assert summary["target_sidecars"] == len(json.loads((shared / "manifest.json").read_text())["shards"])
+    assert FeatureDataset(shared).has_targets
+
+
+def _head(kind, target, draft_vocab=64, **spec):
+    from specheads.heads.base import HeadSpec, build_head
+
+    torch.manual_seed(0)
+    counts = torch.arange(target.vocab_size, 0, -1)  # a fixed draft vocab: the first `draft_vocab` ids
+    return build_head(HeadSpec(kind=kind, draft_vocab_size=draft_vocab, **spec), target, token_counts=counts)
+
+
+def _sidecar_batches(target, tmp_path, layers, n=10):
+    write_features(target, _rows(n, seed=7), tmp_path, layers, FeatureConfig(shard_tokens=80), progress=False)
+    F.write_target_sidecars(target, tmp_path, progress=False)
+    ds = FeatureDataset(tmp_path)
+    with_side = [collate([ds[i], ds[i + 1]]) for i in range(0, len(ds) - 1, 2)]
+    without = [{k: v for k, v in b.items() if not k.startswith("target_")} for b in with_side]
+    return with_side, without
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_losses_and_eval_with_sidecars_equal_the_full_vocabulary_computation(tmp_path, dtype, monkeypatch):
+    """EAGLE-3 (and the other kinds) train on the same loss and evaluate to the same metrics whether the target's
+    greedy token and logsumexp come from the sidecar (draft-vocab columns only) or from the full lm_head."""
+    from specheads.target import tiny_target
+    from specheads.train import steps
+    from specheads.train.evaluate import EvalConfig, evaluate
+    from specheads.train.steps import LossSettings, train_loss
+
+    full_calls = []
+    real = steps.lm_head_logits
+    monkeypatch.setattr(steps, "lm_head_logits", lambda t, h, vocab=None: (full_calls.append(vocab is None),
+                                                                            real(t, h, vocab))[1])
+
+    target = tiny_target(dtype=dtype)
+    target.final_norm.weight.data.mul_(8)  # sharper distributions: in / out of the draft vocab both occur
+    L = target.num_layers
+    layers = [1, 2, 3, L]
+    side, full = _sidecar_batches(target, tmp_path, layers)
+    tol = dict(atol=1e-5, rtol=1e-5)  # fp32 and bf16 alike: the same logits either way (see docs/training.md)
+    cases = [("eagle3", {"ttt_steps": 2, "feature_layers": [1, 2, 3]}, [None, "lk_lambda", "soft_ce:0.1,tv:0.9"]),
+             ("eagle", {}, [None, "lk_alpha"]), ("medusa", {"num_heads": 2}, [None, "lk_alpha"]),
+             ("dspark", {"feature_layers": [1, 2, 3], "block_size": 3, "markov_rank": 8}, [None, "lk_alpha"])]
+    for kind, spec, losses in cases:
+        head = _head(kind, target, **spec)
+        hl = head.config.feature_layers
+        for loss in losses:
+            st = LossSettings(noise=0.0, soft_labels=True, loss=loss, block_full_vocab=True, max_anchors=4)
+            for a, b in zip(side, full):
+                torch.manual_seed(1)  # DSpark's anchors
+                full_calls.clear()
+                la = train_loss(kind, head, a, target, layers, hl, st)
+                assert not any(full_calls), f"{kind}: the sidecar path computed the full-vocabulary logits"
+                torch.manual_seed(1)
+                lb = train_loss(kind, head, b, target, layers, hl, st)
+                assert any(full_calls) or (kind == "medusa" and loss is None)  # medusa: V' columns either way
+                torch.testing.assert_close(la.loss, lb.loss, **tol, msg=f"{kind} {loss}")
+                assert set(la.metrics) == set(lb.metrics)
+                for k in la.metrics:
+                    torch.testing.assert_close(torch.as_tensor(la.metrics[k]), torch.as_tensor(lb.metrics[k]), **tol)
+        cfg = EvalConfig(tree_depth=2)
+        ev = [evaluate(kind, head, bs, target, layers, hl, cfg) for bs in (side, full)]
+        assert ev[0] == ev[1] and ev[0]["eval_rows"] > 0, kind
+    # the masking the sidecar feeds really happens: some assistant rows have their target argmax outside V'
+    greedy = torch.cat([b["target_greedy"][b["target_greedy"] >= 0] for b in side])
+    assert (greedy >= 64).any() and (greedy < 64).any()

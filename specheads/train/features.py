@@ -6,12 +6,23 @@ L = num_layers = the final post-norm state, the lm_head input). Defaults: Medusa
 it is recomputed from the layer-L state through the frozen lm_head (exact, and far smaller than top-k logits).
 
 Offline layout (`<output_dir>/features`):
-    manifest.json            format, plan_key, target, fingerprint, layers, hidden_size, dtype, counts, shards[]
-    shard-00000.safetensors  input_ids [Ts] int32, loss_mask [Ts] uint8, offsets [n+1] int64, hidden [Ts,F,D] bf16
+    manifest.json              format, plan_key, target, fingerprint, layers, hidden_size, dtype, counts, shards[]
+                               (+ "targets": {format, dtype} and per shard "targets": {file, bytes, sha256,
+                               shard_sha256} once the sidecars exist)
+    shard-00000.safetensors    input_ids [Ts] int32, loss_mask [Ts] uint8, offsets [n+1] int64, hidden [Ts,F,D] bf16
+    targets-00000.safetensors  the target sidecar: greedy [Ts] int32, lse [Ts] float32
 Samples are sorted by length and cut into shards of about `shard_tokens` tokens (plan fixed before the first shard,
 so a restarted run rebuilds the same plan). A shard is written to a temporary name, fsynced and renamed; only then
 is it added to the manifest (itself replaced atomically), with its sha256. A killed run therefore leaves only whole,
 listed shards; a restart skips them and never reads a partial file.
+
+The target sidecar (`write_target_sidecars`, run by `specheads prepare` after the shards, also on a folder that
+exists already): per token j the target's greedy token (argmax over all V columns) and the full-vocabulary
+logsumexp of lm_head(h_L[j]), computed once from the STORED bf16 layer-L state in the target's dtype, exactly as
+training computes them from the same state; -1 / 0 at the rows no loss reads (token j+1 not an assistant token).
+With them a step needs only the draft vocabulary's lm_head columns (steps.target_rows). A sidecar is bound to
+its shard by the shard's sha256; written atomically, resumable shard by shard. Manifests without sidecars (older
+folders) still load: training then computes the full logits itself, with one warning.
 
 Online mode: `OnlineFeatures(target, layers)(batch)` adds `batch["hidden"] [B,T,F,D]` computed by
 `extract_features` on the batch (no grad), for data too big to cache; the trainer calls it per batch on the
@@ -35,8 +46,10 @@ from specheads.utils import SpecheadsError, atomic_write_json
 
 log = logging.getLogger(__name__)
 
-FORMAT = "specheads-features/1"
+FORMAT = "specheads-features/1"  # sidecars are optional keys: older readers ignore them, so the version stays
+TARGETS_FORMAT = "specheads-targets/1"
 MANIFEST = "manifest.json"
+TARGET_ROWS_CHUNK = 1024  # rows per lm_head call of the sidecar pass (1024 x 49,152 fp32 = 200 MB transient)
 DISK_MARGIN = 1.05  # extra share of the estimate required free (safetensors headers, filesystem slack)
 DISK_RESERVE = 256 << 20  # bytes always left free besides the estimate (256 MiB: logs, temp files of others)
 
@@ -334,7 +347,8 @@ def _sha256_file(path: Path) -> tuple[str, int]:
 
 
 def verify_features(folder: str | os.PathLike) -> list[str]:
-    """Recompute every shard's sha256; returns the files that do not match the manifest (empty = all good)."""
+    """Recompute every shard's (and listed target sidecar's) sha256; returns the files that do not match the
+    manifest (empty = all good)."""
     folder = Path(folder)
     manifest = _read_manifest(folder)
     bad = []
@@ -346,7 +360,147 @@ def verify_features(folder: str | os.PathLike) -> list[str]:
             continue
         if digest != s["sha256"]:
             bad.append(s["file"])
+        t = s.get("targets")
+        if t and t.get("shard_sha256") == s["sha256"] and not _sidecar_ok(folder, s, verify=True):
+            bad.append(t["file"])
     return bad
+
+
+# ----------------------------------------------------------------------------------------------- target sidecars
+
+def _targets_name(k: int) -> str:
+    return f"targets-{k:05d}.safetensors"
+
+
+def lm_head_logits(target, h: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+    """The frozen lm_head on final post-norm states h [..., D], in the target's dtype -> [..., V], or [..., V'] at
+    the target ids `vocab`. One function for the sidecar pass and for training, so both compute the same logits."""
+    import torch.nn.functional as F
+
+    lm = target.lm_head
+    w = lm.weight if vocab is None else lm.weight[vocab.to(lm.weight.device)]
+    b = getattr(lm, "bias", None)
+    if b is not None and vocab is not None:
+        b = b[vocab.to(b.device)]
+    return F.linear(h.to(device=w.device, dtype=w.dtype), w, b)
+
+
+def greedy_and_lse(logits: torch.Tensor, chunk: int = TARGET_ROWS_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [..., V] -> (argmax [...] long, logsumexp [...] float32); the fp32 copy is taken `chunk` rows at a
+    time (a [B*T, V] fp32 copy of a whole batch would be 400 MB at SmolLM2's vocabulary)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    lse = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
+    for a in range(0, flat.shape[0], chunk):
+        lse[a:a + chunk] = flat[a:a + chunk].float().logsumexp(-1)
+    return flat.argmax(-1).view(logits.shape[:-1]), lse.view(logits.shape[:-1])
+
+
+def needed_rows(loss_mask: torch.Tensor, offsets: Sequence[int]) -> torch.Tensor:
+    """[Ts] bool over a shard's concatenated samples: rows j whose next token j+1 is an assistant token of the same
+    sample, the only rows any loss or evaluation reads (steps.need_rows on a padded batch)."""
+    need = torch.zeros(loss_mask.shape[0], dtype=torch.bool)
+    need[:-1] = loss_mask[1:].bool()
+    for end in offsets[1:]:
+        need[end - 1] = False  # a sample's last row predicts past its end
+    return need
+
+
+@torch.no_grad()
+def _target_sidecar(target, path: Path, layer_index: int) -> dict[str, torch.Tensor]:
+    """greedy [Ts] int32 and lse [Ts] float32 of one shard, from its stored layer-L states."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        offsets = f.get_tensor("offsets").tolist()
+        need = needed_rows(f.get_tensor("loss_mask"), offsets)
+        greedy = torch.full(need.shape, -1, dtype=torch.int32)
+        lse = torch.zeros(need.shape, dtype=torch.float32)
+        hidden = f.get_slice("hidden")
+        for a in range(0, need.shape[0], TARGET_ROWS_CHUNK):
+            rows = need[a:a + TARGET_ROWS_CHUNK].nonzero().flatten()
+            if rows.numel():
+                h = hidden[a:a + TARGET_ROWS_CHUNK][:, layer_index][rows]  # [R,D] bf16, as training reads it
+                g, z = greedy_and_lse(lm_head_logits(target, h))
+                greedy[a + rows], lse[a + rows] = g.to("cpu", torch.int32), z.cpu()
+    return {"greedy": greedy, "lse": lse}
+
+
+def _sidecar_ok(folder: Path, entry: dict, verify: bool) -> bool:
+    """Shard `entry`'s sidecar is listed, belongs to this shard (its sha256) and has its size (and sha256)."""
+    t = entry.get("targets")
+    if not t or t.get("shard_sha256") != entry["sha256"]:
+        return False
+    p = folder / t["file"]
+    return p.exists() and p.stat().st_size == t["bytes"] and (not verify or _sha256_file(p)[0] == t["sha256"])
+
+
+def _write_sidecar(target, folder: Path, entry: dict, layer_index: int, dtype: str) -> dict:
+    from safetensors.torch import save_file as st_save_file
+
+    check_shard(folder / entry["file"], entry, full=False)
+    tensors = _target_sidecar(target, folder / entry["file"], layer_index)
+    name = _targets_name(entry["index"])
+    tmp = folder / f".{name}.tmp-{os.getpid()}"
+    st_save_file(tensors, str(tmp), metadata={"format": TARGETS_FORMAT, "dtype": dtype,
+                                              "shard_sha256": entry["sha256"]})
+    digest, size = _sha256_file(tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / name)
+    return {"file": name, "bytes": size, "sha256": digest, "shard_sha256": entry["sha256"]}
+
+
+def target_dtype_name(target) -> str:
+    return str(target.lm_head.weight.dtype).removeprefix("torch.")
+
+
+def write_target_sidecars(target, folder: str | os.PathLike, progress: bool = True, verify: bool = False,
+                          after_shard=None) -> dict:
+    """Add the target sidecar of every listed shard that lacks a valid one (missing, of an older shard, wrong
+    size, or with `verify` a sha256 that differs). Reads only the stored layer-L states: no re-extraction.
+    Resumable: each sidecar is committed to the manifest as soon as it is written. A folder whose sidecars were
+    computed in another dtype keeps them (a warning says so). Returns the manifest."""
+    from tqdm.auto import tqdm
+
+    folder = Path(folder)
+    manifest = _read_manifest(folder)
+    if manifest.get("fingerprint") != target.fingerprint():
+        raise SpecheadsError(f"{folder}: holds features of target {manifest.get('target')!r}, not of {target.name!r}"
+                             f" (fingerprints differ); its target sidecars cannot be computed with this target")
+    dtype = target_dtype_name(target)
+    have = (manifest.get("targets") or {}).get("dtype")
+    if have is not None and have != dtype:
+        log.warning("%s: target sidecars were computed in %s; this target runs in %s: they stay, and training in %s "
+                    "computes the target's logits itself", folder, have, dtype, dtype)
+        return manifest
+    for stray in folder.glob(".targets-*.tmp*"):
+        stray.unlink(missing_ok=True)
+    todo = [s for s in manifest["shards"] if not _sidecar_ok(folder, s, verify)]
+    manifest["targets"] = {"format": TARGETS_FORMAT, "dtype": dtype}
+    layer_index = manifest["layers"].index(target.num_layers)
+    bar = tqdm(total=sum(s["num_tokens"] for s in todo), unit="tok", desc="target sidecars", disable=not progress)
+    for entry in todo:
+        entry["targets"] = _write_sidecar(target, folder, entry, layer_index, dtype)
+        atomic_write_json(folder / MANIFEST, manifest)
+        bar.update(entry["num_tokens"])
+        if after_shard is not None:
+            after_shard(entry["index"])
+    bar.close()
+    atomic_write_json(folder / MANIFEST, manifest)
+    return manifest
+
+
+def sidecars_usable(manifest: dict, dtype: str | None = None) -> str | None:
+    """None when every listed shard has its sidecar (in `dtype`, if given), else why not (for the warning)."""
+    info = manifest.get("targets")
+    if not info:
+        return "no target sidecars"
+    if dtype is not None and info.get("dtype") != dtype:
+        return f"target sidecars computed in {info.get('dtype')}, the target runs in {dtype}"
+    missing = [s["file"] for s in manifest["shards"] if (s.get("targets") or {}).get("shard_sha256") != s["sha256"]]
+    if missing:
+        return f"{len(missing)} of {len(manifest['shards'])} shards without their target sidecar"
+    return None
 
 
 # ------------------------------------------------------------------------------------------------------- offline read
@@ -387,19 +541,32 @@ def check_shard(path: Path, entry: dict, full: bool = True) -> None:
     _VERIFIED.add(key)
 
 
+_WARNED: set[str] = set()  # folders whose missing sidecars this process has warned about
+
+
 class FeatureDataset(torch.utils.data.Dataset):
-    """Offline features: sample = {input_ids [T] long, loss_mask [T] long, hidden [T,F,D] bf16, conversation_id}.
+    """Offline features: sample = {input_ids [T] long, loss_mask [T] long, hidden [T,F,D] bf16, conversation_id},
+    plus target_greedy [T] long and target_lse [T] float32 from the target sidecars when the folder has them.
 
     `split`: None = all samples, "train" / "val" = by `data.is_val(conversation_id, manifest val_fraction)`.
     Shards are opened lazily (memory-mapped by safetensors), one handle per shard per process; `verify` checks a
-    shard's sha256 against the manifest when it is first opened (features.verify), else its size only."""
+    shard's (and its sidecar's) sha256 against the manifest when it is first opened (features.verify), else its
+    size only. `targets_dtype`: read the sidecars only when computed in this dtype (the training target's);
+    `targets=False` never reads them. Without usable sidecars one warning says training computes the logits."""
 
-    def __init__(self, folder: str | os.PathLike, split: str | None = None, verify: bool = True):
+    def __init__(self, folder: str | os.PathLike, split: str | None = None, verify: bool = True,
+                 targets: bool = True, targets_dtype: str | None = None):
         from specheads.train.data import is_val
 
         self.verify = verify
         self.folder = Path(folder)
         self.manifest = _read_manifest(self.folder)
+        why = sidecars_usable(self.manifest, targets_dtype) if targets else "not asked for"
+        self.has_targets = why is None
+        if targets and why is not None and str(self.folder) not in _WARNED:
+            _WARNED.add(str(self.folder))
+            log.warning("%s: %s; training computes the target's full-vocabulary logits every step (slower). Rerun "
+                        "`specheads prepare --config <recipe>` to add them (no re-extraction)", self.folder, why)
         if not self.manifest.get("complete"):
             raise SpecheadsError(f"{self.folder}: features are incomplete ({len(self.manifest['shards'])}/"
                                  f"{self.manifest['planned_shards']} shards); rerun `specheads prepare` to finish")
@@ -413,6 +580,7 @@ class FeatureDataset(torch.utils.data.Dataset):
                 if split is None or (split == "val") == is_val(cid, vf):
                     self.index.append((si, j, cid))
         self._handles: dict[int, Any] = {}
+        self._targets: dict[int, Any] = {}  # sidecar handles
         self._offsets: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
@@ -428,14 +596,22 @@ class FeatureDataset(torch.utils.data.Dataset):
             h = safe_open(str(self.folder / entry["file"]), framework="pt")
             self._handles[si] = h
             self._offsets[si] = h.get_tensor("offsets").tolist()
+            if self.has_targets:
+                t = entry["targets"]
+                check_shard(self.folder / t["file"], t, self.verify)
+                self._targets[si] = safe_open(str(self.folder / t["file"]), framework="pt")
         return h
 
     def __getitem__(self, i: int) -> dict:
         si, j, cid = self.index[i]
         h = self._handle(si)
         a, b = self._offsets[si][j], self._offsets[si][j + 1]
-        return {"input_ids": h.get_slice("input_ids")[a:b].long(), "loss_mask": h.get_slice("loss_mask")[a:b].long(),
-                "hidden": h.get_slice("hidden")[a:b], "conversation_id": cid}
+        out = {"input_ids": h.get_slice("input_ids")[a:b].long(), "loss_mask": h.get_slice("loss_mask")[a:b].long(),
+               "hidden": h.get_slice("hidden")[a:b], "conversation_id": cid}
+        if self.has_targets:
+            t = self._targets[si]
+            out["target_greedy"], out["target_lse"] = t.get_slice("greedy")[a:b].long(), t.get_slice("lse")[a:b]
+        return out
 
     def lengths(self) -> list[int]:
         """Sample lengths (tokens) without reading the hidden states (for length-grouped batching)."""
@@ -447,13 +623,14 @@ class FeatureDataset(torch.utils.data.Dataset):
 
     def __getstate__(self):  # DataLoader workers reopen shards themselves
         d = dict(self.__dict__)
-        d["_handles"] = {}
+        d["_handles"], d["_targets"] = {}, {}
         return d
 
 
 def collate(samples: Sequence[dict]) -> dict:
-    """Right-pad samples -> {input_ids [B,T], loss_mask [B,T], attention_mask [B,T], hidden [B,T,F,D] (if present)}.
-    Works for FeatureDataset samples and for tokenised rows (lists) used with OnlineFeatures."""
+    """Right-pad samples -> {input_ids [B,T], loss_mask [B,T], attention_mask [B,T], hidden [B,T,F,D] (if present),
+    target_greedy [B,T] (-1 padded) and target_lse [B,T] (if present)}. Works for FeatureDataset samples and for
+    tokenised rows (lists) used with OnlineFeatures."""
     ids = [torch.as_tensor(s["input_ids"], dtype=torch.long) for s in samples]
     T = max(len(x) for x in ids)
     B = len(samples)
@@ -470,6 +647,12 @@ def collate(samples: Sequence[dict]) -> dict:
         for b, s in enumerate(samples):
             hid[b, : len(ids[b])] = s["hidden"]
         out["hidden"] = hid
+    if "target_greedy" in samples[0]:
+        out["target_greedy"] = torch.full((B, T), -1, dtype=torch.long)
+        out["target_lse"] = torch.zeros(B, T, dtype=torch.float32)
+        for b, s in enumerate(samples):
+            out["target_greedy"][b, : len(ids[b])] = s["target_greedy"]
+            out["target_lse"][b, : len(ids[b])] = s["target_lse"]
     return out
 
 

@@ -5,11 +5,30 @@ predicts token t+2+k. The target's own next-token distribution at row j is `targ
 applied to the stored layer-L state, predicting token j+1), so the target's distribution for the token step k
 predicts at row t is `target_logits[:, t+1+k]`.
 
-Shapes: B batch, T sequence, K heads / TTT steps, D hidden, V target vocab, V' draft vocab.
+The distillation objective is one family for every kind (`train.loss`, docs/training.md "The loss family"): with q
+the draft's distribution over the draft vocabulary V', p the target's over the full vocabulary V, m = p(V') its mass
+inside V' and p' = p restricted to V' and renormalised (p'_v = p_v / m):
+
+    soft_ce    -Σ_v p'_v log q_v                  forward KL(p' ‖ q) up to the constant H(p')
+    kl         Σ_v p'_v log(p'_v / q_v)            the same gradient, reported as the true KL
+    tv         ½ Σ_v |q_v − p'_v|                  total variation = 1 − Σ_v min(q_v, p'_v)
+    l1         Σ_v |q_v − p'_v|                    2 TV (DeepSpec's L1)
+    lk_alpha   −log α,  α = Σ_{v∈V'} min(q_v, p_v)  LK^α of arXiv 2602.23881: α is the acceptance rate of a
+                                                  V'-draft under sampling verification, mass outside V' included
+    lk_lambda  λ KL(p' ‖ q) + (1 − λ)(1 − α)       LK^λ, λ = exp(−η · sg(ᾱ)), ᾱ = mean α over the step's rows
+
+Mixtures are weighted sums (`soft_ce:0.1,tv:0.9`). The divergences (soft_ce, kl, tv, l1) compare q with p', the
+target conditioned on the next token lying in V' (what a V'-draft can match; the mass outside V' is dropped); the LK
+losses use the exact p (its full-vocabulary log-normaliser `target_lse`), so α <= m: a token outside V' can never be
+accepted. Rows whose target argmax lies outside V' are masked for EAGLE-1/3 (and DSpark with train.block_full_vocab).
+
+Shapes: B batch, T sequence, K heads / TTT steps, D hidden, V target vocab, V' draft vocab, N rows.
 A row counts only when the token it predicts is inside the sequence and carries loss_mask == 1 (assistant token).
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +37,12 @@ import torch.nn.functional as F
 DECAY = 0.8  # per-head / per-step weight 0.8^k (Medusa paper λ_k; EAGLE-3 TTT step weight)
 EAGLE_W_REG = 1.0  # EAGLE-1 paper: SmoothL1 feature regression weight
 EAGLE_W_CE = 0.1  # EAGLE-1 paper: classification (soft CE) weight
-
+LK_ETA = 3.0  # LK^λ decay η of λ = exp(-η ᾱ) (arXiv 2602.23881's best setting; SpecForge --kl-decay 3.0)
+LK_EPS = 1e-5  # floor of α inside -log α (speculators' neg_log_acceptance_loss): finite at zero overlap
+BLOCK_GAMMA = 4.0  # position weight exp(-j / gamma) (DeepSpec loss_decay_gamma 4.0; speculators dflash_decay_gamma 4.0)
+BLOCK_W_CE = 0.1  # soft CE against the target (DeepSpec ce_loss_alpha 0.1, there on hard labels)
+BLOCK_W_L1 = 0.9  # ||p_draft - p_target||_1 = 2 TV (DeepSpec l1_loss_alpha 0.9)
+CONFIDENCE_ALPHA = 1.0  # confidence BCE weight (DeepSpec / speculators confidence_head_alpha 1.0)
 
 @dataclass
 class LossOutput:
@@ -58,17 +82,170 @@ def _mean(x: torch.Tensor) -> torch.Tensor:
     return x.sum() / max(1, x.numel())
 
 
+
+# ---------------------------------------------------------------------- the distillation family (train.loss)
+LOSS_TERMS = ("soft_ce", "kl", "tv", "l1", "lk_alpha", "lk_lambda")  # the formulas: module docstring
+METRIC_NAMES = {"soft_ce": "ce"}  # a term's metric name (the others keep their own): ce_0, tv_0, lk_alpha_0, ...
+LOSS_SYNTAX = "NAME or NAME:WEIGHT,NAME:WEIGHT,... (e.g. tv, or soft_ce:0.1,tv:0.9)"
+
+# train.loss unset: each kind's own objective, from its paper / reference code
+DEFAULT_LOSS = {
+    "medusa": "soft_ce",  # train.soft_labels: soft CE against the target over V' (Medusa-2's self-distillation)
+    "eagle": "soft_ce",  # EAGLE-1 paper: the classification term (weight train.eagle_w_ce) beside the regression
+    "eagle3": "soft_ce",  # EAGLE-3 repo / SpecForge: soft CE over the draft vocabulary per TTT step
+    "dspark": "soft_ce:{block_w_ce},l1:{block_w_l1}",  # DeepSpec: 0.1 CE + 0.9 L1 (train.block_w_ce / block_w_l1)
+}
+
+
+def parse_loss(text: str, allow_zero: bool = False) -> tuple[tuple[str, float], ...]:
+    """'tv' | 'soft_ce:0.1,tv:0.9' -> (('soft_ce', 0.1), ('tv', 0.9)). A term without a weight weighs 1.
+    Raises ValueError naming what is wrong (unknown term, bad or negative weight, repeated term, all weights 0)."""
+    terms: list[tuple[str, float]] = []
+    for part in str(text).split(","):
+        name, sep, w = (x.strip() for x in part.partition(":"))
+        if name not in LOSS_TERMS:
+            raise ValueError(f"{name!r} is not one of {list(LOSS_TERMS)}")
+        try:
+            weight = float(w) if sep else 1.0
+        except ValueError:
+            raise ValueError(f"weight {w!r} of {name} is not a number") from None
+        if not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"weight {w!r} of {name} is not a finite number >= 0")
+        if name in (n for n, _ in terms):
+            raise ValueError(f"{name} appears twice")
+        terms.append((name, weight))
+    if not allow_zero and not any(w > 0 for _, w in terms):
+        raise ValueError("every weight is 0")
+    return tuple(terms)
+
+
+@dataclass(frozen=True)
+class DistillLoss:
+    """A weighted sum of LOSS_TERMS; eta is LK^λ's η."""
+
+    terms: tuple[tuple[str, float], ...] = (("soft_ce", 1.0),)
+    eta: float = LK_ETA
+
+    @property
+    def names(self) -> set[str]:
+        return {n for n, _ in self.terms}
+
+    @property
+    def needs_lse(self) -> bool:
+        """The LK terms read the exact target probabilities: they need the full-vocabulary logsumexp."""
+        return bool(self.names & {"lk_alpha", "lk_lambda"})
+
+    def __str__(self) -> str:
+        return ",".join(f"{n}:{w:g}" for n, w in self.terms)
+
+
+@functools.lru_cache(maxsize=64)
+def resolve_loss(kind: str, loss: str | None = None, eta: float = LK_ETA, block_w_ce: float = BLOCK_W_CE,
+                 block_w_l1: float = BLOCK_W_L1) -> DistillLoss:
+    """train.loss, or the kind's default (DEFAULT_LOSS; dspark's from train.block_w_ce / block_w_l1)."""
+    if loss is not None:
+        return DistillLoss(parse_loss(loss), eta)
+    text = DEFAULT_LOSS[kind].format(block_w_ce=block_w_ce, block_w_l1=block_w_l1)
+    return DistillLoss(parse_loss(text, allow_zero=True), eta)
+
+
+@dataclass
+class TargetRows:
+    """What the losses read of the target's next-token distribution, per row j (predicting token j+1): its
+    logits at the draft-vocab columns, whether its greedy token lies in the draft vocab, the greedy token and the
+    full-vocabulary logsumexp (None when not computed). Rows no loss reads may hold anything."""
+
+    logits: torch.Tensor  # [B,T,V'] (V' = V without a draft vocab)
+    in_vocab: torch.Tensor | None = None  # [B,T] bool
+    greedy: torch.Tensor | None = None  # [B,T] long target ids
+    lse: torch.Tensor | None = None  # [B,T] float32, logsumexp over all V columns
+
+    @classmethod
+    def from_full(cls, full: torch.Tensor, d2t: torch.Tensor | None, with_lse: bool = True) -> "TargetRows":
+        """From the target's logits over the full vocabulary [B,T,V] (the path without a sidecar)."""
+        from specheads.train.features import greedy_and_lse
+
+        greedy, lse = greedy_and_lse(full) if with_lse else (full.argmax(-1), None)
+        if d2t is None:
+            return cls(full, torch.ones_like(greedy, dtype=torch.bool), greedy, lse)
+        d2t = d2t.to(full.device)
+        return cls(full[..., d2t], in_draft_vocab(d2t, full.shape[-1])[greedy], greedy, lse)
+
+    def at(self, bi: torch.Tensor, ti: torch.Tensor):
+        """The rows (bi, ti) -> (logits [N,V'], lse [N] or None)."""
+        return self.logits[bi, ti], None if self.lse is None else self.lse[bi, ti]
+
+
+def _reduce(x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    return _mean(x) if weights is None else _wmean(x, weights)
+
+
+def _row_mean(x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Mean over dim 0 (the rows of one draft step), weighted; 0 where no row counts."""
+    if weights is None:
+        return x.sum(0) / max(1, x.shape[0])
+    return (x * weights).sum(0) / weights.sum(0).clamp_min(1e-6)
+
+
+def distill_loss(logits: torch.Tensor, target_logits: torch.Tensor, loss: DistillLoss,
+                 target_lse: torch.Tensor | None = None, weights: torch.Tensor | None = None):
+    """The weighted family of terms between the draft and the target at N rows (formulas: module docstring).
+
+    logits, target_logits [N,...,V'] (the target's logits at the draft-vocab columns), target_lse [N,...] their
+    logsumexp over the full vocabulary (needed by the LK terms), weights [N,...] (None: a plain mean over the
+    rows; DSpark: position weights). Returns (loss scalar, {metric: detached scalar}); metric `accept` is ᾱ,
+    the exact acceptance, when the LK terms computed it. λ of LK^λ uses ᾱ over dim 0 (each TTT step / draft
+    position its own), detached."""
+    names = loss.names
+    lq = torch.log_softmax(logits.float(), dim=-1)
+    tl = target_logits.float()
+    p = torch.softmax(tl, dim=-1)  # p', the target renormalised over V'
+    q = lq.exp() if names & {"tv", "l1", "lk_alpha", "lk_lambda"} else None
+    rows: dict[str, torch.Tensor] = {}
+    if "soft_ce" in names:
+        rows["soft_ce"] = -(p * lq).sum(-1)
+    if names & {"kl", "lk_lambda"}:
+        lp = torch.log_softmax(tl, dim=-1)
+        rows["kl"] = torch.where(p > 0, p * (lp - lq), torch.zeros_like(p)).sum(-1)
+    if names & {"tv", "l1"}:
+        rows["l1"] = (q - p).abs().sum(-1)
+        rows["tv"] = 0.5 * rows["l1"]
+    alpha = None
+    if loss.needs_lse:
+        if target_lse is None:
+            raise ValueError("the LK losses need the target's full-vocabulary logsumexp (target_lse)")
+        exact = torch.exp(tl - target_lse.float().unsqueeze(-1))  # p_v at the V' columns, not renormalised
+        alpha = torch.minimum(q, exact).sum(-1)
+        rows["lk_alpha"] = -torch.log(alpha.clamp_min(LK_EPS))
+        if "lk_lambda" in names:
+            lam = torch.exp(-loss.eta * _row_mean(alpha.detach(), weights))
+            rows["lk_lambda"] = lam * rows["kl"] + (1.0 - lam) * (1.0 - alpha)
+    total = logits.new_zeros((), dtype=torch.float32)
+    metrics: dict[str, torch.Tensor] = {}
+    for name, w in loss.terms:
+        part = _reduce(rows[name], weights)
+        total = total + w * part
+        metrics[METRIC_NAMES.get(name, name)] = part.detach()
+    if alpha is not None:
+        metrics["accept"] = _reduce(alpha.detach(), weights)
+    return total, metrics
+
+
 def medusa_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 target_logits: torch.Tensor | None = None, decay: float = DECAY,
-                d2t: torch.Tensor | None = None, target_in_draft_vocab: bool = False) -> LossOutput:
-    """Σ_k decay^k CE_k. logits [K,B,T,V']; head k at row t predicts token t+2+k.
+                d2t: torch.Tensor | None = None, target_in_draft_vocab: bool = False,
+                loss: DistillLoss | None = None, target_lse: torch.Tensor | None = None) -> LossOutput:
+    """Σ_k decay^k L_k. logits [K,B,T,V']; head k at row t predicts token t+2+k.
 
-    Hard labels (the data's tokens) when target_logits is None, else soft CE against the target's distribution
-    target_logits [B,T,V] (row j predicts token j+1). With a draft vocab (d2t [V'] target ids), hard labels are
-    mapped to draft ids (labels outside it are masked) and soft targets restricted to it and renormalised
-    (target_in_draft_vocab: target_logits already holds only the draft vocab's columns, [B,T,V']).
+    Hard labels (CE on the data's tokens) when target_logits is None, else the distillation `loss` (default soft
+    CE) against the target's distribution target_logits [B,T,V] (row j predicts token j+1; target_lse [B,T] its
+    full-vocabulary logsumexp, for the LK terms). With a draft vocab (d2t [V'] target ids), hard labels are mapped
+    to draft ids (labels outside it are masked) and soft targets restricted to it and renormalised
+    (target_in_draft_vocab: target_logits already holds only the draft vocab's columns, [B,T,V']); rows are not
+    masked by the target's argmax (as Medusa-2's self-distillation).
     """
     K = logits.shape[0]
+    loss = loss or DistillLoss()
     total = logits.new_zeros((), dtype=torch.float32)
     metrics: dict[str, torch.Tensor] = {}
     ids = input_ids
@@ -87,14 +264,16 @@ def medusa_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.
         lk = logits[k][m]  # [N,V']
         labels = shift_rows(ids, 2 + k)[m]  # [N]
         if target_logits is None:
-            ce = F.cross_entropy(lk.float(), labels, reduction="none")
+            part = _mean(F.cross_entropy(lk.float(), labels, reduction="none"))
+            parts = {"ce": part.detach()}
         else:
-            tk = shift_rows(target_logits, 1 + k)[m]  # [N,V'] the target's distribution for token t+2+k
-            ce = soft_ce(lk, tk)
+            bi, ti = m.nonzero(as_tuple=True)
+            tk = target_logits[bi, ti + 1 + k]  # [N,V'] the target's distribution for token t+2+k
+            lse = None if target_lse is None else target_lse[bi, ti + 1 + k]
+            part, parts = distill_loss(lk, tk, loss, lse)
             labels = tk.argmax(-1)  # accuracy against the target's choice, as the soft loss trains for
-        ce_k = _mean(ce)
-        total = total + (decay ** k) * ce_k
-        metrics[f"ce_{k}"] = ce_k.detach()
+        total = total + (decay ** k) * part
+        metrics.update({f"{n}_{k}": v for n, v in parts.items()})
         if lk.shape[0]:
             metrics[f"acc_{k}"] = (lk.argmax(-1) == labels).float().mean().detach()
     return LossOutput(total, metrics)
@@ -107,56 +286,65 @@ def in_draft_vocab(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return m
 
 
-def eagle_loss(pred_hidden: torch.Tensor, logits: torch.Tensor, target_hidden: torch.Tensor,
-               target_logits: torch.Tensor, loss_mask: torch.Tensor, w_reg: float = EAGLE_W_REG,
-               w_ce: float = EAGLE_W_CE, d2t: torch.Tensor | None = None) -> LossOutput:
-    """EAGLE-1: w_reg SmoothL1(f̂_{t+1}, f_{t+1}) + w_ce soft-CE(draft, target) for token t+2.
+def _as_rows(target: TargetRows | torch.Tensor, d2t: torch.Tensor | None, loss: DistillLoss) -> TargetRows:
+    """The target's full-vocabulary logits [B,T,V] become TargetRows (the callers that hold them: tests, old code)."""
+    if isinstance(target, TargetRows):
+        return target
+    return TargetRows.from_full(target, d2t, with_lse=loss.needs_lse)
 
-    pred_hidden [B,T,D] (row t predicts f_{t+1}), logits [B,T,V'] (row t predicts x_{t+2}),
-    target_hidden [B,T,D] = the stored layer-L states, target_logits [B,T,V] = lm_head(target_hidden).
-    With a draft vocabulary (d2t [V']) the CE term is taken as in EAGLE-3: the target's logits restricted to the
-    draft vocabulary, rows whose target argmax lies outside it left out; the regression term keeps every row.
+
+def eagle_loss(pred_hidden: torch.Tensor, logits: torch.Tensor, target_hidden: torch.Tensor,
+               target: TargetRows | torch.Tensor, loss_mask: torch.Tensor, w_reg: float = EAGLE_W_REG,
+               w_ce: float = EAGLE_W_CE, d2t: torch.Tensor | None = None,
+               loss: DistillLoss | None = None) -> LossOutput:
+    """EAGLE-1: w_reg SmoothL1(f̂_{t+1}, f_{t+1}) + w_ce L(draft, target) for token t+2 (L = `loss`, soft CE).
+
+    pred_hidden [B,T,D] (row t predicts f_{t+1}), logits [B,T,V'] (row t predicts x_{t+2}), target_hidden [B,T,D]
+    = the stored layer-L states, target = TargetRows (or lm_head(target_hidden) [B,T,V]). With a draft vocabulary
+    (d2t [V']) the distillation term is taken as in EAGLE-3: the target restricted to it, rows whose target argmax
+    lies outside it left out; the regression term keeps every row.
     """
+    loss = loss or DistillLoss()
+    rows = _as_rows(target, d2t, loss)
     m = step_mask(loss_mask, 0)
     tgt_h = shift_rows(target_hidden, 1)[m].float()  # [N,D]
     reg = _mean(F.smooth_l1_loss(pred_hidden[m].float(), tgt_h, reduction="none").mean(-1))
-    tl = shift_rows(target_logits, 1)[m]  # [N,V]
-    lk = logits[m]
     if d2t is not None:
-        d2t = d2t.to(tl.device)
-        keep = in_draft_vocab(d2t, tl.shape[-1])[tl.argmax(-1)]  # [N]
-        tl, lk = tl[keep][:, d2t], lk[keep]  # [N',V']
-    ce = _mean(soft_ce(lk, tl))
-    metrics = {"reg": reg.detach(), "ce_0": ce.detach()}
+        m = m & shift_rows(rows.in_vocab, 1)
+    bi, ti = m.nonzero(as_tuple=True)
+    tl, lse = rows.at(bi, ti + 1)  # [N,V'], [N]
+    lk = logits[m]
+    dist, parts = distill_loss(lk, tl, loss, lse)
+    metrics = {"reg": reg.detach(), **{f"{n}_0": v for n, v in parts.items()}}
     if lk.shape[0]:
         metrics["acc_0"] = (lk.argmax(-1) == tl.argmax(-1)).float().mean().detach()
-    return LossOutput(w_reg * reg + w_ce * ce, metrics)
+    return LossOutput(w_reg * reg + w_ce * dist, metrics)
 
 
-def eagle3_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, loss_mask: torch.Tensor,
-                d2t: torch.Tensor | None, decay: float = DECAY) -> LossOutput:
-    """EAGLE-3 training-time test: Σ_i decay^i soft-CE over the draft vocabulary, no feature regression.
+def eagle3_loss(step_logits: list[torch.Tensor], target: TargetRows | torch.Tensor, loss_mask: torch.Tensor,
+                d2t: torch.Tensor | None, decay: float = DECAY, loss: DistillLoss | None = None) -> LossOutput:
+    """EAGLE-3 training-time test: Σ_i decay^i L_i over the draft vocabulary (L = `loss`, default soft CE), no
+    feature regression.
 
-    step_logits: list of n tensors [B,T,V'] (step i row t predicts x_{t+2+i}); target_logits [B,T,V];
-    d2t [V'] long (draft id -> target id) or None (draft vocab = target vocab). The target distribution is its
-    logits restricted to the draft vocabulary and renormalised; rows whose target argmax lies outside the draft
+    step_logits: list of n tensors [B,T,V'] (step i row t predicts x_{t+2+i}); target: TargetRows (or the target's
+    full logits [B,T,V]); d2t [V'] long (draft id -> target id) or None (draft vocab = target vocab). The target
+    distribution is its logits restricted to the draft vocabulary; rows whose target argmax lies outside the draft
     vocabulary are masked (EAGLE-3 repo).
     """
-    V = target_logits.shape[-1]
-    ok = torch.ones(target_logits.shape[:2], dtype=torch.bool, device=target_logits.device)  # [B,T]
-    if d2t is not None:
-        d2t = d2t.to(target_logits.device)
-        ok = in_draft_vocab(d2t, V)[target_logits.argmax(-1)]  # row j: the target's token j+1 lies in the draft vocab
-        target_logits = target_logits[..., d2t]  # [B,T,V'], sliced once for all steps
-    total = target_logits.new_zeros((), dtype=torch.float32)
+    loss = loss or DistillLoss()
+    rows = _as_rows(target, d2t, loss)
+    total = rows.logits.new_zeros((), dtype=torch.float32)
     metrics: dict[str, torch.Tensor] = {}
     for i, lg in enumerate(step_logits):
-        tl = shift_rows(target_logits, 1 + i)  # [B,T,V']
-        m = step_mask(loss_mask, i) & shift_rows(ok, 1 + i)
-        lk, tk = lg[m], tl[m]
-        ce = _mean(soft_ce(lk, tk))
-        total = total + (decay ** i) * ce
-        metrics[f"ce_{i}"] = ce.detach()
+        m = step_mask(loss_mask, i)
+        if d2t is not None:
+            m = m & shift_rows(rows.in_vocab, 1 + i)  # row t reads the target's row t+1+i
+        bi, ti = m.nonzero(as_tuple=True)
+        tk, lse = rows.at(bi, ti + 1 + i)  # [N,V'], [N]
+        lk = lg[m]
+        part, parts = distill_loss(lk, tk, loss, lse)
+        total = total + (decay ** i) * part
+        metrics.update({f"{n}_{i}": v for n, v in parts.items()})
         if lk.shape[0]:
             metrics[f"acc_{i}"] = (lk.argmax(-1) == tk.argmax(-1)).float().mean().detach()
     return LossOutput(total, metrics)
@@ -196,10 +384,6 @@ def simulated_tau(correct: torch.Tensor, start: torch.Tensor, depth: int | None 
 
 
 # --------------------------------------------------------------------------------------- DSpark / DFlash blocks
-BLOCK_GAMMA = 4.0  # position weight exp(-j / gamma) (DeepSpec loss_decay_gamma 4.0; speculators dflash_decay_gamma 4.0)
-BLOCK_W_CE = 0.1  # soft CE against the target (DeepSpec ce_loss_alpha 0.1, there on hard labels)
-BLOCK_W_L1 = 0.9  # ||p_draft - p_target||_1 = 2 TV (DeepSpec l1_loss_alpha 0.9)
-CONFIDENCE_ALPHA = 1.0  # confidence BCE weight (DeepSpec / speculators confidence_head_alpha 1.0)
 
 
 def block_position_weights(num_drafts: int, gamma: float, device=None) -> torch.Tensor:
@@ -225,7 +409,8 @@ def _wmean(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def dspark_loss(logits: torch.Tensor, conf_logits: torch.Tensor | None, target_logits: torch.Tensor,
                 target_lse: torch.Tensor, in_vocab: torch.Tensor, valid: torch.Tensor, gamma: float = BLOCK_GAMMA,
-                w_ce: float = BLOCK_W_CE, w_l1: float = BLOCK_W_L1, alpha: float = CONFIDENCE_ALPHA) -> LossOutput:
+                w_ce: float = BLOCK_W_CE, w_l1: float = BLOCK_W_L1, alpha: float = CONFIDENCE_ALPHA,
+                loss: DistillLoss | None = None) -> LossOutput:
     """DSpark / DFlash block loss over N blocks of K' drafts (DeepSpec deepspec/modeling/dspark/loss.py):
 
         L = w_ce · CE + w_l1 · L1 + alpha · BCE, each a mean over drafts weighted by w_j = exp(-j / gamma),
@@ -233,6 +418,8 @@ def dspark_loss(logits: torch.Tensor, conf_logits: torch.Tensor | None, target_l
         L1_j = ||q_j - p_j||_1 over that restricted target (2 TV),
         BCE_j = BCE(c_j, a_j) with a_j = acceptance_rate(...), detached: the confidence loss never reaches the
         logits (it trains the confidence head and, through h_k, the backbone).
+    `loss` (train.loss) replaces w_ce · CE + w_l1 · L1 by another member of the family, weighted the same way
+    (its LK terms read target_lse: the exact acceptance with the full-vocabulary one).
 
     logits [N,K',V'] (Markov-corrected), conf_logits [N,K'] or None, target_logits [N,K',V'] (target logits at
     the draft-vocab columns), target_lse [N,K'] (their logsumexp: over the full vocabulary, the acceptance is the
@@ -244,12 +431,9 @@ def dspark_loss(logits: torch.Tensor, conf_logits: torch.Tensor | None, target_l
     K = logits.shape[1]
     w = block_position_weights(K, gamma, logits.device) * valid.float()  # [N,K']
     wd = w * in_vocab.float()
-    lq = torch.log_softmax(logits.float(), dim=-1)
-    p = torch.softmax(target_logits.float(), dim=-1)
-    ce = _wmean(-(p * lq).sum(-1), wd)
-    l1 = _wmean((lq.exp() - p).abs().sum(-1), wd)
-    total = w_ce * ce + w_l1 * l1
-    metrics: dict[str, float] = {"ce": float(ce.detach()), "l1": float(l1.detach())}
+    loss = loss or DistillLoss(parse_loss(f"soft_ce:{w_ce},l1:{w_l1}", allow_zero=True))
+    total, parts = distill_loss(logits, target_logits, loss, target_lse, weights=wd)
+    metrics: dict[str, float] = {k: float(v) for k, v in parts.items() if k != "accept"}
     acc_rate = acceptance_rate(logits.detach(), target_logits, target_lse)  # [N,K']
     if conf_logits is not None:
         bce = F.binary_cross_entropy_with_logits(conf_logits.float(), acc_rate, reduction="none")

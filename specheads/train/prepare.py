@@ -4,10 +4,13 @@ Writes under `recipe.output_dir`:
     data/regenerated.jsonl   the target's own answers (data.regenerate: true), resumable by conversation id
     data/regenerated-text.jsonl  data.mode text: the target's continuations of each window's prefix (token ids)
     data/tokens/             datasets.Dataset (input_ids, loss_mask, conversation_id), saved atomically
-    features/                offline shards + manifest.json (features.mode: offline), resumable
+    features/                offline shards + manifest.json (features.mode: offline), resumable, then the
+                             target sidecars (targets-NNNNN.safetensors: greedy token + full-vocab logsumexp per
+                             token, from the stored layer-L states; also added to a folder that lacks them)
     prepare_config.yaml      the resolved recipe
     prepare_summary.json     counts, sizes and timings (also printed as a table)
 Every step is resumable or cheap to redo: rerunning after a kill continues the features where they stopped.
+With features.dir (another recipe's folder) prepare checks it and adds the target sidecars it lacks there.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specheads.train.features import check_features_folder, plan_features, write_features
+from specheads.train.features import check_features_folder, plan_features, write_features, write_target_sidecars
 from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -53,7 +56,7 @@ def _load_target(recipe, target=None, dtype: str | None = None):
                        trust_remote_code=recipe.target.trust_remote_code)
 
 
-def _prepare_shared(recipe, target=None, verify: bool = False) -> dict:
+def _prepare_shared(recipe, target=None, verify: bool = False, progress: bool = True) -> dict:
     """features.dir names another recipe's finished features: check them, extract nothing (data is theirs)."""
     from specheads.config import save_config
     from specheads.train.features import check_shared_features, verify_features
@@ -62,6 +65,9 @@ def _prepare_shared(recipe, target=None, verify: bool = False) -> dict:
     target = _load_target(recipe, target)
     layers = feature_layers_for(recipe, target.num_layers)
     m = check_shared_features(recipe.features.dir, target, layers)  # checked before anything is written
+    t = time.perf_counter()
+    m = write_target_sidecars(target, recipe.features.dir, progress=progress, verify=verify)
+    targets_s = time.perf_counter() - t
     bad = verify_features(recipe.features.dir) if verify else []
     if bad:
         raise SpecheadsError(f"features.dir {recipe.features.dir}: {bad} differ from the manifest's sha256; run "
@@ -74,9 +80,14 @@ def _prepare_shared(recipe, target=None, verify: bool = False) -> dict:
                "features_dir": str(recipe.features.dir), "feature_layers": layers, "shared_layers": m["layers"],
                "shards": len(m["shards"]), "features_complete": True, "features_bytes": m.get("bytes", 0),
                "samples": m.get("num_samples"), "tokens": m.get("num_tokens"),
-               "masked_tokens": m.get("num_masked_tokens")}
+               "masked_tokens": m.get("num_masked_tokens"), "target_sidecars": _sidecar_count(m),
+               "timings": {"targets_s": round(targets_s, 2)}}
     atomic_write_json(out / "prepare_summary.json", summary)
     return summary
+
+
+def _sidecar_count(manifest: dict) -> int:
+    return sum(1 for s in manifest["shards"] if (s.get("targets") or {}).get("shard_sha256") == s["sha256"])
 
 
 def prepare(recipe, target=None, progress: bool = True, after_shard=None, verify: bool = False) -> dict:
@@ -90,7 +101,7 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None, verify
     if not progress:
         datasets.disable_progress_bars()
     if recipe.features.dir and recipe.features.mode == "offline":
-        return _prepare_shared(recipe, target, verify)
+        return _prepare_shared(recipe, target, verify, progress)
     t_start = time.perf_counter()
     out, dc = Path(recipe.output_dir), recipe.data
     data_dir, feat_dir = out / "data", features_dir(recipe)
@@ -129,8 +140,12 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None, verify
         manifest = write_features(target, tokens, feat_dir, layers, recipe.features, val_fraction=dc.val_fraction,
                                   progress=progress, after_shard=after_shard, verify=verify)
         timings["features_s"] = time.perf_counter() - t
+        if manifest["complete"]:  # one full-vocabulary lm_head pass per token, saved for every training run
+            t = time.perf_counter()
+            manifest = write_target_sidecars(target, feat_dir, progress=progress, verify=verify)
+            timings["targets_s"] = time.perf_counter() - t
         summary.update({"shards": len(manifest["shards"]), "features_complete": manifest["complete"],
-                        "features_bytes": manifest.get("bytes", 0)})
+                        "features_bytes": manifest.get("bytes", 0), "target_sidecars": _sidecar_count(manifest)})
     summary["disk_bytes"] = _du(data_dir) + _du(feat_dir)
     timings["total_s"] = time.perf_counter() - t_start
     summary["timings"] = {k: round(v, 2) for k, v in timings.items()}
@@ -247,6 +262,7 @@ def format_summary(s: dict) -> str:
     if "features_dir" in s:  # features.dir: another recipe's extraction, nothing prepared here
         return _box([("features", f"shared from {s['features_dir']}"), ("samples", s["samples"]),
                      ("tokens", s["tokens"]), ("feature layers", f"{s['feature_layers']} of {s['shared_layers']}"),
+                     ("target sidecars", f"{s.get('target_sidecars', 0)} of {s['shards']} shards"),
                      ("output", s["output_dir"])])
     rows = [("conversations read", s["conversations_read"]),
             ("conversations skipped", f"{s['conversations_skipped']} {s.get('skip_reasons') or ''}".strip()),
@@ -262,6 +278,7 @@ def format_summary(s: dict) -> str:
              ("feature layers", f"{s['feature_layers']} ({s['feature_mode']})")]
     if "shards" in s:
         rows.append(("shards", f"{s['shards']}{'' if s['features_complete'] else ' (incomplete)'}"))
+        rows.append(("target sidecars", f"{s.get('target_sidecars', 0)} of {s['shards']} shards"))
     rows += [("disk used", _human_bytes(s["disk_bytes"])), ("wall time", f"{s['timings']['total_s']:.1f} s"),
              ("output", s["output_dir"])]
     return _box(rows)

@@ -1,8 +1,12 @@
 """One forward per head kind: a collated batch -> loss (training) or per-step draft logits (evaluation).
 
 A batch is `collate`'s dict: input_ids [B,T], loss_mask [B,T], attention_mask [B,T], hidden [B,T,F,D] where the F
-feature layers are `layers` (hidden_states tuple ids, always including L = the final post-norm state).
-The target's next-token logits are recomputed from the layer-L state through the frozen lm_head (never stored).
+feature layers are `layers` (hidden_states tuple ids, always including L = the final post-norm state), and from
+offline folders with target sidecars target_greedy [B,T] / target_lse [B,T] (features.py).
+The target's next-token logits are recomputed from the layer-L state through the frozen lm_head (never stored), and
+only what the losses read: the rows predicting an assistant token, at the draft vocabulary's columns when the
+greedy token and the full-vocabulary logsumexp come from the sidecar; without one (online mode, older folders) at
+every column, from which both are taken (`target_rows`).
 Shapes: B batch, T sequence, F feature layers, D hidden, K heads / TTT steps, V vocab, V' draft vocab.
 """
 from __future__ import annotations
@@ -10,10 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from specheads.train.losses import (BLOCK_GAMMA, BLOCK_W_CE, BLOCK_W_L1, CONFIDENCE_ALPHA, LossOutput, dspark_loss,
-                                    eagle3_loss, eagle_loss, in_draft_vocab, medusa_loss, shift_rows)
+from specheads.train.features import greedy_and_lse, lm_head_logits
+from specheads.train.losses import (BLOCK_GAMMA, BLOCK_W_CE, BLOCK_W_L1, CONFIDENCE_ALPHA, LK_ETA, DistillLoss,
+                                    LossOutput, TargetRows, dspark_loss, eagle3_loss, eagle_loss, in_draft_vocab,
+                                    medusa_loss, resolve_loss, shift_rows)
 from specheads.utils import SpecheadsError
 
 KINDS = ["medusa", "eagle", "eagle3", "dspark"]
@@ -32,7 +37,15 @@ class LossSettings:
     confidence_alpha: float = CONFIDENCE_ALPHA  # DSpark: confidence BCE weight
     max_anchors: int = 512  # DSpark / DFlash: blocks sampled per sequence (DeepSpec num_anchors 512 at 4k tokens)
     block_full_vocab: bool = False  # DSpark / DFlash: the target over every column, not only the draft vocab's
-    generator: torch.Generator | None = None  # the step's random draws (EAGLE feature noise, DSpark anchors): the trainer's own, saved in checkpoints; None = global
+    loss: str | None = None  # train.loss: the distillation family (losses.py); None = the kind's default
+    lk_eta: float = LK_ETA  # LK^λ's η
+    # the step's random draws (EAGLE feature noise, DSpark anchors): the trainer's own, saved in checkpoints;
+    # None = torch's global RNG
+    generator: torch.Generator | None = None
+
+    def distill(self, kind: str) -> DistillLoss:
+        """The resolved distillation loss of `kind` (losses.DEFAULT_LOSS when train.loss is unset)."""
+        return resolve_loss(kind, self.loss, self.lk_eta, self.block_w_ce, self.block_w_l1)
 
 
 def split_features(hidden: torch.Tensor, layers: list[int], head_layers: list[int], final_layer: int):
@@ -44,6 +57,13 @@ def split_features(hidden: torch.Tensor, layers: list[int], head_layers: list[in
     return h_in, hidden[:, :, layers.index(final_layer)]
 
 
+def need_rows(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[B,T] bool: rows j whose next token j+1 is an assistant token, the only rows a loss or evaluation reads."""
+    need = torch.zeros(loss_mask.shape, dtype=torch.bool, device=loss_mask.device)
+    need[:, :-1] = loss_mask[:, 1:].bool()
+    return need
+
+
 @torch.no_grad()
 def target_logits(target, h_last: torch.Tensor, loss_mask: torch.Tensor | None = None,
                   vocab: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,21 +71,49 @@ def target_logits(target, h_last: torch.Tensor, loss_mask: torch.Tensor | None =
 
     With loss_mask, only rows predicting an assistant token (loss_mask[j+1] == 1) are computed; the others are 0 and
     never read by the losses (they mask the same rows). The lm_head is the largest matmul of a step on small heads.
-    With vocab (target ids [V']) only those columns are computed: [B,T,V'] (Medusa's soft labels over a draft vocab).
+    With vocab (target ids [V']) only those columns are computed: [B,T,V'].
     """
-    lm = target.lm_head
-    h = h_last.to(lm.weight.dtype)
-    w = lm.weight if vocab is None else lm.weight[vocab.to(lm.weight.device)]
-    b = getattr(lm, "bias", None)
-    if b is not None and vocab is not None:
-        b = b[vocab.to(b.device)]
     if loss_mask is None:
-        return F.linear(h, w, b)
-    need = torch.zeros(loss_mask.shape, dtype=torch.bool, device=loss_mask.device)
-    need[:, :-1] = loss_mask[:, 1:].bool()
-    out = h.new_zeros(*h.shape[:2], w.shape[0])
-    out[need] = F.linear(h[need], w, b)
+        return lm_head_logits(target, h_last, vocab)
+    need = need_rows(loss_mask)
+    cols = target.lm_head.weight.shape[0] if vocab is None else len(vocab)
+    out = h_last.new_zeros(*h_last.shape[:2], cols, dtype=target.lm_head.weight.dtype)
+    out[need] = lm_head_logits(target, h_last[need], vocab)
     return out
+
+
+def has_sidecar(batch: dict) -> bool:
+    return "target_greedy" in batch and "target_lse" in batch
+
+
+@torch.no_grad()
+def target_rows(target, h_last: torch.Tensor, loss_mask: torch.Tensor, d2t: torch.Tensor | None, batch: dict,
+                need_greedy: bool = True, need_lse: bool = False) -> TargetRows:
+    """What the losses read of the target, computed once per batch at the rows predicting an assistant token.
+
+    With the batch's sidecar (target_greedy, target_lse): only the draft vocabulary's V' columns (576 x 8,192
+    multiply-adds per row for SmolLM2's recipes instead of 576 x 49,152). Without one: every column, then the
+    greedy token (argmax over V) and the logsumexp over V from them (`need_lse`), as before the sidecars existed.
+    Without a draft vocabulary V' = V: the full logits either way. `need_greedy` False (Medusa's soft labels,
+    which mask no row) with neither a sidecar nor need_lse: the V' columns alone, greedy and lse left None."""
+    side = has_sidecar(batch)
+    if d2t is not None and not side and (need_greedy or need_lse):
+        return TargetRows.from_full(target_logits(target, h_last, loss_mask), d2t, with_lse=need_lse)
+    logits = target_logits(target, h_last, loss_mask, vocab=d2t)  # [B,T,V']
+    greedy = lse = None
+    if side:
+        greedy, lse = batch["target_greedy"].to(logits.device).long(), batch["target_lse"].to(logits.device).float()
+    elif need_greedy or need_lse:  # no draft vocabulary: these are the full logits
+        need = need_rows(loss_mask)
+        greedy = logits.argmax(-1)
+        if need_lse:
+            lse = torch.zeros(need.shape, dtype=torch.float32, device=logits.device)
+            lse[need] = greedy_and_lse(logits[need])[1]
+    in_vocab = None
+    if greedy is not None:
+        in_vocab = torch.ones_like(greedy, dtype=torch.bool) if d2t is None else \
+            in_draft_vocab(d2t.to(greedy.device), target.lm_head.weight.shape[0])[greedy.clamp(min=0)] & (greedy >= 0)
+    return TargetRows(logits, in_vocab, greedy, lse)
 
 
 def _d2t(head) -> torch.Tensor | None:
@@ -79,14 +127,16 @@ def train_loss(kind: str, head, batch: dict, target, layers: list[int], head_lay
     ids, lmask, amask = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
     if kind == "dspark":
         return _dspark_train_loss(head, h_in, h_last, batch, target, settings)
+    d2t, dist = _d2t(_unwrap(head)), settings.distill(kind)
     if kind == "medusa":
-        d2t = _d2t(_unwrap(head))
-        # soft labels over the draft vocab only need those lm_head rows: [B,T,V'] (6x fewer at 8k of 49k)
-        tl = target_logits(target, h_last, lmask, vocab=d2t) if settings.soft_labels else None
+        # soft labels: the draft vocab's columns only (Medusa masks no row by the target's argmax)
+        rows = target_rows(target, h_last, lmask, d2t, batch, need_greedy=False, need_lse=dist.needs_lse) \
+            if settings.soft_labels else None
         logits = head(h_in.float())  # [K,B,T,V']
-        return medusa_loss(logits, ids, lmask, target_logits=tl, decay=settings.decay, d2t=d2t,
-                           target_in_draft_vocab=True)
-    tl = target_logits(target, h_last, lmask)  # [B,T,V]
+        return medusa_loss(logits, ids, lmask, target_logits=None if rows is None else rows.logits,
+                           decay=settings.decay, d2t=d2t, target_in_draft_vocab=True, loss=dist,
+                           target_lse=None if rows is None else rows.lse)
+    rows = target_rows(target, h_last, lmask, d2t, batch, need_greedy=d2t is not None, need_lse=dist.needs_lse)
     feats = h_in.float()
     if settings.noise > 0:
         u = torch.rand(feats.shape, generator=settings.generator, device=feats.device, dtype=feats.dtype)
@@ -94,11 +144,11 @@ def train_loss(kind: str, head, batch: dict, target, layers: list[int], head_lay
     next_tokens = shift_rows(ids, 1)  # row t pairs f_t with x_{t+1}
     if kind == "eagle":
         pred, logits = head(feats, next_tokens, amask)
-        return eagle_loss(pred, logits, h_last, tl, lmask, w_reg=settings.w_reg, w_ce=settings.w_ce,
-                          d2t=_d2t(_unwrap(head)))
+        return eagle_loss(pred, logits, h_last, rows, lmask, w_reg=settings.w_reg, w_ce=settings.w_ce, d2t=d2t,
+                          loss=dist)
     if kind == "eagle3":
         steps = head(feats, next_tokens, amask)  # list of [B,T,V'], step i row t predicts x_{t+2+i}
-        return eagle3_loss(list(steps), tl, lmask, _d2t(_unwrap(head)), decay=settings.decay)
+        return eagle3_loss(list(steps), rows, lmask, d2t, decay=settings.decay, loss=dist)
     raise SpecheadsError(f"head.kind: {kind!r} is not one of {KINDS}")
 
 
@@ -121,7 +171,7 @@ def draft_step_logits(kind: str, head, batch: dict, target, layers: list[int], h
     if kind == "dspark":
         steps, _, targ = block_draft_outputs(head, batch, target, layers, head_layers)
         return steps, _d2t(inner), targ
-    targ = target_logits(target, h_last, batch["loss_mask"]).argmax(-1)  # [B,T] greedy token j+1 at row j
+    targ = target_greedy(target, h_last, batch)  # [B,T] greedy token j+1 at row j
     if kind == "medusa":
         return list(head(h_in.float()).unbind(0)), _d2t(inner), targ
     next_tokens = shift_rows(ids, 1)
@@ -173,7 +223,7 @@ def block_valid(loss_mask: torch.Tensor, anchors: torch.Tensor, num_drafts: int)
 
 @torch.no_grad()
 def block_targets(head, target, h_last: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
-                  full_vocab: bool = False):
+                  full_vocab: bool = False, sidecar: tuple[torch.Tensor, torch.Tensor] | None = None):
     """The target's distribution for draft j of the block at p is its next-token distribution at row p+j: the
     frozen lm_head on h_L[p+j], computed once per distinct row the valid drafts read. h_last [B,T,D], anchors
     [B,A], valid [B,A,K'] -> (logits at the draft-vocab columns [B,A,K',V'], their logsumexp [B,A,K'], target
@@ -181,26 +231,30 @@ def block_targets(head, target, h_last: torch.Tensor, anchors: torch.Tensor, val
 
     With a draft vocabulary, by default only its V' columns are computed and the target is renormalised over them
     (speculators' verifier_lm_head holds exactly those rows): the lm_head over the full vocabulary is the largest
-    matmul of a step (49,152 columns for SmolLM2 against 4-8k). full_vocab: every column, so that the logsumexp
-    is the full one (the confidence target becomes the exact acceptance of a V'-draft, and drafts whose target
-    argmax lies outside V' leave the CE / L1, as in eagle3_loss)."""
+    matmul of a step (49,152 columns for SmolLM2 against 4-8k). full_vocab: the logsumexp is the full one (the
+    confidence target becomes the exact acceptance of a V'-draft, and drafts whose target argmax lies outside V'
+    leave the CE / L1, as in eagle3_loss): from the batch's `sidecar` (target_greedy, target_lse [B,T]) at the V'
+    columns' cost, else from every column."""
     B, T = h_last.shape[:2]
     rows = (anchors[..., None] + torch.arange(valid.shape[-1], device=anchors.device)).clamp(max=T - 1)  # [B,A,K']
     need = torch.zeros(B, T, dtype=torch.bool, device=h_last.device)
     need[torch.arange(B, device=rows.device)[:, None, None].expand_as(rows)[valid], rows[valid]] = True
     where = need.flatten().cumsum(0).view(B, T) - 1  # row -> its index among the computed ones
     d2t = _d2t(head)
-    if d2t is None or full_vocab:
-        lm = target.lm_head
-        logits = lm(h_last[need].to(lm.weight.dtype)).float()  # [R,V]
+    if d2t is None or (full_vocab and sidecar is None):
+        logits = lm_head_logits(target, h_last[need]).float()  # [R,V]
     else:
         logits = head.target_lm_logits(h_last[need]).float()  # [R,V'] (the head caches these lm_head rows)
     lse = logits.logsumexp(-1)
     ok = torch.ones_like(lse, dtype=torch.bool)
     if d2t is not None and full_vocab:
         d2t = d2t.to(logits.device)
-        ok = in_draft_vocab(d2t, logits.shape[-1])[logits.argmax(-1)]
-        logits = logits[:, d2t]
+        if sidecar is None:
+            greedy = logits.argmax(-1)
+            logits = logits[:, d2t]
+        else:
+            greedy, lse = sidecar[0].to(need.device)[need].long(), sidecar[1].to(need.device)[need].float()
+        ok = in_draft_vocab(d2t, target.lm_head.weight.shape[0])[greedy.clamp(min=0)] & (greedy >= 0)
     if logits.shape[0] == 0:  # no valid draft in the batch
         logits, lse, ok = logits.new_zeros(1, logits.shape[1]), lse.new_zeros(1), ok.new_ones(1)
     idx = where.gather(1, rows.flatten(1)).view(rows.shape).clamp(min=0) * valid
@@ -211,12 +265,17 @@ def block_targets(head, target, h_last: torch.Tensor, anchors: torch.Tensor, val
 def target_argmax(target, h_last: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """[B,T] the target's greedy token j+1 at row j, computed only where token j+1 is an assistant token (the
     only rows evaluation reads; 0 elsewhere)."""
-    need = torch.zeros_like(loss_mask, dtype=torch.bool)
-    need[:, :-1] = loss_mask[:, 1:].bool()
+    need = need_rows(loss_mask)
     out = torch.zeros(need.shape, dtype=torch.long, device=h_last.device)
-    lm = target.lm_head
-    out[need] = lm(h_last[need].to(lm.weight.dtype)).argmax(-1)
+    out[need] = lm_head_logits(target, h_last[need]).argmax(-1)
     return out
+
+
+def target_greedy(target, h_last: torch.Tensor, batch: dict) -> torch.Tensor:
+    """[B,T] the target's greedy tokens for evaluation: the batch's sidecar, else computed (target_argmax)."""
+    if has_sidecar(batch):
+        return batch["target_greedy"].to(h_last.device).long()
+    return target_argmax(target, h_last, batch["loss_mask"])
 
 
 def _dspark_train_loss(head, h_in, h_last, batch, target, settings: LossSettings) -> LossOutput:
@@ -227,11 +286,12 @@ def _dspark_train_loss(head, h_in, h_last, batch, target, settings: LossSettings
     anchors, avalid = sample_anchors(lmask, settings.max_anchors, settings.generator)
     logits, conf = head(h_in.float(), ids, anchors, batch["attention_mask"])  # [B,A,K',V'], [B,A,K']
     valid = block_valid(lmask, anchors, K) & avalid[..., None]
-    tgt, lse, ok = block_targets(inner, target, h_last, anchors, valid, settings.block_full_vocab)
+    side = (batch["target_greedy"], batch["target_lse"]) if has_sidecar(batch) else None
+    tgt, lse, ok = block_targets(inner, target, h_last, anchors, valid, settings.block_full_vocab, side)
     keep = avalid  # [B,A]: padding blocks leave the loss entirely
     return dspark_loss(logits[keep], None if conf is None else conf[keep], tgt[keep], lse[keep], ok[keep],
-                       valid[keep], gamma=settings.block_gamma, w_ce=settings.block_w_ce, w_l1=settings.block_w_l1,
-                       alpha=settings.confidence_alpha)
+                       valid[keep], gamma=settings.block_gamma, alpha=settings.confidence_alpha,
+                       loss=settings.distill("dspark"))
 
 
 @torch.no_grad()
@@ -248,7 +308,7 @@ def block_draft_outputs(head, batch: dict, target, layers: list[int], head_layer
     h_in, h_last = split_features(batch["hidden"], layers, head_layers, target.num_layers)
     ids, lmask, amask = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
     if targ is None:
-        targ = target_argmax(target, h_last, lmask)
+        targ = target_greedy(target, h_last, batch)
     B, T = ids.shape
     K, V = inner.num_drafts, inner.config.out_vocab
     anchors, avalid = _all_anchors(lmask)

@@ -74,7 +74,13 @@ class TrainConfig:
     block_w_l1: float = 0.9  # DSpark / DFlash: ||q - p||_1 = 2 TV (DeepSpec l1_loss_alpha 0.9)
     confidence_alpha: float = 1.0  # DSpark: confidence BCE weight (DeepSpec / speculators confidence_head_alpha)
     max_anchors: int = 512  # DSpark / DFlash: blocks per sequence and step (DeepSpec num_anchors 512 at 4k tokens)
-    block_full_vocab: bool = False  # DSpark / DFlash: target over the full vocab (exact acceptance; ~2x the step)
+    block_full_vocab: bool = False  # DSpark / DFlash: target over the full vocab (exact acceptance; ~2x the step
+    # without target sidecars, the V' columns' cost with them)
+    # The distillation objective (losses.py, docs/training.md "The loss family"): NAME or NAME:WEIGHT,... over
+    # soft_ce | kl | tv | l1 | lk_alpha | lk_lambda, e.g. "tv" or "soft_ce:0.1,tv:0.9". None = the kind's own
+    # (losses.DEFAULT_LOSS: soft CE; DSpark / DFlash block_w_ce x CE + block_w_l1 x L1)
+    loss: str | None = None
+    lk_eta: float = 3.0  # LK^λ: λ = exp(-lk_eta x mean acceptance) (arXiv 2602.23881's best; SpecForge --kl-decay)
     num_workers: int = 0  # DataLoader workers (0: features are already tensors; workers cost RAM per process)
     # Medusa-2 (head.kind medusa, features.mode online): LoRA on the target trained jointly with the heads
     lora: bool = False  # off = Medusa-1 (frozen target)
@@ -97,7 +103,8 @@ class TrainConfig:
             "num_workers": ">=0", "lora_r": ">=1", "lora_alpha": ">0", "lora_dropout": "[0,1)",
             "lora_lr_ratio": ">=0", "lora_warmup_steps": ">=0", "lm_loss_weight": ">=0",
             "block_gamma": ">0", "block_w_ce": ">=0", "block_w_l1": ">=0", "confidence_alpha": ">=0",
-            "max_anchors": ">=1"})
+            "max_anchors": ">=1", "lk_eta": ">=0"})
+        self._check_loss()
         if self.mixed_precision not in ("no", "bf16"):
             raise SpecheadsError(f"train.mixed_precision: {self.mixed_precision!r} is not one of ['no', 'bf16']")
         if self.tracker not in ("wandb", "tensorboard", "none"):
@@ -106,6 +113,32 @@ class TrainConfig:
             raise SpecheadsError(f"train.betas: expected two numbers in [0, 1), got {self.betas!r}")
         if not self.lora_targets:
             raise SpecheadsError("train.lora_targets: needs at least one module name")
+
+    def _check_loss(self) -> None:
+        """train.loss parses, and does not meet DSpark's own CE / L1 weights changed beside it."""
+        from specheads.train.losses import BLOCK_W_CE, BLOCK_W_L1, LOSS_SYNTAX, parse_loss
+
+        if self.loss is None:
+            return
+        try:
+            parse_loss(self.loss)
+        except ValueError as e:
+            raise SpecheadsError(f"train.loss: {self.loss!r}: {e}; write {LOSS_SYNTAX}") from None
+        if (self.block_w_ce, self.block_w_l1) != (BLOCK_W_CE, BLOCK_W_L1):
+            raise SpecheadsError(f"train.loss: replaces DSpark's CE / L1 weights, and train.block_w_ce / block_w_l1 "
+                                 f"are {self.block_w_ce} / {self.block_w_l1} beside it; set them back to "
+                                 f"{BLOCK_W_CE} / {BLOCK_W_L1} or write the mixture into train.loss "
+                                 f"(e.g. soft_ce:{self.block_w_ce},l1:{self.block_w_l1})")
+
+    def check_loss_for(self, kind: str) -> None:
+        """train.loss against the head kind: Medusa's hard labels (and Medusa-2) train CE on the data's tokens."""
+        if self.loss is None or kind != "medusa":
+            return
+        if self.lora or not self.soft_labels:
+            what = "Medusa-2 (train.lora) trains" if self.lora else "Medusa with train.soft_labels false trains"
+            raise SpecheadsError(f"train.loss: {what} CE on the data's tokens, not a distillation loss; set "
+                                 f"train.soft_labels=true{' and train.lora=false' if self.lora else ''} or drop "
+                                 f"train.loss")
 
 
 # ------------------------------------------------------------------------------------------------------ data plumbing
@@ -500,6 +533,7 @@ class Trainer:
                                  f"continue it, or choose another output_dir")
         if resume and not ckpts:
             raise SpecheadsError(f"--resume: no checkpoint under {out / CKPT_DIR}")
+        cfg.check_loss_for(self.kind)
         acc = self.accelerator = self._accelerator()
         set_seed(self.recipe.seed)
         self.target.model.to(acc.device)
@@ -511,7 +545,8 @@ class Trainer:
                                 w_reg=cfg.eagle_w_reg, w_ce=cfg.eagle_w_ce, block_gamma=cfg.block_gamma,
                                 block_w_ce=cfg.block_w_ce, block_w_l1=cfg.block_w_l1,
                                 confidence_alpha=cfg.confidence_alpha, max_anchors=cfg.max_anchors,
-                                block_full_vocab=cfg.block_full_vocab, generator=noise)
+                                block_full_vocab=cfg.block_full_vocab, loss=cfg.loss, lk_eta=cfg.lk_eta,
+                                generator=noise)
         self.parts = Medusa2(self, settings) if cfg.lora else HeadOnly(self, settings)
         module = self.parts.module()
         opt = self._optimizer(acc, module)
@@ -684,7 +719,7 @@ def assistant_token_counts(tokens, vocab_size: int) -> torch.Tensor:
 def load_training_data(recipe, target):
     """(train_ds, val_ds, collate, layers, extract_fn) from `specheads prepare`'s output under recipe.output_dir."""
     from specheads.train.data import is_val
-    from specheads.train.features import FeatureDataset, collate, extract_features
+    from specheads.train.features import FeatureDataset, collate, extract_features, target_dtype_name
     from specheads.train.prepare import feature_layers_for
 
     from specheads.train.prepare import features_dir
@@ -695,8 +730,9 @@ def load_training_data(recipe, target):
         if not (folder / "manifest.json").exists():
             raise SpecheadsError(f"{folder}: no offline features; run `specheads prepare --config <recipe>` first "
                                  f"(or set features.mode=online)")
-        verify = recipe.features.verify
-        train_ds, val_ds = FeatureDataset(folder, "train", verify), FeatureDataset(folder, "val", verify)
+        verify, dtype = recipe.features.verify, target_dtype_name(target)  # sidecars only of this lm_head dtype
+        train_ds = FeatureDataset(folder, "train", verify, targets_dtype=dtype)
+        val_ds = FeatureDataset(folder, "val", verify, targets_dtype=dtype)
         return train_ds, val_ds, collate, list(train_ds.layers), None
     import datasets
 
