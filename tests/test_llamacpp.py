@@ -449,6 +449,27 @@ def test_dspark_llamacpp_drafts_are_our_drafts_and_greedy_equals_plain(tiny_smol
         assert cut_short > 0
 
 
+def test_p_min_choice_obvious_answers():
+    """The --spec-draft-p-min chooser on hand-made blocks: everything accepted on a flat verify curve -> send every
+    slot (p 0, τ 1 + K); nothing accepted on a rising curve -> send nothing; confident blocks accepted and
+    unconfident ones rejected -> a cut between the two confidences (here 0.5: 4 tokens for cost 3 = 1.33x)."""
+    from specheads.infer.llamacpp_pmin import Block, choose_p_min, cut, expected
+
+    flat, rising = {1: 1.0, 2: 1.0, 3: 1.0}, {1: 1.0, 2: 1.5, 3: 2.0}
+    assert cut([0.9, 0.4, 0.8], 0.5) == 1 and cut([0.9, 0.8], 0.5) == 2 and cut([0.3], 0.5) == 0
+    c = choose_p_min([Block([0.6, 0.7], 2), Block([0.8, 0.2], 2)], flat, 0.0)
+    assert c.p_min == 0.0 and c.expected_tau == 3.0 and c.expected_speedup == 3.0
+    c = choose_p_min([Block([0.6, 0.7], 0), Block([0.8, 0.2], 0)], rising, 0.0)
+    assert c.p_min > 0.8 and c.expected_tau == 1.0 and c.expected_speedup == 1.0
+    blocks = [Block([0.9, 0.9], 2), Block([0.1, 0.1], 0)]
+    c = choose_p_min(blocks, rising, 0.0)
+    assert c.p_min == pytest.approx(0.5) and c.expected_speedup == pytest.approx(4 / 3)
+    assert expected(blocks, 0.0, rising, 0.0) == (2.0, 1.0)  # every slot: 4 tokens for cost 2 + 2
+    assert expected(blocks, 0.5, rising, 0.25)[1] == pytest.approx(4 / 3.5)  # the draft's cost paid every step
+    with pytest.raises(SpecheadsError, match="no calibration blocks"):
+        choose_p_min([], flat, 0.0)
+
+
 @needs_tools
 def test_dspark_every_draft_accepted_gives_the_obvious_counts(repeat_smol):
     """The repeat target and a DSpark head whose one-token draft vocabulary is REPEAT: 25 tokens = the prefill's 1
@@ -461,7 +482,8 @@ def test_dspark_every_draft_accepted_gives_the_obvious_counts(repeat_smol):
     _, head_dir = _dspark_head(folder.parent, target, "repeat-dspark", markov_rank=8, draft_vocab_size=1,
                                counts=torch.nn.functional.one_hot(torch.tensor(REPEAT), V))
     options = MethodOptions(heads=head_entries([f"r={head_dir}"]), llamacpp_draft_max=K_BLOCK)
-    plain, spec = (build_llamacpp_method(n, target, options) for n in ("llama.cpp", "llama.cpp:r"))
+    calib = [target.tokenizer("Hi, who are you?")["input_ids"]]
+    plain, spec = (build_llamacpp_method(n, target, options, calib) for n in ("llama.cpp", "llama.cpp:r"))
     try:
         ids = target.tokenizer("Hello there, how are you?")["input_ids"]
         a, b = plain.generate(ids, 25), spec.generate(ids, 25)
@@ -469,6 +491,11 @@ def test_dspark_every_draft_accepted_gives_the_obvious_counts(repeat_smol):
         assert (a.target_forwards, b.target_forwards) == (25, 6)
         assert (spec.drafted, spec.accepted) == (19, 19)
         assert spec.info["server_args"][:2] == ["--spec-type", "draft-dspark"]
+        # p-min chosen on the calibration prompt: every draft is accepted there, so every slot is sent
+        choice = spec.info["p_min_choice"]
+        assert choice["expected_tau"] == 1 + K_BLOCK and choice["blocks"] > 0
+        assert choice["p_min"] == 0.0
+        assert set(choice["verify_relative"]) == set(range(1, K_BLOCK + 2))
     finally:
         plain.server.stop()
         spec.server.stop()

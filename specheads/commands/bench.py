@@ -45,7 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llamacpp-target", default=None, metavar="GGUF",
                    help="llama.cpp methods: the target GGUF (default: the target converted in the run's dtype, cached)")
     p.add_argument("--llamacpp-draft-max", type=int, default=None, metavar="N",
-                   help="llama.cpp:LABEL: drafted tokens per step (--spec-draft-n-max; default llama.cpp's 3)")
+                   help="llama.cpp:LABEL: drafted tokens per step (--spec-draft-n-max; default: a DSpark head's "
+                        "block, llama.cpp's 3 otherwise)")
+    p.add_argument("--llamacpp-p-min", type=float, default=None, metavar="P",
+                   help="llama.cpp:LABEL with a DSpark head: --spec-draft-p-min (default: chosen from the head's "
+                        "confidences on calibration prompts and llama.cpp's measured verify-cost curve)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is steadier on a machine shared with other jobs)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: where the target loads)")
@@ -72,6 +76,8 @@ def method_options(args: argparse.Namespace):
     from specheads.infer.verify import SamplingParams
 
     SamplingParams(temperature=args.temperature)
+    if args.llamacpp_p_min is not None and not 0.0 <= args.llamacpp_p_min <= 1.0:
+        raise SpecheadsError(f"--llamacpp-p-min {args.llamacpp_p_min}: expected a confidence in [0, 1]")
     heads = head_entries(args.head)
     for head_dir in heads.values():
         config = read_head_config(Path(head_dir))
@@ -80,7 +86,8 @@ def method_options(args: argparse.Namespace):
                          refresh_profile=args.refresh_profile,
                          head_lookup=HEAD_LOOKUP_TOKENS if args.head_lookup is None else args.head_lookup,
                          draft_model=args.draft_model, draft_tokens=args.draft_tokens, threads=args.threads,
-                         llamacpp_target=args.llamacpp_target, llamacpp_draft_max=args.llamacpp_draft_max)
+                         llamacpp_target=args.llamacpp_target, llamacpp_draft_max=args.llamacpp_draft_max,
+                         llamacpp_p_min=args.llamacpp_p_min)
 
 
 def run(args: argparse.Namespace) -> int:

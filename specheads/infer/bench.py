@@ -618,6 +618,7 @@ class MethodOptions:
     threads: int | None = None  # llama.cpp methods: llama-server -t (None = infer/llamacpp.THREADS)
     llamacpp_target: str | None = None  # llama.cpp methods: the target GGUF (None = the target converted, cached)
     llamacpp_draft_max: int | None = None  # llama.cpp:LABEL: --spec-draft-n-max (None = llama.cpp's default, 3)
+    llamacpp_p_min: float | None = None  # llama.cpp:LABEL, DSpark: --spec-draft-p-min (None = chosen on calib prompts)
 
     def __post_init__(self) -> None:
         if not 1 <= self.head_lookup <= MAX_TREE_DEPTH:
@@ -692,7 +693,7 @@ def build_methods(names: list[str], target, options: MethodOptions, calib_ids: l
         elif is_llamacpp_method(n):  # llama-server engines (infer/llamacpp.py)
             from specheads.infer.llamacpp import build_llamacpp_method
 
-            m = build_llamacpp_method(n, target, options)
+            m = build_llamacpp_method(n, target, options, calib_ids)
         else:
             m = build_draft_model_method(target, options)
         methods.append(m)

@@ -203,18 +203,19 @@ def _draft_source(label: str, heads: dict[str, str]) -> str:
                          f"(given: {[k.removeprefix('head:') for k in heads] or 'none'})")
 
 
-def build_llamacpp_method(name: str, target, options) -> LlamaCppMethod:
+def build_llamacpp_method(name: str, target, options, calib_ids: list[list[int]] | None = None) -> LlamaCppMethod:
     """`llama.cpp`, `llama.cpp:LABEL` or `llama.cpp-ngram` for `specheads bench`, its server started. `options`:
     bench.MethodOptions. The target GGUF is `options.llamacpp_target` when set, else the target's folder converted
-    in the run's dtype (cached); `options.llamacpp_draft_max` sets --spec-draft-n-max (default: a DSpark head's drafts per block, else
-    llama.cpp's 3)."""
+    in the run's dtype (cached); `options.llamacpp_draft_max` sets --spec-draft-n-max (default: a DSpark head's
+    drafts per block, else llama.cpp's 3); `options.llamacpp_p_min` sets a DSpark head's --spec-draft-p-min (None:
+    chosen on `calib_ids` by infer/llamacpp_pmin.py when the head has a confidence head)."""
     from specheads.heads.gguf import draft_gguf, find_tools, spec_type_of, target_gguf
 
     tools = find_tools("llama-server", converter=True)
     outtype = GGUF_TYPE_OF_DTYPE.get(str(target.dtype), "bf16")
     model = target_gguf(options.llamacpp_target or target.name, outtype)
-    temperature = float(options.temperature)
     info: dict[str, Any] = {"implementation": f"llama-server ({tools.version})", "target_gguf": str(model)}
+    threads = int(options.threads or THREADS)  # bench --threads sets torch's and llama.cpp's
     draft, spec_args = None, ()
     if name == NGRAM:
         spec_args = NGRAM_ARGS
@@ -222,17 +223,55 @@ def build_llamacpp_method(name: str, target, options) -> LlamaCppMethod:
         src = _draft_source(name[len(PREFIX):], options.heads)
         draft = draft_gguf(src, target=None if src.endswith(".gguf") else target.name, outtype=outtype)
         spec_args = ("--spec-type", spec_type_of(draft))
+        cfg = None if src.endswith(".gguf") else _head_config(src)
         n_max = options.llamacpp_draft_max
-        if n_max is None and not src.endswith(".gguf"):  # a block head runs its whole block, as trained
-            from specheads.heads.base import read_head_config
-
-            cfg = read_head_config(Path(src))
-            n_max = cfg.head_spec.num_drafts if cfg.kind == "dspark" else None
+        if n_max is None and cfg is not None and cfg.kind == "dspark":  # a block head runs its whole block
+            n_max = cfg.head_spec.num_drafts
         if n_max is not None:
             spec_args += ("--spec-draft-n-max", str(int(n_max)))
         info.update(head=src, draft_gguf=str(draft), draft_max=int(n_max) if n_max is not None else 3)
+        p_min = options.llamacpp_p_min
+        if p_min is None and cfg is not None and cfg.kind == "dspark" and cfg.head_spec.confidence_head:
+            choice = tune_p_min(src, target, model, draft, spec_args, int(n_max), threads, calib_ids or [])
+            p_min, info["p_min_choice"] = choice.p_min, choice.to_dict()
+        if p_min is not None:
+            spec_args += ("--spec-draft-p-min", f"{float(p_min):.6f}")
     info["server_args"] = list(spec_args)
-    threads = int(options.threads or THREADS)  # bench --threads sets torch's and llama.cpp's
     info["threads"] = threads
     server = LlamaServer(model, draft=draft, spec_args=spec_args, threads=threads).start()
-    return LlamaCppMethod(name, server, target.tokenizer, temperature, info)
+    return LlamaCppMethod(name, server, target.tokenizer, float(options.temperature), info)
+
+
+def _head_config(src: str):
+    from specheads.heads.base import read_head_config
+
+    return read_head_config(Path(src))
+
+
+def tune_p_min(src: str, target, model: Path, draft: Path, spec_args: tuple[str, ...], n_max: int, threads: int,
+               calib_ids: list[list[int]]):
+    """The DSpark head's --spec-draft-p-min for this machine (infer/llamacpp_pmin.py): our blocks on the
+    calibration prompts, llama-bench's verify curve for 1..n_max+1 tokens, and the draft's cost from one plain and
+    one every-slot (p-min 0) completion of the first prompt."""
+    from specheads.heads.base import load_head
+    from specheads.heads.gguf import find_tools
+    from specheads.infer.llamacpp_pmin import (Block, calibration_blocks, choose_p_min, step_seconds,
+                                               verify_curve)
+
+    if not calib_ids:
+        raise SpecheadsError(f"{src}: choosing --spec-draft-p-min needs calibration prompts "
+                             "(or pass --llamacpp-p-min P)")
+    head = load_head(src, target)
+    blocks = [Block(b.conf[:n_max], b.accepted) for b in calibration_blocks(head, target, calib_ids)]
+    verify = verify_curve(find_tools("llama-bench").binary("llama-bench"), model, n_max + 1, threads)
+    n_new = 64
+    with LlamaServer(model, threads=threads) as plain:
+        t_plain = step_seconds(plain.complete(calib_ids[0], n_new))
+    with LlamaServer(model, draft, spec_args + ("--spec-draft-p-min", "0"), threads=threads) as every:
+        t_every = step_seconds(every.complete(calib_ids[0], n_new))
+    draft_rel = max(0.0, t_every / t_plain - verify[n_max + 1])
+    choice = choose_p_min(blocks, verify, draft_rel)
+    log.info("llama.cpp %s: --spec-draft-p-min %.4f (expected τ %.2f, %.2fx over plain; verify %s, draft %.3f of a "
+             "token)", Path(src).name, choice.p_min, choice.expected_tau, choice.expected_speedup,
+             {n: round(v, 3) for n, v in verify.items()}, draft_rel)
+    return choice
