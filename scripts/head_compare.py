@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Heads trained on the same data and held-out split, side by side: training wall time, held-out simulated τ (chain
+and width-2 tree), top-1 per draft position, and for block drafters with a confidence head the per-position
+greedy acceptance of each draft given the previous ones were accepted, and the confidence's ECE against it before /
+after calibration (held-out odd rows). One row per run folder.
+
+    python scripts/head_compare.py runs/demo runs/demo-dspark runs/demo-dflash --out docs/results/dspark-demo
+
+Reads `<run>/train_summary.json` (the evaluation at the best step) and `<run>/calibration.json` (written at the end
+of a DSpark run: the confidences on the held-out split's odd rows, before and after the temperatures fitted on the
+even rows) and writes `heads.json` + `heads.md` into --out. Nothing is typed by hand.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+POSITIONS = 4  # draft positions shown
+
+
+def _load(p: Path) -> dict:
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def row(run: Path) -> dict:
+    train, calib = _load(run / "train_summary.json"), _load(run / "calibration.json").get("best", {})
+    if not train:
+        raise SystemExit(f"{run}: no train_summary.json (train the recipe first)")
+    best = next((h for h in train.get("history", []) if h.get("step") == train.get("best_step")),
+                (train.get("history") or [{}])[-1])
+    cfg = _load(run / "best" / "config.json") or _load(run / "final" / "config.json")
+    spec = cfg.get("spec", {})
+    before, after = calib.get("odd_before", {}), calib.get("odd_after", {})
+    return {
+        "run": str(run), "kind": train.get("kind"), "steps": train.get("steps"), "epochs": train.get("epochs"),
+        "train_s": train.get("train_seconds"), "tokens_per_s": train.get("tokens_per_s"),
+        "anchor_features": spec.get("anchor_features"), "markov_rank": spec.get("markov_rank"),
+        "confidence_head": spec.get("confidence_head"), "best_step": train.get("best_step"),
+        "tau_chain": best.get("tau_chain"), "tau_tree": best.get("tau_tree"),
+        "top1": [best.get(f"top1_{j}") for j in range(POSITIONS)],
+        "accept": [after.get(f"accept_{j}", before.get(f"accept_{j}")) for j in range(POSITIONS)],
+        "ece_before": [before.get(f"ece_{j}") for j in range(POSITIONS)],
+        "ece_after": [after.get(f"ece_{j}") for j in range(POSITIONS)],
+        "tau_cut": {k: v for k, v in after.items() if k.startswith("tau_cut")},
+        "calibration_rows": calib.get("rows"),
+    }
+
+
+def _f(x, digits=3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _seq(xs, digits=2) -> str:
+    return " / ".join(_f(x, digits) for x in xs) if any(x is not None for x in xs) else "-"
+
+
+def markdown(rows: list[dict]) -> str:
+    out = ["| run | kind | steps | train s | τ chain | τ tree | top-1 per draft | accept. per draft (given the previous) "
+           "| conf. ECE before -> after calibration |", "|---|---|---:|---:|---:|---:|---|---|---|"]
+    for r in rows:
+        variant = r["kind"] + (" (anchor features)" if r["anchor_features"] else "") + \
+            (" = DFlash" if r["kind"] == "dspark" and not r["markov_rank"] and not r["confidence_head"] else "")
+        ece = "-" if not any(r["ece_before"]) else f"{_seq(r['ece_before'], 3)} -> {_seq(r['ece_after'], 3)}"
+        out.append(f"| {r['run']} | {variant} | {r['steps']} | {_f(r['train_s'], 0)} | {_f(r['tau_chain'])} | "
+                   f"{_f(r['tau_tree'])} | {_seq(r['top1'])} | {_seq(r['accept'])} | {ece} |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    rows = [row(r) for r in a.runs]
+    a.out.mkdir(parents=True, exist_ok=True)
+    cmd = "python scripts/head_compare.py " + " ".join(map(str, a.runs)) + f" --out {a.out}"
+    (a.out / "heads.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=2) + "\n")
+    md = f"Produced by `{cmd}`.\n\n" + markdown(rows)
+    (a.out / "heads.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
