@@ -27,8 +27,9 @@ def row(run: Path) -> dict:
     train, calib = _load(run / "train_summary.json"), _load(run / "calibration.json").get("best", {})
     if not train:
         raise SystemExit(f"{run}: no train_summary.json (train the recipe first)")
-    best = next((h for h in train.get("history", []) if h.get("step") == train.get("best_step")),
-                (train.get("history") or [{}])[-1])
+    hist = train.get("history") or [{}]
+    best = next((h for h in hist if train.get("best_step") is not None and h.get("step") == train["best_step"]),
+                hist[-1])
     cfg = _load(run / "best" / "config.json") or _load(run / "final" / "config.json")
     spec = cfg.get("spec", {})
     before, after = calib.get("odd_before", {}), calib.get("odd_after", {})
@@ -67,11 +68,11 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, required=True)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     rows = [row(r) for r in a.runs]
     a.out.mkdir(parents=True, exist_ok=True)
     cmd = "python scripts/head_compare.py " + " ".join(map(str, a.runs)) + f" --out {a.out}"
@@ -79,7 +80,8 @@ def main() -> None:
     md = f"Produced by `{cmd}`.\n\n" + markdown(rows)
     (a.out / "heads.md").write_text(md)
     print(md)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

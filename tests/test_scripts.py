@@ -71,3 +71,22 @@ def test_update_readme_results_copies_a_run_into_the_page_and_the_headline(tmp_p
     assert "3 prompts, dtype float32, now." in head and "(docs/results/README.md#my-run)" in head
     assert upd.main([str(docs), str(docs)]) == 0  # re-rendered from the docs folder itself: the same block
     assert page.read_text() == text
+
+
+def test_head_compare_reads_the_best_step_and_the_calibration(tmp_path):
+    compare = _script("head_compare")
+    run = tmp_path / "dspark"
+    (run / "best").mkdir(parents=True)
+    (run / "best" / "config.json").write_text(json.dumps({"kind": "dspark", "spec": {
+        "kind": "dspark", "markov_rank": 0, "confidence_head": False, "anchor_features": False}}))
+    (run / "train_summary.json").write_text(json.dumps(
+        {"kind": "dspark", "steps": 8, "train_seconds": 30.0, "best_step": 4,
+         "history": [{"step": 4, "tau_chain": 1.3, "tau_tree": 1.4, "top1_0": 0.3},
+                     {"step": 8, "tau_chain": 1.2, "tau_tree": 1.25, "top1_0": 0.2}]}))
+    eagle = _run(tmp_path, "eagle", 7, 2.0)
+    assert compare.main([str(eagle), str(run), "--out", str(tmp_path / "out")]) == 0
+    rows = json.loads((tmp_path / "out" / "heads.json").read_text())["rows"]
+    assert rows[1]["tau_chain"] == 1.3 and rows[1]["top1"][0] == 0.3  # the best step's figures, not the last
+    assert rows[0]["tau_tree"] == 2.0  # no best_step: the last evaluation
+    md = (tmp_path / "out" / "heads.md").read_text()
+    assert "dspark = DFlash" in md and md.startswith("Produced by `python scripts/head_compare.py")
