@@ -101,8 +101,8 @@ def calibration_blocks(head, target, prompt_ids: list[list[int]], new_tokens: in
         hs = target.model(torch.tensor([seq], device=target.device), output_hidden_states=True).hidden_states
         feats = torch.cat([hs[i] for i in layers], -1)[0].to(head.head_dtype)  # [T, F*D]
         cache = head.new_cache()
-        head.extend_context(cache, feats[:len(ids) - 1])
-        for a in range(len(ids) - 1, len(seq) - 1 - head.num_drafts):
+        head.extend_context(cache, feats[:len(ids)])  # the first block is anchored at the prefill's token
+        for a in range(len(ids), len(seq) - 1 - head.num_drafts):
             logits, conf = head.draft_block(cache, seq[a])
             toks = head.to_target_ids(logits.argmax(-1)).tolist()
             acc = 0
