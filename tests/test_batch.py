@@ -387,6 +387,28 @@ def test_batch_sweep_on_the_tiny_target(tiny, tmp_path, monkeypatch):
     assert (tmp_path / "out" / "speedup_batch.png").stat().st_size > 1000
 
 
+def test_batch_sweep_takes_a_dspark_head_with_tree_auto(tiny, tmp_path, monkeypatch):
+    """A DSpark head in the sweep with the default --tree auto: the whole block every step (no tree probe, which
+    only tree heads have), +sched cutting it per row; every row equals vanilla's (fp32 greedy)."""
+    from specheads.infer import profile
+    from specheads.infer.batchbench import BatchBenchSettings, build_batch_methods, run_batch_bench
+    from specheads.infer.bench import MethodOptions
+
+    real = profile.load_or_profile_batch
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(profile, "load_or_profile_batch", lambda target, refresh=False: real(
+        target, refresh, rows=(1, 2), tokens=(1, 2), context=16, repeats=1))
+    ps = [(f"p{i}", p) for i, p in enumerate(mixed_prompts(tiny.vocab_size, 6)[:3])]
+    build_head(HeadSpec(kind="dspark", block_size=3), tiny).save_pretrained(tmp_path / "dspark")
+    methods, extra = build_batch_methods(["head", "head+sched"], tiny,
+                                         MethodOptions(heads={"head": str(tmp_path / "dspark")}, tree="auto"))
+    assert extra["trees"]["head"]["mode"] == "auto" and "block of 3 drafts" in extra["trees"]["head"]["summary"]
+    settings = BatchBenchSettings("tiny", "hand-made", "float32", batch_sizes=[1, 2], max_new_tokens=8)
+    res = run_batch_bench(ps, methods, settings, out_dir=tmp_path / "out", extra=extra, progress=False)
+    for per in res["batch_sizes"].values():
+        assert per["head"]["identical"] == 1.0 == per["head+sched"]["identical"]
+
+
 def test_cli_batch_sizes_checked_before_the_target_loads(tmp_path, monkeypatch, capsys):
     import specheads.target
     from specheads.cli import main

@@ -399,15 +399,23 @@ def _head_maker(name: str, target, options, calib_ids, extra: dict) -> Callable:
     from specheads.infer import autotree
     from specheads.infer.bench import given_tree_record
     from specheads.infer.drafters import build_drafter, drafter_kind, parse_tree
+    from specheads.infer.treespec import TreeSpec
 
     if name not in options.heads:
         raise SpecheadsError(f"--methods {name}: no such head; given: {list(options.heads) or 'none (use --head DIR)'}")
     head = load_head(options.heads[name], target).eval()
+    family = drafter_kind(head.config.kind, head=True).family
     spec = parse_tree(options.tree, head.config.kind, head)
-    if spec.mode == "auto":
+    if spec.mode == "auto" and family == "block":  # the whole block; +sched's budget cuts it per row and step
+        spec = TreeSpec.tokens(head.num_drafts)
+        tree = {**given_tree_record(head.config.kind, family, spec), "mode": "auto",
+                "reason": "a block head's auto in the batch sweep: every row drafts its whole block each step, "
+                          "the +sched budget chooses the prefix each row verifies",
+                "summary": f"the block of {head.num_drafts} drafts every step (+sched: the batch budget cuts it)"}
+    elif spec.mode == "auto":
         spec, tree = autotree.choose_tree_for_head(target, head, calib_ids, refresh=options.refresh_profile)
     else:
-        tree = given_tree_record(head.config.kind, drafter_kind(head.config.kind, head=True).family, spec)
+        tree = given_tree_record(head.config.kind, family, spec)
     extra.setdefault("trees", {})[name] = tree
     return lambda: build_drafter(target, head, spec)
 
