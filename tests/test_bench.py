@@ -218,6 +218,22 @@ def test_markdown_and_plots_from_hand_made_results(tmp_path):
     assert (tmp_path / "accept_hist.png").exists() and (tmp_path / "speedup_tau.png").exists()
 
 
+def test_llamacpp_plain_is_the_second_reference():
+    """With `llama.cpp` in the run every other method gets figures against it: head 20 tokens in 2.5 s against
+    llama.cpp's 20 in 1.0 s = 0.40x, vanilla 4.0 s = 0.25x; llama.cpp itself gets none."""
+    van = [rec("vanilla", "a", 10, 2.0, [1] * 10), rec("vanilla", "b", 10, 2.0, [1] * 10)]
+    lc = [rec("llama.cpp", "a", 10, 0.5, [1] * 10), rec("llama.cpp", "b", 10, 0.5, [1] * 10)]
+    head = [rec("head", "a", 10, 1.0, [3, 3, 4]), rec("head", "b", 10, 1.5, [2] * 5)]
+    meta = {"command": "x", "date": "d", "environment": {"cpu": "cpu", "torch_threads": 2}}
+    res = build_results(van + lc + head, ["vanilla", "llama.cpp", "head"], BenchSettings("t", "mt-bench", "float32"),
+                        meta, True)
+    assert "vs_llama.cpp" not in res["methods"]["llama.cpp"]
+    assert res["methods"]["head"]["vs_llama.cpp"]["speedup"] == pytest.approx(0.4)
+    md = markdown_table(res)
+    assert "## Against llama.cpp plain decoding" in md
+    assert "| head | 8.0 | 0.40x | 100% |" in md and "| vanilla | 5.0 | 0.25x | 100% |" in md
+
+
 # ------------------------------------------------------------------------------------------------ CLI (real)
 @pytest.mark.slow
 def test_cli_smollm2_vanilla_and_prompt_lookup(smollm2, tmp_path):

@@ -410,6 +410,19 @@ def _fmt(x: Any, spec: str = ".2f", suffix: str = "") -> str:
     return "n/a" if x is None else f"{x:{spec}}{suffix}"
 
 
+def llamacpp_table(results: dict[str, Any]) -> list[str]:
+    """With `llama.cpp` in the run: every method against llama.cpp plain, the second reference beside vanilla."""
+    rows = [(n, m["vs_llama.cpp"]) for n, m in results["methods"].items() if m.get("vs_llama.cpp")]
+    if not rows:
+        return []
+    lines = ["", "## Against llama.cpp plain decoding (same prompts, same run)", "",
+             "| method | tokens/s | speedup over llama.cpp | identical to llama.cpp |", "|---|---:|---:|---:|"]
+    for name, v in rows:
+        lines.append(f"| {name} | {_fmt(v['tokens_per_s'], '.1f')} | {_fmt(v['speedup'], '.2f', 'x')} | "
+                     f"{_fmt(v['identical'], '.0%')} |")
+    return lines
+
+
 def markdown_table(results: dict[str, Any]) -> str:
     s = results["settings"]
     lines = [f"# specheads bench: {s['target']} on {s['dataset']}", "",
@@ -424,7 +437,7 @@ def markdown_table(results: dict[str, Any]) -> str:
         lines.append(f"| {name} | {_fmt(o['tokens_per_s'], '.1f')} | {_fmt(o['tau'])} | {_fmt(o['speedup'], '.2f', 'x')}"
                      f" | {_fmt(o.get('expected_speedup'), '.2f', 'x')} | {_fmt(o['identical'], '.0%')} | "
                      f"{o['new_tokens']} | {_fmt(o['target_forwards'], 'd')} |")
-    lines += schedule_table(results)
+    lines += llamacpp_table(results) + schedule_table(results)
     cats = results["categories"]
     if len(cats) > 1:
         names = list(results["methods"])
