@@ -246,9 +246,10 @@ def _sharp_target():
 
 
 def _greedy_samples(target, n, T=40, prompt=6, seed=0):
-    """Sequences the target wrote itself (greedy): the target agrees with every answer token."""
+    """Sequences the target wrote itself (greedy), the answer part loss-masked: the target agrees with every answer
+    token."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, V, (n, prompt), generator=g)
+    ids = torch.randint(3, target.vocab_size, (n, prompt), generator=g)
     with torch.no_grad():
         out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=T - prompt,
                                     min_new_tokens=T - prompt, do_sample=False)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from specheads.train.losses import (LK_EPS, LOSS_TERMS, DistillLoss, TargetRows, distill_loss, eagle3_loss,
                                     eagle_loss, medusa_loss, parse_loss, resolve_loss, shift_rows, simulated_tau,
                                     soft_ce, step_correct, step_mask)
+from test_dspark import _greedy_samples
 
 B, T, V, K, D = 2, 10, 17, 3, 8
 
@@ -363,6 +364,166 @@ def test_target_rows_from_full_logits():
         distill_loss(torch.zeros(1, 2), torch.zeros(1, 2), DistillLoss((("lk_alpha", 1.0),)))
 
 
+@pytest.mark.parametrize("name", LOSS_TERMS)
+def test_identical_distributions_cost_nothing_but_the_entropy(name):
+    p = [0.5, 0.3, 0.2]
+    val, m = _term(name, p, p)
+    H = -sum(x * math.log(x) for x in p)
+    assert val == pytest.approx(H if name == "soft_ce" else 0.0, abs=1e-6)  # soft CE = KL + H(p)
+    if name.startswith("lk_"):
+        assert float(m["accept"]) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_disjoint_distributions_tv_one_acceptance_zero():
+    q, p = [0.0, 1.0], [1.0, 0.0]
+    assert _term("tv", q, p)[0] == pytest.approx(1.0)
+    assert _term("l1", q, p)[0] == pytest.approx(2.0)
+    val, m = _term("lk_alpha", q, p)
+    assert float(m["accept"]) == 0.0 and val == pytest.approx(-math.log(LK_EPS))  # finite at zero overlap
+    val, m = _term("lk_lambda", q, p)  # ᾱ = 0: λ = 1, all KL (huge, finite)
+    assert float(m["accept"]) == 0.0 and math.isfinite(val) and val > 100
+
+
+def test_two_tokens_by_hand():
+    # p = (3/4, 1/4), q = (1/2, 1/2): overlap min = 1/2 + 1/4 = 3/4, TV = 1/4
+    q, p = [0.5, 0.5], [0.75, 0.25]
+    kl = 0.75 * math.log(0.75 / 0.5) + 0.25 * math.log(0.25 / 0.5)
+    assert _term("soft_ce", q, p)[0] == pytest.approx(math.log(2), rel=1e-6)
+    assert _term("kl", q, p)[0] == pytest.approx(kl, rel=1e-5)
+    assert _term("tv", q, p)[0] == pytest.approx(0.25, rel=1e-6)
+    assert _term("l1", q, p)[0] == pytest.approx(0.5, rel=1e-6)
+    assert _term("lk_alpha", q, p)[0] == pytest.approx(-math.log(0.75), rel=1e-6)
+    lam = math.exp(-3.0 * 0.75)
+    assert _term("lk_lambda", q, p)[0] == pytest.approx(lam * kl + (1 - lam) * 0.25, rel=1e-5)
+    lam1 = math.exp(-1.0 * 0.75)
+    assert _term("lk_lambda", q, p, eta=1.0)[0] == pytest.approx(lam1 * kl + (1 - lam1) * 0.25, rel=1e-5)
+
+
+def test_mass_outside_the_draft_vocab():
+    # full vocab (0.5, 0.25, 0.25), draft vocab = the first two: p' = (2/3, 1/3), mass inside m = 3/4
+    p_full = torch.tensor([0.5, 0.25, 0.25])
+    t_full = p_full.log()
+    lse = float(t_full.logsumexp(0))  # = 0
+    q = [2 / 3, 1 / 3]  # the best a draft-vocab draft can do
+    for name in ("soft_ce", "kl", "tv", "l1"):  # divergences to p', the target given the token lies in V'
+        z, t = _probs_logits(q)[None], t_full[:2][None]
+        val = float(distill_loss(z, t, DistillLoss(((name, 1.0),)))[0])
+        assert val == pytest.approx(-(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3)) if name == "soft_ce"
+                                    else 0.0, abs=1e-6)
+    z, t = _probs_logits(q)[None], t_full[:2][None]
+    val, m = distill_loss(z, t, DistillLoss((("lk_alpha", 1.0),)), torch.tensor([lse]))
+    assert float(m["accept"]) == pytest.approx(0.75, abs=1e-6)  # α = min(2/3, 1/2) + min(1/3, 1/4) = m
+    assert float(val) == pytest.approx(-math.log(0.75), abs=1e-6)
+
+
+@pytest.mark.parametrize("name", LOSS_TERMS)
+def test_gradients_finite_and_pointing_at_the_target(name):
+    q, p = [0.5, 0.5], [0.75, 0.25]
+    z = _probs_logits(q)[None].requires_grad_(True)
+    total, _ = distill_loss(z, _probs_logits(p)[None], DistillLoss(((name, 1.0),)), torch.zeros(1))
+    total.backward()
+    g = z.grad[0]
+    assert torch.isfinite(g).all() and g[0] < 0 < g[1]  # descent raises q_0 towards 3/4
+    for q, p in (([0.0, 1.0], [1.0, 0.0]), ([0.3, 0.7], [0.3, 0.7])):  # disjoint, identical: finite
+        z = _probs_logits(q)[None].requires_grad_(True)
+        distill_loss(z, _probs_logits(p)[None], DistillLoss(((name, 1.0),)), torch.zeros(1))[0].backward()
+        assert torch.isfinite(z.grad).all()
+
+
+@pytest.mark.parametrize("name", LOSS_TERMS)
+def test_descent_raises_the_exact_acceptance(name):
+    torch.manual_seed(0)
+    full = 2.0 * torch.randn(16, 12)  # 16 rows, V = 12; the draft vocab is the first 8 columns
+    lse, t = full.logsumexp(-1), full[:, :8]
+    z = torch.zeros(16, 8, requires_grad=True)
+    opt = torch.optim.Adam([z], lr=0.1)
+    loss = DistillLoss(((name, 1.0),))
+
+    def accept():
+        return float(torch.minimum(torch.softmax(z.detach(), -1), torch.exp(t - lse[:, None])).sum(-1).mean())
+
+    before = accept()
+    for _ in range(150):
+        opt.zero_grad()
+        distill_loss(z, t, loss, lse)[0].backward()
+        opt.step()
+    mass = float(torch.exp(t - lse[:, None]).sum(-1).mean())
+    assert before < accept() <= mass + 1e-6 and accept() > before + 0.5 * (mass - before)
+
+
+def test_mixture_is_the_weighted_sum_and_metrics_name_the_terms():
+    torch.manual_seed(0)
+    d2t = torch.tensor([0, 2, 4, 6, 8, 10])
+    tl = torch.randn(B, T, V)
+    lm = torch.ones(B, T, dtype=torch.long)
+    steps = [torch.randn(B, T, len(d2t)) for _ in range(2)]
+    mix = eagle3_loss(steps, tl, lm, d2t, loss=resolve_loss("eagle3", "soft_ce:0.1,tv:0.9"))
+    ce = eagle3_loss(steps, tl, lm, d2t, loss=resolve_loss("eagle3", "soft_ce")).loss
+    tv = eagle3_loss(steps, tl, lm, d2t, loss=resolve_loss("eagle3", "tv")).loss
+    assert torch.allclose(mix.loss, 0.1 * ce + 0.9 * tv, atol=1e-6)
+    assert {"ce_0", "tv_0", "ce_1", "tv_1", "acc_0"} <= set(mix.metrics)
+    assert torch.equal(ce, eagle3_loss(steps, tl, lm, d2t).loss)  # soft_ce is the default
+    lk = eagle3_loss(steps, tl, lm, d2t, loss=resolve_loss("eagle3", "lk_alpha"))
+    assert 0 < float(lk.metrics["accept_0"]) < 1
+
+
+def test_parse_loss_and_the_per_kind_table():
+    assert parse_loss("tv") == (("tv", 1.0),)
+    assert parse_loss(" soft_ce:0.1 , tv:0.9") == (("soft_ce", 0.1), ("tv", 0.9))
+    for bad, why in (("xent", "not one of"), ("tv:abc", "not a number"), ("tv:-1", ">= 0"), ("tv,tv:2", "twice"),
+                     ("tv:0", "every weight is 0"), ("", "not one of")):
+        with pytest.raises(ValueError, match=why):
+            parse_loss(bad)
+    assert str(resolve_loss("dspark")) == "soft_ce:0.1,l1:0.9"  # DeepSpec's composite when train.loss is unset
+    assert str(resolve_loss("dspark", block_w_ce=1.0, block_w_l1=0.0)) == "soft_ce:1,l1:0"  # DFlash recipe
+    assert str(resolve_loss("eagle3")) == str(resolve_loss("medusa")) == str(resolve_loss("eagle")) == "soft_ce:1"
+    assert resolve_loss("eagle3", "lk_lambda", eta=2.0).eta == 2.0 and resolve_loss("eagle3", "lk_lambda").needs_lse
+
+
+def test_train_config_validates_the_loss(tmp_path):
+    from specheads.config import load_config
+    from specheads.recipe import Recipe
+    from specheads.train.trainer import TrainConfig
+    from specheads.utils import SpecheadsError
+
+    assert TrainConfig(loss="soft_ce:0.1,tv:0.9").loss == "soft_ce:0.1,tv:0.9"
+    with pytest.raises(SpecheadsError, match=r"train.loss: 'tvd'.*not one of.*NAME:WEIGHT"):
+        load_config(Recipe, None, ["train.loss=tvd"])
+    with pytest.raises(SpecheadsError, match="block_w_ce / block_w_l1"):  # DFlash's weights beside train.loss
+        TrainConfig(loss="tv", block_w_ce=1.0, block_w_l1=0.0)
+    with pytest.raises(SpecheadsError, match="soft_labels"):
+        TrainConfig(loss="tv").check_loss_for("medusa")
+    TrainConfig(loss="tv", soft_labels=True).check_loss_for("medusa")
+    with pytest.raises(SpecheadsError, match="lk_eta"):
+        TrainConfig(lk_eta=-1.0)
+
+
+def test_dspark_default_is_deepspec_composite():
+    from specheads.train.losses import dspark_loss
+
+    torch.manual_seed(0)
+    logits, tgt = torch.randn(5, 3, 8), torch.randn(5, 3, 8)
+    ones = torch.ones(5, 3, dtype=torch.bool)
+    old = dspark_loss(logits, None, tgt, tgt.logsumexp(-1), ones, ones, w_ce=0.1, w_l1=0.9)
+    new = dspark_loss(logits, None, tgt, tgt.logsumexp(-1), ones, ones, loss=resolve_loss("dspark"))
+    assert torch.equal(old.loss, new.loss) and old.metrics == new.metrics
+    w = torch.exp(-torch.arange(3.0) / 4.0).expand(5, 3)
+    lq, p = torch.log_softmax(logits, -1), torch.softmax(tgt, -1)
+    by_hand = 0.1 * ((-(p * lq).sum(-1)) * w).sum() / w.sum() + 0.9 * ((lq.exp() - p).abs().sum(-1) * w).sum() / w.sum()
+    assert torch.allclose(old.loss, by_hand, atol=1e-6)
+    tv = dspark_loss(logits, None, tgt, tgt.logsumexp(-1), ones, ones, loss=resolve_loss("dspark", "tv"))
+    assert torch.allclose(tv.loss, 0.5 * ((lq.exp() - p).abs().sum(-1) * w).sum() / w.sum(), atol=1e-6)
+
+
+def test_target_rows_from_full_logits():
+    full = torch.tensor([[[0.0, 3.0, 1.0, 2.0]]])  # one row, V = 4; argmax 1
+    rows = TargetRows.from_full(full, torch.tensor([0, 3]))
+    assert rows.logits.tolist() == [[[0.0, 2.0]]] and rows.greedy.item() == 1 and not rows.in_vocab.item()
+    assert rows.lse.item() == pytest.approx(float(full.logsumexp(-1)))
+    with pytest.raises(ValueError, match="logsumexp"):
+        distill_loss(torch.zeros(1, 2), torch.zeros(1, 2), DistillLoss((("lk_alpha", 1.0),)))
+
+
 def _greedy_rows(target, n, T=32, prompt=6, seed=0):
     """Sequences the target wrote itself (greedy), the answer part loss-masked."""
     g = torch.Generator().manual_seed(seed)
@@ -386,7 +547,7 @@ def test_training_with_each_loss_raises_the_held_out_tau(tmp_path, name):
     target = tiny_target()
     with torch.no_grad():
         target.final_norm.weight.mul_(20)  # sharp next-token distributions (a random tiny Llama's are flat)
-    data, val = _greedy_rows(target, 16), _greedy_rows(target, 4, seed=1)
+    data, val = _greedy_samples(target, 16, T=32), _greedy_samples(target, 4, T=32, seed=1)
     recipe = load_config(Recipe, None, [
         f"output_dir={tmp_path}", "seed=0", "head.kind=eagle3", "head.ttt_steps=2", "head.draft_vocab_size=96",
         "train.tracker=none", "train.batch_size=4", "train.lr=1e-2", "train.warmup_steps=1", "train.max_steps=24",
