@@ -28,7 +28,8 @@ from typing import Callable, Sequence
 import torch
 
 from specheads.infer.drafters import DraftContext, Drafter
-from specheads.infer.generate import PHASES, GenerationResult, GenerationStats, Request, encode_prompt, phase_timer
+from specheads.infer.generate import (PHASES, GenerationResult, GenerationStats, Request, cut_at_stop, encode_prompt,
+                                      phase_timer)
 from specheads.infer.tree import DraftTree
 from specheads.infer.verify import VERIFICATIONS, Accepted, SamplingParams, verifier
 from specheads.utils import SpecheadsError
@@ -121,23 +122,6 @@ def keep_accepted_rows(cache, cols: int, lengths: Sequence[int], accepted: Seque
             values[r, :, d] = values[r, :, s]
         layer.keys, layer.values = keys[:, :, :max(new)], values[:, :, :max(new)]
     return new
-
-
-def cut_at_stop(step: list[int], new: list[int], req: Request, tokenizer) -> tuple[list[int], str]:
-    """The prefix of `step` to emit and why the row stops after it ("" = it does not): the token cap, a stop
-    token (emitted itself) or a stop string (decoded jointly with the tokens before it)."""
-    emit: list[int] = []
-    for x in step:
-        if len(new) + len(emit) >= req.max_new_tokens:
-            return emit, "max_new_tokens"
-        emit.append(x)
-        if x in req.stops:
-            return emit, "eos"
-        if req.stop_strings and tokenizer is not None:
-            tail = tokenizer.decode((new + emit)[-16:])  # multi-byte characters span tokens
-            if any(s in tail for s in req.stop_strings):
-                return emit, "stop_string"
-    return emit, ""
 
 
 # ------------------------------------------------------------------------------------------------ the cache

@@ -28,7 +28,7 @@ import torch
 
 from specheads.infer.batch import generate_batch
 from specheads.runinfo import command_line, environment
-from specheads.utils import SpecheadsError, atomic_write_json, atomic_write_text
+from specheads.utils import SpecheadsError, atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -318,15 +318,9 @@ def write_batch_plot(results: dict[str, Any], out_dir: Path) -> list[str]:
 
 
 def write_batch_outputs(results: dict[str, Any], out_dir: str | Path) -> None:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        results["plots"] = write_batch_plot(results, out_dir)
-    except Exception as e:  # a plot must never lose the measurements
-        log.warning("plot not written: %s", e)
-        results["plots"] = []
-    atomic_write_json(out_dir / "results.json", results)
-    atomic_write_text(out_dir / "results.md", batch_markdown(results))
+    from specheads.infer.bench import write_results
+
+    write_results(results, Path(out_dir), write_batch_plot, batch_markdown)
 
 
 # --------------------------------------------------------------------------------------------------- methods

@@ -565,16 +565,22 @@ def write_plots(results: dict[str, Any], out_dir: str | Path) -> list[str]:
     return written
 
 
-def write_outputs(results: dict[str, Any], records: list[RunRecord], out_dir: str | Path) -> None:
-    out_dir = Path(out_dir)
+def write_results(results: dict[str, Any], out_dir: Path, plots: Callable[[dict, Path], list[str]],
+                  markdown: Callable[[dict], str]) -> None:
+    """results.json, results.md and the plots into out_dir (created); a failing plot is logged and skipped."""
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        results["plots"] = write_plots(results, out_dir)
+        results["plots"] = plots(results, out_dir)
     except Exception as e:  # a plot must never lose the measurements
         log.warning("plots not written: %s", e)
         results["plots"] = []
     atomic_write_json(out_dir / "results.json", results)
-    atomic_write_text(out_dir / "results.md", markdown_table(results))
+    atomic_write_text(out_dir / "results.md", markdown(results))
+
+
+def write_outputs(results: dict[str, Any], records: list[RunRecord], out_dir: str | Path) -> None:
+    out_dir = Path(out_dir)
+    write_results(results, out_dir, write_plots, markdown_table)
     atomic_write_text(out_dir / "outputs.jsonl", "".join(
         json.dumps({"method": r.method, "prompt_id": r.prompt_id, "category": r.category, "turn": r.turn,
                     "new_tokens": r.new_tokens, "time_s": round(r.time_s, 4), "target_forwards": r.target_forwards,

@@ -130,6 +130,23 @@ class Request:
     clock: StepClock = field(default_factory=StepClock)  # each step's seconds by phase: the scheduler's prices
 
 
+def cut_at_stop(step: list[int], new: list[int], req: Request, tokenizer) -> tuple[list[int], str]:
+    """The prefix of `step` to emit and why the row stops after it ("" = it does not): the token cap, a stop
+    token (emitted itself) or a stop string (decoded jointly with the tokens before it)."""
+    emit: list[int] = []
+    for x in step:
+        if len(new) + len(emit) >= req.max_new_tokens:
+            return emit, "max_new_tokens"
+        emit.append(x)
+        if x in req.stops:
+            return emit, "eos"
+        if req.stop_strings and tokenizer is not None:
+            tail = tokenizer.decode((new + emit)[-16:])  # multi-byte characters span tokens
+            if any(s in tail for s in req.stop_strings):
+                return emit, "stop_string"
+    return emit, ""
+
+
 class SpeculativeGenerator:
     """One target, one drafter, one verification rule. `stream(...)` yields lists of new token ids per step;
     after it ends `self.result` holds the GenerationResult. `generate(...)` wraps it."""
@@ -193,7 +210,7 @@ class SpeculativeGenerator:
             drafter.observe(tree, acc, None if feats is None else feats[acc.nodes])
         with phase_timer(tm, "other"):  # emit accepted tokens + bonus, cut at a stop (the stop token is emitted)
             step = [int(tree.tokens[i]) for i in acc.nodes[1:]] + [acc.bonus]
-            emit, stats.stop_reason = self._cut(step, new, req)
+            emit, stats.stop_reason = cut_at_stop(step, new, req, self.target.tokenizer)
             ids.extend(emit)
             new.extend(emit)
             stats.count_step(len(tree), len(emit), drafter.step_report())
@@ -237,22 +254,6 @@ class SpeculativeGenerator:
             hs = out.hidden_states  # tuple of L+1 [1, n, D]; hs[L] is post-norm (the lm_head input)
             feats = torch.cat([hs[l][0] for l in layers], dim=-1)  # [n, F*D]
         return out.logits[0], feats
-
-    def _cut(self, step: list[int], new: list[int], req: Request) -> tuple[list[int], str]:
-        """The prefix of `step` to emit and why generation stops after it ("" = it does not)."""
-        tok = self.target.tokenizer
-        emit: list[int] = []
-        for x in step:
-            if len(new) + len(emit) >= req.max_new_tokens:
-                return emit, "max_new_tokens"
-            emit.append(x)
-            if x in req.stops:
-                return emit, "eos"
-            if req.stop_strings and tok is not None:
-                tail = tok.decode((new + emit)[-16:])  # joint decode: multi-byte characters span tokens
-                if any(s in tail for s in req.stop_strings):
-                    return emit, "stop_string"
-        return emit, ""
 
     def _result(self, new: list[int], stats: GenerationStats, t_start: float, t_gen: float) -> GenerationResult:
         now = time.perf_counter()
