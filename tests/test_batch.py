@@ -2,6 +2,8 @@
 rows x tokens cost surface (infer/profile.py): every row's greedy output equals that row decoded alone (fp32), with
 rows of different lengths, rows finishing early and prompts joining; sampling draws each row from its own
 generator and keeps the target's distribution; hand-made packing, pruning and budget cases."""
+import time
+
 import pytest
 import torch
 
@@ -10,9 +12,10 @@ from specheads.infer.batch import (generate_batch, keep_accepted_rows, merge_cac
                                    pack_trees)
 from specheads.infer.batchbudget import (AcceptanceTracker, BudgetScheduler, choose_batch_budget,
                                          effective_survival)
-from specheads.infer.drafters import (DraftModelDrafter, Drafter, EagleDrafter, MedusaDrafter, NoDrafter,
+from specheads.infer.drafters import (DraftModelDrafter, Drafter, DSparkDrafter, EagleDrafter, MedusaDrafter, NoDrafter,
                                       PromptLookupDrafter, combine_drafters)
 from specheads.infer.generate import generate
+from specheads.infer.recycling import TokenRecyclingDrafter
 from specheads.infer.scheduler import Scheduler
 from specheads.infer.tree import DraftTree, chain_tree
 from specheads.infer.verify import Accepted
@@ -60,8 +63,12 @@ def row_makers(target):
     """name -> make_drafter (a fresh drafter per row; heads shared, read only)."""
     medusa = build_head(HeadSpec(kind="medusa", num_heads=3), target)
     eagle3 = build_head(HeadSpec(kind="eagle3", draft_vocab_size=64), target, token_counts=torch.arange(256.0))
+    dspark = build_head(HeadSpec(kind="dspark", block_size=3, draft_vocab_size=64), target,
+                        token_counts=torch.arange(256.0))
     small = tiny_target(seed=1)
     return {
+        "dspark": lambda: DSparkDrafter(dspark),
+        "recycling": lambda: TokenRecyclingDrafter(target.vocab_size),
         "plain": NoDrafter,
         "prompt-lookup": lambda: PromptLookupDrafter(num_tokens=5),
         "oracle-tree": lambda: OracleTreeDrafter(target.model, seed=1),
@@ -301,9 +308,86 @@ def test_budget_scheduler_keeps_rows_exact_and_follows_the_cost(tiny):
     assert 1 <= wide <= steps // 5 + 1  # only the exploring steps verify a draft node
     drafted = sum(len(tokens) > 1 for log in logs for tokens, _ in log)
     assert drafted <= sum(len(log) for log in logs) // 2 + len(ps)  # most steps draft nothing
-    free = BudgetScheduler(lambda B, n: 1.0)
+    free = BudgetScheduler(lambda B, n: 1.0, draft_cost=0.0)  # the surface alone (the oracle drafts slowly)
     res2 = generate_batch(tiny, lambda: OracleTreeDrafter(tiny.model, depth=4, seed=3), ps, 12, scheduler=free)
     assert [r.ids for r in res2.rows] == refs and res2.stats.tau > 1.5 > res.stats.tau
+
+
+class Replay(Drafter):
+    """Drafts the next k tokens of the known greedy answer (always accepted); counts the steps it may draft."""
+    feature_layers = None
+
+    def __init__(self, answers: dict, k: int, calls: list):
+        self.answers, self.k, self.calls = answers, k, calls
+
+    def reset(self, prompt_ids, features):
+        self.prompt = [int(t) for t in prompt_ids]
+
+    def propose(self, ctx):
+        if ctx.max_depth <= 0:
+            return chain_tree(ctx.ids[-1], [])
+        self.calls.append(1)
+        done = len(ctx.ids) - len(self.prompt)
+        return chain_tree(ctx.ids[-1], self.answers[tuple(self.prompt)][done:done + min(self.k, ctx.max_depth)])
+
+
+def test_budget_counts_the_drafting_rows_rest_when_it_does_not_pay(tiny):
+    """On a free verify surface, always-accepted drafts whose drafting costs 20 target forwards per row never pay:
+    the rows rest (most steps draft nothing) and stay HF's greedy output; with drafting free they draft on every
+    step (τ above 2)."""
+    ps = mixed_prompts(tiny.vocab_size, 4, seed=2)
+    refs = [hf_greedy(tiny, p, 24) for p in ps]
+    answers = {tuple(p): r for p, r in zip(ps, refs)}
+    runs = {}
+    for d in (20.0, 0.0):
+        calls = []
+        sched = BudgetScheduler(lambda B, n: 1.0, explore_every=8, draft_cost=d)
+        res = generate_batch(tiny, lambda: Replay(answers, 3, calls), ps, 24, scheduler=sched)
+        assert [r.ids for r in res.rows] == refs
+        runs[d] = (len(calls), sum(r.stats.target_forwards for r in res.rows), res.stats.tau)
+    calls, steps, tau = runs[20.0]
+    assert calls <= steps // 3, runs  # resting, drafting again on exploring steps only
+    calls, steps, tau = runs[0.0]
+    assert calls == steps and tau > 2.0, runs
+
+
+def test_budget_measures_the_drafting_cost_in_forwards():
+    """observe reads t(1, 1) off the step's forward (target_s / cost(B, n)) and one row's drafting in that unit;
+    a row whose gain is below d times the rate rests, one whose gain pays drafts on; when the rate with drafting
+    counted falls to plain decoding's, every row rests."""
+    # survivals: "good" 0.96, 0.93 (gain g = 1.89), "bad" 0.04, 0.001 (g = 0.04); cost 1.2 at 3 tokens per row
+    for draft_s, limits in ((0.004, [None, 0]), (0.02, [0, 0])):
+        sched = BudgetScheduler(lambda B, n: 1.0 + 0.1 * (n - 1))
+        trees = [chain_tree(1, [2, 3]), chain_tree(4, [5, 6])]
+        sched.tracker.rows = {"good": {(1, 0): [50, 50], (2, 0): [50, 50]},
+                              "bad": {(1, 0): [0, 50], (2, 0): [0, 50]}}
+        cut = sched.select(trees, ["good", "bad"])
+        assert [len(t) for t in cut] == [3, 3]  # both rows filled to the width the good row pays for
+        acc = [Accepted([0, 1, 2], 7), Accepted([0], 8)]
+        sched.observe(["good", "bad"], cut, acc, draft_s=draft_s, target_s=0.012)  # t(1,1) = 0.012 / 1.2 = 10 ms
+        assert sched.unit_s == [pytest.approx(0.01)]
+        assert sched.draft_units == [pytest.approx(draft_s / 0.01 / 2)]  # d = 0.2, then 1.0 forwards per row
+        # d 0.2: both rows E 3.93 / (1.2 + 0.4) = 2.46 > 0.04 / 0.2; the good row alone 3.89 / 1.4 = 2.78 > plain 2
+        # d 1.0: the good row alone 3.89 / 2.2 = 1.77 < plain 2 / 1.0
+        assert sched.depth_limits(["good", "bad"]) == limits
+
+
+def test_dspark_rows_resting_skip_the_head_and_stay_exact(tiny):
+    """A DSpark row that rests runs no head pass (its verified features wait for the next block); when it drafts
+    again the context holds every verified row, so output stays greedy-exact."""
+    ps = mixed_prompts(tiny.vocab_size, 3, seed=4)
+    refs = [hf_greedy(tiny, p, 20) for p in ps]
+    head = build_head(HeadSpec(kind="dspark", block_size=3, draft_vocab_size=64), tiny,
+                      token_counts=torch.arange(256.0))
+    passes = []
+    real = head.extend_context
+    head.extend_context = lambda cache, f: passes.append(f.shape[-2] if f.dim() == 3 else f.shape[0]) or real(cache, f)
+    dear = BudgetScheduler(lambda B, n: float(B * n), explore_every=4)  # nothing pays: rows rest
+    res = generate_batch(tiny, lambda: DSparkDrafter(head), ps, 20, scheduler=dear)
+    assert [r.ids for r in res.rows] == refs
+    steps = sum(r.stats.target_forwards for r in res.rows)
+    assert len(passes) <= steps // 2 + len(ps), (len(passes), steps)
+    assert max(passes) > 1  # a pass caught up several verified rows at once
 
 
 # ------------------------------------------------------------------------------------------- the cost surface

@@ -437,18 +437,21 @@ def test_dspark_lookup_and_combo_methods_on_tiny(tiny, tmp_path, monkeypatch):
                ).save_pretrained(tmp_path / "dspark")
     build_head(HeadSpec(kind="eagle"), tiny).save_pretrained(tmp_path / "eagle")
     options = MethodOptions(heads=head_entries([str(tmp_path / "dspark"), str(tmp_path / "eagle")]), head_lookup=4)
-    names = ["head:dspark", "head:dspark+lookup", "head:eagle+lookup", "combo"]
-    methods, extra = build_methods(names, tiny, options, calib_ids=[[1, 5, 6, 7, 5, 6, 7, 5, 6]])
-    assert [m.name for m in methods] == ["vanilla"] + names
+    names = ["head:dspark", "head:dspark+lookup", "head:eagle+lookup", "combo", "lookup+recycling", "combo+recycling"]
+    methods, extra = build_methods(names + ["recycling"], tiny, options, calib_ids=[[1, 5, 6, 7, 5, 6, 7, 5, 6]])
+    assert [m.name for m in methods] == ["vanilla"] + names + ["recycling"]
     trees = extra["trees"]
     assert trees["head:dspark"]["family"] == "block" and "per step" in trees["head:dspark"]["reason"]
     assert set(trees["head:dspark"]["scheduler"]["verify_relative"]) == {"1", "2", "4", "8", "16", "32"}
     assert trees["combo"]["sources"] == ["dspark", "eagle", "lookup"] and "one verify budget" in trees["combo"]["summary"]
+    assert trees["combo+recycling"]["sources"] == ["dspark", "eagle", "recycling", "lookup"]
+    assert trees["lookup+recycling"]["sources"] == ["recycling", "lookup"]
     assert "scheduler" in trees["head:eagle+lookup"] and trees["head:eagle+lookup"]["mode"] == "auto"  # probed
     prompts = [BenchPrompt(id=str(i), category="a", turns=[t], chat=False)
                for i, t in enumerate(["abcabcabcabc", "hello hello hello"])]
     res = run_bench(prompts, methods, BenchSettings("tiny", "x", "float32", max_new_tokens=12, warmup_tokens=2),
                     tiny.tokenizer, out_dir=tmp_path / "out", extra=extra, progress=False)
+    assert res["methods"]["recycling"]["overall"]["identical"] == 1.0
     for n in names:
         o = res["methods"][n]["overall"]
         assert o["identical"] == 1.0, n

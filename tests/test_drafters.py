@@ -59,14 +59,14 @@ def test_build_drafter_for_every_registered_kind(tiny):
     assert fixed.scheduler is None and fixed.k == 2 and build_drafter(tiny, ds, "3").k == 3
     with pytest.raises(ValueError, match="autotree"):
         build_drafter(tiny, eagle3, "auto")
-    with pytest.raises(SpecheadsError, match="--drafter nonsense: expected prompt-lookup, draft-model, plain"):
+    with pytest.raises(SpecheadsError, match="--drafter nonsense: expected prompt-lookup, draft-model, recycling, plain"):
         build_drafter(tiny, "nonsense")
     with pytest.raises(SpecheadsError, match="--drafter eagle3"):  # a head kind is not a training-free drafter
         drafter_kind("eagle3")
     # one family per kind, named once
     assert {k: v.family for k, v in DRAFTERS.items()} == {
         "medusa": "static", "eagle": "dynamic", "eagle3": "dynamic", "dspark": "block", "prompt-lookup": "tokens",
-        "draft-model": "tokens", "plain": "none"}
+        "draft-model": "tokens", "recycling": "static", "plain": "none"}
 
 
 class BlockDrafter(Drafter):
@@ -281,6 +281,7 @@ def test_dspark_proposes_a_prefix_of_its_block(tiny):
     d = DSparkDrafter(ds, scheduler=scheduler())
     p = [5, 6, 7, 8, 9, 10] * 2
     d.reset(torch.tensor(p), _target_features(tiny, p[:-1], ds.config.feature_layers))
+    d.catch_up()  # the prompt's features wait until a block is drafted
     ctx = DraftContext(ids=p)
     logits, conf = ds.draft_block(d.cache, p[-1])
     block = ds.to_target_ids(logits.argmax(-1)).tolist()
@@ -309,3 +310,24 @@ def test_union_feeds_each_source_its_own_feature_layers(tiny):
     f = torch.arange(2 * 3 * 64, dtype=torch.float32).view(2, 3 * 64)  # [n, F*D] for layers 1, 3, 4
     assert torch.equal(u._features(u.sources[0], f), torch.cat([f[:, 64:128], f[:, :64]], -1))
     assert torch.equal(u._features(u.sources[1], f), f[:, 128:]) and u._features(u.sources[2], f) is None
+
+
+@pytest.mark.parametrize("anchor", [False, True])
+def test_dspark_draft_blocks_is_draft_block_per_row(tiny, anchor):
+    """ONE batched head pass over rows whose contexts hold 0, 3 and 9 verified rows gives each row the logits and
+    confidences of its own draft_block (the padding columns are masked out)."""
+    head = dspark_head(tiny, anchor_features=anchor)
+    width = len(head.config.feature_layers) * tiny.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    caches = []
+    for n in (0, 3, 9):
+        c = head.new_cache()
+        if n:
+            head.extend_context(c, torch.randn(n, width, generator=g))
+        caches.append(c)
+    anchors = [5, 17, 200]
+    logits, conf = head.draft_blocks(caches, anchors)
+    for r, (c, a) in enumerate(zip(caches, anchors)):
+        one, one_conf = head.draft_block(c, a)
+        torch.testing.assert_close(logits[r], one, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(conf[r], one_conf, atol=1e-6, rtol=1e-5)

@@ -1,4 +1,5 @@
 """The speculative loop: greedy output identical to plain HF generate with every drafter; streaming; stops; bad input."""
+import copy
 import json
 
 import pytest
@@ -9,6 +10,7 @@ from specheads.infer.drafters import (DraftContext, DraftModelDrafter, Drafter, 
                                       MedusaDrafter, NoDrafter, PromptLookupDrafter, combine_drafters, load_drafter,
                                       truncated_draft_model)
 from specheads.infer.generate import SpeculativeGenerator, generate
+from specheads.infer.recycling import TokenRecyclingDrafter
 from specheads.infer.tree import DraftTree
 from specheads.target import tiny_target
 from specheads.utils import SpecheadsError
@@ -81,6 +83,9 @@ def tiny_drafters(target):
         "draft-model": DraftModelDrafter(other.model, num_tokens=3),
         "truncated": DraftModelDrafter(truncated_draft_model(target, 2), num_tokens=3),
         "oracle-tree": OracleTreeDrafter(target.model),
+        "recycling": TokenRecyclingDrafter(target.vocab_size),
+        "recycling+lookup": combine_drafters(target, [TokenRecyclingDrafter(target.vocab_size)], lookup=4,
+                                             lookup_ngram=2, scheduler=Scheduler(flat, 1e-3)),
         "medusa": MedusaDrafter(build_head(HeadSpec(kind="medusa", num_heads=3), target)),
         "eagle": EagleDrafter(build_head(HeadSpec(kind="eagle"), target), depth=3, top_k=3, total_tokens=8),
         "eagle3": EagleDrafter(build_head(HeadSpec(kind="eagle3", draft_vocab_size=64), target, token_counts=torch.arange(256.0)),
@@ -210,9 +215,11 @@ def test_context_window(tiny):
 
 def test_sampling_is_seeded_and_runs_with_every_drafter(tiny):
     p = prompts(tiny.vocab_size, 1)[0]
-    for name, d in tiny_drafters(tiny).items():
-        a = generate(tiny, d, p, max_new_tokens=12, temperature=0.8, top_p=0.95, seed=5, ignore_eos=True)
-        b = generate(tiny, d, p, max_new_tokens=12, temperature=0.8, top_p=0.95, seed=5, ignore_eos=True)
+    for name, d in tiny_drafters(tiny).items():  # each from the same state (token recycling's table is state)
+        a = generate(tiny, copy.deepcopy(d), p, max_new_tokens=12, temperature=0.8, top_p=0.95, seed=5,
+                     ignore_eos=True)
+        b = generate(tiny, copy.deepcopy(d), p, max_new_tokens=12, temperature=0.8, top_p=0.95, seed=5,
+                     ignore_eos=True)
         assert a.ids == b.ids and len(a.ids) == 12, name
     lossy = generate(tiny, OracleTreeDrafter(tiny.model), p, max_new_tokens=12, temperature=0.8, seed=1,
                      verification="typical-lossy", ignore_eos=True)

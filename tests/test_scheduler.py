@@ -185,6 +185,7 @@ def test_dspark_cache_holds_true_rows_only(tiny):
 
     class Checked(DSparkDrafter):
         def candidates(self, ctx):
+            self.catch_up()  # the verified rows' features wait until a block is drafted
             fresh = head.new_cache()
             head.extend_context(fresh, _features(tiny, ctx.ids[:-1], head.config.feature_layers))
             assert self.cache.length == fresh.length == len(ctx.ids) - 1

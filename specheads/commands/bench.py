@@ -19,10 +19,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default="mt-bench",
                    help="mt-bench | humaneval | sharegpt:START | FILE.jsonl (\"prompt\" or \"turns\" per line)")
     p.add_argument("--methods", default=None,
-                   help="comma-separated: vanilla,prompt-lookup,head,draft-model,plain,prompt-lookup-ours,combo; "
+                   help="comma-separated: vanilla,prompt-lookup,head,draft-model,plain,prompt-lookup-ours,combo,"
+                        "recycling,lookup+recycling,combo+recycling; "
                         "head:LABEL picks one --head; +lookup after a head method (head+lookup, head:LABEL+lookup) "
                         "puts the head and a prompt-lookup chain under one per-step scheduler, greedy only; combo: "
-                        "every --head and the lookup chain under one scheduler, greedy only "
+                        "every --head and the lookup chain under one scheduler, greedy only; recycling: Token "
+                        "Recycling (training-free); lookup+recycling / combo+recycling: it as one more scheduled source "
                         "(default: vanilla,prompt-lookup plus head / draft-model when given)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; outputs checked against vanilla)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per turn (default 256)")
@@ -111,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     check_method_names(names)  # before the target loads
-    if any(is_head_method(n) or n == "combo" for n in names) and not args.head:
+    if any(is_head_method(n) or n in ("combo", "combo+recycling") for n in names) and not args.head:
         raise SpecheadsError("--methods head: needs --head DIR (a head folder written by `specheads train`)")
     if "draft-model" in names and not args.draft_model:
         raise SpecheadsError("--methods draft-model: needs --draft-model NAME (or truncated:N)")

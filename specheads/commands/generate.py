@@ -11,8 +11,9 @@ def add_arguments(p) -> None:
     p.add_argument("--target", default="smollm2-135m", help="target alias, HF folder, hub id or .gguf")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--head", help="head folder (medusa, eagle, eagle3, dspark; native layout)")
-    src.add_argument("--drafter", choices=["plain", "prompt-lookup", "draft-model"], default=None,
-                     help="training-free drafter (default prompt-lookup when no --head)")
+    src.add_argument("--drafter", choices=["plain", "prompt-lookup", "draft-model", "recycling"], default=None,
+                     help="training-free drafter (default prompt-lookup when no --head; recycling: Token Recycling, "
+                          "--tree rank paths or default)")
     q = p.add_mutually_exclusive_group(required=True)
     q.add_argument("--prompt", help="prompt text (sent through the chat template unless --raw)")
     q.add_argument("--chat", action="store_true", help="interactive chat through the target's template")

@@ -420,6 +420,36 @@ class DSparkHead(DraftHead):
             conf = torch.sigmoid(conf[0, 0].float() / self.conf_temperature.float())
         return logits[0, 0], conf
 
+    @torch.no_grad()
+    def draft_blocks(self, caches: list[BlockCache], anchor_tokens: list[int]
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """draft_block for B rows in ONE pass, greedy: row r's block anchored after its own S_r cached rows (the
+        contexts right-padded to the longest, the padding masked) -> (logits [B,K',V'], confidences [B,K'] or
+        None); row r is draft_block(caches[r], anchor_tokens[r]) up to float summation order."""
+        dev = self.conf_temperature.device
+        lengths = torch.tensor([c.length for c in caches], device=dev)
+        S, empty = int(lengths.max()), self._empty_context(dev)
+
+        def padded(parts: list[torch.Tensor | None], blank: torch.Tensor, dim: int) -> torch.Tensor:
+            out = []
+            for t in parts:  # t [1, ..., S_r, ...] along dim
+                t = blank if t is None else t
+                shape = list(t.shape)
+                shape[dim] = S - t.shape[dim]
+                out.append(torch.cat([t, t.new_zeros(shape)], dim))
+            return torch.cat(out, 0)
+
+        layers = [tuple(padded([(c.keys, c.values)[j][i] if c.keys else None for c in caches], empty.layers[i][j],
+                               -2) for j in (0, 1)) for i in range(len(self.layers))]  # (keys, values) [B,Hkv,S,hd]
+        fused = None if empty.fused is None else padded([c.fused for c in caches], empty.fused, 1)
+        allowed = (torch.arange(S, device=dev) < lengths[:, None]).unsqueeze(1)  # [B,1,S]
+        anchor = torch.as_tensor(anchor_tokens, device=dev, dtype=torch.long).view(-1, 1)  # [B,1]
+        h = self.blocks(BlockContext(layers, fused), allowed, anchor, lengths.view(-1, 1))
+        logits, conf = self.heads(h, anchor, greedy=True)
+        if conf is not None:
+            conf = torch.sigmoid(conf[:, 0].float() / self.conf_temperature.float())
+        return logits[:, 0], conf
+
     def _empty_context(self, dev) -> BlockContext:
         cfg = self.layer_config
         z = torch.zeros(1, cfg.num_key_value_heads, 0, cfg.head_dim, device=dev, dtype=self.head_dtype)

@@ -192,8 +192,9 @@ def cache_columns(cache) -> int:
 # ------------------------------------------------------------------------------------------------ the loop
 class BatchGenerator:
     """One target, a drafter per row (`make_drafter()` builds one), one verification rule, an optional scheduler
-    (`depth_limits(rows) -> [max depth] | None` before drafting, `select(trees, rows) -> trees` before the forward,
-    `observe(rows, trees, accepted)` after it; rows are the rows' prompt indices; batchbudget.BudgetScheduler).
+    (`depth_limits(rows) -> [max depth or None] | None` before drafting, `select(trees, rows) -> trees` before the
+    forward, `observe(rows, trees, accepted, draft_s=, target_s=)` after it with the step's measured drafting and
+    forward seconds; rows are the rows' prompt indices; batchbudget.BudgetScheduler).
     `run(...)` decodes every prompt with at most `batch_size` rows together."""
 
     def __init__(self, target, make_drafter: Callable[[], Drafter], verification: str = "auto", scheduler=None):
@@ -257,15 +258,17 @@ class BatchGenerator:
         layers = self.layers = self._feature_layers(new)
         lens = [row.length for row in new]
         fresh = new_batch_cache(self.target.model)
-        feats = None
+        feats = logits = None
         if max(lens) > 0:
             ids = torch.zeros(len(new), max(lens), dtype=torch.long)
             for r, row in enumerate(new):
                 ids[r, :lens[r]] = torch.tensor(row.ids[:-1])
             pos = torch.arange(max(lens)).repeat(len(new), 1)
-            _, feats = self._forward(ids, pos, None, fresh, layers)
+            logits, feats = self._forward(ids, pos, None, fresh, layers)
         for r, row in enumerate(new):
             row.drafter.reset(torch.tensor(row.ids), None if feats is None else feats[r, :lens[r]])
+            if logits is not None and lens[r]:  # the prompt's own candidates (Token Recycling)
+                row.drafter.recycle(torch.tensor(row.ids[:-1]), logits[r, :lens[r]])
             row.t_join = time.perf_counter()
         if self.cache is None:
             self.cache = fresh
@@ -304,26 +307,33 @@ class BatchGenerator:
         """One speculative step of every live row in ONE target forward; returns the rows that finished."""
         tm, rows, cols = self.stats.timings, self.rows, cache_columns(self.cache)
         lengths = [row.length for row in rows]
+        t0 = time.perf_counter()
         with phase_timer(tm, "draft"):  # each row's own drafter; a depth-d node sits at length + d (bonus: + 1)
             limits = self.scheduler.depth_limits([row.index for row in rows]) if self.scheduler is not None else None
-            trees = [self._propose(row, None if limits is None else limits[r]) for r, row in enumerate(rows)]
+            trees = self._propose(rows, [None] * len(rows) if limits is None else limits)
             if self.scheduler is not None:  # per-row verify budgets: the trees cut to their most likely nodes
                 trees = self.scheduler.select(trees, [row.index for row in rows])
+        draft_s = time.perf_counter() - t0
         with phase_timer(tm, "tree"):  # padded to the largest tree; each node sees its row's cache, ancestors, self
             tokens, pos, mask = pack_trees(trees, lengths, cols, self.target.dtype)  # [B,N], [B,N], [B,1,N,cols+N]
+        t0 = time.perf_counter()
         with phase_timer(tm, "target"):  # ONE forward over every row's nodes
             logits, feats = self._forward(tokens, pos, mask, self.cache, self.layers)  # [B,N,V], [B,N,F*D] | None
+        target_s = time.perf_counter() - t0
         with phase_timer(tm, "verify"):
             # each row alone, as `generate` does: greedy = the longest path equal to the target's argmax plus the
             # bonus argmax; sampling = recursive rejection with the row's own generator. Never sees the drafter
             accs = [row.req.verify(tree, logits[r, :len(tree)]) for r, (row, tree) in enumerate(zip(rows, trees))]
         with phase_timer(tm, "cache"):  # each row keeps its prefix + root + accepted nodes, left-aligned
             keep_accepted_rows(self.cache, cols, lengths, [acc.nodes for acc in accs])
+        t0 = time.perf_counter()
         with phase_timer(tm, "draft"):  # each drafter sees its outcome and its accepted nodes' true features
             for r, (row, tree, acc) in enumerate(zip(rows, trees, accs)):
+                row.drafter.recycle(tree.tokens, logits[r, :len(tree)])
                 row.drafter.observe(tree, acc, None if feats is None else feats[r, acc.nodes])
-            if self.scheduler is not None:
-                self.scheduler.observe([row.index for row in rows], trees, accs)
+        if self.scheduler is not None:  # outcomes and this step's measured costs (drafting: propose + observe)
+            self.scheduler.observe([row.index for row in rows], trees, accs,
+                                   draft_s=draft_s + time.perf_counter() - t0, target_s=target_s)
         with phase_timer(tm, "other"):  # emit accepted tokens + bonus, cut at a stop (the stop token is emitted)
             finished = [row for row, tree, acc in zip(rows, trees, accs) if self._emit(row, tree, acc)]
         s = self.stats
@@ -334,14 +344,26 @@ class BatchGenerator:
         s.max_rows = max(s.max_rows, len(rows))
         return finished
 
-    def _propose(self, row: _Row, limit: int | None = None) -> DraftTree:
-        """The row's tree, no deeper than the positions left (room - 1 below the root) and the scheduler's limit
-        (0 = no drafting this step: drafters return the root alone and keep their state for the next step)."""
-        depth = row.req.window - len(row.ids) - 1
-        depth = depth if limit is None else min(depth, limit)
-        tree = row.drafter.propose(DraftContext(ids=row.ids, sampling=row.req.sampling, generator=row.req.generator,
-                                                max_depth=depth))
-        return tree.truncate_depth(depth) if tree.max_depth > depth else tree
+    def _propose(self, rows: list[_Row], limits: list[int | None]) -> list[DraftTree]:
+        """Each row's tree, no deeper than the positions left (room - 1 below the root) and the scheduler's limit
+        (0 = no drafting this step: drafters return the root alone and keep their state for the next step).
+        Drafters of a class with `propose_many(drafters, contexts)` (DSparkDrafter) propose together: one head
+        pass for the rows it can batch."""
+        depths = [row.req.window - len(row.ids) - 1 for row in rows]
+        depths = [d if lim is None else min(d, lim) for d, lim in zip(depths, limits)]
+        ctxs = [DraftContext(ids=row.ids, sampling=row.req.sampling, generator=row.req.generator, max_depth=d)
+                for row, d in zip(rows, depths)]
+        trees: list[DraftTree | None] = [None] * len(rows)
+        kinds: dict[type, list[int]] = {}
+        for i, row in enumerate(rows):
+            kinds.setdefault(type(row.drafter), []).append(i)
+        for kind, idx in kinds.items():
+            many = getattr(kind, "propose_many", None)
+            out = many([rows[i].drafter for i in idx], [ctxs[i] for i in idx]) if many and len(idx) > 1 else \
+                [rows[i].drafter.propose(ctxs[i]) for i in idx]
+            for i, tree in zip(idx, out):
+                trees[i] = tree.truncate_depth(depths[i]) if tree.max_depth > depths[i] else tree
+        return trees
 
     def _emit(self, row: _Row, tree: DraftTree, acc: Accepted) -> bool:
         """Emit the row's accepted tokens + bonus (cut at a stop); True when the row is done."""

@@ -143,43 +143,100 @@ class AcceptanceTracker:
 
 class BudgetScheduler:
     """batch.generate_batch's `scheduler`. `depth_limits(rows)` before drafting, `select(trees, rows)` before the
-    forward, `observe(rows, trees, accepted)` after it.
+    forward, `observe(rows, trees, accepted, draft_s, target_s)` after it.
     select: every row's tree is cut to the nodes `choose_batch_budget` keeps (survival from `survival_fn(row,
-    tree)`, default the AcceptanceTracker's; the cost surface `cost(B, n)`).
-    Once the whole batch chose plain decoding, the next steps skip drafting (depth limit 0: the estimates cannot
-    change without outcomes) until `explore_every` steps have passed; then the rows draft again and, if plain is
-    still the choice, that step verifies each row's most likely node, so a drafter that got better is noticed."""
+    tree)`, default the AcceptanceTracker's; the cost surface `cost(B, n)`). The drafting of this step is paid by
+    then, so it does not enter this choice; it enters the next one:
+    observe: t(1, 1) in seconds is read off the step's own forward (target_s / cost(B, n)) and one row's drafting
+    d in that unit (draft_s over the rows that drafted), both running medians. A row keeps drafting only while the
+    tokens its kept drafts add, g_r, pay for its drafting at the step's rate with drafting counted:
+    g_r > d * E / (cost(B, n) + overhead + d * R) for the R rows drafting (adding row r raises tokens per unit of
+    time exactly when its own g_r / d beats the rate); and the batch drafts only while that rate beats plain
+    decoding's B / (cost(B, 1) + overhead). A row that does not pay rests (depth limit 0: no head pass, no draft
+    nodes) for `explore_every` - 1 steps, then drafts again; if its budget is still empty then, that step verifies
+    its most likely node, so a drafter that got better is noticed. draft_cost: d fixed instead of measured (0 = the
+    cost surface alone decides; rows still rest when their budget is empty)."""
 
     def __init__(self, cost: CostFn, survival_fn: Callable | None = None, overhead: float = 0.0,
-                 explore_every: int = 16, tracker: AcceptanceTracker | None = None, packing: str = "padded"):
+                 explore_every: int = 16, tracker: AcceptanceTracker | None = None, packing: str = "padded",
+                 draft_cost: float | None = None):
         self.cost, self.overhead, self.explore_every, self.packing = cost, overhead, explore_every, packing
+        self.draft_cost = draft_cost  # None: measured
         self.tracker = tracker or AcceptanceTracker()
         self.survival_fn = survival_fn or self.tracker.survival
-        self.plain_streak = 0  # steps since the batch last chose plain decoding with drafts in hand (0 = drafting)
+        self.resting: dict = {}  # row -> steps since it stopped drafting (absent: drafting)
+        self.unit_s: list[float] = []  # measured t(1, 1) in seconds, one per step
+        self.draft_units: list[float] = []  # one row's drafting in units of t(1, 1), one per step that drafted
+        self.last: dict = {}  # the last select: rows that drafted, their gains g_r, E and the forward's cost
         self.choices: list[tuple[int, int, float]] = []  # per step (rows, tokens per row, expected rate / plain)
 
-    def depth_limits(self, rows: list[int]) -> list[int] | None:
-        """0 for every row while the batch rests on plain decoding (no drafting), else None (no limit)."""
-        return [0] * len(rows) if 0 < self.plain_streak < self.explore_every else None
+    def depth_limits(self, rows: list) -> list[int | None] | None:
+        """0 for each resting row (no drafting this step), None (no limit) for the others."""
+        limits = [0 if 0 < self.resting.get(r, 0) < self.explore_every else None for r in rows]
+        return None if all(x is None for x in limits) else limits
 
-    def select(self, trees: list[DraftTree], rows: list[int]) -> list[DraftTree]:
-        if all(len(t) == 1 for t in trees):  # nothing drafted (skipped, or no drafts): plain decoding
-            self.plain_streak += self.plain_streak > 0
+    def select(self, trees: list[DraftTree], rows: list) -> list[DraftTree]:
+        for r, t in zip(rows, trees):
+            if len(t) == 1 and r in self.resting:
+                self.resting[r] += 1
+        drafted = [r for r, t in zip(rows, trees) if len(t) > 1]
+        self.last = {"drafted": drafted, "gains": {}, "expected": float(len(trees)),
+                     "cost": self.cost(len(trees), 1) + self.overhead}
+        if not drafted:  # nothing drafted (every row resting, or no drafts): plain decoding
             self.choices.append((len(trees), 1, 1.0))
             return trees
         surv = [self.survival_fn(r, t) for r, t in zip(rows, trees)]
-        choice = choose_batch_budget(surv, self.cost, [t.parents.tolist() for t in trees], self.overhead,
-                                     self.packing)
-        keep = choice.keep
-        if choice.tokens_per_row > 1:
-            self.plain_streak = 0
-        elif self.plain_streak >= self.explore_every:  # explore: each row's first child of the root
-            keep, self.plain_streak = [[0, 1] if len(t) > 1 else [0] for t in trees], 0
-        else:
-            self.plain_streak = 1
-        self.choices.append((len(trees), max(len(k) for k in keep), choice.expected_rate / choice.plain_rate))
+        parents = [t.parents.tolist() for t in trees]
+        choice = choose_batch_budget(surv, self.cost, parents, self.overhead, self.packing)
+        keep = [k if len(k) > 1 or len(t) == 1 or self.resting.get(r, 0) < self.explore_every else [0, 1]
+                for r, t, k in zip(rows, trees, choice.keep)]  # a row back from rest verifies its best node
+        for r, t, k, sv, ps in zip(rows, trees, keep, surv, parents):
+            if len(t) > 1:
+                eff = effective_survival(sv, ps)
+                self.last["gains"][r] = sum(eff[i] for i in k[1:])
+        width = max(len(k) for k in keep)
+        self.last.update(expected=choice.expected_tokens, cost=self.cost(len(trees), width) + self.overhead)
+        self.choices.append((len(trees), width, choice.expected_rate / choice.plain_rate))
         return [t if len(k) == len(t) else t.select(torch.tensor(k)) for t, k in zip(trees, keep)]
 
-    def observe(self, rows: list[int], trees: list[DraftTree], accepted: list[Accepted]) -> None:
+    def observe(self, rows: list, trees: list[DraftTree], accepted: list[Accepted], draft_s: float | None = None,
+                target_s: float | None = None) -> None:
         for r, t, a in zip(rows, trees, accepted):
             self.tracker.observe(r, t, a)
+        width = max(len(t) for t in trees)
+        if target_s:
+            self.unit_s.append(target_s / self.cost(len(trees), width))
+        drafted = self.last.get("drafted", [])
+        if draft_s is not None and drafted and self.unit_s:
+            self.draft_units.append(draft_s / _median(self.unit_s[-64:]) / len(drafted))
+        self._rest(rows, drafted)
+
+    def _rest(self, rows: list, drafted: list) -> None:
+        """Rows whose drafting did not pay this step rest; the others draft on (module docstring's rule)."""
+        d = self.draft_cost if self.draft_cost is not None else (
+            _median(self.draft_units[-64:]) if self.draft_units else 0.0)
+        gains, last = self.last.get("gains", {}), self.last
+        paying = [r for r in drafted if gains.get(r, 0.0) > 0.0]
+        while True:
+            rate = (len(rows) + sum(gains[r] for r in paying)) / (last["cost"] + d * len(paying))
+            keep = [r for r in paying if gains[r] > d * rate]
+            if keep == paying:
+                break
+            paying = keep
+        plain = len(rows) / (self.cost(len(rows), 1) + self.overhead)
+        if paying and rate <= plain:
+            paying = []
+        for r in drafted:
+            if r in paying:
+                self.resting.pop(r, None)
+            else:
+                self.resting[r] = 1
+
+    def forget(self, row) -> None:
+        self.tracker.forget(row)
+        self.resting.pop(row, None)
+
+
+def _median(xs: Sequence[float]) -> float:
+    ys = sorted(xs)
+    return ys[len(ys) // 2]

@@ -50,11 +50,15 @@ from specheads.utils import SpecheadsError, atomic_write_json, atomic_write_text
 log = logging.getLogger(__name__)
 
 SCHEMA = "specheads.bench/1"
-KNOWN_METHODS = ("vanilla", "prompt-lookup", "head", "draft-model", "plain", "prompt-lookup-ours", "combo")
+KNOWN_METHODS = ("vanilla", "prompt-lookup", "head", "draft-model", "plain", "prompt-lookup-ours", "combo",
+                 "recycling", "lookup+recycling", "combo+recycling")
 # plain: our loop with no drafter (its gap to vanilla is our loop's overhead); prompt-lookup-ours: our loop with our
-# PromptLookupDrafter (compare with HF's prompt-lookup); combo: every --head and prompt lookup under one scheduler
+# PromptLookupDrafter (compare with HF's prompt-lookup); combo: every --head and prompt lookup under one scheduler;
+# recycling: our loop with Token Recycling (training-free, infer/recycling.py); lookup+recycling: both training-free
+# sources under one scheduler; combo+recycling: combo with Token Recycling as one more source
 PROMPT_LOOKUP_NUM_TOKENS = 10  # HF docs' example value for prompt_lookup_num_tokens (candidate tokens per step)
 PROMPT_LOOKUP_MAX_NGRAM = 2  # HF default max_matching_ngram_size
+UNION_METHODS = ("combo", "combo+recycling", "lookup+recycling")  # several sources under one scheduler
 LOOKUP_SUFFIX = "+lookup"  # head:LABEL+lookup = that head and a prompt-lookup chain under one per-step scheduler
 HEAD_LOOKUP_TOKENS = PROMPT_LOOKUP_NUM_TOKENS  # +lookup chain length by default: the same chain as HF prompt lookup
 DEFINITIONS = {
@@ -680,7 +684,7 @@ def build_methods(names: list[str], target, options: MethodOptions, calib_ids: l
     for each head method and why. `calib_ids`: prompts for the heads' acceptance probe (`--tree auto`)."""
     check_method_names(names)
     names = ["vanilla"] + [n for n in names if n != "vanilla"]  # speedup and identical are measured against it
-    if options.temperature > 0 and any(split_lookup(n)[1] or n == "combo" for n in names):
+    if options.temperature > 0 and any(split_lookup(n)[1] or n in UNION_METHODS for n in names):
         raise SpecheadsError(f"--methods {','.join(names)}: {LOOKUP_SUFFIX} and combo methods are greedy only "
                              "(use --temperature 0)")
     expanded: list[str] = []
@@ -695,7 +699,7 @@ def build_methods(names: list[str], target, options: MethodOptions, calib_ids: l
     for n in expanded:
         if n in factories:
             m = factories[n]()
-        elif n in ("plain", "prompt-lookup-ours"):
+        elif n in ("plain", "prompt-lookup-ours", "recycling"):
             m = build_ours_method(n, target, options.temperature)
         elif is_head_method(n):
             base, merged = split_lookup(n)
@@ -706,8 +710,8 @@ def build_methods(names: list[str], target, options: MethodOptions, calib_ids: l
                                         lookup=options.head_lookup if merged else 0, loaded=loaded)
             extra.setdefault("trees", {})[m.name] = tree
             extra.setdefault("tree", tree)  # the first head's tree (results.json schema 1)
-        elif n == "combo":
-            m, tree = build_combo_method(target, options, calib_ids or [], loaded)
+        elif n in UNION_METHODS:
+            m, tree = build_combo_method(target, options, calib_ids or [], loaded, name=n)
             extra.setdefault("trees", {})[m.name] = tree
         elif is_llamacpp_method(n):  # llama-server engines (infer/llamacpp.py)
             from specheads.infer.llamacpp import build_llamacpp_method
@@ -721,10 +725,11 @@ def build_methods(names: list[str], target, options: MethodOptions, calib_ids: l
 
 
 def build_ours_method(name: str, target, temperature: float) -> Method:
-    """`plain` (our loop, no drafter: its gap to vanilla is the loop's overhead) or `prompt-lookup-ours` (our loop
-    with our prompt-lookup drafter, HF prompt lookup's settings)."""
-    if name == "plain":
-        drafter = build_drafter(target, "plain")
+    """`plain` (our loop, no drafter: its gap to vanilla is the loop's overhead), `prompt-lookup-ours` (our loop
+    with our prompt-lookup drafter, HF prompt lookup's settings) or `recycling` (Token Recycling, its default tree;
+    one drafter for every prompt of the run: its table carries over, the paper's hot start)."""
+    if name in ("plain", "recycling"):
+        drafter = build_drafter(target, name)
     else:
         drafter = build_drafter(target, "prompt-lookup", TreeSpec.tokens(PROMPT_LOOKUP_NUM_TOKENS),
                                 max_ngram=PROMPT_LOOKUP_MAX_NGRAM)
@@ -802,28 +807,34 @@ def run_scheduler(target, options: MethodOptions, loaded: dict) -> Scheduler:
     return Scheduler(costs["verify_relative"], costs["t1_s"], profile=costs)
 
 
-def build_combo_method(target, options: MethodOptions, calib_ids: list[list[int]], loaded: dict
-                       ) -> tuple[Method, dict[str, Any]]:
+def build_combo_method(target, options: MethodOptions, calib_ids: list[list[int]], loaded: dict,
+                       name: str = "combo") -> tuple[Method, dict[str, Any]]:
     """`combo`: every --head and a prompt-lookup chain of --head-lookup tokens under one per-step scheduler (each
-    head's draft pass is paid every step and priced by the measured drafter seconds). Greedy only."""
-    if not options.heads:
-        raise SpecheadsError("--methods combo: needs --head DIR (one or more)")
+    head's draft pass is paid every step and priced by the measured drafter seconds); `combo+recycling`: Token
+    Recycling's tree as one more source; `lookup+recycling`: the two training-free sources alone. Greedy only."""
+    heads = {} if name == "lookup+recycling" else options.heads
+    if name != "lookup+recycling" and not heads:
+        raise SpecheadsError(f"--methods {name}: needs --head DIR (one or more)")
     scheduler = run_scheduler(target, options, loaded)
     drafters, priors, parts = [], [], {}
-    for label, head_dir in options.heads.items():
+    for label, head_dir in heads.items():
         head, spec, tree = head_and_tree(target, options, calib_ids, head_dir, loaded)
         drafters.append(build_drafter(target, head, spec, scheduler=scheduler))
         priors.append(acceptance_prior(tree))
         parts[label] = tree.get("summary", "")
+    if name.endswith("+recycling"):
+        drafters.append(build_drafter(target, "recycling"))
+        priors.append(None)
+        parts["recycling"] = "Token Recycling, Medusa's default 25-node tree"
     drafter = combine_drafters(target, drafters, lookup=options.head_lookup, lookup_ngram=PROMPT_LOOKUP_MAX_NGRAM,
                                acceptances=priors, scheduler=scheduler)
     summary = (f"{' + '.join(f'{k} ({v})' for k, v in parts.items())} + a prompt-lookup chain of up to "
                f"{options.head_lookup} tokens, one verify budget per step (scheduler)")
-    tree = {"mode": "combo", "method": "combo", "summary": summary, "reason": SCHEDULER_RULE,
+    tree = {"mode": "combo", "method": name, "summary": summary, "reason": SCHEDULER_RULE,
             "sources": drafter.names, "scheduler": scheduler.record()}
-    info = {"implementation": "specheads.infer.generate + ScheduledUnionDrafter", "heads": dict(options.heads),
+    info = {"implementation": "specheads.infer.generate + ScheduledUnionDrafter", "heads": dict(heads),
             "lookup_tokens": options.head_lookup, "sources": drafter.names}
-    return OursGenerate("combo", target, drafter, options.temperature, info), tree
+    return OursGenerate(name, target, drafter, options.temperature, info), tree
 
 
 def given_tree_record(kind: str, family: str, spec: TreeSpec) -> dict[str, Any]:

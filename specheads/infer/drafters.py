@@ -56,6 +56,10 @@ class Drafter:
     def observe(self, tree: DraftTree, accepted: Accepted, features: torch.Tensor | None) -> None:
         pass
 
+    def recycle(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """The target's logits [N, V] after each of tokens [N] (the prompt's prefill, every verified tree, rejected
+        nodes included), given before observe; only Token Recycling reads them."""
+
     def step_report(self) -> StepReport | None:
         """What a scheduled step expected (read by the generator after observe); None = not scheduled."""
         return None
@@ -405,7 +409,9 @@ class DSparkDrafter(ScoredDrafter):
     j+1's Markov bias reads the drawn token; those distributions are the tree's q rows, so verify_sampling stays
     lossless. Estimates: survival a_i = c_1 ... c_i of the calibrated confidences (a head without a confidence
     head: per-depth rates learned per request). scheduler: the per-step prefix choice (`--tree auto`); None =
-    num_tokens drafts every step."""
+    num_tokens drafts every step. The verified rows' features wait in `pending` until the next block is drafted
+    (one context pass for all of them), so steps that draft nothing (a batch budget resting the row) cost no head
+    pass."""
     name = "dspark"
 
     def __init__(self, head, scheduler: Scheduler | None = None, num_tokens: int | None = None):
@@ -413,34 +419,46 @@ class DSparkDrafter(ScoredDrafter):
         self.k = head.num_drafts if num_tokens is None else min(int(num_tokens), head.num_drafts)  # drafts per step
         self.feature_layers = list(head.config.feature_layers)
         self.cache = None
+        self.unseen: list[torch.Tensor] = []  # [n, F*D] verified rows' features not yet in the context cache
         self.depth_rates = Rates()  # P(draft j accepted | drafts < j were), only without a confidence head
         self.pending: tuple[Candidates, bool] | None = None  # own proposal to learn from (candidates, greedy)
 
     def reset(self, prompt_ids, features) -> None:
         self.cache = self.head.new_cache()
         self.depth_rates.clear()
-        if features is not None and features.shape[0]:
-            self.head.extend_context(self.cache, features)
+        self.unseen = [] if features is None or not features.shape[0] else [features]
 
     def observe(self, tree, accepted, features) -> None:
         if features is not None and features.shape[0]:
-            self.head.extend_context(self.cache, features)  # root + accepted nodes: true rows only
+            self.unseen.append(features)  # root + accepted nodes: true rows only
         if self.pending is not None:  # alone: the chain's outcome (sampling: only what was verified)
             cand, greedy = self.pending
             truth = emitted_tokens(tree, accepted)
             self.learn(cand if greedy else Candidates(tree, []), truth if greedy else truth[:-1] + [None])
             self.pending = None
 
+    def catch_up(self) -> None:
+        """One context pass over every verified row not yet cached."""
+        if self.unseen:
+            self.head.extend_context(self.cache, torch.cat(self.unseen) if len(self.unseen) > 1 else self.unseen[0])
+            self.unseen = []
+
     @torch.no_grad()
     def candidates(self, ctx: DraftContext) -> Candidates:
         root, k = ctx.ids[-1], min(self.k, ctx.max_depth)
         if self.cache is None or k <= 0:
             return Candidates(chain_tree(root, []), [1.0], self.name)
+        self.catch_up()
         assert self.cache.length == len(ctx.ids) - 1, (self.cache.length, len(ctx.ids))
-        drafts, conf, q = self._block(ctx, k)
+        return self._candidates(ctx, *self._block(ctx, k))
+
+    def _candidates(self, ctx: DraftContext, drafts: list[int], conf: list[float] | None,
+                    q: torch.Tensor | None) -> Candidates:
+        """The chain of drafts after the root with its survival estimates (confidences or learned rates)."""
+        k = len(drafts)
         if conf is None:
             conf = [self.depth_rates.rate(d) for d in range(1, k + 1)]
-        return Candidates(chain_tree(root, drafts, q), [1.0] + survival(conf[:k]), self.name)
+        return Candidates(chain_tree(ctx.ids[-1], drafts, q), [1.0] + survival(conf[:k]), self.name)
 
     def _block(self, ctx: DraftContext, k: int) -> tuple[list[int], list[float] | None, torch.Tensor | None]:
         """One head pass: (k draft target ids, confidences or None, q [k+1, V] or None (greedy))."""
@@ -476,6 +494,32 @@ class DSparkDrafter(ScoredDrafter):
             return cand.tree
         return cand.tree.select(scheduler.choose(cand, prices, draft_s).keep)
 
+    @staticmethod
+    @torch.no_grad()
+    def propose_many(drafters: list["DSparkDrafter"], ctxs: list[DraftContext]) -> list[DraftTree]:
+        """propose for many rows (batch.py): the greedy rows of one head without a per-row scheduler draft their
+        blocks in ONE head pass (head.draft_blocks); any other row proposes alone. Same trees as propose."""
+        trees: list[DraftTree | None] = [None] * len(drafters)
+        groups: dict[int, list[int]] = {}
+        for i, (d, c) in enumerate(zip(drafters, ctxs)):
+            if d.scheduler is None and c.sampling.greedy and d.cache is not None and min(d.k, c.max_depth) > 0:
+                groups.setdefault(id(d.head), []).append(i)
+        for rows in groups.values():
+            if len(rows) < 2:
+                continue
+            for i in rows:
+                drafters[i].catch_up()
+                assert drafters[i].cache.length == len(ctxs[i].ids) - 1, (drafters[i].cache.length, len(ctxs[i].ids))
+            head = drafters[rows[0]].head
+            logits, conf = head.draft_blocks([drafters[i].cache for i in rows], [ctxs[i].ids[-1] for i in rows])
+            for r, i in enumerate(rows):
+                d, k = drafters[i], min(drafters[i].k, ctxs[i].max_depth)
+                drafts = head.to_target_ids(logits[r, :k].argmax(-1)).tolist()
+                cand = d._candidates(ctxs[i], drafts, None if conf is None else conf[r].tolist(), None)
+                d.pending, d.report = (cand, True), None
+                trees[i] = cand.tree
+        return [t if t is not None else d.propose(c) for t, d, c in zip(trees, drafters, ctxs)]
+
     def propose(self, ctx: DraftContext) -> DraftTree:
         t0 = time.perf_counter()
         cand = self.candidates(ctx)
@@ -508,6 +552,9 @@ class ScoredTreeDrafter(ScoredDrafter):
 
     def observe(self, tree, accepted, features) -> None:
         self.inner.observe(tree, accepted, features)
+
+    def recycle(self, tokens, logits) -> None:
+        self.inner.recycle(tokens, logits)
 
     def candidates(self, ctx) -> Candidates:
         tree = self.inner.propose(ctx)
@@ -597,6 +644,10 @@ class ScheduledUnionDrafter(Drafter):
         self.step = {"cands": cands, "prices": prices, "seconds": secs}
         self.report = StepReport(choice.expected_tau, choice.cost)
         return merged.tree.select(choice.keep)
+
+    def recycle(self, tokens, logits) -> None:
+        for s in self.sources:
+            s.recycle(tokens, logits)
 
     def observe(self, tree, accepted, features) -> None:
         secs = self.step["seconds"] if self.step else {}
@@ -778,12 +829,20 @@ def _plain(target, head, spec: TreeSpec) -> Drafter:
     return NoDrafter()
 
 
+def _recycling(target, head, spec: TreeSpec) -> Drafter:
+    """Token Recycling over the given static tree's rank paths (infer/recycling.py)."""
+    from specheads.infer.recycling import TokenRecyclingDrafter
+
+    return TokenRecyclingDrafter(target.vocab_size, choices=[list(c) for c in spec.choices])
+
+
 for _kind in (DrafterKind("medusa", "static", "a Medusa head", _medusa, default_tree="default", head=True),
               DrafterKind("eagle", "dynamic", "an EAGLE head", _eagle, default_tree="5,8,48", head=True),
               DrafterKind("eagle3", "dynamic", "an EAGLE-3 head", _eagle, default_tree="5,8,48", head=True),
               DrafterKind("dspark", "block", "a DSpark head", _dspark, default_tree="auto", head=True),
               DrafterKind("prompt-lookup", "tokens", "prompt-lookup", _prompt_lookup, default_tree="8"),
               DrafterKind("draft-model", "tokens", "draft-model", _draft_model, default_tree="4"),
+              DrafterKind("recycling", "static", "token recycling", _recycling, default_tree="default"),
               DrafterKind("plain", "none", "plain decoding", _plain)):
     register_drafter(_kind)
 

@@ -207,6 +207,7 @@ class SpeculativeGenerator:
         with phase_timer(tm, "cache"):  # keep prefix + root + accepted nodes
             keep_accepted(cache, len(tree), acc.nodes)
         with phase_timer(tm, "draft"):  # the drafter sees the outcome and the accepted nodes' true features
+            drafter.recycle(tree.tokens, logits)
             drafter.observe(tree, acc, None if feats is None else feats[acc.nodes])
         with phase_timer(tm, "other"):  # emit accepted tokens + bonus, cut at a stop (the stop token is emitted)
             step = [int(tree.tokens[i]) for i in acc.nodes[1:]] + [acc.bonus]
@@ -236,11 +237,13 @@ class SpeculativeGenerator:
         t = time.perf_counter()
         cache = DynamicCache(config=self.target.model.config)
         prepare_cache(cache)
-        feats = None
+        feats = logits = None
         if len(ids) > 1:
             pos = torch.arange(len(ids) - 1, device=self.target.device)[None]
-            _, feats = self._forward(torch.tensor(ids[:-1]), None, pos, cache)
+            logits, feats = self._forward(torch.tensor(ids[:-1]), None, pos, cache)
         self.drafter.reset(torch.tensor(ids), feats)
+        if logits is not None:  # the prompt's own candidates (Token Recycling)
+            self.drafter.recycle(torch.tensor(ids[:-1]), logits)
         stats.prefill_s = time.perf_counter() - t
         return cache
 
