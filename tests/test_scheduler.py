@@ -3,18 +3,22 @@ estimators and replay arithmetic, and the DSpark and union drafters' bookkeeping
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import torch
 
 from specheads.heads.base import HeadSpec, build_head
-from specheads.infer.drafters import DSparkDrafter, PromptLookupDrafter, ScheduledUnionDrafter, combine_drafters
+from specheads.infer.drafters import (DSparkDrafter, PromptLookupDrafter, ScheduledUnionDrafter, ScoredDrafter,
+                                      combine_drafters)
 from specheads.infer.generate import generate
 from specheads.infer.profile import interp_cost
 from specheads.infer.scheduler import (MIN_CLOCK_STEPS, Candidates, LookupRates, Rates, Scheduler, StepClock,
                                        StepReport, accepted_along, choose_nodes, choose_prefix, consistent,
                                        merge_candidates, outcomes, rank_rates, survival)
 from specheads.infer.tree import DraftTree, chain_tree
+
+from test_generate import hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -229,7 +233,7 @@ def test_union_replays_each_source_alone(tiny):
 
     free = Scheduler({1: 1.0, 64: 1.0}, 1e-3)
     union = combine_drafters(tiny, [DSparkDrafter(head, scheduler=free)], lookup=6, scheduler=free)
-    union = Recorded(union.sources, free)
+    union = Recorded(union.sources, free, explore_every=1)  # 1: no source ever rests
     p = [5, 6, 7, 8, 9, 10] * 3
     r = generate(tiny, union, p, max_new_tokens=24, ignore_eos=True)
     assert union.names == ["dspark", "lookup"] and len(seen) == r.stats.target_forwards
@@ -243,6 +247,34 @@ def test_union_replays_each_source_alone(tiny):
     # sampling: the first source drafts alone (its own scheduler), nothing is replayed
     s = generate(tiny, union, p, max_new_tokens=8, temperature=1.0, seed=0, ignore_eos=True).stats
     assert s.scheduled_steps == s.target_forwards and not s.source_tokens
+
+
+class Slow(ScoredDrafter):
+    """A source whose pass costs `delay` seconds and whose chain of made-up tokens is never right (p = 0.05)."""
+    name = "slow"
+
+    def __init__(self, delay: float):
+        self.delay, self.passes = delay, 0
+
+    def candidates(self, ctx):
+        self.passes += 1
+        time.sleep(self.delay)
+        return Candidates(chain_tree(ctx.ids[-1], [3, 3, 3]), [1.0, 0.05, 0.0025, 0.0001], self.name)
+
+
+def test_union_rests_a_source_whose_pass_does_not_pay(tiny):
+    """A slow source that is never right rests (proposes on few steps, its replay counted over its own steps);
+    prompt lookup, free and right on a repeated prompt, never rests; output stays greedy-exact."""
+    flat = Scheduler({1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1}, 1e-3)
+    slow = Slow(delay=0.02)  # ~20 forwards of the tiny target
+    union = combine_drafters(tiny, [slow], lookup=6, scheduler=flat)
+    p = [5, 6, 7, 8, 9, 10] * 3
+    r = generate(tiny, union, p, max_new_tokens=40, ignore_eos=True)
+    assert r.ids == hf_greedy(tiny, p, 40)
+    st = r.stats
+    assert slow.passes <= st.target_forwards // 2, (slow.passes, st.target_forwards)
+    assert st.source_steps["slow"] == slow.passes and st.source_steps["lookup"] == st.scheduled_steps
+    assert "lookup" not in union.resting
 
 
 def test_lookup_match_length():

@@ -145,6 +145,7 @@ def _report(res, args) -> None:
         line = (f"    scheduler: expected τ {s.expected_tau_sum / s.scheduled_steps:.2f}, expected speedup "
                 f"{s.expected_tau_sum / max(s.expected_cost_sum, 1e-9):.2f}x over {s.scheduled_steps} steps")
         if s.source_tokens:
-            alone = ", ".join(f"{k} {v / s.scheduled_steps:.2f}" for k, v in s.source_tokens.items())
+            alone = ", ".join(f"{k} {v / s.source_steps.get(k, s.scheduled_steps):.2f} ({s.source_steps.get(k, 0)} "
+                              "steps)" for k, v in s.source_tokens.items())
             line += f"; alone τ: {alone}; oracle τ {s.oracle_tokens / s.scheduled_steps:.2f}"
         print(line, file=sys.stderr)

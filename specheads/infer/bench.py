@@ -72,8 +72,9 @@ DEFINITIONS = {
                     "scheduled steps",
     "expected_speedup": "scheduled methods: Σ expected τ / Σ expected step cost (t(n)/t(1) + drafters' and loop's "
                         "measured seconds / t(1)), i.e. the predicted speedup over one target forward per token",
-    "sources_tau": "greedy unions: per source, Σ tokens its own proposal alone would have emitted / steps (the "
-                   "target's argmax is known along every emitted path)",
+    "sources_tau": "greedy unions: per source, Σ tokens its own proposal alone would have emitted / the steps it "
+                   "proposed on (a source whose pass does not pay rests; the target's argmax is known along every "
+                   "emitted path)",
     "oracle_tau": "per step the better source alone (more tokens; equal: cheaper), Σ its tokens / steps, on the "
                   "method's own steps (a lower bound where censored)",
     "oracle_speedup": "the oracle's Σ tokens / Σ its own step costs (its source's tree verified alone + its draft + "
@@ -81,8 +82,8 @@ DEFINITIONS = {
     "oracle_censored": "steps where the better source matched every emitted token and proposed deeper (the "
                        "scheduler cut it): its figure there is a lower bound",
 }
-SCHEDULE_FIELDS = ("scheduled_steps", "expected_tau_sum", "expected_cost_sum", "source_tokens", "oracle_tokens",
-                   "oracle_cost_sum", "oracle_censored")  # GenerationStats fields a record keeps
+SCHEDULE_FIELDS = ("scheduled_steps", "expected_tau_sum", "expected_cost_sum", "source_tokens", "source_steps",
+                   "oracle_tokens", "oracle_cost_sum", "oracle_censored")  # GenerationStats fields a record keeps
 
 
 # --------------------------------------------------------------------------------------------------- records
@@ -128,11 +129,14 @@ def schedule_summary(records: list[RunRecord]) -> dict[str, Any]:
     tau, cost = sum(s["expected_tau_sum"] for s in recs), sum(s["expected_cost_sum"] for s in recs)
     out.update(expected_tau=tau / steps, expected_speedup=_ratio(tau, cost))
     sources: Counter = Counter()
+    source_steps: Counter = Counter()  # steps each source proposed on (a resting source sits some out)
     for s in recs:
         sources.update(s.get("source_tokens") or {})
+        source_steps.update(s.get("source_steps") or {})
     if sources:
         oracle = sum(s["oracle_tokens"] for s in recs)
-        out.update(sources_tau={k: v / steps for k, v in sorted(sources.items())}, oracle_tau=oracle / steps,
+        out.update(sources_tau={k: v / (source_steps.get(k) or steps) for k, v in sorted(sources.items())},
+                   oracle_tau=oracle / steps,
                    oracle_speedup=_ratio(oracle, sum(s["oracle_cost_sum"] for s in recs)),
                    oracle_censored=sum(s["oracle_censored"] for s in recs))
     return out

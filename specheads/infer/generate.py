@@ -48,6 +48,7 @@ class GenerationStats:
     # greedy unions of several sources: what each source's own proposal alone would have emitted, and the oracle
     # that per step takes the better source (more tokens; equal: cheaper), priced by the same cost model
     source_tokens: dict[str, int] = field(default_factory=dict)  # Σ per source of accepted + bonus, alone
+    source_steps: dict[str, int] = field(default_factory=dict)  # steps each source proposed on (not resting)
     oracle_tokens: int = 0  # Σ of the better source's tokens
     oracle_cost_sum: float = 0.0  # Σ of the better source's own step cost alone, t(1)
     oracle_censored: int = 0  # steps where the better source's figure is only a lower bound
@@ -66,7 +67,8 @@ class GenerationStats:
         self.expected_cost_sum += report.expected_cost
         for name, n in report.sources.items():
             self.source_tokens[name] = self.source_tokens.get(name, 0) + n
-        best = report.oracle()
+            self.source_steps[name] = self.source_steps.get(name, 0) + 1
+        best = ("plain", 1, report.expected_cost, False) if report.rested else report.oracle()
         if best is not None:
             self.oracle_tokens += best[1]
             self.oracle_cost_sum += best[2]

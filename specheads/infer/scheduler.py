@@ -286,6 +286,7 @@ class StepReport:
     sources: dict[str, int] = field(default_factory=dict)  # tokens each source's own proposal alone would emit
     source_cost: dict[str, float] = field(default_factory=dict)  # its own step's cost alone, t(1) units
     censored: dict[str, bool] = field(default_factory=dict)  # its figure is a lower bound (its path was cut correct)
+    rested: bool = False  # a union's step where every source rested: plain decoding
 
     def oracle(self) -> tuple[str, int, float, bool] | None:
         """The better source this step (more tokens; equal: the cheaper): (name, tokens, cost, censored)."""
