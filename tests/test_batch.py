@@ -439,7 +439,8 @@ def test_batch_figures_on_hand_made_runs():
 
 
 def test_batch_sweep_on_the_tiny_target(tiny, tmp_path, monkeypatch):
-    """vanilla, plain, prompt-lookup, prompt-lookup+sched and an EAGLE-3 head+sched at B = 1, 2, 4 on 5 prompts
+    """vanilla, plain, prompt-lookup, prompt-lookup+sched, recycling+sched and an EAGLE-3 head+sched at B = 1, 2, 4
+    on 5 prompts
     (the last chunk of B = 2 and 4 is short): every row of ours equals vanilla's (fp32 greedy), τ is 1.00 for vanilla and plain, the
     results files are written."""
     import json
@@ -455,9 +456,9 @@ def test_batch_sweep_on_the_tiny_target(tiny, tmp_path, monkeypatch):
     ps = [(f"p{i}", p) for i, p in enumerate(mixed_prompts(tiny.vocab_size, 6)[:5])]
     build_head(HeadSpec(kind="eagle3"), tiny).save_pretrained(tmp_path / "head")
     options = MethodOptions(heads={"head": str(tmp_path / "head")}, tree="2,2,4")
-    methods, extra = build_batch_methods(["plain", "prompt-lookup", "prompt-lookup+sched", "head+sched"], tiny,
-                                         options)
-    assert [m.name for m in methods] == ["vanilla", "plain", "prompt-lookup", "prompt-lookup+sched", "head+sched"]
+    names = ["plain", "prompt-lookup", "prompt-lookup+sched", "recycling+sched", "head+sched"]
+    methods, extra = build_batch_methods(names, tiny, options)
+    assert [m.name for m in methods] == ["vanilla"] + names
     assert extra["trees"]["head"]["reason"] == "given with --tree"
     settings = BatchBenchSettings("tiny", "hand-made", "float32", batch_sizes=[4, 1, 2], max_new_tokens=10)
     res = run_batch_bench(ps, methods, settings, out_dir=tmp_path / "out", extra=extra, progress=False)

@@ -7,8 +7,9 @@ Methods:
 - `vanilla`: HF `model.generate` on the chunk, left-padded (attention mask), greedy or sampling;
 - `plain`: our batched loop (infer/batch.py) without drafting (its gap to vanilla is our loop's overhead);
 - `prompt-lookup`: our loop with a prompt-lookup drafter per row (HF's assisted decoding takes batch 1 only);
+- `recycling`: our loop with a Token Recycling drafter per row (infer/recycling.py; each row's own table);
 - `head` / `head:LABEL`: our loop with each --head's drafter per row (the tree of --tree; auto = the batch-1 choice);
-- any of the last three with `+sched`: the per-row verify budget of batchbudget.BudgetScheduler on this machine's
+- any of the last four with `+sched`: the per-row verify budget of batchbudget.BudgetScheduler on this machine's
   rows x tokens cost surface (profile.load_or_profile_batch), which can always fall back to plain decoding.
 Figures (pure functions over the runs, tested on hand-made runs): tokens/s = new tokens / wall time of the calls
 (prefill included), τ = new tokens / row forwards (vanilla 1.00), speedup = tokens/s over vanilla's at the same B
@@ -33,7 +34,7 @@ from specheads.utils import SpecheadsError, atomic_write_json
 log = logging.getLogger(__name__)
 
 SCHEMA = "specheads.batchbench/1"
-BASE_METHODS = ("vanilla", "plain", "prompt-lookup")
+BASE_METHODS = ("vanilla", "plain", "prompt-lookup", "recycling")
 SCHED_SUFFIX = "+sched"
 DEFINITIONS = {
     "tokens_per_s": "total new tokens / total wall time of the batched calls (prefill included), all rows together",
@@ -341,7 +342,7 @@ def check_batch_methods(names: list[str]) -> None:
             bad.append(n)
     if bad:
         raise SpecheadsError(f"--methods {','.join(names)} with --batch-sizes: unknown {bad}; choose from "
-                             f"{list(BASE_METHODS)}, head or head:LABEL, and prompt-lookup / head methods with "
+                             f"{list(BASE_METHODS)}, head or head:LABEL, and drafting methods with "
                              f"{SCHED_SUFFIX} (the batch verify budget)")
 
 
@@ -365,7 +366,8 @@ def build_batch_methods(names: list[str], target, options, calib_ids: list[list[
         expanded += [h + SCHED_SUFFIX * sched for h in options.heads] if base == "head" and options.heads else [n]
     extra: dict[str, Any] = {"methods_info": {}}
     makers: dict[str, Callable] = {"plain": NoDrafter, "prompt-lookup": lambda: build_drafter(
-        target, "prompt-lookup", TreeSpec.tokens(10), max_ngram=2)}  # HF prompt lookup's 10 tokens, 2-gram
+        target, "prompt-lookup", TreeSpec.tokens(10), max_ngram=2),  # HF prompt lookup's 10 tokens, 2-gram
+        "recycling": lambda: build_drafter(target, "recycling")}
     cost = None
     methods: list[BatchMethod] = []
     for n in expanded:
