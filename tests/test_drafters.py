@@ -278,7 +278,7 @@ def test_dspark_proposes_a_prefix_of_its_block(tiny):
     """The scheduled drafter verifies a prefix of the one block its head drafted (greedy: the Markov chain's
     argmax), chosen by the survival of the calibrated confidences."""
     ds = dspark_head(tiny)
-    d = DSparkDrafter(ds, scheduler=scheduler())
+    d = DSparkDrafter(ds, scheduler=scheduler(), siblings=0)
     p = [5, 6, 7, 8, 9, 10] * 2
     d.reset(torch.tensor(p), _target_features(tiny, p[:-1], ds.config.feature_layers))
     d.catch_up()  # the prompt's features wait until a block is drafted
@@ -292,6 +292,24 @@ def test_dspark_proposes_a_prefix_of_its_block(tiny):
     assert tree.tokens.tolist() == cand.tree.tokens.tolist()[:len(tree)] and d.step_report() is not None
     assert d.step_report().expected_tau == pytest.approx(sum(cand.p[:len(tree)]))
     assert d.candidates(DraftContext(ids=p, max_depth=2)).tree.max_depth == 2  # the context window's room
+
+
+def test_dspark_first_draft_siblings_estimates_and_learning(tiny):
+    """The first draft's siblings hang off the root with estimates (1 - a_1) r_1 and (1 - a_1)(1 - r_1) r_2; a step
+    where the first draft missed and sibling 1 was right raises r_1 and leaves r_2 (never tried); a step where the
+    first draft was right teaches the siblings nothing."""
+    d = DSparkDrafter(dspark_head(tiny), scheduler=scheduler())
+    assert d.siblings == 2 and DSparkDrafter(dspark_head(tiny)).siblings == 0  # scheduled drafters only
+    cand = d._candidates(DraftContext(ids=[1, 5]), [7, 8], [0.6, 0.5], None, [9, 10])
+    assert cand.tree.tokens.tolist() == [5, 7, 8, 9, 10] and cand.tree.parents.tolist() == [-1, 0, 1, 0, 0]
+    assert cand.tree.depth.tolist() == [0, 1, 2, 1, 1]
+    assert cand.p == pytest.approx([1.0, 0.6, 0.3, 0.4 * 0.15, 0.4 * 0.85 * 0.15])
+    d.learn(cand, [7, 8, 3])  # the chain was right: nothing about the siblings
+    assert d.sibling_rates.seen == {}
+    d.learn(cand, [9, 4])  # the first draft missed, sibling 1 was the target's token
+    assert d.sibling_rates.seen == {1: 1} and d.sibling_rates.rate(1) == pytest.approx((1 + 0.3) / 3)
+    d.learn(cand, [11, 4])  # both siblings tried and wrong
+    assert d.sibling_rates.seen == {1: 2, 2: 1} and d.sibling_rates.hits == {1: 1, 2: 0}
 
 
 def _target_features(target, ids, layers):

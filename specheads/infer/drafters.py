@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from specheads.infer.scheduler import (MATCH_CAP, WINDOW_STEPS, Candidates, LookupRates, Rates, Scheduler, StepClock,
-                                       StepReport, accepted_along, merge_candidates, outcomes, path_products,
+from specheads.infer.scheduler import (MATCH_CAP, PRIOR_STRENGTH, WINDOW_STEPS, Candidates, LookupRates, Rates,
+                                       Scheduler, StepClock, StepReport, accepted_along, merge_candidates, outcomes, path_products,
                                        rank_rates, survival)
 from specheads.infer.tree import (DEFAULT_MEDUSA_CHOICES, DraftTree, chain_tree, dynamic_tree, normalize_choices,
                                   tree_from_choices)
@@ -409,14 +409,20 @@ class DSparkDrafter(ScoredDrafter):
     j+1's Markov bias reads the drawn token; those distributions are the tree's q rows, so verify_sampling stays
     lossless. Estimates: survival a_i = c_1 ... c_i of the calibrated confidences (a head without a confidence
     head: per-depth rates learned per request). scheduler: the per-step prefix choice (`--tree auto`); None =
-    num_tokens drafts every step. The verified rows' features wait in `pending` until the next block is drafted
+    num_tokens drafts every step. The verified rows' features wait in `unseen` until the next block is drafted
     (one context pass for all of them), so steps that draft nothing (a batch budget resting the row) cost no head
-    pass."""
+    pass. With a scheduler and greedy decoding the first draft also gets `siblings` alternatives (ranks 1.. of its
+    logits) as children of the root, a small tree the scheduler verifies only where they pay: sibling j's estimate
+    is (1 - a_1) * prod_{i<j} (1 - r_i) * r_j with r_j = P(rank j is the target's token | ranks < j were not),
+    learned per request (prior SIBLING_PRIOR)."""
     name = "dspark"
+    SIBLING_PRIOR = 0.15  # P(the first draft's rank-1 token is right | its rank-0 token is not), before outcomes
 
-    def __init__(self, head, scheduler: Scheduler | None = None, num_tokens: int | None = None):
+    def __init__(self, head, scheduler: Scheduler | None = None, num_tokens: int | None = None, siblings: int = 2):
         self.head, self.scheduler = head, scheduler
         self.k = head.num_drafts if num_tokens is None else min(int(num_tokens), head.num_drafts)  # drafts per step
+        self.siblings = int(siblings) if scheduler is not None else 0  # alternatives to the first draft
+        self.sibling_rates = Rates(lambda j: (self.SIBLING_PRIOR, PRIOR_STRENGTH))
         self.feature_layers = list(head.config.feature_layers)
         self.cache = None
         self.unseen: list[torch.Tensor] = []  # [n, F*D] verified rows' features not yet in the context cache
@@ -426,6 +432,7 @@ class DSparkDrafter(ScoredDrafter):
     def reset(self, prompt_ids, features) -> None:
         self.cache = self.head.new_cache()
         self.depth_rates.clear()
+        self.sibling_rates.clear()
         self.unseen = [] if features is None or not features.shape[0] else [features]
 
     def observe(self, tree, accepted, features) -> None:
@@ -453,20 +460,35 @@ class DSparkDrafter(ScoredDrafter):
         return self._candidates(ctx, *self._block(ctx, k))
 
     def _candidates(self, ctx: DraftContext, drafts: list[int], conf: list[float] | None,
-                    q: torch.Tensor | None) -> Candidates:
-        """The chain of drafts after the root with its survival estimates (confidences or learned rates)."""
+                    q: torch.Tensor | None, sibs: list[int] = ()) -> Candidates:
+        """The chain of drafts after the root with its survival estimates (confidences or learned rates), then the
+        first draft's siblings (children of the root) with theirs."""
         k = len(drafts)
         if conf is None:
             conf = [self.depth_rates.rate(d) for d in range(1, k + 1)]
-        return Candidates(chain_tree(ctx.ids[-1], drafts, q), [1.0] + survival(conf[:k]), self.name)
+        p = [1.0] + survival(conf[:k])
+        if not sibs:
+            return Candidates(chain_tree(ctx.ids[-1], drafts, q), p, self.name)
+        miss = 1.0 - p[1]  # the first draft is not the target's token
+        for j in range(len(sibs)):
+            r = self.sibling_rates.rate(j + 1)
+            p.append(miss * r)
+            miss *= 1.0 - r
+        tree = DraftTree([ctx.ids[-1]] + drafts + list(sibs), [-1] + list(range(k)) + [0] * len(sibs),
+                         list(range(k + 1)) + [1] * len(sibs))
+        return Candidates(tree, p, self.name)
 
-    def _block(self, ctx: DraftContext, k: int) -> tuple[list[int], list[float] | None, torch.Tensor | None]:
-        """One head pass: (k draft target ids, confidences or None, q [k+1, V] or None (greedy))."""
+    def _block(self, ctx: DraftContext, k: int
+               ) -> tuple[list[int], list[float] | None, torch.Tensor | None, list[int]]:
+        """One head pass: (k draft target ids, confidences or None, q [k+1, V] or None (greedy), the first draft's
+        sibling target ids (greedy with self.siblings, else none))."""
         head, root = self.head, ctx.ids[-1]
         if ctx.sampling.greedy:
             logits, conf = head.draft_block(self.cache, root)  # [K', V'], [K'] | None
             drafts = head.to_target_ids(logits[:k].argmax(-1)).tolist()
-            return drafts, None if conf is None else conf.tolist(), None
+            s = min(self.siblings, logits.shape[-1] - 1)
+            sibs = head.to_target_ids(logits[0].topk(1 + s).indices[1:]).tolist() if s > 0 else []
+            return drafts, None if conf is None else conf.tolist(), None, sibs
         drawn: dict[int, torch.Tensor] = {}
 
         def pick(j: int, lg: torch.Tensor) -> torch.Tensor:  # lg [1, 1, V']: draft j drawn from its warped q
@@ -482,12 +504,21 @@ class DSparkDrafter(ScoredDrafter):
         cols = torch.arange(vocab) if getattr(head, "d2t", None) is None else head.d2t.cpu()
         q[:k, cols] = qs
         q[k] = 1.0 / vocab  # the leaf's row is never read
-        return drafts, None if conf is None else conf.tolist(), q
+        return drafts, None if conf is None else conf.tolist(), q, []
 
     def learn(self, cand, truth) -> None:
+        parents = cand.tree.parents.tolist()
+        sibs = [i for i in range(2, len(parents)) if parents[i] == 0]  # the first draft's siblings, rank order
         if self.head.confidence_head is None:
             for node, ok in outcomes(cand.tree, truth):
-                self.depth_rates.add(int(cand.tree.depth[node]), ok)
+                if node not in sibs:
+                    self.depth_rates.add(int(cand.tree.depth[node]), ok)
+        tokens = cand.tree.tokens.tolist()
+        if sibs and truth and truth[0] is not None and tokens[1] != truth[0]:  # the first draft missed
+            for j, i in enumerate(sibs, start=1):
+                self.sibling_rates.add(j, tokens[i] == truth[0])
+                if tokens[i] == truth[0]:
+                    break
 
     def alone(self, cand, scheduler, prices, draft_s) -> DraftTree:
         if self.scheduler is None:
