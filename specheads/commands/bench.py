@@ -24,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "head:LABEL picks one --head; +lookup after a head method (head+lookup, head:LABEL+lookup) "
                         "puts the head and a prompt-lookup chain under one per-step scheduler, greedy only; combo: "
                         "every --head and the lookup chain under one scheduler, greedy only; recycling: Token "
-                        "Recycling (training-free); lookup+recycling / combo+recycling: it as one more scheduled source "
+                        "Recycling (training-free); lookup+recycling / combo+recycling: it as one more "
+                        "scheduled source "
                         "(default: vanilla,prompt-lookup plus head / draft-model when given)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; outputs checked against vanilla)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per turn (default 256)")

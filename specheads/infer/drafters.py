@@ -22,8 +22,8 @@ from typing import Callable
 import torch
 
 from specheads.infer.scheduler import (MATCH_CAP, PRIOR_STRENGTH, WINDOW_STEPS, Candidates, LookupRates, Rates,
-                                       Scheduler, StepClock, StepReport, accepted_along, merge_candidates, outcomes, path_products,
-                                       rank_rates, survival)
+                                       Scheduler, StepClock, StepReport, accepted_along, merge_candidates, outcomes,
+                                       path_products, rank_rates, survival)
 from specheads.infer.tree import (DEFAULT_MEDUSA_CHOICES, DraftTree, chain_tree, dynamic_tree, normalize_choices,
                                   tree_from_choices)
 from specheads.infer.treespec import (FAMILIES, MAX_TREE_DEPTH, TreeLimits, TreeSpec, check_tree_spec,
