@@ -15,7 +15,7 @@ from specheads.infer.batchbudget import (AcceptanceTracker, BudgetScheduler, cho
 from specheads.infer.drafters import (DraftModelDrafter, Drafter, DSparkDrafter, EagleDrafter, MedusaDrafter, NoDrafter,
                                       PromptLookupDrafter, combine_drafters)
 from specheads.infer.generate import generate
-from specheads.infer.recycling import TokenRecyclingDrafter
+from specheads.infer.drafters import TokenRecyclingDrafter
 from specheads.infer.scheduler import Scheduler
 from specheads.infer.tree import DraftTree, chain_tree
 from specheads.infer.verify import Accepted

@@ -10,7 +10,7 @@ from specheads.infer.drafters import (DraftContext, DraftModelDrafter, Drafter, 
                                       MedusaDrafter, NoDrafter, PromptLookupDrafter, combine_drafters, load_drafter,
                                       truncated_draft_model)
 from specheads.infer.generate import SpeculativeGenerator, generate
-from specheads.infer.recycling import TokenRecyclingDrafter
+from specheads.infer.drafters import TokenRecyclingDrafter
 from specheads.infer.tree import DraftTree
 from specheads.target import tiny_target
 from specheads.utils import SpecheadsError

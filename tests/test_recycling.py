@@ -1,10 +1,9 @@
-"""Token Recycling (infer/recycling.py): the adjacency table and the breadth-first tree on hand-made logits, and
+"""Token Recycling (drafters.TokenRecyclingDrafter): the adjacency table and the breadth-first tree on hand-made logits, and
 greedy exactness with a tree that is really accepted."""
 import torch
 
-from specheads.infer.drafters import DraftContext, build_drafter, drafter_kind
+from specheads.infer.drafters import DraftContext, TokenRecyclingDrafter, build_drafter, drafter_kind
 from specheads.infer.generate import generate
-from specheads.infer.recycling import TokenRecyclingDrafter
 from specheads.infer.treespec import TreeSpec
 
 from test_generate import hf_greedy

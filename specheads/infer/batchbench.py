@@ -7,7 +7,7 @@ Methods:
 - `vanilla`: HF `model.generate` on the chunk, left-padded (attention mask), greedy or sampling;
 - `plain`: our batched loop (infer/batch.py) without drafting (its gap to vanilla is our loop's overhead);
 - `prompt-lookup`: our loop with a prompt-lookup drafter per row (HF's assisted decoding takes batch 1 only);
-- `recycling`: our loop with a Token Recycling drafter per row (infer/recycling.py; each row's own table);
+- `recycling`: our loop with a Token Recycling drafter per row (drafters.TokenRecyclingDrafter; each row's own table);
 - `head` / `head:LABEL`: our loop with each --head's drafter per row (the tree of --tree; auto = the batch-1 choice);
 - any of the last four with `+sched`: the per-row verify budget of batchbudget.BudgetScheduler on this machine's
   rows x tokens cost surface (profile.load_or_profile_batch), which can always fall back to plain decoding.

@@ -54,7 +54,7 @@ KNOWN_METHODS = ("vanilla", "prompt-lookup", "head", "draft-model", "plain", "pr
                  "recycling", "lookup+recycling", "combo+recycling")
 # plain: our loop with no drafter (its gap to vanilla is our loop's overhead); prompt-lookup-ours: our loop with our
 # PromptLookupDrafter (compare with HF's prompt-lookup); combo: every --head and prompt lookup under one scheduler;
-# recycling: our loop with Token Recycling (training-free, infer/recycling.py); lookup+recycling: both training-free
+# recycling: our loop with Token Recycling (training-free, drafters.TokenRecyclingDrafter); lookup+recycling: both training-free
 # sources under one scheduler; combo+recycling: combo with Token Recycling as one more source
 PROMPT_LOOKUP_NUM_TOKENS = 10  # HF docs' example value for prompt_lookup_num_tokens (candidate tokens per step)
 PROMPT_LOOKUP_MAX_NGRAM = 2  # HF default max_matching_ngram_size
