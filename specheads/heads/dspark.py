@@ -407,25 +407,16 @@ class DSparkHead(DraftHead):
         head.to_target_ids(logits.argmax(-1)). pick(j, logits_j [1,1,V']) -> draft ids [1,1]: the token chosen
         for draft j instead of its argmax (sampling), read by draft j+1's Markov bias (called for every draft
         when the head has a Markov head)."""
-        dev = self.conf_temperature.device
-        S = cache.length
-        anchor = torch.as_tensor(anchor_token, device=dev, dtype=torch.long).view(1, 1)
-        anchors = torch.full((1, 1), S, device=dev, dtype=torch.long)
-        allowed = torch.ones(1, 1, S, dtype=torch.bool, device=dev)
-        ctx = BlockContext(list(zip(cache.keys, cache.values)), cache.fused) if cache.keys \
-            else self._empty_context(dev)
-        h = self.blocks(ctx, allowed, anchor, anchors)
-        logits, conf = self.heads(h, anchor, greedy=True, pick=pick)
-        if conf is not None:
-            conf = torch.sigmoid(conf[0, 0].float() / self.conf_temperature.float())
-        return logits[0, 0], conf
+        logits, conf = self.draft_blocks([cache], [int(anchor_token)], pick=pick)
+        return logits[0], None if conf is None else conf[0]
 
     @torch.no_grad()
-    def draft_blocks(self, caches: list[BlockCache], anchor_tokens: list[int]
+    def draft_blocks(self, caches: list[BlockCache], anchor_tokens: list[int], pick=None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """draft_block for B rows in ONE pass, greedy: row r's block anchored after its own S_r cached rows (the
-        contexts right-padded to the longest, the padding masked) -> (logits [B,K',V'], confidences [B,K'] or
-        None); row r is draft_block(caches[r], anchor_tokens[r]) up to float summation order."""
+        """draft_block for B rows in ONE pass: row r's block anchored after its own S_r cached rows (the contexts
+        right-padded to the longest, the padding masked) -> (logits [B,K',V'], confidences [B,K'] or None); row r
+        is draft_block(caches[r], anchor_tokens[r]) up to float summation order. pick as draft_block's, over
+        [B,1,V'] -> [B,1]."""
         dev = self.conf_temperature.device
         lengths = torch.tensor([c.length for c in caches], device=dev)
         S, empty = int(lengths.max()), self._empty_context(dev)
@@ -434,10 +425,12 @@ class DSparkHead(DraftHead):
             out = []
             for t in parts:  # t [1, ..., S_r, ...] along dim
                 t = blank if t is None else t
-                shape = list(t.shape)
-                shape[dim] = S - t.shape[dim]
-                out.append(torch.cat([t, t.new_zeros(shape)], dim))
-            return torch.cat(out, 0)
+                if t.shape[dim] < S:
+                    shape = list(t.shape)
+                    shape[dim] = S - t.shape[dim]
+                    t = torch.cat([t, t.new_zeros(shape)], dim)
+                out.append(t)
+            return out[0] if len(out) == 1 else torch.cat(out, 0)  # one row: the cache itself, no copy
 
         layers = [tuple(padded([(c.keys, c.values)[j][i] if c.keys else None for c in caches], empty.layers[i][j],
                                -2) for j in (0, 1)) for i in range(len(self.layers))]  # (keys, values) [B,Hkv,S,hd]
@@ -445,7 +438,7 @@ class DSparkHead(DraftHead):
         allowed = (torch.arange(S, device=dev) < lengths[:, None]).unsqueeze(1)  # [B,1,S]
         anchor = torch.as_tensor(anchor_tokens, device=dev, dtype=torch.long).view(-1, 1)  # [B,1]
         h = self.blocks(BlockContext(layers, fused), allowed, anchor, lengths.view(-1, 1))
-        logits, conf = self.heads(h, anchor, greedy=True)
+        logits, conf = self.heads(h, anchor, greedy=True, pick=pick)
         if conf is not None:
             conf = torch.sigmoid(conf[:, 0].float() / self.conf_temperature.float())
         return logits[:, 0], conf

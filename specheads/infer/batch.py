@@ -307,33 +307,29 @@ class BatchGenerator:
         """One speculative step of every live row in ONE target forward; returns the rows that finished."""
         tm, rows, cols = self.stats.timings, self.rows, cache_columns(self.cache)
         lengths = [row.length for row in rows]
-        t0 = time.perf_counter()
+        before = dict(tm)  # this step's drafting and forward seconds go to the scheduler
         with phase_timer(tm, "draft"):  # each row's own drafter; a depth-d node sits at length + d (bonus: + 1)
             limits = self.scheduler.depth_limits([row.index for row in rows]) if self.scheduler is not None else None
             trees = self._propose(rows, [None] * len(rows) if limits is None else limits)
             if self.scheduler is not None:  # per-row verify budgets: the trees cut to their most likely nodes
                 trees = self.scheduler.select(trees, [row.index for row in rows])
-        draft_s = time.perf_counter() - t0
         with phase_timer(tm, "tree"):  # padded to the largest tree; each node sees its row's cache, ancestors, self
             tokens, pos, mask = pack_trees(trees, lengths, cols, self.target.dtype)  # [B,N], [B,N], [B,1,N,cols+N]
-        t0 = time.perf_counter()
         with phase_timer(tm, "target"):  # ONE forward over every row's nodes
             logits, feats = self._forward(tokens, pos, mask, self.cache, self.layers)  # [B,N,V], [B,N,F*D] | None
-        target_s = time.perf_counter() - t0
         with phase_timer(tm, "verify"):
             # each row alone, as `generate` does: greedy = the longest path equal to the target's argmax plus the
             # bonus argmax; sampling = recursive rejection with the row's own generator. Never sees the drafter
             accs = [row.req.verify(tree, logits[r, :len(tree)]) for r, (row, tree) in enumerate(zip(rows, trees))]
         with phase_timer(tm, "cache"):  # each row keeps its prefix + root + accepted nodes, left-aligned
             keep_accepted_rows(self.cache, cols, lengths, [acc.nodes for acc in accs])
-        t0 = time.perf_counter()
         with phase_timer(tm, "draft"):  # each drafter sees its outcome and its accepted nodes' true features
             for r, (row, tree, acc) in enumerate(zip(rows, trees, accs)):
                 row.drafter.recycle(tree.tokens, logits[r, :len(tree)])
                 row.drafter.observe(tree, acc, None if feats is None else feats[r, acc.nodes])
         if self.scheduler is not None:  # outcomes and this step's measured costs (drafting: propose + observe)
-            self.scheduler.observe([row.index for row in rows], trees, accs,
-                                   draft_s=draft_s + time.perf_counter() - t0, target_s=target_s)
+            self.scheduler.observe([row.index for row in rows], trees, accs, draft_s=tm["draft"] - before["draft"],
+                                   target_s=tm["target"] - before["target"])
         with phase_timer(tm, "other"):  # emit accepted tokens + bonus, cut at a stop (the stop token is emitted)
             finished = [row for row, tree, acc in zip(rows, trees, accs) if self._emit(row, tree, acc)]
         s = self.stats

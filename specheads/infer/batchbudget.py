@@ -20,9 +20,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from specheads.infer.scheduler import _median
 from specheads.infer.tree import DraftTree
 from specheads.infer.verify import Accepted
 
+MEDIAN_STEPS = 64  # steps behind the running medians of t(1, 1) and of a row's drafting
 CostFn = Callable[[int, int], float]  # cost(B rows, n tokens per row) = t(B, n) / t(1, 1)
 
 
@@ -165,9 +167,9 @@ class BudgetScheduler:
         self.tracker = tracker or AcceptanceTracker()
         self.survival_fn = survival_fn or self.tracker.survival
         self.resting: dict = {}  # row -> steps since it stopped drafting (absent: drafting)
-        self.unit_s: list[float] = []  # measured t(1, 1) in seconds, one per step
-        self.draft_units: list[float] = []  # one row's drafting in units of t(1, 1), one per step that drafted
-        self.last: dict = {}  # the last select: rows that drafted, their gains g_r, E and the forward's cost
+        self.unit_s: list[float] = []  # measured t(1, 1) in seconds, the last MEDIAN_STEPS steps
+        self.draft_units: list[float] = []  # one row's drafting in units of t(1, 1), per step that drafted (same)
+        self.last: dict = {}  # the last select: rows that drafted, their gains g_r and the forward's cost
         self.choices: list[tuple[int, int, float]] = []  # per step (rows, tokens per row, expected rate / plain)
 
     def depth_limits(self, rows: list) -> list[int | None] | None:
@@ -180,8 +182,7 @@ class BudgetScheduler:
             if len(t) == 1 and r in self.resting:
                 self.resting[r] += 1
         drafted = [r for r, t in zip(rows, trees) if len(t) > 1]
-        self.last = {"drafted": drafted, "gains": {}, "expected": float(len(trees)),
-                     "cost": self.cost(len(trees), 1) + self.overhead}
+        self.last = {"drafted": drafted, "gains": {}, "cost": self.cost(len(trees), 1) + self.overhead}
         if not drafted:  # nothing drafted (every row resting, or no drafts): plain decoding
             self.choices.append((len(trees), 1, 1.0))
             return trees
@@ -195,7 +196,7 @@ class BudgetScheduler:
                 eff = effective_survival(sv, ps)
                 self.last["gains"][r] = sum(eff[i] for i in k[1:])
         width = max(len(k) for k in keep)
-        self.last.update(expected=choice.expected_tokens, cost=self.cost(len(trees), width) + self.overhead)
+        self.last["cost"] = self.cost(len(trees), width) + self.overhead
         self.choices.append((len(trees), width, choice.expected_rate / choice.plain_rate))
         return [t if len(k) == len(t) else t.select(torch.tensor(k)) for t, k in zip(trees, keep)]
 
@@ -205,16 +206,16 @@ class BudgetScheduler:
             self.tracker.observe(r, t, a)
         width = max(len(t) for t in trees)
         if target_s:
-            self.unit_s.append(target_s / self.cost(len(trees), width))
+            self.unit_s = self.unit_s[-(MEDIAN_STEPS - 1):] + [target_s / self.cost(len(trees), width)]
         drafted = self.last.get("drafted", [])
         if draft_s is not None and drafted and self.unit_s:
-            self.draft_units.append(draft_s / _median(self.unit_s[-64:]) / len(drafted))
+            self.draft_units = self.draft_units[-(MEDIAN_STEPS - 1):] + [
+                draft_s / _median(self.unit_s) / len(drafted)]
         self._rest(rows, drafted)
 
     def _rest(self, rows: list, drafted: list) -> None:
         """Rows whose drafting did not pay this step rest; the others draft on (module docstring's rule)."""
-        d = self.draft_cost if self.draft_cost is not None else (
-            _median(self.draft_units[-64:]) if self.draft_units else 0.0)
+        d = self.draft_cost if self.draft_cost is not None else _median(self.draft_units)
         gains, last = self.last.get("gains", {}), self.last
         paying = [r for r in drafted if gains.get(r, 0.0) > 0.0]
         while True:
@@ -232,11 +233,3 @@ class BudgetScheduler:
             else:
                 self.resting[r] = 1
 
-    def forget(self, row) -> None:
-        self.tracker.forget(row)
-        self.resting.pop(row, None)
-
-
-def _median(xs: Sequence[float]) -> float:
-    ys = sorted(xs)
-    return ys[len(ys) // 2]
