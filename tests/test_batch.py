@@ -10,7 +10,7 @@ import torch
 from specheads.heads.base import HeadSpec, build_head
 from specheads.infer.batch import (generate_batch, keep_accepted_rows, merge_caches, new_batch_cache,
                                    pack_trees)
-from specheads.infer.batchbudget import (AcceptanceTracker, BudgetScheduler, choose_batch_budget,
+from specheads.infer.batchbudget import (AcceptanceTracker, BudgetScheduler, ExploreClock, choose_batch_budget,
                                          effective_survival)
 from specheads.infer.drafters import (DraftModelDrafter, Drafter, DSparkDrafter, EagleDrafter, MedusaDrafter, NoDrafter,
                                       PromptLookupDrafter, combine_drafters)
@@ -371,6 +371,33 @@ def test_budget_measures_the_drafting_cost_in_forwards():
         # d 0.2: both rows E 3.93 / (1.2 + 0.4) = 2.46 > 0.04 / 0.2; the good row alone 3.89 / 1.4 = 2.78 > plain 2
         # d 1.0: the good row alone 3.89 / 2.2 = 1.77 < plain 2 / 1.0
         assert sched.depth_limits(["good", "bad"]) == limits
+
+
+def test_resting_rows_explore_together_and_back_off():
+    """Where verifying never pays (every node costs a forward), the resting rows draft again all on one step; each
+    exploring step that finds nothing doubles the wait (2, 4, 8, then the cap 8); a row that joins while the clock
+    backs off starts resting; an exploring step on which a row pays sets the wait back to the base."""
+    clock = ExploreClock(base=2, longest=8)
+    sched = BudgetScheduler(lambda B, n: float(B * n), clock=clock, draft_cost=0.0)
+    rows, drafting_steps = ["a", "b"], []
+    for step in range(40):
+        limits = sched.depth_limits(rows) or [None] * len(rows)
+        if any(x is None for x in limits):
+            assert all(x is None for x in limits)  # together: every row or none
+            drafting_steps.append(step)
+        trees = [chain_tree(1, [2] if x is None else []) for x in limits]
+        cut = sched.select(trees, rows)
+        sched.observe(rows, cut, [Accepted([0], 5)] * len(rows), draft_s=0.0, target_s=0.01)
+    gaps = [b - a for a, b in zip(drafting_steps, drafting_steps[1:])]
+    assert gaps[:5] == [3, 5, 9, 9, 9], drafting_steps  # rested 2, 4, 8, 8, 8 steps between drafting steps
+    assert clock.backed_off and sched.depth_limits(["a", "b", "c"]) == [0, 0, 0]  # "c" joins resting
+    free = BudgetScheduler(lambda B, n: 1.0, clock=clock, draft_cost=0.0)  # now verifying is free: rows pay
+    free.resting, free.seen = {"a"}, {"a"}
+    clock.since = clock.rest_steps
+    assert free.depth_limits(["a"]) is None  # due: "a" explores
+    cut = free.select([chain_tree(1, [2, 3])], ["a"])
+    free.observe(["a"], cut, [Accepted([0, 1, 2], 5)], draft_s=0.0, target_s=0.01)
+    assert clock.rest_steps == 2 and "a" not in free.resting
 
 
 def test_dspark_rows_resting_skip_the_head_and_stay_exact(tiny):

@@ -425,14 +425,15 @@ def _cost_surface(target, refresh: bool, extra: dict):
 
 
 def _scheduler_factory(cost) -> Callable:
-    """A fresh BudgetScheduler per chunk sharing one tracker's pooled rates (the method learns its drafter's
-    acceptance across chunks; per-row rates start over with each chunk's rows)."""
-    from specheads.infer.batchbudget import AcceptanceTracker, BudgetScheduler
+    """A fresh BudgetScheduler per chunk sharing one tracker's pooled rates and one exploration clock (the method
+    learns its drafter's acceptance across chunks, and a chunk starts resting while explorations find nothing;
+    per-row rates start over with each chunk's rows)."""
+    from specheads.infer.batchbudget import AcceptanceTracker, BudgetScheduler, ExploreClock
 
-    tracker = AcceptanceTracker()
+    tracker, clock = AcceptanceTracker(), ExploreClock()
 
     def make():
         tracker.rows.clear()
-        return BudgetScheduler(cost, tracker=tracker)
+        return BudgetScheduler(cost, tracker=tracker, clock=clock)
 
     return make

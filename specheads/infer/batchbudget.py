@@ -143,6 +143,36 @@ class AcceptanceTracker:
         self.rows.pop(row, None)
 
 
+@dataclass
+class ExploreClock:
+    """When resting rows draft again: all together (in a padded forward one exploring row widens every row's
+    forward: at B = 8 here t(8, 2) = 1.37 t(8, 1), so one exploring step serves them all), after `rest_steps` steps
+    with some row resting. An exploring step on which no row pays doubles the wait, up to `longest`; one on which a
+    row pays sets it back to `base`. Shared by reference, it carries across schedulers (the bench's chunks)."""
+
+    base: int = 16  # steps of rest after the first failure (explore_every)
+    longest: int = 256  # steps: the longest wait between explorations
+    rest_steps: int = 0  # the current wait (0: base)
+    since: int = 0  # steps since the last exploration on which some row rested
+
+    def __post_init__(self):
+        self.rest_steps = self.rest_steps or self.base
+
+    @property
+    def backed_off(self) -> bool:
+        return self.rest_steps > self.base
+
+    def due(self) -> bool:
+        return self.since >= self.rest_steps
+
+    def tick(self, anyone_resting: bool) -> None:
+        self.since = self.since + 1 if anyone_resting else 0
+
+    def explored(self, paid: bool) -> None:
+        self.since = 0
+        self.rest_steps = self.base if paid else min(2 * self.rest_steps, self.longest)
+
+
 class BudgetScheduler:
     """batch.generate_batch's `scheduler`. `depth_limits(rows)` before drafting, `select(trees, rows)` before the
     forward, `observe(rows, trees, accepted, draft_s, target_s)` after it.
@@ -155,32 +185,40 @@ class BudgetScheduler:
     g_r > d * E / (cost(B, n) + overhead + d * R) for the R rows drafting (adding row r raises tokens per unit of
     time exactly when its own g_r / d beats the rate); and the batch drafts only while that rate beats plain
     decoding's B / (cost(B, 1) + overhead). A row that does not pay rests (depth limit 0: no head pass, no draft
-    nodes) for `explore_every` - 1 steps, then drafts again; if its budget is still empty then, that step verifies
-    its most likely node, so a drafter that got better is noticed. draft_cost: d fixed instead of measured (0 = the
-    cost surface alone decides; rows still rest when their budget is empty)."""
+    nodes) until the ExploreClock says the resting rows draft again, all on one step; a row whose budget is still
+    empty then verifies its most likely node, so a drafter that got better is noticed. While explorations find
+    nothing the wait doubles (16, 32, ... 256 steps) and rows that join then start resting. draft_cost: d fixed
+    instead of measured (0 = the cost surface alone decides; rows still rest when their budget is empty)."""
 
     def __init__(self, cost: CostFn, survival_fn: Callable | None = None, overhead: float = 0.0,
                  explore_every: int = 16, tracker: AcceptanceTracker | None = None, packing: str = "padded",
-                 draft_cost: float | None = None):
-        self.cost, self.overhead, self.explore_every, self.packing = cost, overhead, explore_every, packing
+                 draft_cost: float | None = None, clock: ExploreClock | None = None):
+        self.cost, self.overhead, self.packing = cost, overhead, packing
         self.draft_cost = draft_cost  # None: measured
         self.tracker = tracker or AcceptanceTracker()
         self.survival_fn = survival_fn or self.tracker.survival
-        self.resting: dict = {}  # row -> steps since it stopped drafting (absent: drafting)
+        self.clock = clock or ExploreClock(base=explore_every)
+        self.resting: set = set()  # rows not drafting until the next exploring step
+        self.seen: set = set()  # rows that have been scheduled (a new row starts resting while the clock backs off)
+        self.exploring: set = set()  # the resting rows drafting on this step
         self.unit_s: list[float] = []  # measured t(1, 1) in seconds, the last MEDIAN_STEPS steps
         self.draft_units: list[float] = []  # one row's drafting in units of t(1, 1), per step that drafted (same)
         self.last: dict = {}  # the last select: rows that drafted, their gains g_r and the forward's cost
         self.choices: list[tuple[int, int, float]] = []  # per step (rows, tokens per row, expected rate / plain)
 
     def depth_limits(self, rows: list) -> list[int | None] | None:
-        """0 for each resting row (no drafting this step), None (no limit) for the others."""
-        limits = [0 if 0 < self.resting.get(r, 0) < self.explore_every else None for r in rows]
+        """0 for each resting row (no drafting this step) unless this is an exploring step, None (no limit) else."""
+        for r in rows:
+            if r not in self.seen and self.clock.backed_off:
+                self.resting.add(r)
+            self.seen.add(r)
+        resting = [r for r in rows if r in self.resting]
+        self.exploring = set(resting) if resting and self.clock.due() else set()
+        limits = [0 if r in self.resting and r not in self.exploring else None for r in rows]
         return None if all(x is None for x in limits) else limits
 
     def select(self, trees: list[DraftTree], rows: list) -> list[DraftTree]:
-        for r, t in zip(rows, trees):
-            if len(t) == 1 and r in self.resting:
-                self.resting[r] += 1
+        self.clock.tick(any(r in self.resting for r in rows))
         drafted = [r for r, t in zip(rows, trees) if len(t) > 1]
         self.last = {"drafted": drafted, "gains": {}, "cost": self.cost(len(trees), 1) + self.overhead}
         if not drafted:  # nothing drafted (every row resting, or no drafts): plain decoding
@@ -189,7 +227,7 @@ class BudgetScheduler:
         surv = [self.survival_fn(r, t) for r, t in zip(rows, trees)]
         parents = [t.parents.tolist() for t in trees]
         choice = choose_batch_budget(surv, self.cost, parents, self.overhead, self.packing)
-        keep = [k if len(k) > 1 or len(t) == 1 or self.resting.get(r, 0) < self.explore_every else [0, 1]
+        keep = [k if len(k) > 1 or len(t) == 1 or r not in self.exploring else [0, 1]
                 for r, t, k in zip(rows, trees, choice.keep)]  # a row back from rest verifies its best node
         for r, t, k, sv, ps in zip(rows, trees, keep, surv, parents):
             if len(t) > 1:
@@ -228,8 +266,8 @@ class BudgetScheduler:
         if paying and rate <= plain:
             paying = []
         for r in drafted:
-            if r in paying:
-                self.resting.pop(r, None)
-            else:
-                self.resting[r] = 1
+            (self.resting.discard if r in paying else self.resting.add)(r)
+        if self.exploring:
+            self.clock.explored(paid=any(r in paying for r in self.exploring))
+            self.exploring = set()
 
