@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from specheads.heads import HeadSpec, build_head, load_head
 from specheads.heads.export import export_head, import_head
-from specheads.train.evaluate import BlockEvalAccumulator, fit_sequential_temperatures
+from specheads.train.evaluate import BlockEvalAccumulator, fit_platt, fit_sequential_temperatures
 from specheads.train.losses import acceptance_rate, block_position_weights, dspark_loss
 from specheads.train.steps import block_valid, sample_anchors
 from specheads.utils import SpecheadsError
@@ -216,6 +216,24 @@ def test_fit_sequential_temperatures_recovers_obvious_answers():
     assert fit_sequential_temperatures(logits, y, v)[1].item() == 1.0
 
 
+def test_fit_platt_recovers_obvious_answers():
+    """Truly σ(z / 2 + 1) at draft 0: T 2, β 1 (a temperature alone cannot give the +1). Draft 1 is fitted only on
+    the rows where draft 0 was accepted (the event its confidence predicts): there truly σ(z / 0.5 - 0.5), while
+    every row where draft 0 failed has draft 1 wrong too (it would drag β down if counted)."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.linspace(-4, 4, 41).repeat_interleave(200)  # 8,200 rows
+    y0 = torch.rand(z.shape, generator=g) < torch.sigmoid(z / 2.0 + 1.0)
+    y1 = (torch.rand(z.shape, generator=g) < torch.sigmoid(z / 0.5 - 0.5)) & y0
+    temps, bias = fit_platt(torch.stack([z, z]), torch.stack([y0, y1]), torch.ones(2, z.numel(), dtype=torch.bool))
+    assert temps[0].item() == pytest.approx(2.0, rel=0.1) and bias[0].item() == pytest.approx(1.0, abs=0.1)
+    assert temps[1].item() == pytest.approx(0.5, rel=0.1) and bias[1].item() == pytest.approx(-0.5, abs=0.15)
+    # a position with too few rows (here: none) keeps T = 1, β = 0
+    v = torch.ones(2, z.numel(), dtype=torch.bool)
+    v[1] = False
+    temps, bias = fit_platt(torch.stack([z, z]), torch.stack([y0, y1]), v)
+    assert (temps[1].item(), bias[1].item()) == (1.0, 0.0)
+
+
 def test_block_metrics_by_hand():
     # 4 blocks of 2 drafts; draft 0 right in blocks 0, 1; draft 1 right in block 0 only; confidences by hand
     top1 = torch.tensor([[True, True, False, False], [True, False, False, False]])[:, None]
@@ -339,24 +357,55 @@ def test_run_training_calibrates_the_head_folders(tmp_path):
     run_training(recipe, target=target)
     report = json.loads((tmp_path / "calibration.json").read_text())
     assert set(report) == {"best", "final"} and report["final"]["rows"] > 0
-    temps = report["final"]["temperatures"]
+    temps, biases = report["final"]["temperatures"], report["final"]["biases"]
     head = load_head(tmp_path / "final", target)
     assert head.conf_temperature.tolist() == pytest.approx(temps) and temps != [1.0, 1.0, 1.0]
+    assert head.conf_bias.tolist() == pytest.approx(biases) and biases != [0.0, 0.0, 0.0]
     assert {"ece_0", "accept_0"} <= set(report["final"]["odd_after"])
+    assert {"ece_0", "accept_0"} <= set(report["final"]["odd_after_temperature"])
+    from specheads.train.trainer import recalibrate_run  # `specheads train --calibrate-only`: no training
+
+    summary = (tmp_path / "train_summary.json").read_bytes()
+    ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    (tmp_path / "calibration.json").unlink()
+    again = recalibrate_run(recipe, target=target)
+    assert again["final"]["biases"] == pytest.approx(biases, abs=1e-6)  # the same rows: the same fit
+    assert (tmp_path / "calibration.json").exists() and (tmp_path / "train_summary.json").read_bytes() == summary
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ckpts
 
 
 def test_save_load_bit_exact_and_frozen_parts(tiny, tmp_path):
     head = _head(tiny, draft_vocab_size=100)
     head.conf_temperature.copy_(torch.tensor([0.5, 1.5, 2.0, 3.0]))
+    head.conf_bias.copy_(torch.tensor([0.1, -0.2, 0.3, 0.4]))
     head.save_pretrained(tmp_path / "h")
     back = load_head(tmp_path / "h", tiny)
     sd, sd2 = head.state_dict(), back.state_dict()
     assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
+    z = torch.tensor([[0.0, 1.0, -1.0, 2.0]])
+    assert torch.allclose(back.calibrated(z), torch.sigmoid(z / sd["conf_temperature"] + sd["conf_bias"]))
     assert "embed_tokens.weight" not in sd and back.embed_tokens is tiny.embed_tokens
     assert not back.lm_head.weight.requires_grad  # the target's rows of d2t, frozen (as speculators / DeepSpec)
     torch.testing.assert_close(back.lm_head.weight, tiny.lm_head.weight[back.d2t])
     full = _head(tiny)  # no draft vocab: the target's lm_head by reference, not saved
     assert "lm_head.weight" not in full.state_dict() and full.lm_head is tiny.lm_head
+
+
+def test_folder_saved_before_the_bias_loads_uncalibrated_bias(tiny, tmp_path):
+    """A head folder written before `conf_bias` existed (no such key, no checksum sidecar) loads with β = 0;
+    any other missing key is still one error naming it."""
+    from safetensors.torch import load_file, save_file
+
+    head = _head(tiny)
+    head.save_pretrained(tmp_path / "h")
+    w = tmp_path / "h" / "model.safetensors"
+    sd = load_file(str(w))
+    (tmp_path / "h" / "model.safetensors.sha256").unlink()
+    save_file({k: v for k, v in sd.items() if k != "conf_bias"}, str(w))
+    assert bool((load_head(tmp_path / "h", tiny).conf_bias == 0).all())
+    save_file({k: v for k, v in sd.items() if k != "conf_temperature"}, str(w))
+    with pytest.raises(SpecheadsError, match="missing key 'conf_temperature'"):
+        load_head(tmp_path / "h", tiny)
 
 
 def _same_state(a, b, skip=()):
@@ -376,7 +425,8 @@ CASES = [("speculators", dict(draft_vocab_size=100)), ("speculators", dict(marko
 @pytest.mark.parametrize("fmt,kw", CASES, ids=[f"{f}-{i}" for i, (f, _) in enumerate(CASES)])
 def test_export_import_round_trip_bit_exact(tiny, tmp_path, fmt, kw):
     head = _head(tiny, **kw)
-    head.conf_temperature.fill_(2.0)  # neither format carries the temperatures: back as 1
+    head.conf_temperature.fill_(2.0)  # neither format carries the calibration: back as T = 1, β = 0
+    head.conf_bias.fill_(0.5)
     head.save_pretrained(tmp_path / "h")
     export_head(tmp_path / "h", fmt, tmp_path / "out")
     back = import_head(tmp_path / "out", tiny)
@@ -384,8 +434,8 @@ def test_export_import_round_trip_bit_exact(tiny, tmp_path, fmt, kw):
     for k in ("markov_rank", "markov_head_type", "confidence_head", "sample_from_anchor", "mask_token_id",
               "num_layers", "draft_vocab_size"):
         assert getattr(back.spec, k) == getattr(head.spec, k), k
-    _same_state(head, back, skip=("conf_temperature",))
-    assert bool((back.conf_temperature == 1).all())
+    _same_state(head, back, skip=("conf_temperature", "conf_bias"))
+    assert bool((back.conf_temperature == 1).all()) and bool((back.conf_bias == 0).all())
 
 
 def test_anchor_features_head_stays_native_and_its_exports_are_refused(tiny, tmp_path):

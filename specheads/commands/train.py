@@ -1,4 +1,5 @@
-"""`specheads train --config RECIPE.yaml [key=value ...] [--resume]`: fit a draft head on a frozen target.
+"""`specheads train --config RECIPE.yaml [key=value ...] [--resume | --calibrate-only]`: fit a draft head on a frozen
+target.
 
 One process:            specheads train --config configs/eagle3-smollm2.yaml
 Several (DDP/DeepSpeed): accelerate launch --config_file configs/accelerate/<...>.yaml -m specheads train --config ...
@@ -11,6 +12,8 @@ import logging
 import os
 import sys
 
+from specheads.utils import SpecheadsError
+
 log = logging.getLogger(__name__)
 
 
@@ -21,14 +24,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint under <output_dir>/checkpoints (model, optimizer, "
                         "scheduler, RNG, data position)")
+    p.add_argument("--calibrate-only", action="store_true",
+                   help="a DSpark run already trained: fit its confidence calibration again on the held-out split "
+                        "(best/ and final/, calibration.json); no training, the checkpoints and summary untouched")
 
 
 def run(args: argparse.Namespace) -> int:
     from specheads.config import load_config
     from specheads.recipe import Recipe
-    from specheads.train.trainer import run_training
+    from specheads.train.trainer import recalibrate_run, run_training
 
     recipe = load_config(Recipe, args.config, args.overrides)
+    if args.calibrate_only:
+        if args.resume:
+            raise SpecheadsError("--calibrate-only and --resume: choose one")
+        out = recalibrate_run(recipe)
+        for name, r in out.items():
+            print(f"calibrated {recipe.output_dir}/{name}: held-out conditional ECE max "
+                  f"{r['odd_before'].get('ece_max', float('nan')):.3f} -> {r['odd_after'].get('ece_max', float('nan')):.3f}"
+                  f"; {recipe.output_dir}/calibration.json", flush=True)
+        return 0
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     res = run_training(recipe, resume=args.resume)

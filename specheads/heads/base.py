@@ -468,11 +468,13 @@ def check_checksum(head_dir: Path) -> None:
 
 
 def load_state_checked(head: nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """Strict load: a missing, unexpected or misshapen key is one SpecheadsError naming the file and key."""
+    """Strict load: a missing, unexpected or misshapen key is one SpecheadsError naming the file and key (the
+    head's `defaulted_keys`, buffers added after folders were written, keep their initial values when missing)."""
     own = head.state_dict()
     for k in tensors:
         if k not in own:
             raise SpecheadsError(f"{path}: unexpected key {k!r}")
+    tensors = {**{k: own[k] for k in getattr(head, "defaulted_keys", ()) if k in own}, **tensors}
     for k, v in own.items():
         if k not in tensors:
             raise SpecheadsError(f"{path}: missing key {k!r}")

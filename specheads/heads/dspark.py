@@ -26,9 +26,10 @@ Markov head (sequential stage): draft k's logits add a low-rank bias of the prev
     p_k(v) = softmax(U_k + B_k)(v),   x_{k-1} = the anchor for the first draft, else the previous draft (greedy
     argmax at inference, the data's token in training: teacher forcing)
 
-Confidence head: c_k = σ( (w · [h_k ; W1[x_{k-1}]] + b) / T_k ), the probability that draft k is accepted given
-drafts < k were; T_k = 1 in training, fitted per position on held-out data afterwards (train/evaluate.py,
-`fit_sequential_temperatures`) and stored as the buffer `conf_temperature`.
+Confidence head: c_k = σ( z_k / T_k + β_k ), z_k = w · [h_k ; W1[x_{k-1}]] + b, the probability that draft k is
+accepted given drafts < k were; T_k = 1 and β_k = 0 in training, fitted per position on held-out data afterwards
+(Platt scaling on the rows where drafts < k were accepted: train/evaluate.py, `fit_platt`) and stored as the
+buffers `conf_temperature` and `conf_bias` (folders saved without `conf_bias` load with β = 0).
 
 Slots and drafts. `sample_from_anchor: true` (DSpark, DeepSpec): slot k predicts x_{p+k+1}, K drafts.
 `false` (DFlash, speculators' dflash): slot 0 is only the anchor, slot k >= 1 predicts x_{p+k}, K-1 drafts. Either
@@ -239,6 +240,7 @@ class BlockCache:
 
 class DSparkHead(DraftHead):
     kind = "dspark"
+    defaulted_keys = ("conf_bias",)  # buffers older folders lack: loaded as initialised (β = 0)
 
     def __init__(self, config: HeadConfig):
         super().__init__(config)
@@ -260,6 +262,7 @@ class DSparkHead(DraftHead):
         self.confidence_head = ConfidenceHead(D + (s.markov_rank if s.confidence_with_markov else 0)) \
             if s.confidence_head else None
         self.register_buffer("conf_temperature", torch.ones(s.num_drafts))  # T_k, fitted after training
+        self.register_buffer("conf_bias", torch.zeros(s.num_drafts))  # β_k, fitted with T_k
         self._rope = RotaryCache(Qwen3RotaryEmbedding(cfg))
         self.mask_token_id = int(s.mask_token_id)
         self.slot0 = 0 if s.sample_from_anchor else 1  # the slot of draft 0
@@ -403,7 +406,7 @@ class DSparkHead(DraftHead):
     def draft_block(self, cache: BlockCache, anchor_token, pick=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One block after the cached context (S rows): anchor_token (target id) at position S ->
         (logits [K',V'] with the Markov bias of the greedy chain: draft j's bias reads the argmax of draft j-1,
-        the anchor for j = 0; calibrated confidences [K'] (σ(z_j / T_j)) or None). The drafted tokens are
+        the anchor for j = 0; calibrated confidences [K'] (σ(z_j / T_j + β_j)) or None). The drafted tokens are
         head.to_target_ids(logits.argmax(-1)). pick(j, logits_j [1,1,V']) -> draft ids [1,1]: the token chosen
         for draft j instead of its argmax (sampling), read by draft j+1's Markov bias (called for every draft
         when the head has a Markov head)."""
@@ -440,8 +443,12 @@ class DSparkHead(DraftHead):
         h = self.blocks(BlockContext(layers, fused), allowed, anchor, lengths.view(-1, 1))
         logits, conf = self.heads(h, anchor, greedy=True, pick=pick)
         if conf is not None:
-            conf = torch.sigmoid(conf[:, 0].float() / self.conf_temperature.float())
+            conf = self.calibrated(conf[:, 0])
         return logits[:, 0], conf
+
+    def calibrated(self, z: torch.Tensor) -> torch.Tensor:
+        """Raw confidence logits [..., K'] (draft positions last) -> calibrated probabilities σ(z / T + β)."""
+        return torch.sigmoid(z.float() / self.conf_temperature.float() + self.conf_bias.float())
 
     def _empty_context(self, dev) -> BlockContext:
         cfg = self.layer_config

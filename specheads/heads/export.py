@@ -680,12 +680,12 @@ def check_block_exportable(cfg: HeadConfig, flag: str, consumer: str, where: str
 
 def export_block_head(cfg: HeadConfig, sd: dict, fmt: str, out_dir, where: str, verifier: str | None) -> Path:
     """A dspark head in speculators' or SpecForge's layout: same tensor names as ours (heads/dspark.py), d2t as
-    offsets; the calibration temperatures have no slot in either format and stay in the native folder."""
+    offsets; the calibration (temperatures and biases) has no slot in either format and stays in the native folder."""
     from specheads.heads.dspark import DSparkHead
 
     check_block_exportable(cfg, f"--format {fmt}", BLOCK_LOADERS[fmt], where)
     _check_keys(sd, list(DSparkHead(cfg).state_dict()), where)
-    tensors = {k: v for k, v in sd.items() if k not in ("d2t", "t2d", "conf_temperature")}
+    tensors = {k: v for k, v in sd.items() if k not in ("d2t", "t2d", "conf_temperature", "conf_bias")}
     if fmt == "speculators":
         config = _speculators_block_config(cfg, verifier)
         if cfg.draft_vocab_size:  # speculators registers d2t/t2d (offsets) and keeps lm_head only when V' < V
@@ -736,5 +736,6 @@ def import_block_tensors(fmt: str, config: dict, sd: dict, target, where: str, w
         tensors["d2t"] = _absolute_d2t(sd["d2t"], sd.get("t2d"), w)
         tensors["t2d"] = torch.zeros(target.vocab_size, dtype=torch.bool)
         tensors["t2d"][tensors["d2t"]] = True
-    tensors["conf_temperature"] = torch.ones(spec.num_drafts)  # uncalibrated: the formats carry no temperatures
+    tensors["conf_temperature"] = torch.ones(spec.num_drafts)  # uncalibrated: the formats carry no calibration
+    tensors["conf_bias"] = torch.zeros(spec.num_drafts)
     return spec, tensors

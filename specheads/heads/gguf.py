@@ -377,9 +377,11 @@ def _dspark_notes(cfg: HeadConfig, head_dir: Path) -> dict:
         notes["confidence"] = ("--spec-draft-p-min P stops the draft at the first slot whose confidence "
                                "sigmoid(w . [h_k ; W1[x_prev]] + b) is below P (per slot, not the survival product; "
                                "common/speculative.cpp:1267-1276); the GGUF carries the uncalibrated head "
-                               "(its per-slot temperatures have no slot there)")
-        temps = read_safetensors(Path(head_dir) / WEIGHTS_NAME)["conf_temperature"]
-        notes["conf_temperature_not_in_gguf"] = [round(float(t), 4) for t in temps]
+                               "(its per-slot temperatures and biases have no slot there)")
+        sd = read_safetensors(Path(head_dir) / WEIGHTS_NAME)
+        notes["conf_temperature_not_in_gguf"] = [round(float(t), 4) for t in sd["conf_temperature"]]
+        if "conf_bias" in sd:
+            notes["conf_bias_not_in_gguf"] = [round(float(b), 4) for b in sd["conf_bias"]]
     return notes
 
 

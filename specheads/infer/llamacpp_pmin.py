@@ -93,7 +93,7 @@ def calibration_blocks(head, target, prompt_ids: list[list[int]], new_tokens: in
     block at a (context = the target's features of rows < a, anchor = token a), its raw confidences and how many
     drafts match tokens a+1...."""
     layers = list(head.config.feature_layers)
-    temp = head.conf_temperature.float()
+    temp, bias = head.conf_temperature.float(), head.conf_bias.float()
     out: list[Block] = []
     for ids in prompt_ids:
         x = torch.tensor([ids], device=target.device)
@@ -108,7 +108,7 @@ def calibration_blocks(head, target, prompt_ids: list[list[int]], new_tokens: in
             acc = 0
             while acc < len(toks) and a + 1 + acc < len(seq) and toks[acc] == seq[a + 1 + acc]:
                 acc += 1
-            raw = torch.sigmoid(torch.logit(conf.float().clamp(1e-7, 1 - 1e-7)) * temp)  # undo the temperature
+            raw = torch.sigmoid((torch.logit(conf.float().clamp(1e-7, 1 - 1e-7)) - bias) * temp)  # undo calibration
             out.append(Block(raw.tolist(), acc))
             head.extend_context(cache, feats[a:a + 1])
     return out

@@ -209,6 +209,51 @@ def fit_sequential_temperatures(logits: torch.Tensor, correct: torch.Tensor, val
     return out.float()
 
 
+PLATT_MIN_ROWS = 20  # rows below which a position keeps T = 1, β = 0 (too few to fit two numbers)
+PLATT_MIN_SLOPE = 1e-3  # 1 / T at least: a confidence that does not rank (slope <= 0) becomes its mean rate
+
+
+def fit_platt(logits: torch.Tensor, correct: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position Platt scaling of the confidence logits: c_j = σ(z_j / T_j + β_j) fitted by logistic
+    regression on the rows where draft j exists and drafts < j were all accepted: the event c_j predicts. A
+    temperature alone cannot move a mean (σ(0 / T) = 0.5), a bias can: the later drafts' acceptance is
+    under-predicted otherwise. A fitted slope 1 / T below PLATT_MIN_SLOPE is held there and β refitted alone.
+
+    logits, correct, valid: [K',N] (raw confidence logits; greedy correctness; draft exists). Returns (T [K'],
+    β [K']); positions with fewer than PLATT_MIN_ROWS rows keep T = 1, β = 0."""
+    z, y = logits.double(), correct.double()
+    before = torch.cat([torch.ones_like(y[:1]), y.cumprod(0)[:-1]]).bool()
+    temps, bias = torch.ones(z.shape[0]), torch.zeros(z.shape[0])
+    for j in range(z.shape[0]):
+        m = valid[j] & before[j]
+        if int(m.sum()) < PLATT_MIN_ROWS:
+            continue
+        a, b = _logistic_fit(z[j][m], y[j][m])
+        if a < PLATT_MIN_SLOPE:
+            a, b = PLATT_MIN_SLOPE, _logistic_fit(z[j][m], y[j][m], slope=PLATT_MIN_SLOPE)[1]
+        temps[j], bias[j] = 1.0 / a, b
+    return temps, bias
+
+
+def _logistic_fit(x: torch.Tensor, y: torch.Tensor, slope: float | None = None, iters: int = 50,
+                  ridge: float = 1e-4) -> tuple[float, float]:
+    """(a, b) minimising the mean NLL of y ~ σ(a x + b) by Newton steps, `ridge` pulling a toward 1 and b toward 0
+    (finite answers when the classes separate); slope: a held fixed, b fitted alone."""
+    X = torch.stack([x, torch.ones_like(x)], 1)  # [M,2]
+    free = [0, 1] if slope is None else [1]
+    w = torch.tensor([1.0 if slope is None else slope, 0.0], dtype=torch.float64)
+    prior = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    for _ in range(iters):
+        p = torch.sigmoid(X @ w)
+        grad = (X.T @ (p - y) / len(X) + ridge * (w - prior))[free]
+        hess = ((X.T * (p * (1 - p))) @ X / len(X) + ridge * torch.eye(2, dtype=torch.float64))[free][:, free]
+        step = torch.linalg.solve(hess, grad)
+        w[free] = w[free] - step
+        if float(step.abs().max()) < 1e-10:
+            break
+    return float(w[0]), float(w[1])
+
+
 @torch.no_grad()
 def collect_block_outputs(head, batches, target, layers, get_hidden=None):
     """Raw confidence logits, greedy correctness and existence of every draft at every start row of `batches`
@@ -230,32 +275,38 @@ def collect_block_outputs(head, batches, target, layers, get_hidden=None):
     return torch.cat(z, 1), torch.cat(y, 1), torch.cat(v, 1)
 
 
-def _block_metrics(z, y, v, temps, thresholds) -> dict[str, float]:
+def _block_metrics(z, y, v, temps, thresholds, bias=None) -> dict[str, float]:
     acc = BlockEvalAccumulator(z.shape[0], thresholds)
+    bias = torch.zeros_like(temps) if bias is None else bias
     acc.add(y[:, None], v[:, None], torch.ones(1, z.shape[1], dtype=torch.bool),
-            torch.sigmoid(z / temps[:, None])[:, None])
+            torch.sigmoid(z / temps[:, None] + bias[:, None])[:, None])
     return acc.metrics()
 
 
 def calibrate_head(head_dir, target, batches, layers, cfg: EvalConfig, get_hidden=None) -> dict:
-    """Fit the confidence temperatures of the block head in `head_dir` on `batches` (held-out rows) and store
-    them in its folder (the `conf_temperature` buffer of model.safetensors, written atomically). The figures
-    returned are honest: temperatures fitted on even rows, metrics measured on odd rows before / after; the
-    stored temperatures are then fitted on all rows."""
+    """Fit the confidence calibration of the block head in `head_dir` on `batches` (held-out rows): Platt scaling
+    per position (`fit_platt`), stored in its folder (the `conf_temperature` and `conf_bias` buffers of
+    model.safetensors, written atomically). The figures returned are honest: fitted on even rows, measured on odd
+    rows before, with the sequential temperatures alone (`fit_sequential_temperatures`) and with Platt scaling;
+    the stored calibration is then fitted on all rows."""
     from specheads.heads.base import load_head
 
     head = load_head(head_dir, target, dtype=torch.float32)
     z, y, v = collect_block_outputs(head, batches, target, layers, get_hidden)
     even, odd = torch.arange(z.shape[1]) % 2 == 0, torch.arange(z.shape[1]) % 2 == 1
-    t_even = fit_sequential_temperatures(z[:, even], y[:, even], v[:, even])
-    ones = torch.ones(z.shape[0])
-    report = {"rows": int(z.shape[1]), "fit_even_temperatures": t_even.tolist(),
-              "odd_before": _block_metrics(z[:, odd], y[:, odd], v[:, odd], ones, cfg.conf_threshold),
-              "odd_after": _block_metrics(z[:, odd], y[:, odd], v[:, odd], t_even, cfg.conf_threshold)}
-    temps = fit_sequential_temperatures(z, y, v)
+    t_seq = fit_sequential_temperatures(z[:, even], y[:, even], v[:, even])
+    t_even, b_even = fit_platt(z[:, even], y[:, even], v[:, even])
+    zo, yo, vo, thr = z[:, odd], y[:, odd], v[:, odd], cfg.conf_threshold
+    report = {"rows": int(z.shape[1]), "method": "platt", "fit_even_temperatures": t_even.tolist(),
+              "fit_even_biases": b_even.tolist(), "fit_even_sequential_temperatures": t_seq.tolist(),
+              "odd_before": _block_metrics(zo, yo, vo, torch.ones(z.shape[0]), thr),
+              "odd_after_temperature": _block_metrics(zo, yo, vo, t_seq, thr),
+              "odd_after": _block_metrics(zo, yo, vo, t_even, thr, b_even)}
+    temps, bias = fit_platt(z, y, v)
     head.conf_temperature.copy_(temps.to(head.conf_temperature.device))
+    head.conf_bias.copy_(bias.to(head.conf_bias.device))
     head.save_pretrained(head_dir)
-    report["temperatures"] = temps.tolist()
+    report["temperatures"], report["biases"] = temps.tolist(), bias.tolist()
     return report
 
 
@@ -288,13 +339,15 @@ def calibrate_run(recipe, target, val_ds, collate_fn, layers, extract_fn=None) -
         if name == "final" and same:  # the best head is the final one: the same temperatures, one pass less
             head = load_head(d, target, dtype=torch.float32)
             head.conf_temperature.copy_(torch.tensor(out["best"]["temperatures"]))
+            head.conf_bias.copy_(torch.tensor(out["best"]["biases"]))
             head.save_pretrained(d)
             out[name] = out["best"]
         elif (d / "config.json").exists():
             out[name] = calibrate_head(d, target, batches(), layers, recipe.eval)
             after = out[name]["odd_after"]
-            log.info("calibrated %s: temperatures %s; held-out ECE max %.3f -> %.3f", d,
+            log.info("calibrated %s: temperatures %s, biases %s; held-out ECE max %.3f -> %.3f", d,
                      json.dumps([round(t, 3) for t in out[name]["temperatures"]]),
+                     json.dumps([round(b, 3) for b in out[name]["biases"]]),
                      out[name]["odd_before"].get("ece_max", float("nan")), after.get("ece_max", float("nan")))
     atomic_write_json(Path(recipe.output_dir) / "calibration.json", out)
     return out
@@ -330,8 +383,8 @@ def evaluate(kind: str, head, batches, target, layers, head_layers, cfg: EvalCon
             if conf is not None:
                 blk = blk or BlockEvalAccumulator(len(steps), cfg.conf_threshold)
                 valid, top1, _ = step_correct(steps, targ, batch["loss_mask"], d2t, topk=1)
-                temp = getattr(head, "module", head).conf_temperature.to(conf.device)
-                blk.add(top1, valid, valid[0], torch.sigmoid(conf / temp[:, None, None]))
+                calibrated = getattr(head, "module", head).calibrated  # positions last: [K',B,T] -> [B,T,K']
+                blk.add(top1, valid, valid[0], calibrated(conf.movedim(0, -1)).movedim(-1, 0))
     finally:
         head.train(was_training)
     if acc is None:

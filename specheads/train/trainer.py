@@ -778,3 +778,25 @@ def run_training(recipe, resume: bool = False, target=None) -> TrainResult:
 
     calibrate_run(recipe, target, val_ds, collate_fn, layers, extract_fn)
     return result
+
+
+def recalibrate_run(recipe, target=None) -> dict:
+    """`specheads train --calibrate-only`: the confidence calibration of a trained DSpark run fitted again on its
+    held-out split (best/ and final/ rewritten atomically, calibration.json); checkpoints and summary untouched."""
+    from specheads.target import load_target
+    from specheads.train.evaluate import calibrate_run
+
+    if recipe.head.kind != "dspark" or not recipe.head.confidence_head:
+        raise SpecheadsError("--calibrate-only: the recipe's head has no confidence head (head.kind dspark with "
+                             "head.confidence_head true)")
+    out = Path(recipe.output_dir)
+    if not any((out / n / "model.safetensors").exists() for n in ("best", "final")):
+        raise SpecheadsError(f"--calibrate-only: {out} has no trained head (best/ or final/); train it first")
+    if target is None:
+        target = load_target(recipe.target.name, dtype=recipe.target.dtype,
+                             trust_remote_code=recipe.target.trust_remote_code)
+    _, val_ds, collate_fn, layers, extract_fn = load_training_data(recipe, target)
+    report = calibrate_run(recipe, target, val_ds, collate_fn, layers, extract_fn)
+    if report is None:
+        raise SpecheadsError(f"--calibrate-only: {out}: no held-out samples (data.val_fraction) to calibrate on")
+    return report
