@@ -463,6 +463,21 @@ def test_batch_figures_on_hand_made_runs():
     s = compare_runs(mine, van, plain, greedy=True)
     assert s["tokens_per_s"] == 10 and s["speedup"] == 2 and s["speedup_vs_plain"] == 4
     assert s["tau"] == 5 / 4 and s["identical"] == 0.5 and s["rows"] == 2
+    assert s["vs_plain_chunks"] is None  # one chunk: no spread
+
+
+def test_chunk_paired_ratio_against_plain():
+    """Two chunks at 1.1x and 0.9x plain: geometric mean sqrt(0.99), standard error |log 1.1 - log 0.9| / 2;
+    chunks are matched by their prompts, not by order."""
+    import math
+
+    from specheads.infer.batchbench import BatchRun, paired_chunk_ratio
+
+    plain = [BatchRun("plain", 1, ["a"], [[1] * 10], 1.0, 10, 10), BatchRun("plain", 1, ["b"], [[1] * 10], 2.0, 10, 10)]
+    mine = [BatchRun("x", 1, ["b"], [[1] * 10], 2.0 / 0.9, 9, 9), BatchRun("x", 1, ["a"], [[1] * 10], 1.0 / 1.1, 9, 9)]
+    c = paired_chunk_ratio(mine, plain)
+    assert c["chunks"] == 2 and c["geomean"] == pytest.approx(math.sqrt(0.99))
+    assert c["se_log"] == pytest.approx(abs(math.log(1.1) - math.log(0.9)) / 2)
 
 
 def test_batch_sweep_on_the_tiny_target(tiny, tmp_path, monkeypatch):
@@ -496,7 +511,9 @@ def test_batch_sweep_on_the_tiny_target(tiny, tmp_path, monkeypatch):
         assert per["vanilla"]["phase_seconds"] is None and per["plain"]["phase_seconds"]["target"] > 0
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["schema"] == "specheads.batchbench/1" and saved["cost_surface"]["batch"]["rows"] == [1, 2]
-    assert "| prompt-lookup+sched |" in (tmp_path / "out" / "results.md").read_text()
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "| prompt-lookup+sched |" in md and "Against plain, chunk by chunk" in md
+    assert per["prompt-lookup+sched"]["vs_plain_chunks"]["chunks"] >= 2
     assert (tmp_path / "out" / "speedup_batch.png").stat().st_size > 1000
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,6 +43,9 @@ DEFINITIONS = {
     "speedup": "tokens_per_s(method) / tokens_per_s(vanilla) at the same batch size, over the same prompts",
     "speedup_vs_plain": "tokens_per_s(method) / tokens_per_s(plain) at the same batch size",
     "identical": "greedy only: share of rows whose output token ids equal vanilla's at the same batch size",
+    "vs_plain_chunks": "the chunk-paired view of speedup_vs_plain: the geometric mean over chunks of each chunk's "
+                       "tokens/s ratio to plain's on the same prompts, and the standard error of its log (the "
+                       "noise band of 'not worse than plain': geomean x exp(+-2 se) holding 1.00)",
 }
 
 
@@ -157,12 +161,26 @@ def compare_runs(runs: list[BatchRun], vanilla: list[BatchRun], plain: list[Batc
     s = summarize_runs(runs)
     s["speedup"] = _ratio(s["tokens_per_s"], summarize_runs(vanilla)["tokens_per_s"]) if vanilla else None
     s["speedup_vs_plain"] = _ratio(s["tokens_per_s"], summarize_runs(plain)["tokens_per_s"]) if plain else None
+    s["vs_plain_chunks"] = paired_chunk_ratio(runs, plain) if plain else None
     s["identical"] = None
     if greedy and vanilla:
         ref = {pid: out for r in vanilla for pid, out in zip(r.prompt_ids, r.outputs)}
         pairs = [(out, ref[pid]) for r in runs for pid, out in zip(r.prompt_ids, r.outputs) if pid in ref]
         s["identical"] = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
     return s
+
+
+def paired_chunk_ratio(runs: list[BatchRun], plain: list[BatchRun]) -> dict | None:
+    """Per chunk (matched by its prompt ids) the method's tokens/s over plain's -> {chunks, geomean, se_log}: the
+    geometric mean ratio and the standard error of the mean log ratio (None below two chunks)."""
+    ref = {tuple(r.prompt_ids): r.new_tokens / r.time_s for r in plain if r.time_s > 0}
+    logs = [math.log(r.new_tokens / r.time_s / ref[tuple(r.prompt_ids)]) for r in runs
+            if r.time_s > 0 and r.new_tokens > 0 and tuple(r.prompt_ids) in ref]
+    if len(logs) < 2:
+        return None
+    mean = sum(logs) / len(logs)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
+    return {"chunks": len(logs), "geomean": math.exp(mean), "se_log": sd / math.sqrt(len(logs))}
 
 
 def build_batch_results(runs: list[BatchRun], names: list[str], batch_sizes: list[int], settings: dict,
@@ -272,6 +290,17 @@ def batch_markdown(results: dict[str, Any]) -> str:
     for n in results["methods"]:
         cells = [f"{_fmt(per_b[b][n]['speedup'], '.2f', 'x')} ({_fmt(per_b[b][n]['tokens_per_s'], '.1f')}, "
                  f"{_fmt(per_b[b][n]['tau'])})" for b in sizes]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines += ["", "Against plain, chunk by chunk (geometric mean of the per-chunk ratios, ± 2 standard errors: the noise "
+              "band):", "", "| method | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+    for n in results["methods"]:
+        if n in ("vanilla", "plain"):
+            continue
+        cells = []
+        for b in sizes:
+            c = per_b[b][n].get("vs_plain_chunks")
+            cells.append("n/a" if not c else f"{c['geomean']:.3f} [{c['geomean'] * math.exp(-2 * c['se_log']):.3f}, "
+                                             f"{c['geomean'] * math.exp(2 * c['se_log']):.3f}]")
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     if float(s["temperature"]) <= 0:
         lines += ["", "Rows identical to vanilla's (greedy):", "",
