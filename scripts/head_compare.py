@@ -7,7 +7,7 @@ after calibration (held-out odd rows). One row per run folder.
     python scripts/head_compare.py runs/demo runs/demo-dspark runs/demo-dflash --out docs/results/dspark-demo
 
 Reads `<run>/train_summary.json` (the evaluation at the best step) and `<run>/calibration.json` (written at the end
-of a DSpark run: the confidences on the held-out split's odd rows, before and after the temperatures fitted on the
+of a DSpark run: the confidences on the held-out split's odd rows, before and after the calibration fitted on the
 even rows) and writes `heads.json` + `heads.md` into --out. Nothing is typed by hand.
 """
 from __future__ import annotations
@@ -33,6 +33,7 @@ def row(run: Path) -> dict:
     cfg = _load(run / "best" / "config.json") or _load(run / "final" / "config.json")
     spec = cfg.get("spec", {})
     before, after = calib.get("odd_before", {}), calib.get("odd_after", {})
+    surv = [v for k, v in after.items() if k.startswith("surv_ece_")]
     return {
         "run": str(run), "kind": train.get("kind"), "steps": train.get("steps"), "epochs": train.get("epochs"),
         "train_s": train.get("train_seconds"), "tokens_per_s": train.get("tokens_per_s"),
@@ -43,9 +44,28 @@ def row(run: Path) -> dict:
         "accept": [after.get(f"accept_{j}", before.get(f"accept_{j}")) for j in range(POSITIONS)],
         "ece_before": [before.get(f"ece_{j}") for j in range(POSITIONS)],
         "ece_after": [after.get(f"ece_{j}") for j in range(POSITIONS)],
+        "ece_max_after": after.get("ece_max"), "surv_ece_max_after": max(surv) if surv else None,
+        "calibration": calib.get("method", "temperature" if calib else None), "loss": _loss(run, train.get("kind")),
         "tau_cut": {k: v for k, v in after.items() if k.startswith("tau_cut")},
         "calibration_rows": calib.get("rows"),
     }
+
+
+def _loss(run: Path, kind: str | None) -> str | None:
+    """train.loss of the run's train_config.yaml, or the kind's default (losses.DEFAULT_LOSS) when unset."""
+    import yaml
+
+    cfg = run / "train_config.yaml"
+    train = (yaml.safe_load(cfg.read_text()) or {}).get("train", {}) if cfg.exists() else {}
+    if train.get("loss") or kind is None:
+        return train.get("loss")
+    from specheads.train.losses import BLOCK_W_CE, BLOCK_W_L1, DEFAULT_LOSS
+
+    if kind not in DEFAULT_LOSS:
+        return None
+    text = DEFAULT_LOSS[kind].format(block_w_ce=train.get("block_w_ce", BLOCK_W_CE),
+                                     block_w_l1=train.get("block_w_l1", BLOCK_W_L1))
+    return f"{text} (default)"
 
 
 def _f(x, digits=3) -> str:
@@ -57,14 +77,18 @@ def _seq(xs, digits=2) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    out = ["| run | kind | steps | train s | τ chain | τ tree | top-1 per draft | accept. per draft (given the previous) "
-           "| conf. ECE before -> after calibration |", "|---|---|---:|---:|---:|---:|---|---|---|"]
+    out = ["| run | kind | loss | steps | train s | τ chain | τ tree | top-1 per draft | accept. per draft (given the "
+           "previous) | conf. ECE before -> after calibration | after: ECE max, survival ECE max (all drafts) |",
+           "|---|---|---|---:|---:|---:|---:|---|---|---|---|"]
     for r in rows:
         variant = r["kind"] + (" (anchor features)" if r["anchor_features"] else "") + \
             (" = DFlash" if r["kind"] == "dspark" and not r["markov_rank"] and not r["confidence_head"] else "")
         ece = "-" if not any(r["ece_before"]) else f"{_seq(r['ece_before'], 3)} -> {_seq(r['ece_after'], 3)}"
-        out.append(f"| {r['run']} | {variant} | {r['steps']} | {_f(r['train_s'], 0)} | {_f(r['tau_chain'])} | "
-                   f"{_f(r['tau_tree'])} | {_seq(r['top1'])} | {_seq(r['accept'])} | {ece} |")
+        maxes = "-" if r["ece_max_after"] is None else \
+            f"{_f(r['ece_max_after'])}, {_f(r['surv_ece_max_after'])} ({r['calibration']})"
+        out.append(f"| {r['run']} | {variant} | {r['loss'] or '-'} | {r['steps']} | {_f(r['train_s'], 0)} | "
+                   f"{_f(r['tau_chain'])} | {_f(r['tau_tree'])} | {_seq(r['top1'])} | {_seq(r['accept'])} | {ece} | "
+                   f"{maxes} |")
     return "\n".join(out) + "\n"
 
 
