@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 POSITIONS = 4  # draft positions shown
+ECE_BAR = 0.05  # issue 19: confidence ECE at most this at every draft after calibration
 
 
 def _load(p: Path) -> dict:
@@ -34,6 +35,8 @@ def row(run: Path) -> dict:
     spec = cfg.get("spec", {})
     before, after = calib.get("odd_before", {}), calib.get("odd_after", {})
     surv = [v for k, v in after.items() if k.startswith("surv_ece_")]
+    null = calib.get("odd_after_null", {})
+    over = [j for j in range(len(surv)) if after.get(f"ece_{j}", 0.0) > max(ECE_BAR, null.get(f"ece_null95_{j}", 0.0))]
     return {
         "run": str(run), "kind": train.get("kind"), "steps": train.get("steps"), "epochs": train.get("epochs"),
         "train_s": train.get("train_seconds"), "tokens_per_s": train.get("tokens_per_s"),
@@ -45,6 +48,10 @@ def row(run: Path) -> dict:
         "ece_before": [before.get(f"ece_{j}") for j in range(POSITIONS)],
         "ece_after": [after.get(f"ece_{j}") for j in range(POSITIONS)],
         "ece_max_after": after.get("ece_max"), "surv_ece_max_after": max(surv) if surv else None,
+        "ece_all_after": [after.get(f"ece_{j}") for j in range(len(surv))],
+        "ece_null95_after": [null.get(f"ece_null95_{j}") for j in range(len(surv))] if null else None,
+        "rows_after": [null.get(f"rows_{j}") for j in range(len(surv))] if null else None,
+        "drafts_over_bar": over if null else None,
         "calibration": calib.get("method", "temperature" if calib else None), "loss": _loss(run, train.get("kind")),
         "tau_cut": {k: v for k, v in after.items() if k.startswith("tau_cut")},
         "calibration_rows": calib.get("rows"),
@@ -86,6 +93,8 @@ def markdown(rows: list[dict]) -> str:
         ece = "-" if not any(r["ece_before"]) else f"{_seq(r['ece_before'], 3)} -> {_seq(r['ece_after'], 3)}"
         maxes = "-" if r["ece_max_after"] is None else \
             f"{_f(r['ece_max_after'])}, {_f(r['surv_ece_max_after'])} ({r['calibration']})"
+        if r["drafts_over_bar"] is not None:
+            maxes += "; over 0.05 beyond noise: " + (", ".join(f"draft {j}" for j in r["drafts_over_bar"]) or "none")
         out.append(f"| {r['run']} | {variant} | {r['loss'] or '-'} | {r['steps']} | {_f(r['train_s'], 0)} | "
                    f"{_f(r['tau_chain'])} | {_f(r['tau_tree'])} | {_seq(r['top1'])} | {_seq(r['accept'])} | {ece} | "
                    f"{maxes} |")

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from specheads.heads import HeadSpec, build_head, load_head
 from specheads.heads.export import export_head, import_head
-from specheads.train.evaluate import BlockEvalAccumulator, fit_platt, fit_sequential_temperatures
+from specheads.train.evaluate import BlockEvalAccumulator, ece, fit_platt, fit_sequential_temperatures, null_ece
 from specheads.train.losses import acceptance_rate, block_position_weights, dspark_loss
 from specheads.train.steps import block_valid, sample_anchors
 from specheads.utils import SpecheadsError
@@ -232,6 +232,25 @@ def test_fit_platt_recovers_obvious_answers():
     v[1] = False
     temps, bias = fit_platt(torch.stack([z, z]), torch.stack([y0, y1]), v)
     assert (temps[1].item(), bias[1].item()) == (1.0, 0.0)
+
+
+def test_ece_and_its_noise_floor():
+    """ece: 0.9 on always-right rows is 0.1 off; half right at 0.5 is 0. It bins as the accumulator does. The null
+    ECE of a calibrated 0.5 on M rows is E|mean(y) - 0.5| = sqrt(2 / π) * 0.5 / sqrt(M) (0.0399 at M = 100); draft
+    1 counts only the rows where draft 0 was accepted."""
+    assert ece(torch.full((10,), 0.9), torch.ones(10)) == pytest.approx(0.1)
+    assert ece(torch.full((10,), 0.5), torch.arange(10) % 2) == 0.0
+    g = torch.Generator().manual_seed(1)
+    p, y = torch.rand(500, generator=g), torch.rand(500, generator=g) < 0.4
+    acc = BlockEvalAccumulator(1, [0.5])
+    acc.add(y[None, None], torch.ones(1, 1, 500, dtype=torch.bool), torch.ones(1, 500, dtype=torch.bool), p[None, None])
+    assert ece(p, y) == pytest.approx(acc.metrics()["ece_0"])
+    conf = torch.full((2, 100), 0.5)
+    correct = torch.stack([torch.arange(100) < 40, torch.ones(100, dtype=torch.bool)])
+    out = null_ece(conf, correct, torch.ones(2, 100, dtype=torch.bool), sims=2000)
+    assert out["rows_0"] == 100 and out["rows_1"] == 40
+    assert out["ece_null_0"] == pytest.approx(math.sqrt(2 / math.pi) * 0.5 / 10, rel=0.1)
+    assert out["ece_null95_0"] > out["ece_null_0"] and out["ece_null_1"] > out["ece_null_0"]  # fewer rows: wider
 
 
 def test_block_metrics_by_hand():

@@ -254,6 +254,35 @@ def _logistic_fit(x: torch.Tensor, y: torch.Tensor, slope: float | None = None, 
     return float(w[0]), float(w[1])
 
 
+def ece(p: torch.Tensor, y: torch.Tensor, bins: int = BlockEvalAccumulator.BINS) -> float:
+    """Expected calibration error of probabilities p against outcomes y [M] (BlockEvalAccumulator's binning)."""
+    idx = (p * bins).long().clamp(0, bins - 1)
+    n = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, torch.ones_like(p, dtype=torch.float64))
+    sp = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, p.double())
+    sy = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, y.double())
+    return float((sp - sy).abs().sum() / max(1.0, float(n.sum())))
+
+
+def null_ece(conf: torch.Tensor, correct: torch.Tensor, valid: torch.Tensor, sims: int = 200,
+             seed: int = 0) -> dict[str, float]:
+    """The ECE a perfectly calibrated confidence would show on these rows: per draft j, over the rows where draft j
+    exists and drafts < j were accepted (as ece_j), outcomes drawn y ~ Bernoulli(c_j) `sims` times -> rows_j,
+    ece_null_j (mean) and ece_null95_j (95th percentile). An ECE below ece_null95_j is calibration within the
+    noise of that many rows; a bin-count floor, not a property of the head (few rows reach the late drafts).
+    conf, correct, valid: [K',N] (calibrated probabilities; greedy correctness; draft exists)."""
+    g = torch.Generator().manual_seed(seed)
+    before = torch.cat([torch.ones_like(correct[:1]), correct.long().cumprod(0)[:-1].bool()])
+    out: dict[str, float] = {}
+    for j in range(conf.shape[0]):
+        c = conf[j][valid[j] & before[j]].double()
+        out[f"rows_{j}"] = float(c.numel())
+        if c.numel():
+            draws = sorted(ece(c, torch.rand(c.shape, generator=g, dtype=torch.float64) < c) for _ in range(sims))
+            out[f"ece_null_{j}"] = sum(draws) / sims
+            out[f"ece_null95_{j}"] = draws[int(0.95 * (sims - 1))]
+    return out
+
+
 @torch.no_grad()
 def collect_block_outputs(head, batches, target, layers, get_hidden=None):
     """Raw confidence logits, greedy correctness and existence of every draft at every start row of `batches`
@@ -301,7 +330,8 @@ def calibrate_head(head_dir, target, batches, layers, cfg: EvalConfig, get_hidde
               "fit_even_biases": b_even.tolist(), "fit_even_sequential_temperatures": t_seq.tolist(),
               "odd_before": _block_metrics(zo, yo, vo, torch.ones(z.shape[0]), thr),
               "odd_after_temperature": _block_metrics(zo, yo, vo, t_seq, thr),
-              "odd_after": _block_metrics(zo, yo, vo, t_even, thr, b_even)}
+              "odd_after": _block_metrics(zo, yo, vo, t_even, thr, b_even),
+              "odd_after_null": null_ece(torch.sigmoid(zo / t_even[:, None] + b_even[:, None]), yo, vo)}
     temps, bias = fit_platt(z, y, v)
     head.conf_temperature.copy_(temps.to(head.conf_temperature.device))
     head.conf_bias.copy_(bias.to(head.conf_bias.device))
