@@ -1,6 +1,7 @@
 """The CLI is thin: every command is registered and user mistakes print one line, exit 2, no traceback."""
 import subprocess
 import sys
+from pathlib import Path
 
 from specheads.cli import COMMANDS, build_parser, main
 
@@ -17,6 +18,21 @@ def test_user_error_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert "nope.yaml" in err and "Traceback" not in err
+
+
+def test_calibrate_only_refuses_what_it_cannot_calibrate(tmp_path, capsys):
+    """`train --calibrate-only`: with --resume, on a head without a confidence head, on a run with no trained head:
+    one line each, exit 2, nothing written."""
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    eagle = ["train", "--config", str(configs / "eagle3-smollm2.yaml"), f"output_dir={tmp_path}"]
+    dspark = ["train", "--config", str(configs / "dspark-smollm2.yaml"), f"output_dir={tmp_path}"]
+    for argv, line in ((eagle + ["--calibrate-only", "--resume"], "choose one"),
+                       (eagle + ["--calibrate-only"], "has no confidence head"),
+                       (dspark + ["--calibrate-only"], "has no trained head")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert line in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_module_entry_point():
