@@ -97,6 +97,18 @@ class EvalAccumulator:
         return out
 
 
+def conditional_rows(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[K',N] bool: draft j exists and drafts < j were all accepted (the event a draft's confidence predicts)."""
+    y = correct.long()
+    return valid.bool() & torch.cat([torch.ones_like(y[:1]), y.cumprod(0)[:-1]]).bool()
+
+
+def calibrated_probs(z: torch.Tensor, temps: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Confidence logits [K',N] -> σ(z_j / T_j + β_j) (DSparkHead.calibrated's rule, positions first)."""
+    bias = torch.zeros_like(temps) if bias is None else bias
+    return torch.sigmoid(z / temps[:, None] + bias[:, None])
+
+
 class BlockEvalAccumulator:
     """Block-head confidence and acceptance sums (over batches, and processes via `reduce` on `sums`) -> metrics.
     ECE: equal-width bins, sum over bins of |mean prediction - mean outcome| weighted by the bin's share; AUROC
@@ -133,11 +145,11 @@ class BlockEvalAccumulator:
         if not v.numel():
             return
         run = y.long().cumprod(0)  # [K',N]: drafts <= j all accepted
-        before = torch.cat([torch.ones_like(run[:1]), run[:-1]]).bool()
+        cond = conditional_rows(y, v)
         surv = c.cumprod(0)
         hist, roc, stats, shist = (self._view(k) for k in ("cond_hist", "cond_roc", "cond_stats", "surv_hist"))
         for j in range(self.K):
-            m = v[j] & before[j]  # conditional: drafts < j accepted
+            m = cond[j]  # conditional: drafts < j accepted
             pj, yj = c[j][m], y[j][m].double()
             self._hist(hist[j], pj, yj)
             fine = (pj * self.FINE).long().clamp(0, self.FINE - 1)
@@ -221,11 +233,10 @@ def fit_platt(logits: torch.Tensor, correct: torch.Tensor, valid: torch.Tensor) 
 
     logits, correct, valid: [K',N] (raw confidence logits; greedy correctness; draft exists). Returns (T [K'],
     β [K']); positions with fewer than PLATT_MIN_ROWS rows keep T = 1, β = 0."""
-    z, y = logits.double(), correct.double()
-    before = torch.cat([torch.ones_like(y[:1]), y.cumprod(0)[:-1]]).bool()
+    z, y, cond = logits.double(), correct.double(), conditional_rows(correct, valid)
     temps, bias = torch.ones(z.shape[0]), torch.zeros(z.shape[0])
     for j in range(z.shape[0]):
-        m = valid[j] & before[j]
+        m = cond[j]
         if int(m.sum()) < PLATT_MIN_ROWS:
             continue
         a, b = _logistic_fit(z[j][m], y[j][m])
@@ -270,11 +281,10 @@ def null_ece(conf: torch.Tensor, correct: torch.Tensor, valid: torch.Tensor, sim
     ece_null_j (mean) and ece_null95_j (95th percentile). An ECE below ece_null95_j is calibration within the
     noise of that many rows; a bin-count floor, not a property of the head (few rows reach the late drafts).
     conf, correct, valid: [K',N] (calibrated probabilities; greedy correctness; draft exists)."""
-    g = torch.Generator().manual_seed(seed)
-    before = torch.cat([torch.ones_like(correct[:1]), correct.long().cumprod(0)[:-1].bool()])
+    g, cond = torch.Generator().manual_seed(seed), conditional_rows(correct, valid)
     out: dict[str, float] = {}
     for j in range(conf.shape[0]):
-        c = conf[j][valid[j] & before[j]].double()
+        c = conf[j][cond[j]].double()
         out[f"rows_{j}"] = float(c.numel())
         if c.numel():
             draws = sorted(ece(c, torch.rand(c.shape, generator=g, dtype=torch.float64) < c) for _ in range(sims))
@@ -304,11 +314,9 @@ def collect_block_outputs(head, batches, target, layers, get_hidden=None):
     return torch.cat(z, 1), torch.cat(y, 1), torch.cat(v, 1)
 
 
-def _block_metrics(z, y, v, temps, thresholds, bias=None) -> dict[str, float]:
-    acc = BlockEvalAccumulator(z.shape[0], thresholds)
-    bias = torch.zeros_like(temps) if bias is None else bias
-    acc.add(y[:, None], v[:, None], torch.ones(1, z.shape[1], dtype=torch.bool),
-            torch.sigmoid(z / temps[:, None] + bias[:, None])[:, None])
+def _block_metrics(probs, y, v, thresholds) -> dict[str, float]:
+    acc = BlockEvalAccumulator(probs.shape[0], thresholds)
+    acc.add(y[:, None], v[:, None], torch.ones(1, probs.shape[1], dtype=torch.bool), probs[:, None])
     return acc.metrics()
 
 
@@ -326,12 +334,12 @@ def calibrate_head(head_dir, target, batches, layers, cfg: EvalConfig, get_hidde
     t_seq = fit_sequential_temperatures(z[:, even], y[:, even], v[:, even])
     t_even, b_even = fit_platt(z[:, even], y[:, even], v[:, even])
     zo, yo, vo, thr = z[:, odd], y[:, odd], v[:, odd], cfg.conf_threshold
+    after = calibrated_probs(zo, t_even, b_even)
     report = {"rows": int(z.shape[1]), "method": "platt", "fit_even_temperatures": t_even.tolist(),
               "fit_even_biases": b_even.tolist(), "fit_even_sequential_temperatures": t_seq.tolist(),
-              "odd_before": _block_metrics(zo, yo, vo, torch.ones(z.shape[0]), thr),
-              "odd_after_temperature": _block_metrics(zo, yo, vo, t_seq, thr),
-              "odd_after": _block_metrics(zo, yo, vo, t_even, thr, b_even),
-              "odd_after_null": null_ece(torch.sigmoid(zo / t_even[:, None] + b_even[:, None]), yo, vo)}
+              "odd_before": _block_metrics(torch.sigmoid(zo), yo, vo, thr),
+              "odd_after_temperature": _block_metrics(calibrated_probs(zo, t_seq), yo, vo, thr),
+              "odd_after": _block_metrics(after, yo, vo, thr), "odd_after_null": null_ece(after, yo, vo)}
     temps, bias = fit_platt(z, y, v)
     head.conf_temperature.copy_(temps.to(head.conf_temperature.device))
     head.conf_bias.copy_(bias.to(head.conf_bias.device))
