@@ -94,7 +94,7 @@ def markdown(rows: list[dict]) -> str:
         maxes = "-" if r["ece_max_after"] is None else \
             f"{_f(r['ece_max_after'])}, {_f(r['surv_ece_max_after'])} ({r['calibration']})"
         if r["drafts_over_bar"] is not None:
-            maxes += "; over 0.05 beyond noise: " + (", ".join(f"draft {j}" for j in r["drafts_over_bar"]) or "none")
+            maxes += f"; over {ECE_BAR:g} beyond noise: " + (", ".join(f"draft {j}" for j in r["drafts_over_bar"]) or "none")
         out.append(f"| {r['run']} | {variant} | {r['loss'] or '-'} | {r['steps']} | {_f(r['train_s'], 0)} | "
                    f"{_f(r['tau_chain'])} | {_f(r['tau_tree'])} | {_seq(r['top1'])} | {_seq(r['accept'])} | {ece} | "
                    f"{maxes} |")
