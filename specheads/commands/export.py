@@ -81,12 +81,22 @@ def check_out(out: str, fmt: str, source: str, force: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specheads.heads.export import export_head, import_head
-    from specheads.target import load_target
+    from specheads.runlock import run_lock
 
     if args.head and args.format is None:
         raise SpecheadsError("--format: required with --head")
-    check_out(args.out, "native" if args.import_dir else args.format, args.import_dir or args.head, args.force)
+    fmt, source = ("native" if args.import_dir else args.format), args.import_dir or args.head
+    check_out(args.out, fmt, source, args.force)  # before the lock: never a lock file inside the source folder
+    # --out is replaced whole, so its lock lies beside it (<parent>/.<name>.specheads.lock)
+    with run_lock(args.out, "export", beside=True):
+        check_out(args.out, fmt, source, args.force)  # again, now that no other export can write there
+        return _export(args)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from specheads.heads.export import export_head, import_head
+    from specheads.target import load_target
+
     if args.head and args.format == "gguf":  # the converter reads folders: no target is loaded here
         from specheads.heads.gguf import export_gguf
 

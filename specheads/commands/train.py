@@ -32,34 +32,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from specheads.config import load_config
     from specheads.recipe import Recipe
-    from specheads.train.trainer import recalibrate_run, run_training
+    from specheads.runlock import run_lock
 
     recipe = load_config(Recipe, args.config, args.overrides)
+    if args.calibrate_only and args.resume:
+        raise SpecheadsError("--calibrate-only and --resume: choose one")
+    with run_lock(recipe.output_dir, "train"):  # one writer per run folder (rank 0 holds it for all ranks)
+        _run(args, recipe)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not args.calibrate_only:
+        # Training is over and the process group is destroyed (Trainer.train ends with end_training). About one
+        # 2-process gloo run in four still aborts in interpreter teardown (SIGABRT in the gloo/c10d destructors), so
+        # leave without it: flush and exit now (the run lock is released above).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(0)
+    return 0
+
+
+def _run(args: argparse.Namespace, recipe) -> None:
+    from specheads.train.trainer import recalibrate_run, run_training
+
     if args.calibrate_only:
-        if args.resume:
-            raise SpecheadsError("--calibrate-only and --resume: choose one")
         out = recalibrate_run(recipe)
         for name, r in out.items():
             print(f"calibrated {recipe.output_dir}/{name}: held-out conditional ECE max "
                   f"{r['odd_before'].get('ece_max', float('nan')):.3f} -> {r['odd_after'].get('ece_max', float('nan')):.3f}"
                   f"; {recipe.output_dir}/calibration.json", flush=True)
-        return 0
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+        return
     res = run_training(recipe, resume=args.resume)
-    if rank == 0:
+    if int(os.environ.get("RANK", "0")) == 0:
         final = res.output_dir / "final"
         if res.best_dir is None:
             print(f"trained {res.steps} steps; no held-out split: best/ not written; head: {final}", flush=True)
         else:
             print(f"trained {res.steps} steps; best {recipe.eval.select} {res.best_metric:.3f} at step "
                   f"{res.best_step}; head: {res.best_dir} (final: {final})", flush=True)
-    if world > 1:
-        # Training is over and the process group is destroyed (Trainer.train ends with end_training). About one
-        # 2-process gloo run in four still aborts in interpreter teardown (SIGABRT in the gloo/c10d destructors), so
-        # leave without it: flush and exit now.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        logging.shutdown()
-        os._exit(0)
-    return 0
