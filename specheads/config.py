@@ -113,16 +113,33 @@ def config_to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def _parse_override(raw: str, tp: Any) -> Any:
+def _parse_override(raw: str, tp: Any, flag: str) -> Any:
     """A dotted override's value: YAML, except that a string field takes the text as written (YAML would read
-    `train.mixed_precision=no` as false); an optional string field also takes null / ~ as None."""
+    `train.mixed_precision=no` as false); an optional string field also takes null / ~ as None. Text that is not
+    valid YAML, or holds a YAML tag (`!!python/...`), is one SpecheadsError naming the override."""
     if raw == "":
         return ""
     str_field = tp is str or (typing.get_origin(tp) in (typing.Union, types.UnionType)
                               and set(typing.get_args(tp)) == {str, type(None)})
     if str_field:
         return None if (tp is not str and raw in ("null", "~", "None")) else raw
-    return yaml.safe_load(raw)
+    try:
+        tags = ["".join(t.value) for t in yaml.scan(raw) if isinstance(t, yaml.TagToken)]
+        if tags:
+            raise SpecheadsError(f"{flag}: YAML tags are not allowed in a value (found {tags[0]!r}); write the "
+                                 f"value plainly, e.g. a number, true/false or a list [a, b]")
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise SpecheadsError(f"{flag}: not a valid value ({_yaml_problem(e)}); lists are written [a, b], "
+                             f"mappings {{k: v}}") from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's error on one line: the problem and, for a one-line text, the column."""
+    mark = getattr(e, "problem_mark", None)
+    at = f" at column {mark.column + 1}" if mark is not None else ""
+    what = getattr(e, "problem", None) or (str(e).splitlines() or [type(e).__name__])[0]
+    return f"{what}{at}"
 
 
 def _set_dotted(data: dict, cls: type, key: str, raw: str, flag: str) -> None:
@@ -134,7 +151,7 @@ def _set_dotted(data: dict, cls: type, key: str, raw: str, flag: str) -> None:
             raise SpecheadsError(f"{flag}: unknown key {'.'.join(parts[: i + 1])!r}; known keys here: {sorted(fields)}")
         tp = typing.get_type_hints(cur_cls)[p]
         if i == len(parts) - 1:
-            cur[p] = _coerce(_parse_override(raw, tp), tp, flag)  # a bad value names the flag, not the file
+            cur[p] = _coerce(_parse_override(raw, tp, flag), tp, flag)  # a bad value names the flag, not the file
         else:
             if not _is_dc_type(tp):
                 raise SpecheadsError(f"{flag}: {'.'.join(parts[: i + 1])!r} is not a section")
@@ -155,6 +172,12 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
             loaded = yaml.safe_load(path.read_text())
         except FileNotFoundError:
             raise SpecheadsError(f"{path}: config file not found") from None
+        except IsADirectoryError:
+            raise SpecheadsError(f"{path}: is a folder, not a config file") from None
+        except UnicodeDecodeError as e:
+            raise SpecheadsError(f"{path}: not a text file (byte {e.start}: {e.reason})") from None
+        except OSError as e:
+            raise SpecheadsError(f"{path}: cannot read the config file ({e.strerror or e})") from None
         except yaml.YAMLError as e:  # one line: the problem and where (PyYAML's own text spans several lines)
             mark = getattr(e, "problem_mark", None)
             at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

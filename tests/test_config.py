@@ -67,3 +67,38 @@ def test_missing_and_invalid_files(tmp_path):
     p.write_text("a: [1, 2\n")
     with pytest.raises(SpecheadsError, match="broken.yaml: not valid YAML"):
         load_config(Outer, p)
+
+
+@pytest.mark.parametrize("override, want", [
+    ("inner.layers=[1,", r"override 'inner\.layers=\[1,': not a valid value \(expected the node content"),
+    ("inner.layers=[1, 2]]", r"override 'inner\.layers=\[1, 2\]\]': not a valid value"),
+    ("inner.lr=@x", r"override 'inner\.lr=@x': not a valid value \(found character '@'"),
+    ("inner.lr=*a", r"override 'inner\.lr=\*a': not a valid value \(found undefined alias"),
+    ("inner.lr=!!python/object:os.system x",
+     r"override 'inner\.lr=!!python/object:os\.system x': YAML tags are not allowed in a value \(found "
+     r"'!!python/object:os\.system'\)"),
+    ("seed=!!binary aGVsbG8=", r"override 'seed=!!binary aGVsbG8=': YAML tags are not allowed"),
+])
+def test_malformed_override_values_are_one_line_naming_the_override(override, want):
+    with pytest.raises(SpecheadsError, match=want) as e:
+        load_config(Outer, None, [override])
+    assert "\n" not in str(e.value)
+
+
+def test_a_string_field_keeps_tag_like_text():
+    assert load_config(Outer, None, ["inner.name=!!x"]).inner.name == "!!x"
+
+
+def test_unreadable_config_files_name_the_file(tmp_path):
+    p = tmp_path / "bin.yaml"
+    p.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(SpecheadsError, match=r"bin\.yaml: not a text file"):
+        load_config(Outer, p)
+    with pytest.raises(SpecheadsError, match=rf"{tmp_path}: is a folder, not a config file"):
+        load_config(Outer, tmp_path)
+    p = tmp_path / "tag.yaml"
+    p.write_text("seed: !!python/object:os.system x\n")
+    with pytest.raises(SpecheadsError, match=r"tag\.yaml: not valid YAML at line 1, column 7: could not determine a "
+                                             r"constructor") as e:
+        load_config(Outer, p)
+    assert "\n" not in str(e.value)
