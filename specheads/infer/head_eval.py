@@ -19,26 +19,38 @@ log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def answer_batches(target, prompts: list[BenchPrompt], layers: list[int], max_new_tokens: int) -> list[dict]:
-    """One collated batch per prompt: the prompt plus the target's greedy answer, the loss mask on the answer's
-    tokens (as the assistant mask in training), and the target's features at `layers`."""
+def target_answers(target, prompts: list[BenchPrompt], max_new_tokens: int, progress: bool = True
+                   ) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy answer ids) per prompt: the prompt encoded as `specheads bench` encodes it, answered by
+    HF generate (bench's `vanilla`) for at most max_new_tokens tokens."""
     from tqdm.auto import tqdm
 
+    out = []
+    for p in tqdm(prompts, desc="target answers", unit="prompt", disable=not progress):
+        ids = encode_turn(target.tokenizer, p, 0, [])
+        gen = target.model.generate(torch.tensor([ids], device=target.device), max_new_tokens=max_new_tokens,
+                                    do_sample=False)[0]
+        out.append((ids, gen[len(ids):].tolist()))
+    return out
+
+
+@torch.no_grad()
+def answer_batch(target, prompt_ids: list[int], answer_ids: list[int], layers: list[int]) -> dict:
+    """One collated sample: prompt + answer, the loss mask on the answer's tokens (as the assistant mask in
+    training), and the target's features at `layers`."""
     from specheads.train.features import extract_features
 
-    batches = []
-    for p in tqdm(prompts, desc="eval: target answers", unit="prompt"):
-        ids = encode_turn(target.tokenizer, p, 0, [])
-        out = target.model.generate(torch.tensor([ids], device=target.device), max_new_tokens=max_new_tokens,
-                                    do_sample=False)[0]
-        n = out.shape[0]
-        loss_mask = torch.zeros(1, n, dtype=torch.long, device=out.device)
-        loss_mask[0, len(ids):] = 1
-        b = {"input_ids": out[None], "loss_mask": loss_mask,
-             "attention_mask": torch.ones(1, n, dtype=torch.long, device=out.device)}
-        b["hidden"] = extract_features(target, b["input_ids"], b["attention_mask"], layers)
-        batches.append(b)
-    return batches
+    ids = torch.tensor([list(prompt_ids) + list(answer_ids)], device=target.device)
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[0, len(prompt_ids):] = 1
+    b = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": torch.ones_like(ids)}
+    b["hidden"] = extract_features(target, b["input_ids"], b["attention_mask"], layers)
+    return b
+
+
+def answer_batches(target, prompts: list[BenchPrompt], layers: list[int], max_new_tokens: int) -> list[dict]:
+    """One collated batch per prompt: the prompt plus the target's greedy answer, with features."""
+    return [answer_batch(target, p, a, layers) for p, a in target_answers(target, prompts, max_new_tokens)]
 
 
 def evaluate_head_on_prompts(target, head, prompts: list[BenchPrompt], max_new_tokens: int = 64,

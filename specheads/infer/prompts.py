@@ -130,8 +130,69 @@ def load_sharegpt_prompts(start: int, limit: int) -> list[BenchPrompt]:
     return out
 
 
+# A request's kind, by the first matching rule (MT-bench's eight categories; a keyword heuristic, checked by hand on
+# 40 ShareGPT first turns: it balances a dev set, it is not a classifier to report figures by).
+_KIND_RULES = [
+    ("coding", r"```|\b(code|python|javascript|typescript|java|c\+\+|sql|html|css|function|script|program|regex|"
+               r"bug|compile|api|react|django|class|json)\b"),
+    ("math", r"\b(calculate|solve|equation|integral|derivative|probability|math|percent(age)?|arithmetic|"
+             r"how many|what is \d)|\d+\s*[-+*/^x]\s*\d+"),
+    ("extraction", r"\b(extract|summari[sz]e|summary of|from the (following|text|passage|article|table)|list all|"
+                   r"identify (the|all))\b"),
+    ("roleplay", r"\b(act as|acting as|pretend|role-?play|imagine (you are|that you)|you are (a|an) )"),
+    ("writing", r"\b(write|essay|story|poem|e-?mail|letter|blog|rewrite|paraphrase|draft|slogan|caption|tweet)\b"),
+    ("reasoning", r"\b(riddle|puzzle|logic(al)?|reason(ing)?|deduce|which (one|is (better|more)))\b"),
+    ("stem", r"\b(physics|chemistry|biology|science|scientific|engineering|quantum|energy|molecule|cell|dna|"
+             r"climate|machine learning|neural|algorithm|electric\w*)\b"),
+    ("humanities", r"\b(history|historical|philosoph\w*|econom\w*|politic\w*|culture|cultural|law|legal|society|"
+                   r"psycholog\w*|religio\w*|art|literature|ethic\w*|marketing|business)\b"),
+]
+DEV_START = 12000  # sharegpt-dev draws from conversation 12,000 on: past every recipe's data.max_conversations
+
+
+def request_kind(text: str) -> str | None:
+    """The MT-bench category a request looks like (_KIND_RULES), or None."""
+    import re
+
+    low = text.lower()
+    for kind, pattern in _KIND_RULES:
+        if re.search(pattern, low):
+            return kind
+    return None
+
+
+def load_sharegpt_dev(limit: int, exclude: set[str] | frozenset = frozenset(),
+                      start: int = DEV_START) -> list[BenchPrompt]:
+    """`sharegpt-dev`: ShareGPT first turns (20-1500 characters) from conversation `start` on, balanced over
+    MT-bench's eight kinds of request (request_kind; round-robin, so `limit` 32 is 4 of each where the data has
+    them), none whose conversation id is in `exclude` (the run's training conversations). Never benchmark prompts:
+    the figures it predicts are measured on MT-bench."""
+    from specheads.train.data import load_conversations
+
+    per = -(-limit // len(MT_BENCH_CATEGORIES))
+    by_kind: dict[str, list[BenchPrompt]] = {k: [] for k in MT_BENCH_CATEGORIES}
+    convs, _ = load_conversations("sharegpt")
+    for i in range(start, len(convs)):
+        cid = convs[i]["conversation_id"]
+        users = [m["content"] for m in convs[i]["messages"] if m["role"] == "user"]
+        if cid in exclude or not users or not 20 < len(users[0]) < 1500:
+            continue
+        kind = request_kind(users[0])
+        if kind is not None and len(by_kind[kind]) < per:
+            by_kind[kind].append(BenchPrompt(id=cid, category=kind, turns=[users[0]], chat=True))
+        if all(len(v) >= per for v in by_kind.values()):
+            break
+    out = _interleave_by_category([p for k in MT_BENCH_CATEGORIES for p in by_kind[k]])[:limit]
+    if not out:
+        raise SpecheadsError(f"sharegpt-dev: no ShareGPT conversations from index {start} on")
+    short = [k for k, v in by_kind.items() if len(v) < per]
+    if short:
+        log.warning("sharegpt-dev: fewer than %d prompts of kind %s", per, ", ".join(short))
+    return out
+
+
 def load_prompts(dataset: str, limit: int | None = None, both_turns: bool = False) -> list[BenchPrompt]:
-    """`dataset`: "mt-bench", "humaneval", "sharegpt:START" or a JSONL path. `limit` takes the first N after
+    """`dataset`: "mt-bench", "humaneval", "sharegpt:START", "sharegpt-dev" or a JSONL path. `limit` takes the first N after
     interleaving categories (MT-bench: one question per category first)."""
     if limit is not None and limit < 1:
         raise SpecheadsError(f"--limit {limit}: must be at least 1")
@@ -139,6 +200,8 @@ def load_prompts(dataset: str, limit: int | None = None, both_turns: bool = Fals
         prompts = _interleave_by_category(load_mt_bench(both_turns=both_turns))
     elif dataset in ("humaneval", "human-eval"):
         prompts = load_humaneval()
+    elif dataset == "sharegpt-dev":
+        prompts = load_sharegpt_dev(limit or SHAREGPT_DEFAULT_LIMIT)
     elif dataset.startswith("sharegpt:"):
         start = dataset.split(":", 1)[1]
         if not start.isdigit():

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from specheads.train.losses import simulated_tau, step_correct
+from specheads.train.losses import accepted_lengths, step_correct
+from specheads.train.walk import RATIO_FIELDS, ratio_and_se, ratio_sums, walk_batch
 
 log = logging.getLogger(__name__)
 
@@ -37,24 +39,37 @@ log = logging.getLogger(__name__)
 @dataclass
 class EvalConfig:
     every_steps: int = 200  # optimizer steps between evaluations (0 = only at the end)
-    max_samples: int = 64  # held-out samples per evaluation (all processes together)
+    # held-out samples per evaluation (all processes together): None = every one; N = a random subset drawn once
+    # with the recipe's seed (the same samples at every evaluation). Never the first N: feature shards hold
+    # samples sorted by length, so the first N are the shortest answers.
+    max_samples: int | None = None
     batch_size: int = 4  # samples per process per forward
     topk: int = 5  # top-k accuracy reported beside top-1
     tree_width: int = 2  # simulated full tree: branching per depth
     tree_depth: int = 5  # simulated full tree: depth (2^1+...+2^5 = 62 nodes)
     eagle_steps: int = 5  # EAGLE-1 unroll depth used for the chain τ
-    select: str = "tau_tree"  # metric that picks the best checkpoint: tau_tree | tau_chain
+    # metric that picks the best checkpoint: tau_tree | tau_chain (per position), tau_tree_walk | tau_chain_walk
+    # (the serving walk), each on the held-out split or, prefixed dev_, on the serving-true dev set
+    select: str = "tau_tree"
     at_start: bool = True  # evaluate the untrained head first (the baseline τ the training must beat)
+    # The serving-true dev set (train/devset.py): prompts answered by the target as `specheads bench` answers them
+    dev_prompts: int = 0  # prompts (0 = off; 32 = 4 of each MT-bench kind of request)
+    dev_dataset: str = "sharegpt-dev"  # sharegpt-dev | sharegpt:START | FILE.jsonl (never a benchmark we report)
+    dev_max_new_tokens: int = 256  # tokens per answer: `specheads bench`'s default --max-new-tokens
     # DSpark: cut the block where the calibrated survival prod c_i falls below each threshold (a probability)
     conf_threshold: float | list[float] = field(default_factory=lambda: [0.3, 0.5, 0.7])
 
     def __post_init__(self) -> None:
         from specheads.utils import SpecheadsError, check_values
 
-        check_values("eval", self, {"every_steps": ">=0", "max_samples": ">=1", "batch_size": ">=1", "topk": ">=1",
-                                    "tree_width": ">=1", "tree_depth": ">=1", "eagle_steps": ">=1"})
-        if self.select not in ("tau_tree", "tau_chain"):
-            raise SpecheadsError(f"eval.select: {self.select!r} is not one of ['tau_tree', 'tau_chain']")
+        check_values("eval", self, {"every_steps": ">=0", "max_samples": ">=1|None", "batch_size": ">=1", "topk": ">=1",
+                                    "tree_width": ">=1", "tree_depth": ">=1", "eagle_steps": ">=1",
+                                    "dev_prompts": ">=0", "dev_max_new_tokens": ">=1"})
+        names = [f"{d}{m}" for d in ("", "dev_") for m in EvalAccumulator.RATIOS]
+        if self.select not in names:
+            raise SpecheadsError(f"eval.select: {self.select!r} is not one of {names}")
+        if self.select.startswith("dev_") and not self.dev_prompts:
+            raise SpecheadsError(f"eval.select: {self.select} needs the dev set; set eval.dev_prompts (e.g. 32)")
         if not isinstance(self.conf_threshold, list):
             self.conf_threshold = [self.conf_threshold]
         bad = [t for t in self.conf_threshold if not 0.0 < float(t) < 1.0]
@@ -63,25 +78,34 @@ class EvalConfig:
 
 
 class EvalAccumulator:
-    """Sums over batches (and processes, via `reduce`) -> metrics dict."""
+    """Sums over batches (and processes, via `reduce`) -> metrics dict. One batch row is one sample: the τ figures
+    carry the samples' standard error (walk.ratio_and_se), and the serving walk (walk.py) is taken per sample."""
+
+    RATIOS = ("tau_chain", "tau_tree", "tau_chain_walk", "tau_tree_walk")
 
     def __init__(self, num_steps: int):
         self.K = num_steps
-        # rows: valid, top1, topk per step; then tau_chain sum, tau_tree sum, start count
-        self.sums = torch.zeros(3 * num_steps + 3, dtype=torch.float64)
+        # valid, top1, topk per step; per ratio its RATIO_FIELDS sums; then rows, samples
+        self.sums = torch.zeros(3 * num_steps + RATIO_FIELDS * len(self.RATIOS) + 2, dtype=torch.float64)
 
     def add(self, step_logits, target_argmax, loss_mask, d2t, cfg: EvalConfig) -> None:
         valid, top1, topk = step_correct(step_logits, target_argmax, loss_mask, d2t, topk=cfg.topk)
         _, _, tree = step_correct(step_logits, target_argmax, loss_mask, d2t, topk=cfg.tree_width)
-        start = valid[0]  # drafting starts at every row whose next drafted token is an assistant token
-        K = self.K
-        s = self.sums
+        start = valid[0]  # [B,T] drafting starts at every row whose next drafted token is an assistant token
+        K, s = self.K, self.sums
         s[:K] += valid.flatten(1).sum(1).double().cpu()
         s[K:2 * K] += top1.flatten(1).sum(1).double().cpu()
         s[2 * K:3 * K] += topk.flatten(1).sum(1).double().cpu()
-        s[3 * K] += simulated_tau(top1, start).sum().double().cpu()
-        s[3 * K + 1] += simulated_tau(tree, start, depth=cfg.tree_depth).sum().double().cpu()
-        s[3 * K + 2] += start.sum().double().cpu()
+        chain, full = accepted_lengths(top1), accepted_lengths(tree, depth=cfg.tree_depth)  # [B,T]
+        rows = start.sum(1)  # [B]
+        parts = [(torch.where(start, chain, 0).sum(1), rows), (torch.where(start, full, 0).sum(1), rows),
+                 walk_batch(chain, start), walk_batch(full, start)]
+        off = 3 * K
+        for y, n in parts:
+            s[off:off + RATIO_FIELDS] += ratio_sums(y, n)
+            off += RATIO_FIELDS
+        s[off] += float(rows.sum())
+        s[off + 1] += float((rows > 0).sum())
 
     def metrics(self, cfg: EvalConfig) -> dict[str, float]:
         K, s = self.K, self.sums
@@ -90,11 +114,28 @@ class EvalAccumulator:
             n = max(1.0, float(s[k]))
             out[f"top1_{k}"] = float(s[K + k]) / n
             out[f"top{cfg.topk}_{k}"] = float(s[2 * K + k]) / n
-        n = max(1.0, float(s[3 * K + 2]))
-        out["tau_chain"] = float(s[3 * K]) / n
-        out["tau_tree"] = float(s[3 * K + 1]) / n
-        out["eval_rows"] = float(s[3 * K + 2])
+        off, samples = 3 * K + RATIO_FIELDS * len(self.RATIOS), float(s[-1])
+        for i, name in enumerate(self.RATIOS):
+            r, se = ratio_and_se(s[3 * K + RATIO_FIELDS * i:3 * K + RATIO_FIELDS * (i + 1)], samples)
+            out[name] = r
+            if math.isfinite(se):  # two samples at least
+                out[f"{name}_se"] = se
+        out["eval_rows"], out["eval_samples"] = float(s[off]), samples
         return out
+
+
+def eval_summary(metrics: dict[str, float]) -> str:
+    """One log line: first-draft top-1 and the τ figures (± their standard error) of each evaluated set."""
+    parts = []
+    for pre, name in (("", "held-out"), ("dev_", "dev")):
+        if f"{pre}tau_chain" not in metrics:
+            continue
+        fig = [f"top1_0={metrics.get(pre + 'top1_0', float('nan')):.3f}"]
+        for m in EvalAccumulator.RATIOS:
+            se = metrics.get(f"{pre}{m}_se", float("nan"))
+            fig.append(f"{m}={metrics[pre + m]:.3f}" + ("" if se != se else f"±{se:.3f}"))
+        parts.append(f"{name} [{int(metrics[pre + 'eval_samples'])} samples] " + " ".join(fig))
+    return "; ".join(parts)
 
 
 def conditional_rows(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -373,14 +373,16 @@ def step_correct(step_logits: list[torch.Tensor] | torch.Tensor, target_argmax: 
     return torch.stack(valid), torch.stack(top1), torch.stack(topkc)
 
 
-def simulated_tau(correct: torch.Tensor, start: torch.Tensor, depth: int | None = None) -> torch.Tensor:
-    """[K,B,T] bool -> [N] accepted length per start row: 1 (the target's own token) + consecutive correct steps.
-
-    `start` [B,T] bool selects the rows where drafting starts; depth caps the steps counted (tree depth).
-    """
+def accepted_lengths(correct: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+    """[K,B,T] bool -> [B,T] accepted length if drafting started at row t: 1 (the target's own token) + the
+    consecutive correct steps from step 0; depth caps the steps counted (tree depth)."""
     c = correct if depth is None else correct[:depth]
-    run = torch.cumprod(c.long(), dim=0).sum(0)  # [B,T] consecutive correct from step 0
-    return (1 + run)[start].float()
+    return 1 + torch.cumprod(c.long(), dim=0).sum(0)
+
+
+def simulated_tau(correct: torch.Tensor, start: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+    """[K,B,T] bool -> [N] accepted length per start row (`start` [B,T] bool: the rows where drafting starts)."""
+    return accepted_lengths(correct, depth)[start].float()
 
 
 # --------------------------------------------------------------------------------------- DSpark / DFlash blocks

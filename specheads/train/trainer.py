@@ -434,28 +434,47 @@ class Trainer:
             run.model.train()
 
     def _evaluate(self, run: _Run) -> None:
-        """Held-out metrics; the best one by eval.select is exported to <output_dir>/best."""
-        from specheads.train.evaluate import evaluate
+        """Held-out metrics, and the dev set's (prefixed dev_) when eval.dev_prompts is set; the best one by
+        eval.select is exported to <output_dir>/best."""
+        from specheads.train.evaluate import eval_summary, evaluate
 
-        if run.val_dl is None:
-            return
         acc, st, ecfg = run.acc, run.state, self.recipe.eval
         t = time.perf_counter()
         reduce = lambda x: acc.reduce(x.to(acc.device), "sum")  # noqa: E731
-        metrics = evaluate(self.kind, self.parts.eval_head(acc, run.model), run.val_dl, self.target, self.layers,
-                           self.head_layers, ecfg, reduce=reduce, get_hidden=self._with_hidden)
+        head = self.parts.eval_head(acc, run.model)
+        metrics = {}
+        if run.val_dl is not None:
+            metrics = evaluate(self.kind, head, run.val_dl, self.target, self.layers, self.head_layers, ecfg,
+                               reduce=reduce, get_hidden=self._with_hidden)
+        if ecfg.dev_prompts:
+            dev = evaluate(self.kind, head, self._dev(acc), self.target, self.layers, self.head_layers, ecfg,
+                           reduce=reduce)
+            metrics.update({f"dev_{k}": v for k, v in dev.items()})
         run.eval_s += time.perf_counter() - t
         if not metrics:
             return
         st.history.append({"step": st.step, **metrics})
         acc.log({f"eval/{k}": v for k, v in metrics.items()}, step=st.step)
-        msg = " ".join(f"{k}={v:.3f}" for k, v in metrics.items() if not k.startswith("top") or k.endswith("_0"))
-        if st.best_metric is None or metrics[ecfg.select] > st.best_metric:
+        msg = eval_summary(metrics)
+        if ecfg.select in metrics and (st.best_metric is None or metrics[ecfg.select] > st.best_metric):
             st.best_metric, st.best_step = metrics[ecfg.select], st.step
             self._export(run, self.output_dir / "best")
-            msg += " (best)"
+            msg += f" (best by {ecfg.select})"
         if acc.is_main_process:
             log.info("eval step %d: %s", st.step, msg)
+
+    def _dev(self, acc) -> list[dict]:
+        """This process's dev batches (train/devset.py): answers written once by the main process, features
+        computed once per process."""
+        from specheads.train.devset import dev_answers, dev_batches
+
+        if getattr(self, "_dev_cache", None) is None:
+            if acc.is_main_process:
+                dev_answers(self.recipe, self.target)
+            acc.wait_for_everyone()
+            rows = dev_answers(self.recipe, self.target)
+            self._dev_cache = dev_batches(rows, self.target, self.layers, acc.process_index, acc.num_processes)
+        return self._dev_cache
 
     # -- saving ----------------------------------------------------------------------------------------------------
     def _save_if_due(self, run: _Run) -> None:
@@ -591,8 +610,8 @@ class Trainer:
         if self.val_ds is None or len(self.val_ds) == 0:
             return train_dl, None
         ecfg = self.recipe.eval
-        n_val = min(len(self.val_ds), ecfg.max_samples)
-        return train_dl, loader(torch.utils.data.Subset(self.val_ds, range(n_val)), ecfg.batch_size, False)
+        picked = eval_indices(len(self.val_ds), ecfg.max_samples, self.recipe.seed)
+        return train_dl, loader(torch.utils.data.Subset(self.val_ds, picked), ecfg.batch_size, False)
 
     def _start_logging(self, run: _Run, module, resume: bool) -> None:
         """Resolved config (train_config.yaml), stale temporary folders removed, trackers started."""
@@ -672,6 +691,14 @@ def default_extract(target, input_ids, attention_mask, layers):
     from specheads.train.features import extract_features
 
     return extract_features(target, input_ids, attention_mask, layers)
+
+
+def eval_indices(n: int, max_samples: int | None, seed: int) -> list[int]:
+    """The held-out samples an evaluation scores: all n, or `max_samples` drawn at random with `seed` (ascending)."""
+    if max_samples is None or max_samples >= n:
+        return list(range(n))
+    g = torch.Generator().manual_seed(seed)
+    return sorted(torch.randperm(n, generator=g)[:max_samples].tolist())
 
 
 def _wandb_defaults(output_dir: Path) -> None:
