@@ -4,7 +4,8 @@
     python scripts/reliability_sweep.py --only export   # cases whose area or name contains "export"
 
 Each case runs `specheads.cli.main(argv)` in a fresh folder on a tiny random Llama saved as a Hugging Face folder with
-SmolLM2's tokenizer and chat template (the bundled target's, so prepare and generate run for real in seconds). A
+SmolLM2's tokenizer and chat template (the bundled target's, so prepare and generate run for real in seconds; its
+lm_head scores only the answers' tokens, so that the fixture's EAGLE-3 run trains: `_speaks_the_answers`). A
 case is a dict in CASES: `area`, `name` (the bad input), `argv` (placeholders {tmp} {run} {head} {target} {recipe}
 {convs}), optional `setup(ctx)` that builds what the case needs, `rc` (expected exit code), `expect` (a fragment the
 message must hold) and optional `check(ctx)` (further facts: nothing deleted, nothing executed; returns a note).
@@ -68,18 +69,51 @@ def _conversations(n: int, seed: str = "c") -> list[dict]:
         {"from": "gpt", "value": f"Answer {i}. " + "Because. " * (i % 5 + 1)}]} for i in range(n)]
 
 
+def _speaks_the_answers(model, tok, convs: list[dict]) -> None:
+    """Zero the lm_head rows of every token the answers do not use. A random 49,152-token target's greedy token lies
+    in the recipe's 64-token draft vocabulary (the answers' most frequent tokens) on ~0.1% of rows, and EAGLE-3's
+    loss counts only rows whose target token the draft vocabulary holds: none did, so the loss was 0.0000 and the
+    weights never moved. Now the other logits are 0 and the greedy token is one of the answers' (some of them
+    score above 0 on every row), as a target trained on such data would choose."""
+    import torch
+
+    keep = sorted({i for c in convs for turn in c["conversations"] if turn["from"] == "gpt"
+                   for i in tok(turn["value"], add_special_tokens=False)["input_ids"]})
+    rows = torch.ones(model.lm_head.weight.shape[0], dtype=torch.bool)
+    rows[keep] = False
+    with torch.no_grad():
+        model.lm_head.weight[rows] = 0.0
+
+
+def _check_training_moved(trained: Path) -> None:
+    """The fixture run must train: a nonzero loss and every weight of the head changing between its two
+    checkpoints (the resume and checkpoint cases run on these weights; unchanging ones would prove nothing)."""
+    import torch
+    from safetensors.torch import load_file
+
+    loss = json.loads((trained / "train_summary.json").read_text())["last_loss"]
+    first, last = (load_file(str(p / "model.safetensors")) for p in sorted((trained / "checkpoints").glob("step-*")))
+    still = [k for k in first if first[k].is_floating_point() and torch.equal(first[k], last[k])]
+    if not loss or still:
+        raise SystemExit(f"fixture train did not train: last loss {loss}, unchanged between its checkpoints: "
+                         f"{still} (every row outside the draft vocabulary?)")
+
+
 def build_fixtures(base: Path) -> None:
-    """target/ (tiny Llama + SmolLM2 tokenizer), convs.json, recipe.yaml, prepared/ (prepare), trained/ (train)."""
+    """target/ (tiny Llama + SmolLM2 tokenizer, its lm_head restricted to the answers' tokens), convs.json,
+    recipe.yaml, prepared/ (prepare), trained/ (train, checked to change the head's weights)."""
     from transformers import AutoTokenizer
 
     from specheads.target import resolve_target_path, tiny_target
 
     tok = AutoTokenizer.from_pretrained(resolve_target_path("smollm2-135m"))
+    convs = _conversations(12)
     t = tiny_target(vocab_size=len(tok), tokenizer=tok)
     t.model.config.eos_token_id = tok.eos_token_id
+    _speaks_the_answers(t.model, tok, convs)
     t.model.save_pretrained(base / "target")
     tok.save_pretrained(base / "target")
-    (base / "convs.json").write_text(json.dumps(_conversations(12)))
+    (base / "convs.json").write_text(json.dumps(convs))
     ctx = Ctx(base, base)
     (base / "recipe.yaml").write_text(RECIPE.format(**ctx.vars))
     for argv in (["prepare", "--config", ctx.vars["recipe"], "--no-progress"],
@@ -87,6 +121,7 @@ def build_fixtures(base: Path) -> None:
         rc, out, err = _cli(argv)
         if rc != 0:
             raise SystemExit(f"fixture {' '.join(argv)} failed ({rc}):\n{err[-3000:]}")
+    _check_training_moved(base / "prepared")
     shutil.copytree(base / "prepared", base / "trained")
     shutil.rmtree(base / "prepared" / "checkpoints")
     for name in ("best", "final"):

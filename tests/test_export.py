@@ -206,6 +206,35 @@ def test_eagle_vllm_read_by_vllm(tiny_rope, tmp_path, bias):
         torch.testing.assert_close(_eagle1_logits(reader, rotary, tiny_rope, feats, toks), ours, rtol=1e-4, atol=1e-5)
 
 
+def _tied_target():
+    """The tiny target with its lm_head tied to its embedding, as SmolLM2-135M's (`tie_word_embeddings: true`)."""
+    from specheads.target import tiny_target
+
+    t = tiny_target(rope_parameters=dict(ROPE))
+    t.model.config.tie_word_embeddings = True
+    t.model.lm_head.weight = t.model.model.embed_tokens.weight
+    return t
+
+
+@pytest.mark.parametrize("fmt,spec", [("eagle", HeadSpec(kind="eagle")), ("eagle-vllm", HeadSpec(kind="eagle")),
+                                      ("eagle3", HeadSpec(kind="eagle3")), ("speculators", HeadSpec(kind="eagle3"))])
+def test_tied_target_exports_untied_draft(tmp_path, fmt, spec):
+    """SGLang's LlamaForCausalLMEagle (llama_eagle.py @3b64d5de) makes `lm_head = model.embed_tokens` when the
+    draft config says `tie_word_embeddings`; its EAGLE worker then calls set_embed_and_head (llama.py), which
+    deletes `model.embed_tokens.weight` and then `lm_head.weight`, the same module's, and fails before drafting.
+    The draft carries neither (the engine hands it the target's), so every export says false, whatever the
+    target's config (copied into the `eagle` layouts) says."""
+    target = _tied_target()
+    assert target.text_config.to_dict()["tie_word_embeddings"] is True
+    _trained(spec, target, tmp_path)
+    assert json.loads((tmp_path / "h" / "config.json").read_text())["target_config"]["tie_word_embeddings"] is True
+    export_head(tmp_path / "h", fmt, tmp_path / fmt)
+    cfg, sd = _exported(tmp_path / fmt)
+    layer = cfg.get("transformer_layer_config", cfg)
+    assert cfg.get("tie_word_embeddings", False) is False and layer["tie_word_embeddings"] is False
+    assert "embed_tokens.weight" not in sd
+
+
 # ------------------------------------------------------------------------------------------------ EAGLE-3 readers
 def _captured_layers(consumer: str, cfg: dict, L: int) -> list[int]:
     """The target layers a consumer feeds the draft, in its order (hidden-states index: input of layer i = ours i).
@@ -458,38 +487,84 @@ def test_verifier_is_named_in_every_export_and_the_bundled_target_said(tiny, tmp
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/exact-verifier"
 
 
+class _RepoResBlock(torch.nn.Module):
+    """FasterDecoding/Medusa's ResBlock (medusa_model.py and medusa_model_legacy.py): x + SiLU(Linear(x))."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.linear = torch.nn.Linear(d, d)
+        self.act = torch.nn.SiLU()
+
+    def forward(self, x):
+        return x + self.act(self.linear(x))
+
+
+def _repo_medusa_heads(K: int, n: int, legacy: bool) -> torch.nn.ModuleList:
+    """The repo's `medusa_head`, random weights: `nn.Sequential(*([ResBlock(D)] * n), nn.Linear(D, V, bias=False))`
+    per head (medusa_model.py), or the ResBlocks alone (medusa_model_legacy.py, which projects every head through
+    `base_model.lm_head`). `[ResBlock(D)] * n` is ONE block repeated n times (tied)."""
+    torch.manual_seed(11)
+    heads = torch.nn.ModuleList(torch.nn.Sequential(*([_RepoResBlock(D)] * n),
+                                                    *([] if legacy else [torch.nn.Linear(D, V, bias=False)]))
+                                for _ in range(K))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(0.05 * torch.randn_like(p))
+    return heads
+
+
+@pytest.mark.parametrize("legacy", [True, False], ids=["train_legacy", "medusa_model"])
+@pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("prefix", ["", "medusa_head."])
-def test_import_fasterdecoding_medusa(tiny, tmp_path, prefix):
-    """FasterDecoding/Medusa @ e2a5d20c048a9b0a4092e6933c34313687422518: medusa/train/train_legacy.py saves
-    `medusa_head.state_dict()` (the ModuleList of `nn.Sequential(*[ResBlock] * n, nn.Linear(D, V, bias=False))`) as
-    medusa_lm_head.safetensors, keys `{h}.{l}.linear.weight|bias` and `{h}.{n}.weight`, no prefix, and
-    medusa/model/medusa_model.py loads it back with `medusa_head.load_state_dict`; older exports put `medusa_head.`
-    in front. The repo ties the n ResBlocks of a head (the same module n times): we untie."""
+def test_import_fasterdecoding_medusa(tiny, tmp_path, prefix, n, legacy):
+    """FasterDecoding/Medusa @ e2a5d20c048a9b0a4092e6933c34313687422518: medusa/train/train_legacy.py builds
+    medusa/model/medusa_model_legacy.py's MedusaModel (heads = ResBlocks only, logits = base_model.lm_head(head(h)))
+    and saves `medusa_head.state_dict()` as medusa_lm_head.safetensors: keys `{h}.{l}.linear.weight|bias`, nothing
+    else, no prefix. medusa_model.py's heads end in their own `nn.Linear(D, V, bias=False)`: keys `{h}.{n}.weight`
+    too. Older exports put `medusa_head.` in front. The file below is the repo module's own state dict (the tied
+    repeats cloned: safetensors refuses tensors sharing memory); the imported head must compute what the repo's
+    module computes, and unties the repeats."""
+    K = 2
+    heads = _repo_medusa_heads(K, n, legacy)
     src = tmp_path / "repo"
     src.mkdir()
-    (src / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 2,
+    (src / "config.json").write_text(json.dumps({"medusa_num_heads": K, "medusa_num_layers": n, "version": "2",
                                                  "base_model_name_or_path": "x"}))
-    g = torch.Generator().manual_seed(0)
-    sd = {}
-    for h in range(2):
-        w, b = torch.randn(D, D, generator=g) * 0.01, torch.randn(D, generator=g) * 0.01
-        for l in range(2):  # the same values under both names, as the tied repo writes them
-            sd[f"{prefix}{h}.{l}.linear.weight"], sd[f"{prefix}{h}.{l}.linear.bias"] = w.clone(), b.clone()
-        sd[f"{prefix}{h}.2.weight"] = torch.randn(V, D, generator=g)
+    sd = {prefix + k: v.clone() for k, v in heads.state_dict().items()}
+    assert any(k.endswith(f".{n}.weight") for k in sd) is not legacy
     save_file(sd, str(src / "medusa_lm_head.safetensors"))
     head = import_head(src, tiny)
-    assert head.spec.num_heads == 2 and head.spec.num_layers == 2 and head.spec.resolved_bias()
-    assert head.blocks[0].layers[0].weight.data_ptr() != head.blocks[0].layers[1].weight.data_ptr()
+    assert head.spec.num_heads == K and head.spec.num_layers == n and head.spec.resolved_bias()
+    assert head.spec.medusa_lm_head == ("shared" if legacy else "per_head")
+    if n > 1:
+        assert head.blocks[0].layers[0].weight.data_ptr() != head.blocks[0].layers[1].weight.data_ptr()
     x = torch.randn(1, 3, D)
-    blk = sd[f"{prefix}0.0.linear.weight"], sd[f"{prefix}0.0.linear.bias"]
-    y = x
-    for _ in range(2):
-        y = y + torch.nn.functional.silu(y @ blk[0].T + blk[1])
-    torch.testing.assert_close(head(x)[0], y @ sd[f"{prefix}0.2.weight"].T)
+    with torch.no_grad():
+        want = [tiny.lm_head(heads[k](x)) if legacy else heads[k](x) for k in range(K)]
+        torch.testing.assert_close(head(x), torch.stack(want))
+    if legacy:  # vLLM's layout wants a projection per head: the target's lm_head rows, given --target
+        export_head(_saved(head, tmp_path / "native"), "medusa-vllm", tmp_path / "mv", target=tiny)
+        assert torch.equal(load_file(str(tmp_path / "mv" / "model.safetensors"))["lm_heads.1.weight"],
+                           tiny.lm_head.weight)
     sd[f"{prefix}0.0.extra.weight"] = torch.zeros(1)
     save_file(sd, str(src / "medusa_lm_head.safetensors"))
     with pytest.raises(SpecheadsError, match="unexpected key '(medusa_head.)?0.0.extra.weight'"):
         import_head(src, tiny)
+
+
+def _saved(head, folder):
+    head.save_pretrained(folder)
+    return folder
+
+
+def test_import_fasterdecoding_medusa_mixed_layouts_refused(tiny, tmp_path):
+    """A vocab projection on some heads only is neither layout: one message, no guess."""
+    heads = _repo_medusa_heads(2, 1, legacy=False)
+    sd = {k: v.clone() for k, v in heads.state_dict().items() if k != "1.1.weight"}
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1}))
+    save_file(sd, str(tmp_path / "medusa_lm_head.safetensors"))
+    with pytest.raises(SpecheadsError, match=r"heads \[0\] have a vocab projection \('\{h\}.1.weight'\)"):
+        import_head(tmp_path, tiny)
 
 
 def test_import_eagle1_repo_folder(tiny, tmp_path):

@@ -33,10 +33,33 @@ def test_page_is_rendered_from_the_recorded_rows_of_every_case(recorded):
     assert (ROOT / "docs" / "reliability.md").read_text() == sweep.render_markdown(recorded)
 
 
-def test_a_sample_of_cases_gives_the_recorded_messages(recorded, tmp_path):
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    """The sweep's shared fixtures (tiny target, prepared and trained runs), built once for this module."""
+    base = tmp_path_factory.mktemp("sweep")
+    _sweep().build_fixtures(base)
+    return base
+
+
+def test_the_fixture_run_trains(fixtures):
+    """The resume and checkpoint cases run on the fixture's trained run: its loss is not 0 and every trainable
+    tensor of the head changes between its two checkpoints (the target's random lm_head once put every row outside
+    the 64-token draft vocabulary: loss 0.0000, weights never moved, and resuming them proved nothing)."""
+    import torch
+    from safetensors.torch import load_file
+
+    summary = json.loads((fixtures / "trained" / "train_summary.json").read_text())
+    assert summary["steps"] == 2 and summary["last_loss"] > 0
+    first, last = (load_file(str(p / "model.safetensors"))
+                   for p in sorted((fixtures / "trained" / "checkpoints").glob("step-*")))
+    weights = [k for k, v in first.items() if v.is_floating_point()]
+    assert weights and [k for k in weights if torch.equal(first[k], last[k])] == []
+
+
+def test_a_sample_of_cases_gives_the_recorded_messages(recorded, fixtures):
     sweep = _sweep()
     want = {r["name"]: r for r in recorded}
-    rows = sweep.sweep(base=tmp_path, names=SAMPLE)
+    rows = sweep.sweep(base=fixtures, names=SAMPLE)
     assert [r["name"] for r in rows] == SAMPLE
     for r in rows:
         assert r["ok"], r

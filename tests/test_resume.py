@@ -14,6 +14,20 @@ from specheads.train.trainer import Trainer, list_checkpoints
 from specheads.utils import SpecheadsError
 
 
+def assert_trained(before: dict, head, target_before: dict, target) -> None:
+    """A run whose weights a test compares must move them (TRL's check): every trainable parameter of the head
+    changed, the frozen target did not. Equal weights after steps that change nothing would prove nothing."""
+    after = state(head)
+    trainable = [n for n, p in head.named_parameters() if p.requires_grad]
+    still = [n for n in trainable if torch.equal(before[n], after[n])]
+    assert trainable and not still, f"training left {still} unchanged (loss 0? every row masked?)"
+    assert all(torch.equal(v, target.model.state_dict()[k]) for k, v in target_before.items()), "target changed"
+
+
+def target_state(target) -> dict:
+    return {k: v.detach().clone() for k, v in target.model.state_dict().items()}
+
+
 class _Payload:
     """Unpickling this runs a shell command that creates `marker` (what a malicious checkpoint would do)."""
 
@@ -35,13 +49,19 @@ def _plant(folder, marker) -> list[str]:
 def test_resume_never_unpickles_a_crafted_checkpoint(tiny, tmp_path):
     over = ["train.max_steps=4", "train.save_every=2", "eval.every_steps=0", "eval.at_start=false"]
     r = make_recipe(tmp_path / "run", *over)
-    Trainer(r, tiny, make_head(r, tiny), token_samples(8), None).train(stop_after=2)
+    head, frozen = make_head(r, tiny), target_state(tiny)
+    init = state(head)
+    Trainer(r, tiny, head, token_samples(8), None).train(stop_after=2)
+    assert_trained(init, head, frozen, tiny)
+    at_2 = state(head)
     ck = list_checkpoints(tmp_path / "run")[-1]
     marker = tmp_path / "pwned"
     _plant(ck, marker)
-    res = Trainer(r, tiny, make_head(r, tiny), token_samples(8), None).train(resume=True)
+    resumed = make_head(r, tiny)
+    res = Trainer(r, tiny, resumed, token_samples(8), None).train(resume=True)
     assert not marker.exists(), "resume ran code from a pickle in the checkpoint"
     assert res.steps == 4
+    assert_trained(at_2, resumed, frozen, tiny)  # steps 3-4 moved the weights restored from step 2
     # a checkpoint holding only accelerate's pickles (no state of ours) is refused, naming the folder
     for p in ck.iterdir():
         if p.suffix in (".safetensors", ".json"):
@@ -76,8 +96,10 @@ def test_resume_bit_identical_with_noise_across_two_stops_and_a_kill_mid_save(ti
     data, val = token_samples(12), token_samples(2, seed=1)
     a = make_recipe(tmp_path / "a", *over)
     assert a.train.noise == 0.2
-    head_a = make_head(a, tiny)
+    head_a, frozen = make_head(a, tiny), target_state(tiny)
+    init = state(head_a)
     Trainer(a, tiny, head_a, data, val).train()
+    assert_trained(init, head_a, frozen, tiny)  # else equal weights below would prove nothing
 
     b = make_recipe(tmp_path / "b", *over)
 
@@ -120,13 +142,17 @@ def test_resume_bit_identical_with_noise_across_two_stops_and_a_kill_mid_save(ti
     summ_a = json.loads((tmp_path / "a" / "train_summary.json").read_text())
     summ_b = json.loads((tmp_path / "b" / "train_summary.json").read_text())
     assert summ_b["history"] == summ_a["history"] and summ_b["last_loss"] == summ_a["last_loss"]
+    assert summ_a["last_loss"] > 0
 
 
 def test_resume_of_a_finished_run_keeps_summary_true(tiny, tmp_path):
     """Resuming a run that already ended (killed after its last checkpoint): no second final evaluation in the
     history, and the last loss is the one stored in the checkpoint, not null."""
     r = make_recipe(tmp_path, "train.max_steps=4", "train.save_every=2")
-    Trainer(r, tiny, make_head(r, tiny), token_samples(8), token_samples(2, seed=1)).train()
+    head, frozen = make_head(r, tiny), target_state(tiny)
+    init = state(head)
+    Trainer(r, tiny, head, token_samples(8), token_samples(2, seed=1)).train()
+    assert_trained(init, head, frozen, tiny)
     first = json.loads((tmp_path / "train_summary.json").read_text())
     res = Trainer(r, tiny, make_head(r, tiny), token_samples(8), token_samples(2, seed=1)).train(resume=True)
     again = json.loads((tmp_path / "train_summary.json").read_text())

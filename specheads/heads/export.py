@@ -31,8 +31,9 @@ Every non-native export also carries a `specheads` block: format, consumers chec
   block_size, num_target_layers, dflash_config {target_layer_ids (ours - 1), mask_token_id}, DSpark fields; the
   same tensors, full vocabulary only (SpecForge drafts through the target's lm_head).
 
-Imports also accept FasterDecoding Medusa checkpoints (`{h}.{l}.linear.*`, optionally under `medusa_head.`; config
-medusa_num_heads / medusa_num_layers) and EAGLE-1 / EAGLE-3 repo folders (same layouts as `eagle` / `eagle3`).
+Imports also accept FasterDecoding Medusa checkpoints (`{h}.{l}.linear.*` [+ `{h}.{n}.weight`; without it, the
+legacy heads, the target's lm_head], optionally under `medusa_head.`; config medusa_num_heads / medusa_num_layers)
+and EAGLE-1 / EAGLE-3 repo folders (same layouts as `eagle` / `eagle3`).
 """
 from __future__ import annotations
 
@@ -66,9 +67,10 @@ BUNDLED_TARGETS = {"smollm2-135m": "specheads' bundled smollm2-135m is SmolLM2-1
                                    "acceptance may differ)"}
 _SKIP_ON_IMPORT = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")  # target's, not ours
 # FasterDecoding/Medusa checkpoints: the state dict of the heads' ModuleList, `{h}.{l}.linear.weight|bias` for the
-# ResBlocks and `{h}.{n}.weight` for the head's vocab projection; its trainer saves and loads that dict without a
-# prefix (medusa/train/train_legacy.py; medusa_model.py: medusa_head.load_state_dict), older exports carry
-# `medusa_head.` in front. Both are read.
+# ResBlocks and, in medusa_model.py's heads only, `{h}.{n}.weight` for the head's own vocab projection
+# (medusa_model_legacy.py's heads, the ones train_legacy.py trains and saves, are ResBlocks read through the base
+# model's lm_head); saved and loaded without a prefix (medusa_head.state_dict / load_state_dict), older exports
+# carry `medusa_head.` in front. All are read.
 _MEDUSA_REPO_KEY = re.compile(r"(?:medusa_head\.)?(\d+)\.(\d+)\.(linear\.)?(weight|bias)")
 
 # (format, consumer) -> the loader, as error messages name it.
@@ -171,14 +173,17 @@ def _eagle3_llama_dict(cfg: HeadConfig) -> dict:
 
 
 def _eagle1_config(cfg: HeadConfig, architecture: str) -> dict:
-    """The target's text config as one EAGLE-1 draft: n layers, the consumer's architecture name, legacy keys."""
+    """The target's text config as one EAGLE-1 draft: n layers, the consumer's architecture name, legacy keys.
+    tie_word_embeddings false whatever the target's: the draft carries neither lm_head nor embedding (the engine
+    hands it the target's), and SGLang's LlamaForCausalLMEagle with true makes its lm_head its embed_tokens, so
+    set_embed_and_head deletes the one module's weight twice and fails before drafting."""
     d = dict(cfg.target_config)
     for k in ("transformers_version", "_name_or_path", "auto_map", "id2label", "label2id"):
         d.pop(k, None)
     n = cfg.head_spec.num_layers
     if isinstance(d.get("layer_types"), list):
         d["layer_types"] = d["layer_types"][:n]
-    d.update(num_hidden_layers=n, architectures=[architecture])
+    d.update(num_hidden_layers=n, architectures=[architecture], tie_word_embeddings=False)
     return legacy_rope_keys(d)
 
 
@@ -539,11 +544,12 @@ def _read_medusa_vllm(config: dict, sd: dict, target, where: str, w: str) -> tup
 
 
 def _read_medusa_repo(config: dict, sd: dict, target, where: str, w: str) -> tuple[HeadSpec, dict]:
+    """medusa_model.py heads end in their own vocab projection `{h}.{n}.weight`; medusa_model_legacy.py heads (what
+    train_legacy.py trains and saves) are ResBlocks only and project through the base model's lm_head: imported as
+    a head sharing the target's lm_head (the same function). A mix of both is refused."""
     if "hidden_size" in config:
         _check_dims(config, target, where)
     K, n = int(_need(config, "medusa_num_heads", where)), int(_need(config, "medusa_num_layers", where))
-    spec = HeadSpec(kind="medusa", num_heads=K, num_layers=n, medusa_lm_head="per_head",
-                    bias=any(k.endswith("linear.bias") for k in sd))
     tensors = {}
     for k, v in sd.items():
         m = _MEDUSA_REPO_KEY.fullmatch(k)
@@ -556,6 +562,12 @@ def _read_medusa_repo(config: dict, sd: dict, target, where: str, w: str) -> tup
             tensors[f"lm_heads.{h}.weight"] = v
         else:
             raise SpecheadsError(f"{w}: unexpected key {k!r}")
+    own = sorted(h for h in range(K) if f"lm_heads.{h}.weight" in tensors)
+    if own and len(own) < K:
+        raise SpecheadsError(f"{w}: heads {own} have a vocab projection ('{{h}}.{n}.weight') and the others not; a "
+                             "checkpoint has it on every head (medusa_model.py) or on none (medusa_model_legacy.py)")
+    spec = HeadSpec(kind="medusa", num_heads=K, num_layers=n, medusa_lm_head="per_head" if own else "shared",
+                    bias=any(k.endswith("linear.bias") for k in sd))
     return spec, tensors
 
 
