@@ -6,9 +6,12 @@
         optimizer.safetensors    optimizer tensors; param groups and scalars as JSON in the file's metadata
         rng_state_<rank>.json    python / numpy / torch (CPU, CUDA) RNG states and the trainer's own generators
         pytorch_model/ + latest  DeepSpeed instead of model and optimizer: engine.save_checkpoint shards
+        checksums.sha256         the sha256 of every file above (`sha256sum -c` format), verified on resume
 
 Everything is written into `.step-NNNNNN.tmp`, then renamed: a kill mid-save leaves a temporary folder that the
-next run removes, and the newest complete checkpoint is the one before. Reading uses safetensors and `json` only;
+next run removes, and the newest complete checkpoint is the one before. Resume checks every file against
+checksums.sha256 first (a damaged file is one error naming it; checkpoints written before checksums load with a
+log line) and then the state files' keys and shapes. Reading uses safetensors and `json` only;
 accelerate's own files (`optimizer.bin`, `random_states_*.pkl`, `custom_checkpoint_*.pkl`) are neither written
 nor read. DeepSpeed's shards are pickles written by `torch.save`: they are read with `torch.load(weights_only=True)`
 and an allowlist of the few DeepSpeed classes they hold (an object of any other class is refused).
@@ -19,13 +22,14 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from specheads.utils import SpecheadsError, atomic_write_json, read_json
+from specheads.utils import SpecheadsError, atomic_write_json, atomic_write_text, read_json, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,9 @@ FORMAT = "specheads-checkpoint/2"
 MODEL_NAME = "model.safetensors"
 OPTIMIZER_NAME = "optimizer.safetensors"
 DS_TAG = "pytorch_model"  # DeepSpeed checkpoint tag (the sub-folder engine.save_checkpoint writes)
+CHECKSUMS_NAME = "checksums.sha256"  # `<sha256>  <relative path>` per file, written last, before the rename
+STEP_DIR = re.compile(r"step-(\d+)")
+_warned: set[Path] = set()  # folders under checkpoints/ already reported as not ours
 
 
 @dataclass
@@ -54,7 +61,15 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     root = Path(output_dir) / CKPT_DIR
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / STATE_NAME).exists()]
+    found = []
+    for p in root.iterdir():
+        if not (p.is_dir() and p.name.startswith("step-") and (p / STATE_NAME).exists()):
+            continue
+        if STEP_DIR.fullmatch(p.name):
+            found.append(p)
+        elif p not in _warned:  # e.g. a copy `step-000200-old`: never resumed from, never deleted
+            _warned.add(p)
+            log.warning("%s: not a checkpoint name (step-<number>): ignored", p)
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
@@ -90,6 +105,7 @@ def save_checkpoint(acc, model, opt, sched, state: TrainState, generators: dict[
         atomic_write_json(tmp / STATE_NAME, {"format": FORMAT, **asdict(state), "micro_step": acc.step,
                                              "num_processes": acc.num_processes,
                                              "scheduler": _json_state(sched.state_dict())})
+        write_checksums(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -146,6 +162,42 @@ def _json_state(obj):
     return obj
 
 
+def write_checksums(folder: Path) -> None:
+    """checksums.sha256 of every file under `folder` (sub-folders included), read back from disk."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != CHECKSUMS_NAME)
+    lines = [f"{sha256_file(p)}  {p.relative_to(folder).as_posix()}\n" for p in files]
+    atomic_write_text(folder / CHECKSUMS_NAME, "".join(lines))
+
+
+def verify_checksums(folder: Path) -> None:
+    """Every file listed in checksums.sha256 is there with its recorded sha256; one SpecheadsError naming the first
+    that is not. Files not listed (none of ours) are never read. Older checkpoints without the file: a log line."""
+    side = folder / CHECKSUMS_NAME
+    if not side.exists():
+        log.info("%s: written before checkpoints carried checksums (no %s): its files are not verified", folder,
+                 CHECKSUMS_NAME)
+        return
+    try:
+        lines = side.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecheadsError(f"{side}: unreadable ({type(e).__name__}: {e})") from None
+    if not any(line.endswith(f"  {STATE_NAME}") for line in lines):  # every save lists it: the file was cut short
+        raise SpecheadsError(f"{side}: does not list {STATE_NAME} (the file is damaged)")
+    for n, line in enumerate(lines, 1):
+        digest, _, rel = line.partition("  ")
+        bad_path = not rel or Path(rel).is_absolute() or ".." in Path(rel).parts
+        if not re.fullmatch(r"[0-9a-f]{64}", digest) or bad_path:
+            raise SpecheadsError(f"{side}: line {n} is not '<64 hex digits>  <file>' (the file is damaged)")
+        path = folder / rel
+        if not path.is_file():
+            raise SpecheadsError(f"{path}: missing (listed in {CHECKSUMS_NAME}; the checkpoint is incomplete); remove "
+                                 f"{folder} to resume from the checkpoint before it")
+        if sha256_file(path) != digest:
+            raise SpecheadsError(f"{path}: sha256 differs from the one recorded in {CHECKSUMS_NAME} when the "
+                                 f"checkpoint was saved (the file is damaged); remove {folder} to resume from the "
+                                 f"checkpoint before it")
+
+
 # ------------------------------------------------------------------------------------------------------------ load
 
 def load_checkpoint(acc, model, opt, sched, folder: Path, generators: dict[str, torch.Generator]) -> TrainState:
@@ -154,16 +206,49 @@ def load_checkpoint(acc, model, opt, sched, folder: Path, generators: dict[str, 
     if not isinstance(st, dict) or st.get("format") != FORMAT:
         raise SpecheadsError(f"{folder}: written by an older specheads (accelerate's pickled state); resume never "
                              f"unpickles, so it cannot continue from it: start a new run in another output_dir")
+    verify_checksums(folder)
+    check_state(st, folder)
     if _is_deepspeed(acc):
         load_deepspeed(model, folder)
     else:
         read_model_state(acc.unwrap_model(model), folder)
         read_optimizer_state(opt, folder)
-    sched.load_state_dict(st["scheduler"])
+    try:
+        sched.load_state_dict(st["scheduler"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise SpecheadsError(f"{folder / STATE_NAME}: key 'scheduler': not this run's LR scheduler state "
+                             f"({type(e).__name__}: {e})") from None
     read_rng_state(folder, acc.process_index, generators, st.get("num_processes"), acc.num_processes)
     acc.step = int(st.get("micro_step", 0))
     fields = {k: st[k] for k in ("step", "best_metric", "best_step", "history", "last_loss") if k in st}
     return TrainState(**fields, micro_step=acc.step)
+
+
+def check_state(st: dict, folder: Path) -> None:
+    """trainer_state.json has the keys resume needs, of the right types, and the step its folder is named for."""
+    path = folder / STATE_NAME
+
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    def is_num(v) -> bool:
+        return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+    missing = [k for k in ("step", "scheduler") if k not in st]
+    if missing:
+        raise SpecheadsError(f"{path}: key(s) {missing} missing (the state file is damaged)")
+    checks = {"step": is_int, "scheduler": lambda v: isinstance(v, dict), "micro_step": is_int,
+              "history": lambda v: isinstance(v, list) and all(isinstance(h, dict) for h in v),
+              "best_metric": is_num, "last_loss": is_num, "best_step": lambda v: v is None or is_int(v),
+              "num_processes": lambda v: v is None or (is_int(v) and v >= 1)}
+    for key, ok in checks.items():
+        if key in st and not ok(st[key]):
+            raise SpecheadsError(f"{path}: key {key!r}: unexpected value {str(st[key])[:80]!r} (the state file is "
+                                 f"damaged)")
+    m = STEP_DIR.fullmatch(folder.name)
+    if m and int(m.group(1)) != st["step"]:
+        raise SpecheadsError(f"{path}: key 'step' is {st['step']} but the folder is {folder.name} (the state file "
+                             f"is damaged or was copied from another checkpoint)")
 
 
 def read_model_state(module: torch.nn.Module, folder: Path) -> None:
@@ -218,16 +303,21 @@ def read_rng_state(folder: Path, rank: int, generators: dict[str, torch.Generato
                     "(the result is not bit-identical to an uninterrupted run)", folder, saved_procs, procs)
         return
     st = read_json(path)
-    version, mt, gauss = st["python"]
-    random.setstate((version, tuple(mt), gauss))
-    name, keys, pos, has_gauss, cached = st["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]])
-    for k, g in generators.items():
-        if k in st["generators"]:
-            g.set_state(torch.tensor(st["generators"][k], dtype=torch.uint8))
+    try:
+        version, mt, gauss = st["python"]
+        random.setstate((version, tuple(mt), gauss))
+        name, keys, pos, has_gauss, cached = st["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
+        if "cuda" in st and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]])
+        for k, g in generators.items():
+            if k in st["generators"]:
+                g.set_state(torch.tensor(st["generators"][k], dtype=torch.uint8))
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError, OverflowError) as e:
+        msg = str(e).splitlines()[0][:200] if str(e) else ""
+        raise SpecheadsError(f"{path}: not a valid RNG state ({type(e).__name__}: {msg}); the file is "
+                             f"damaged") from None
 
 
 # ------------------------------------------------------------------------------------------------------- DeepSpeed
