@@ -90,6 +90,9 @@ def test_deepspeed_zero2_completes_resumes_and_loads(tmp_path):
     states = ck4 / "pytorch_model" / "mp_rank_00_model_states.pt"
     torch.save({"module": _Payload(marker)}, states)
     r = launch(common[:-1] + ["6", "--resume"], cpu_env=False, ok=False)
+    assert r.returncode != 0 and "sha256 differs" in r.stdout + r.stderr and not marker.exists()  # checksums first
+    (ck4 / "checksums.sha256").unlink()  # without checksums (an older checkpoint) the loader's allowlist refuses it
+    r = launch(common[:-1] + ["6", "--resume"], cpu_env=False, ok=False)
     assert r.returncode != 0 and "refused to unpickle" in r.stdout + r.stderr and not marker.exists()
 
 
