@@ -9,14 +9,17 @@ from specheads.utils import SpecheadsError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", required=True, help="head folder (medusa, eagle, eagle3; native layout)")
-    p.add_argument("--target", default="smollm2-135m", help="target alias, HF folder, hub id or .gguf")
+    p.add_argument("--target", default=None,
+                   help="target alias, HF folder, hub id or .gguf (default smollm2-135m; heldout:RUN: the run's)")
     p.add_argument("--dataset", default="mt-bench",
                    help="mt-bench | humaneval | sharegpt:START (first user turns from conversation START on: past the "
-                        "recipe's data.max_conversations they are unseen) | FILE.jsonl")
+                        "recipe's data.max_conversations they are unseen) | sharegpt-dev (the training dev set's "
+                        "prompts) | FILE.jsonl | heldout:RUN (the held-out split a `specheads train` run folder "
+                        "evaluated, with its settings: reproduces its training-time figures)")
     p.add_argument("--limit", type=int, default=8, help="prompts (MT-bench: categories interleaved; default 8)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens of each target answer (default 64)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "bfloat16", "float32"],
-                   help="target dtype (default bf16, as the recipes extract features)")
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp32", "bfloat16", "float32"],
+                   help="target dtype (default bf16, as the recipes extract features; heldout:RUN: the run's)")
     p.add_argument("--tree-width", type=int, default=2, help="simulated tree: branching per depth (default 2)")
     p.add_argument("--tree-depth", type=int, default=4, help="simulated tree: depth (default 4)")
     p.add_argument("--device", default=None)
@@ -33,11 +36,23 @@ def run(args: argparse.Namespace) -> int:
                         ("--tree-depth", args.tree_depth)):
         if value < 1:
             raise SpecheadsError(f"{flag} {value}: must be at least 1")
-    prompts = load_prompts(args.dataset, args.limit)
-    dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype, args.dtype)
-    target = load_target(args.target, dtype=dtype, device=args.device)
-    head = load_head(args.head, target).eval()
-    figures = evaluate_head_on_prompts(target, head, prompts, args.max_new_tokens, args.tree_width, args.tree_depth)
+    if args.dataset.startswith("heldout:"):
+        from specheads.infer.head_eval import evaluate_head_on_heldout, heldout_recipe
+
+        recipe = heldout_recipe(args.dataset.split(":", 1)[1])
+        dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype, args.dtype) or recipe.target.dtype
+        target = load_target(args.target or recipe.target.name, dtype=dtype, device=args.device,
+                             trust_remote_code=recipe.target.trust_remote_code)
+        head = load_head(args.head, target).eval()
+        figures = evaluate_head_on_heldout(target, head, recipe)
+        args.max_new_tokens = None  # the stored answers, as the run wrote them
+    else:
+        prompts = load_prompts(args.dataset, args.limit)
+        dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype or "bf16", args.dtype)
+        target = load_target(args.target or "smollm2-135m", dtype=dtype, device=args.device)
+        head = load_head(args.head, target).eval()
+        figures = evaluate_head_on_prompts(target, head, prompts, args.max_new_tokens, args.tree_width,
+                                           args.tree_depth)
     result = {"head": args.head, "kind": head.config.kind, "dataset": args.dataset,
               "max_new_tokens": args.max_new_tokens, **figures}
     print(json.dumps(result) if args.json else table(result))
@@ -46,8 +61,9 @@ def run(args: argparse.Namespace) -> int:
 
 def table(result: dict) -> str:
     lines = [f"# specheads eval: {result['head']} ({result['kind']}) on {result['dataset']}", "",
-             f"{result['prompts']} prompts, {result['answer_tokens']} answer tokens (the target's greedy answers, "
-             f"up to {result['max_new_tokens']} tokens each), teacher-forced", "", "| metric | value |", "|---|---:|"]
+             f"{result['prompts']} prompts, {result['answer_tokens']} answer tokens ("
+             + ("the run's held-out answers" if result["max_new_tokens"] is None else
+                f"the target's greedy answers, up to {result['max_new_tokens']} tokens each") + "), teacher-forced", "", "| metric | value |", "|---|---:|"]
     skip = {"head", "kind", "dataset", "max_new_tokens", "prompts", "answer_tokens"}
     lines += [f"| {k} | {v} |" for k, v in result.items() if k not in skip]
     return "\n".join(lines)
