@@ -1,6 +1,8 @@
 """The report scripts that write the README's result blocks."""
 import importlib.util
 import json
+
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,3 +92,22 @@ def test_head_compare_reads_the_best_step_and_the_calibration(tmp_path):
     assert rows[0]["tau_tree"] == 2.0  # no best_step: the last evaluation
     md = (tmp_path / "out" / "heads.md").read_text()
     assert "dspark = DFlash" in md and md.startswith("Produced by `python scripts/head_compare.py")
+
+
+def test_prediction_table_reads_the_best_step_and_the_served_tau(tmp_path):
+    table = _script("prediction_table")
+    run = tmp_path / "run"
+    run.mkdir()
+    hist = [{"step": 0, "tau_chain_walk": 1.0, "dev_tau_chain_walk": 1.0},
+            {"step": 10, "tau_chain": 1.6, "tau_chain_walk": 1.5, "tau_chain_walk_se": 0.02, "dev_tau_chain_walk": 1.4},
+            {"step": 20, "tau_chain_walk": 1.55, "dev_tau_chain_walk": 1.3}]
+    (run / "train_summary.json").write_text(json.dumps({"best_step": 10, "history": hist}))
+    bench = tmp_path / "results.json"
+    bench.write_text(json.dumps({"command": "specheads bench ...", "methods": {"head:eagle3": {
+        "overall": {"tau": 1.35, "turns": 80}}}}))
+    out = tmp_path / "pred"
+    assert table.main(["--row", "h", str(run), str(bench), "head:eagle3", "tau_chain_walk", "--out", str(out)]) == 0
+    r = json.loads((out.parent / "pred.json").read_text())["rows"][0]
+    assert (r["held_out"], r["dev"], r["served_tau"], r["held_out_per_position"]) == (1.5, 1.4, 1.35, 1.6)
+    assert r["dev_error"] == pytest.approx(1.4 / 1.35 - 1) and r["holds"]  # +3.7%: within 5%
+    assert "| h | 10 | 1.600 | 1.500 ± 0.020 | 1.400 | 1.350 (80 turns) | +3.7% | yes |" in (out.parent / "pred.md").read_text()
