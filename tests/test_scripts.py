@@ -1,9 +1,9 @@
 """The report scripts that write the README's result blocks."""
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
