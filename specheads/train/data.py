@@ -22,7 +22,8 @@ message i, `render(messages[:i], add_generation_prompt=True)` is a prefix of `re
 holds the content (located with `str.find`) followed by the turn's suffix, whose leading special token (if any) is the
 end-of-turn token. Each text segment is tokenised on its own and the ids are concatenated, which is how the target
 sees an answer it generated itself (the prompt is tokenised, the answer arrives as tokens); decoding the masked ids
-therefore gives back exactly the assistant texts plus the end-of-turn token.
+therefore gives back exactly the assistant texts plus the end-of-turn token. A regenerated answer that carries
+`token_ids` (data/regenerated.jsonl) is trained on exactly those ids, not on its text re-encoded.
 """
 from __future__ import annotations
 
@@ -256,6 +257,11 @@ def normalize_row(row: Any) -> tuple[str | None, list[dict]]:
         if not isinstance(content, str):
             raise Malformed(f"non-string value: turn {i} {ck} is a {type(content).__name__}")
         messages.append({"role": ROLE_MAP[role.lower()], "content": content})
+        ids = t.get("token_ids")  # a regenerated answer: the target's own tokens (regenerate.py)
+        if ids is not None and messages[-1]["role"] == "assistant":
+            if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+                raise Malformed(f"bad token_ids: turn {i} token_ids is not a list of integers")
+            messages[-1]["token_ids"] = ids
     # FastChat/Medusa convention: a conversation that opens with the assistant starts at the first user turn.
     start = 0
     while start < len(messages) and messages[start]["role"] == "assistant":
@@ -371,17 +377,21 @@ def load_conversations(source: Any = "sharegpt", max_conversations: int | None =
                     "; ".join(stats.examples))
     if stats.empty_turns:
         log.warning("skipped %d empty assistant turns (with the user turns they answer)", stats.empty_turns)
+    with_ids = any("token_ids" in m for ms in msgs for m in ms)  # messages then carry token_ids (None: text)
+    msgs = [[dict(m, token_ids=m.get("token_ids")) for m in ms] for ms in msgs] if with_ids else msgs
     ds = datasets.Dataset.from_dict({"conversation_id": ids, "messages": msgs},
-                                    features=_conversation_features())
+                                    features=_conversation_features(with_ids))
     return ds, stats
 
 
-def _conversation_features():
+def _conversation_features(with_ids: bool = False):
+    """messages[{role, content}], plus token_ids (a regenerated answer's tokens, else None) when `with_ids`."""
     import datasets
 
-    return datasets.Features({"conversation_id": datasets.Value("string"),
-                              "messages": datasets.List({"role": datasets.Value("string"),
-                                                         "content": datasets.Value("string")})})
+    msg = {"role": datasets.Value("string"), "content": datasets.Value("string")}
+    if with_ids:
+        msg["token_ids"] = datasets.List(datasets.Value("int32"))
+    return datasets.Features({"conversation_id": datasets.Value("string"), "messages": datasets.List(msg)})
 
 
 def is_val(conversation_id: str, val_fraction: float) -> bool:
@@ -408,11 +418,14 @@ def _special_tokens(tokenizer) -> list[str]:
     return sorted((t for t in toks if t), key=len, reverse=True)
 
 
-def render_segments(tokenizer, messages: list[dict], specials: list[str] | None = None) -> list[tuple[str, bool]]:
+def render_segments(tokenizer, messages: list[dict], specials: list[str] | None = None,
+                    add_generation_prompt: bool = False) -> list[tuple[str | list[int], bool]]:
     """The rendered conversation as (text, trained) segments; trained = assistant content + end-of-turn token.
+    An assistant message with `token_ids` (a regenerated answer) gives its content as those ids, not its text,
+    then its end-of-turn token as text: the target's own tokens, which decode -> encode would change.
     Raises Malformed when the template does not render prefix-consistently for this conversation."""
     specials = _special_tokens(tokenizer) if specials is None else specials
-    segs: list[tuple[str, bool]] = []
+    segs: list[tuple[str | list[int], bool]] = []
     done = ""  # text covered so far
     for i, m in enumerate(messages):
         full = _render(tokenizer, messages[: i + 1])
@@ -432,9 +445,12 @@ def render_segments(tokenizer, messages: list[dict], specials: list[str] | None 
         suffix = region[idx + len(content):]
         eot = next((s for s in specials if suffix.startswith(s)), "")
         segs.append((gen[len(done):] + region[:idx], False))
-        segs.append((content + eot, True))
+        if m.get("token_ids") is not None:
+            segs += [([int(t) for t in m["token_ids"]], True), (eot, True)]
+        else:
+            segs.append((content + eot, True))
         done = gen + region[: idx + len(content) + len(eot)]
-    tail = _render(tokenizer, messages)
+    tail = _render(tokenizer, messages, add_generation_prompt)
     if not tail.startswith(done):
         raise Malformed("template not prefix-consistent: full rendering differs from its prefixes")
     if len(tail) > len(done):
@@ -464,16 +480,22 @@ def tokenize_conversations(conversations, tokenizer, max_length: int, batch_size
                 if len(bad) < SHOW_REASONS:
                     bad.append(f"{cid}: {e}")
                 continue
-            plan.append([(len(pieces) + k, m) for k, (_, m) in enumerate(segs)])
-            pieces.extend(t for t, _ in segs)
+            entry = []
+            for t, m in segs:  # text: encoded in one batch below (its index in pieces); ids: kept as they are
+                if isinstance(t, str):
+                    pieces.append(t)
+                    t = len(pieces) - 1
+                entry.append((t, m))
+            plan.append(entry)
         enc = tokenizer(pieces, add_special_tokens=False)["input_ids"] if pieces else []
         for cid, p in zip(batch["conversation_id"], plan):
             ids: list[int] = []
             mask: list[int] = []
             if p is not None:
                 for k, m in p:
-                    ids.extend(enc[k])
-                    mask.extend([int(m)] * len(enc[k]))
+                    seg = enc[k] if isinstance(k, int) else k
+                    ids.extend(seg)
+                    mask.extend([int(m)] * len(seg))
             status = "template" if p is None else ("ok" if len(ids) <= max_length else "cut")
             ids, mask = ids[:max_length], mask[:max_length]
             if p is not None and not any(mask):

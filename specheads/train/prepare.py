@@ -1,7 +1,7 @@
 """`specheads prepare`: conversations -> (optional regenerate) -> tokens + assistant masks -> target features.
 
 Writes under `recipe.output_dir`:
-    data/regenerated.jsonl   the target's own answers (data.regenerate: true), resumable by conversation id
+    data/regenerated.jsonl   the target's own answers (data.regenerate: true; text and token ids), resumable by id
     data/regenerated-text.jsonl  data.mode text: the target's continuations of each window's prefix (token ids)
     data/tokens/             datasets.Dataset (input_ids, loss_mask, conversation_id), saved atomically
     features/                offline shards + manifest.json (features.mode: offline), resumable, then the
@@ -175,10 +175,7 @@ def _read_source(recipe, timings: dict):
 
 def _regenerate(recipe, target, convs, regen_path: Path, max_length: int, summary: dict, timings: dict, progress):
     """The target answers the conversations (resumable by id); returns the conversations to tokenise."""
-    import datasets
-
-    from specheads.train.data import load_conversations
-    from specheads.train.regenerate import read_done_ids, regenerate
+    from specheads.train.regenerate import read_done_ids, read_regenerated, regenerate
 
     dc = recipe.data
     t = time.perf_counter()
@@ -198,10 +195,7 @@ def _regenerate(recipe, target, convs, regen_path: Path, max_length: int, summar
                         seed=recipe.seed, progress=progress, max_turns=dc.regen_max_turns)
     del gen_target
     wanted = set(convs["conversation_id"])
-    regen, rl = load_conversations(str(regen_path))
-    convs = regen.filter(lambda c: c in wanted, input_columns="conversation_id", desc="select regenerated")
-    if keep is not None:
-        convs = datasets.concatenate_datasets([convs, keep])  # same columns: both from load_conversations
+    convs, rl = read_regenerated(regen_path, wanted, keep)  # answers with the ids the target generated
     timings["regenerate_s"] = time.perf_counter() - t
     summary.update({"regenerated_conversations": len(wanted),
                     "source_reply_conversations": 0 if keep is None else len(keep),

@@ -4,7 +4,11 @@
 answers already regenerated) to one continuously refilled decoding batch (`generate_stream`); a conversation is
 appended to the JSONL output (one line `{"id", "messages"}`, flushed and fsynced every `batch_size` conversations)
 once all its turns are done, so a killed run keeps every finished conversation and a rerun skips their ids (a cut
-last line is ignored and rewritten).
+last line is ignored and rewritten). Each regenerated answer keeps its text (to read) and the ids the target
+generated (`token_ids`): tokenisation trains on those ids, since decoding then re-encoding changes tokens (measured:
+28 of 190 capped answers came back longer), and a conversation's next prompt is built from them the same way
+(`history_prompt_ids`), so the tokens trained on are the tokens the target saw and wrote. `read_regenerated` reads
+the file back for prepare (a file written before ids were stored is re-encoded from its text, as before).
 
 Efficiency on CPU: a decode step has a large fixed cost (63 ms for 8 rows, 187 ms for 64, SmolLM2 bf16, 2 cores),
 so the batch is kept full: when fewer than `REFILL_BELOW` x batch_size rows are still decoding, the next waiting
@@ -278,9 +282,12 @@ class _Answers:
 
     def __init__(self, todo: list[dict], tok, f, max_length: int, max_new_tokens: int, max_turns: int | None,
                  sync_every: int, on_done):
+        from specheads.train.data import _special_tokens
+
         self.todo, self.tok, self.f = todo, tok, f
         self.max_length, self.max_new_tokens, self.max_turns = max_length, max_new_tokens, max_turns
         self.hist: list[list[dict]] = [[] for _ in todo]  # regenerated conversation so far
+        self.specials = _special_tokens(tok)  # for history_prompt_ids, found once
         self.cursor = [0] * len(todo)  # next source message index to copy
         self.sync_every, self.unsynced, self.on_done = sync_every, 0, on_done
 
@@ -289,7 +296,8 @@ class _Answers:
         False when the conversation is complete (no more answers, max_turns reached, or no room left)."""
         msgs, hist = self.todo[j]["messages"], self.hist[j]
         while self.cursor[j] < len(msgs) and msgs[self.cursor[j]]["role"] != "assistant":
-            hist.append(dict(msgs[self.cursor[j]]))
+            m = msgs[self.cursor[j]]
+            hist.append({"role": m["role"], "content": m["content"]})
             self.cursor[j] += 1
         if self.cursor[j] >= len(msgs):
             return False
@@ -297,7 +305,7 @@ class _Answers:
             while hist and hist[-1]["role"] != "assistant":  # drop the unanswered prompt
                 hist.pop()
             return False
-        ids = chat_prompt_ids(self.tok, hist)
+        ids = history_prompt_ids(self.tok, hist, self.specials)
         room = min(self.max_new_tokens, self.max_length - len(ids))
         if room <= 0:  # the prompt alone fills max_length: later turns would be cut anyway
             return False
@@ -305,7 +313,8 @@ class _Answers:
         return True
 
     def answered(self, j: int, answer: list[int]) -> None:
-        self.hist[j].append({"role": "assistant", "content": self.tok.decode(answer, skip_special_tokens=True)})
+        self.hist[j].append({"role": "assistant", "content": self.tok.decode(answer, skip_special_tokens=True),
+                             "token_ids": [int(t) for t in answer]})
         self.cursor[j] += 1
 
     def finish(self, j: int) -> None:
@@ -322,6 +331,55 @@ class _Answers:
         self.f.flush()
         os.fsync(self.f.fileno())
         self.unsynced = 0
+
+
+def history_prompt_ids(tok, hist: list[dict], specials: list[str]) -> list[int]:
+    """The prompt for the answer after `hist` (which ends with a user turn): the segments tokenize_conversations
+    trains on (earlier answers as the ids the target generated), then the generation prompt, so the prompt equals
+    the training tokens before this answer. The first turn is chat_prompt_ids; so is a template that cannot be split
+    (tokenisation drops such a conversation anyway)."""
+    from specheads.train.data import Malformed, render_segments
+
+    if not any(m["role"] == "assistant" for m in hist):
+        return chat_prompt_ids(tok, hist)
+    try:
+        segs = render_segments(tok, hist, specials, add_generation_prompt=True)
+    except Malformed:
+        return chat_prompt_ids(tok, hist)
+    ids: list[int] = []
+    for t, _ in segs:
+        ids += t if isinstance(t, list) else tok(t, add_special_tokens=False)["input_ids"]
+    return [int(i) for i in ids]
+
+
+def read_regenerated(path: str | os.PathLike, wanted: set[str], keep=None):
+    """The conversations `wanted` from a `regenerate` file, then `keep` (conversations that keep the source's
+    replies) -> (Dataset[conversation_id, messages], LoadStats of the file). Answers without token_ids (a file
+    written before they were stored) are re-encoded from their text at tokenisation; one log line counts them."""
+    import datasets
+
+    from specheads.train.data import load_conversations
+
+    regen, stats = load_conversations(str(path))
+    regen = regen.filter(lambda c: c in wanted, input_columns="conversation_id", desc="select regenerated")
+    answers = [m for ms in regen["messages"] for m in ms if m["role"] == "assistant"]
+    old = sum(m.get("token_ids") is None for m in answers)
+    if old:
+        log.info("%s: %d of %d regenerated answers carry no token ids (written by an older version): their text is "
+                 "re-encoded, which can change their tokens", path, old, len(answers))
+    if keep is None:
+        return regen, stats
+    parts = [regen, keep]
+    if regen.features != keep.features:  # one side carries token_ids: give the other None ids
+        parts = [p if "token_ids" in p.features["messages"].feature else _with_no_ids(p) for p in parts]
+    return datasets.concatenate_datasets(parts), stats
+
+
+def _with_no_ids(convs):
+    from specheads.train.data import _conversation_features
+
+    return convs.map(lambda ms: {"messages": [dict(m, token_ids=None) for m in ms]}, input_columns="messages",
+                     features=_conversation_features(with_ids=True), desc="align columns")
 
 
 def _first_prompt_chars(row: dict) -> int:

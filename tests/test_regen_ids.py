@@ -1,0 +1,177 @@
+"""Regenerated answers are trained on the token ids the target generated, not on their text re-encoded (issue 31).
+
+Targets: the tiny random Llama over SmolLM2's tokenizer (its random whole-word tokens mostly survive decode ->
+encode), and one that always writes an emoji's lead byte, whose capped answers do not survive it."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+
+@pytest.fixture
+def tiny_chat(smol_tokenizer):
+    """A random 4-layer Llama (hidden 64) over SmolLM2's vocabulary and chat template: fast, real tokenizer."""
+    from specheads.target import tiny_target
+
+    return tiny_target(vocab_size=len(smol_tokenizer), tokenizer=smol_tokenizer)
+
+
+def _convs(n, multi=()):
+    rows = []
+    for i in range(n):
+        turns = [{"from": "human", "value": f"Question {i}: why?"}, {"from": "gpt", "value": f"Answer {i}."}]
+        if i in multi:
+            turns += [{"from": "human", "value": "More?"}, {"from": "gpt", "value": "Yes, more."}]
+        rows.append({"id": f"c{i}", "conversations": turns})
+    return rows
+
+
+def _recipe(tmp_path, source, *extra):
+    from specheads.config import load_config
+    from specheads.recipe import Recipe
+
+    return load_config(Recipe, None, [f"output_dir={tmp_path / 'run'}", f"data.source={source}", "data.max_length=96",
+                                      "data.val_fraction=0", "head.kind=eagle3", "features.mode=online",
+                                      "data.regenerate=true", "data.regen_max_new_tokens=6", *extra])
+
+
+def _spans(row):
+    """The trained (loss_mask 1) runs of a tokenised sample: one per assistant turn, as (start, ids)."""
+    spans, start = [], None
+    ids, mask = row["input_ids"], row["loss_mask"]
+    for k, m in enumerate(list(mask) + [0]):
+        if m and start is None:
+            start = k
+        elif not m and start is not None:
+            spans.append((start, list(ids[start:k])))
+            start = None
+    return spans
+
+
+def _reencoded(tok, ids):
+    return tok(tok.decode(ids, skip_special_tokens=True), add_special_tokens=False)["input_ids"]
+
+
+def test_prepare_trains_on_the_generated_ids_single_and_multi_turn(tiny_chat, tmp_path):
+    """prepare with regeneration: every trained span is exactly the target's generated ids + <|im_end|>, and the
+    prompt the target continued (greedy) is exactly the training tokens before that span, second turns included."""
+    import datasets
+
+    from specheads.train.prepare import prepare
+    from specheads.train.regenerate import generate_batch
+
+    tok = tiny_chat.tokenizer
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    src = tmp_path / "convs.json"
+    src.write_text(json.dumps(_convs(6, multi=(0, 3))))
+    s = prepare(_recipe(tmp_path, src, "data.regen_conversations=4"), target=tiny_chat, progress=False)
+    assert s["samples"] == 6 and s["regenerated_conversations"] == 4 and s["source_reply_conversations"] == 2
+    rows = {r["id"]: r for r in map(json.loads, (tmp_path / "run/data/regenerated.jsonl").read_text().splitlines())}
+    assert sorted(rows) == ["c0", "c1", "c2", "c3"]
+    tokens = {r["conversation_id"]: r for r in datasets.load_from_disk(str(tmp_path / "run/data/tokens"))}
+    for cid, row in rows.items():
+        answers = [m for m in row["messages"] if m["role"] == "assistant"]
+        assert len(answers) == (2 if cid in ("c0", "c3") else 1)
+        spans = _spans(tokens[cid])
+        assert len(spans) == len(answers)
+        for m, (start, span) in zip(answers, spans):
+            ids = m["token_ids"]
+            assert m["content"] == tok.decode(ids, skip_special_tokens=True)  # the text is kept to read
+            assert span == ids + [eot]  # token for token what the target generated, then the template's end
+            prompt = list(tokens[cid]["input_ids"][:start])
+            assert generate_batch(tiny_chat, [prompt], len(ids))[0] == ids  # the prompt it answered
+    for cid in ("c4", "c5"):  # the source's replies: re-encoded text, as before
+        assert [tok.decode(x) for _, x in _spans(tokens[cid])] == [f"Answer {cid[1]}.<|im_end|>"]
+
+
+def _always(tok, token: str):
+    """The tiny target with an lm_head that always picks `token` (zero weights, a one-hot bias)."""
+    import torch
+
+    from specheads.target import tiny_target
+
+    t = tiny_target(vocab_size=len(tok), tokenizer=tok)
+    head = torch.nn.Linear(t.model.config.hidden_size, len(tok), bias=True)
+    torch.nn.init.zeros_(head.weight)
+    with torch.no_grad():
+        head.bias.zero_()
+        head.bias[tok.convert_tokens_to_ids(token)] = 10.0
+    t.model.lm_head = head.requires_grad_(False)
+    return t
+
+
+def test_answer_capped_mid_character_keeps_its_tokens(smol_tokenizer, tmp_path):
+    """A target that always writes the first byte of a 4-byte character ('ð', an emoji's lead byte): every answer is
+    capped inside a character, its text is U+FFFD replacement characters, which re-encode as other tokens. Trained
+    spans are still the 5 generated byte tokens + <|im_end|>, in first and second turns, and the second turn's
+    prompt (the training tokens before it) holds the first answer as generated."""
+    from specheads.train.data import load_conversations, tokenize_conversations
+    from specheads.train.regenerate import read_regenerated, regenerate
+
+    tok = smol_tokenizer
+    lead, eot = tok.convert_tokens_to_ids("ð"), tok.convert_tokens_to_ids("<|im_end|>")
+    assert _reencoded(tok, [lead] * 5) != [lead] * 5  # the case this test is about
+    convs, _ = load_conversations(_convs(3, multi=(1,)))
+    out = tmp_path / "regen.jsonl"
+    regenerate(_always(tok, "ð"), convs, out, max_length=128, max_new_tokens=5, batch_size=2, progress=False)
+    stored = [m["token_ids"] for r in map(json.loads, out.read_text().splitlines())
+              for m in r["messages"] if m["role"] == "assistant"]
+    assert stored == [[lead] * 5] * 4  # c0, c1 (two turns), c2
+    regen, _ = read_regenerated(out, set(convs["conversation_id"]))
+    tokens, _ = tokenize_conversations(regen, tok, 128)
+    for row in tokens:
+        spans = _spans(row)
+        assert [x for _, x in spans] == [[lead] * 5 + [eot]] * (2 if row["conversation_id"] == "c1" else 1)
+        assert not set(_reencoded(tok, [lead] * 5)) & set(row["input_ids"])  # no re-encoded U+FFFD, prompts too
+
+
+def test_old_jsonl_without_ids_still_loads(tiny_chat, tmp_path, caplog):
+    """A file written before ids were stored (and one where a resumed run appended rows with ids) loads; answers
+    without ids are re-encoded from their text, as before, and one log line says how many."""
+    import datasets
+
+    from specheads.train.data import load_conversations, tokenize_conversations
+    from specheads.train.regenerate import read_done_ids, read_regenerated, regenerate
+
+    tok = tiny_chat.tokenizer
+    old = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"Question {i}: why?"},
+                                        {"role": "assistant", "content": f"Old answer {i}."}]} for i in range(2)]
+    path = tmp_path / "regenerated.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in old))
+    with caplog.at_level(logging.INFO, logger="specheads.train.regenerate"):
+        regen, st = read_regenerated(path, {"c0", "c1"})
+    assert st.skipped == 0 and sorted(regen["conversation_id"]) == ["c0", "c1"]
+    notes = [r.getMessage() for r in caplog.records if "no token ids" in r.getMessage()]
+    assert len(notes) == 1 and "2 of 2" in notes[0]
+    got, _ = tokenize_conversations(regen, tok, 96)
+    ref, _ = tokenize_conversations(load_conversations(old)[0], tok, 96)  # today's re-encoding
+    assert got["input_ids"] == ref["input_ids"] and got["loss_mask"] == ref["loss_mask"]
+
+    # resumed with this version: the old rows are kept (by id), new rows carry ids, both load together
+    convs, _ = load_conversations(_convs(4))
+    regenerate(tiny_chat, convs, path, max_length=96, max_new_tokens=4, batch_size=2, progress=False)
+    assert read_done_ids(path) == {"c0", "c1", "c2", "c3"}
+    keep, _ = load_conversations(_convs(5)[4:])  # a source-reply conversation without ids beside them
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="specheads.train.regenerate"):
+        mixed, _ = read_regenerated(path, {"c0", "c1", "c2", "c3"}, keep)
+    assert [r.getMessage() for r in caplog.records if "no token ids" in r.getMessage()][0].startswith(
+        f"{path}: 2 of 4")
+    assert isinstance(mixed, datasets.Dataset) and len(mixed) == 5
+    by_id = {c["conversation_id"]: c["messages"] for c in mixed}
+    assert by_id["c0"][1]["token_ids"] is None and by_id["c4"][1]["token_ids"] is None
+    assert len(by_id["c2"][1]["token_ids"]) == 4
+
+
+def test_bad_token_ids_is_one_counted_reason(tmp_path):
+    from specheads.train.data import load_conversations
+
+    rows = [{"id": "x", "messages": [{"role": "user", "content": "q"},
+                                     {"role": "assistant", "content": "a", "token_ids": ["7"]}]},
+            {"id": "y", "messages": [{"role": "user", "content": "q"},
+                                     {"role": "assistant", "content": "a", "token_ids": [7, 8]}]}]
+    ds, st = load_conversations(rows)
+    assert st.skipped == 1 and st.reasons["bad token_ids"] == 1
+    assert ds[0]["messages"][1]["token_ids"] == [7, 8]
