@@ -15,6 +15,15 @@ def parse_batch_sizes(text: str) -> list[int]:
     return check_batch_sizes([int(p) for p in parts])
 
 
+def check_sizes_fit(sizes: list[int], n_prompts: int, dataset: str) -> None:
+    """A batch size above the prompt count would run as a smaller batch under its label: refused (one line)."""
+    over = [b for b in sizes if b > n_prompts]
+    if over:
+        raise SpecheadsError(f"--batch-sizes {','.join(map(str, sizes))}: {','.join(map(str, over))} above the "
+                             f"{n_prompts} prompts of --dataset {dataset} (a batch never holds more rows than there "
+                             f"are prompts): use sizes up to {n_prompts}, or more prompts (--limit, --dataset)")
+
+
 def run(args: argparse.Namespace, options) -> int:
     """The flags as plain values (`options`: bench.MethodOptions, from commands/bench.py), checked before the target
     loads; then the sweep."""
@@ -40,6 +49,7 @@ def run(args: argparse.Namespace, options) -> int:
 
         torch.set_num_threads(args.threads)
     prompts = load_prompts(args.dataset, args.limit)
+    check_sizes_fit(sizes, len(prompts), args.dataset)
     dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype, args.dtype)
     target = load_target(args.target, dtype=dtype, device=args.device)
     encoded = [(p.id, encode_turn(target.tokenizer, p, 0, [])) for p in prompts]
