@@ -113,6 +113,23 @@ def config_to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def flatten_config(d: dict, prefix: str = "") -> dict[str, Any]:
+    """A config dict (config_to_dict, or a written YAML read back) as {dotted key: value}; lists stay values."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten_config(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def changed_settings(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
+    """{dotted key: (old, new)} of the keys both flat dicts hold with different values (sorted by key); a key only
+    one side has (a field added or removed since) cannot be compared and is left out."""
+    return {k: (old[k], new[k]) for k in sorted(old.keys() & new.keys()) if old[k] != new[k]}
+
+
 def _parse_override(raw: str, tp: Any, flag: str) -> Any:
     """A dotted override's value: YAML, except that a string field takes the text as written (YAML would read
     `train.mixed_precision=no` as false); an optional string field also takes null / ~ as None. Text that is not

@@ -81,6 +81,99 @@ def remove_partial(output_dir: str | Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# ------------------------------------------------------------------------------------- what a run folder records
+CONFIG_NAME = "train_config.yaml"  # the resolved recipe of the run's first segment (never rewritten on resume)
+HISTORY_NAME = "train_config_history.yaml"  # one entry per resumed segment: step, time, settings changed
+FINISHED = ("best", "final", "train_summary.json")  # what a trained run leaves besides its checkpoints
+# Settings a resumed segment may change (recorded in HISTORY_NAME): when, how long and how the run is watched, not
+# what its checkpoints mean. Everything else (seed, data.*, features.*, head.*, target.name / dtype, batch size,
+# accumulation, lr and its schedule, optimizer, losses, LoRA, DeepSpeed) is refused on resume. A trailing "." names
+# a whole section.
+RESUMABLE = ("output_dir", "train.max_steps", "train.epochs", "train.save_every", "train.keep_last",
+             "train.log_every", "train.tracker", "train.num_workers", "train.mixed_precision", "train.lora_merge",
+             "target.trust_remote_code", "features.verify", "eval.")
+
+
+def may_change_on_resume(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE)
+
+
+def check_fresh_start(output_dir: str | Path) -> None:
+    """A run without checkpoints starts from step 0 and would replace best/, final/ and train_summary.json: refused
+    when a finished run left them (its checkpoints removed), so that a trained head is never lost silently."""
+    out = Path(output_dir)
+    found = [n for n in FINISHED if (out / n).exists()]
+    if found:
+        raise SpecheadsError(f"{out}: holds a trained run ({', '.join(found)}) without checkpoints to resume from; "
+                             f"a new run would replace them: choose another output_dir, or remove them first")
+
+
+def _recorded(path: Path, what: str):
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise SpecheadsError(f"{path}: unreadable {what} ({type(e).__name__}); restore it, or start a new run in "
+                             f"another output_dir") from None
+    return data
+
+
+def read_history(output_dir: str | Path) -> list[dict]:
+    """The resumed segments recorded in HISTORY_NAME (none when the run was never resumed)."""
+    path = Path(output_dir) / HISTORY_NAME
+    if not path.exists():
+        return []
+    data = _recorded(path, "resume history")
+    if not isinstance(data, list) or not all(isinstance(e, dict) for e in data):
+        raise SpecheadsError(f"{path}: expected a list of resumed segments (the file is damaged)")
+    return data
+
+
+def check_resume_settings(output_dir: str | Path, recipe_dict: dict) -> dict[str, list] | None:
+    """Before a resume: the recipe against the run's train_config.yaml. A setting that changes what the checkpoints
+    mean is one SpecheadsError naming every such key with its old -> new value. Returns the settings that changed
+    since the last segment ({key: [old, new]}, allowed ones only), or None when the run has no train_config.yaml
+    (nothing to compare: a warning)."""
+    from specheads.config import changed_settings, flatten_config
+
+    out = Path(output_dir)
+    path = out / CONFIG_NAME
+    if not path.exists():
+        log.warning("%s: missing; the resumed settings cannot be checked against the run's (it is written anew)", path)
+        return None
+    recorded = _recorded(path, "recipe")
+    if not isinstance(recorded, dict):
+        raise SpecheadsError(f"{path}: expected the run's recipe (a mapping); restore it, or start a new run in "
+                             f"another output_dir")
+    first, now = flatten_config(recorded), flatten_config(recipe_dict)
+    refused = {k: v for k, v in changed_settings(first, now).items() if not may_change_on_resume(k)}
+    if refused:
+        shown = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in refused.items())
+        raise SpecheadsError(f"--resume: {shown} differ from {path} (the run's checkpoints were trained with those "
+                             f"values); resume with them, or start a new run in another output_dir")
+    last = dict(first)
+    for entry in read_history(out):
+        last.update({k: v[1] for k, v in (entry.get("changed") or {}).items() if isinstance(v, list) and len(v) == 2})
+    return {k: [old, new] for k, (old, new) in changed_settings(last, now).items()}
+
+
+def record_resume(output_dir: str | Path, step: int, checkpoint: Path, changed: dict[str, list]) -> None:
+    """Append this resumed segment to HISTORY_NAME (main process): the step it resumed at, when, and what changed."""
+    import datetime
+    import yaml
+
+    out = Path(output_dir)
+    entry = {"resumed_at_step": step, "checkpoint": checkpoint.name,
+             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "changed": changed}
+    history = read_history(out) + [entry]
+    head = f"# resumed segments of this run; {CONFIG_NAME} is the recipe of its first segment\n"
+    atomic_write_text(out / HISTORY_NAME, head + yaml.safe_dump(history, sort_keys=False, default_flow_style=None))
+    if changed:
+        log.info("resumed with %s (recorded in %s)", ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()),
+                 out / HISTORY_NAME)
+
+
 # ------------------------------------------------------------------------------------------------------------ save
 
 def save_checkpoint(acc, model, opt, sched, state: TrainState, generators: dict[str, torch.Generator],

@@ -10,7 +10,8 @@ head-only training and Medusa-2 (module, parameter groups, schedule, loss, evalu
 as a `HeadOnly` or `Medusa2` object.
 
 Layout under `<output_dir>`:
-    train_config.yaml            the resolved recipe (written once the run's checks have passed)
+    train_config.yaml            the resolved recipe (written once the run's checks have passed; a resume keeps it)
+    train_config_history.yaml    one entry per resumed segment: its step, time and the settings it changed
     checkpoints/step-000200/     train/checkpoint.py: safetensors + JSON (never pickles); temporary folder then
                                  rename; the last `keep_last` kept
     best/                        the head with the best simulated τ (native head folder, `load_head` reads it);
@@ -23,7 +24,9 @@ Resume (`resume=True`) restores model, optimizer, scheduler, RNG states (global 
 and the data position from the newest checkpoint: the sampler is seeded (shuffle order = f(seed, epoch)), the
 batches already used in the epoch are skipped with `skip_first_batches`, and the loaders and the feature noise draw
 from generators of their own, so a run stopped or killed any number of times ends with the same weights as an
-uninterrupted one. Shapes: B batch, T sequence, F feature layers, D hidden.
+uninterrupted one. A resume refuses settings that change what the checkpoints mean (checkpoint.RESUMABLE lists
+those that may change), and a fresh run refuses a folder holding a trained run's best/, final/ or summary.
+Shapes: B batch, T sequence, F feature layers, D hidden.
 """
 from __future__ import annotations
 
@@ -552,6 +555,7 @@ class Trainer:
                                  f"continue it, or choose another output_dir")
         if resume and not ckpts:
             raise SpecheadsError(f"--resume: no checkpoint under {out / CKPT_DIR}")
+        self._resume_changes = self._check_run_folder(resume)
         cfg.check_loss_for(self.kind)
         acc = self.accelerator = self._accelerator()
         set_seed(self.recipe.seed)
@@ -584,8 +588,20 @@ class Trainer:
         if resume:
             run.state = checkpoint.load_checkpoint(acc, model, opt, sched, ckpts[-1], run.generators)
             log.info("resumed from %s (step %d)", ckpts[-1], run.state.step)
+            self._resumed_from = ckpts[-1]
         self._start_logging(run, module, resume)
         return run
+
+    def _check_run_folder(self, resume: bool) -> dict | None:
+        """Resume: the recipe against the run's recorded one (settings that change what the checkpoints mean are
+        refused); returns the allowed changes, None without a record. A fresh run: no trained run's outputs here."""
+        from specheads.config import config_to_dict
+        from specheads.train import checkpoint
+
+        if resume:
+            return checkpoint.check_resume_settings(self.output_dir, config_to_dict(self.recipe))
+        checkpoint.check_fresh_start(self.output_dir)
+        return None
 
     def _optimizer(self, acc, module):
         params = [p for p in module.parameters() if p.requires_grad]
@@ -615,14 +631,14 @@ class Trainer:
 
     def _start_logging(self, run: _Run, module, resume: bool) -> None:
         """Resolved config (train_config.yaml), stale temporary folders removed, trackers started."""
-        from specheads.config import config_to_dict, format_config, save_config
+        from specheads.config import config_to_dict, format_config
         from specheads.train import checkpoint
 
         acc, out = run.acc, self.output_dir
         if acc.is_main_process:
             log.info("resolved config:\n%s", format_config(self.recipe))
             out.mkdir(parents=True, exist_ok=True)
-            save_config(self.recipe, out / "train_config.yaml")
+            self._record_config(run, resume)
             checkpoint.remove_partial(out)
             if run.val_dl is None:
                 log.warning("no held-out split (data.val_fraction 0, or no held-out sample): no evaluation; "
@@ -631,6 +647,22 @@ class Trainer:
         if self.cfg.tracker != "none":
             acc.init_trackers("specheads", config=_flat(config_to_dict(self.recipe)),
                               init_kwargs={"wandb": {"dir": str(out), "name": out.name}})
+
+    def _record_config(self, run: _Run, resume: bool) -> None:
+        """train_config.yaml: the first segment's recipe, written by a fresh run (an old resume history removed);
+        a resumed segment keeps it and appends itself to train_config_history.yaml."""
+        from specheads.config import save_config
+        from specheads.train import checkpoint
+
+        out, changes = self.output_dir, getattr(self, "_resume_changes", None)
+        if resume and changes is not None:
+            checkpoint.record_resume(out, run.state.step, self._resumed_from, changes)
+            return
+        save_config(self.recipe, out / checkpoint.CONFIG_NAME)
+        stale = out / checkpoint.HISTORY_NAME
+        if not resume and stale.exists():
+            log.info("removing %s (the resume history of an earlier run here)", stale)
+            stale.unlink()
 
     # -- accelerate ------------------------------------------------------------------------------------------------
     def _accelerator(self):
