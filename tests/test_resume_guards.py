@@ -139,3 +139,94 @@ def test_cli_resume_with_another_batch_size_is_one_line(tiny, tmp_path, monkeypa
     assert main(["train", "--config", str(recipe), *base, "train.batch_size=3", "--resume"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "train.batch_size 2 -> 3" in err
+
+
+# ------------------------------------------------------------------------------------------------------ prepare
+from test_prepare import _recipe, _sharegpt_file, _tree_state, tiny_chat  # noqa: E402,F401 (tiny_chat: fixture)
+
+
+def _prepared(tiny_chat, tmp_path, *extra):
+    from specheads.train.prepare import prepare
+
+    prepare(_recipe(tmp_path, _sharegpt_file(tmp_path), *extra), target=tiny_chat, progress=False)
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("changed,match", [
+    (["data.val_fraction=0.5"], r"split with data.val_fraction 0.2 \(manifest.json\), not 0.5.*--overwrite"),
+    (["features.layers=[1]"], "holds features of other data, target or layers"),
+    (["data.max_length=40"], "holds features of other data, target or layers"),
+], ids=["val_fraction", "layers", "data"])
+def test_prepare_of_another_split_or_layers_is_refused_unless_overwrite(tiny_chat, tmp_path, changed, match):
+    from specheads.train.prepare import prepare
+
+    run = _prepared(tiny_chat, tmp_path)
+    before = _tree_state(run)
+    recipe = _recipe(tmp_path, _sharegpt_file(tmp_path), *changed)
+    with pytest.raises(SpecheadsError, match=match) as e:
+        prepare(recipe, target=tiny_chat, progress=False)
+    assert "\n" not in str(e.value)
+    assert _tree_state(run) == before  # tokens and features unchanged
+    prepare(recipe, target=tiny_chat, progress=False, overwrite=True)
+    manifest = json.loads((run / "features" / "manifest.json").read_text())
+    assert manifest["val_fraction"] == recipe.data.val_fraction and manifest["complete"]
+    recorded = yaml.safe_load((run / "prepare_config.yaml").read_text())
+    assert recorded["data"]["max_length"] == recipe.data.max_length and recorded["features"]["layers"] == \
+        recipe.features.layers
+
+
+def test_prepare_of_another_target_is_refused_unless_overwrite(tiny_chat, tmp_path):
+    from specheads.target import tiny_target
+    from specheads.train.prepare import prepare
+
+    run = _prepared(tiny_chat, tmp_path)
+    before = _tree_state(run)
+    other = tiny_target(vocab_size=len(tiny_chat.tokenizer), tokenizer=tiny_chat.tokenizer, seed=1)
+    recipe = _recipe(tmp_path, _sharegpt_file(tmp_path))
+    with pytest.raises(SpecheadsError, match="holds features of target"):
+        prepare(recipe, target=other, progress=False)
+    assert _tree_state(run) == before
+    prepare(recipe, target=other, progress=False, overwrite=True)
+    assert json.loads((run / "features" / "manifest.json").read_text())["fingerprint"] == other.fingerprint()
+
+
+def test_online_prepare_of_other_data_keeps_the_tokens_unless_overwrite(tiny_chat, tmp_path):
+    import datasets
+
+    from specheads.train.prepare import prepare
+
+    run = _prepared(tiny_chat, tmp_path, "features.mode=online")
+    before = _tree_state(run)
+    (tmp_path / "other").mkdir()
+    recipe = _recipe(tmp_path, _sharegpt_file(tmp_path / "other", 9), "features.mode=online")
+    with pytest.raises(SpecheadsError, match=r"data/tokens: holds tokens of other data.*--overwrite"):
+        prepare(recipe, target=tiny_chat, progress=False)
+    assert _tree_state(run) == before
+    prepare(_recipe(tmp_path, _sharegpt_file(tmp_path), "features.mode=online"), target=tiny_chat, progress=False)
+    assert _tree_state(run).keys() == before.keys()  # the same data again: a rerun, allowed
+    prepare(recipe, target=tiny_chat, progress=False, overwrite=True)
+    assert len(set(datasets.load_from_disk(str(run / "data" / "tokens"))["conversation_id"])) == 9
+
+
+def test_prepare_overwrite_says_what_it_removes_and_never_touches_a_trained_run(tiny_chat, tmp_path, caplog):
+    from specheads.train.prepare import prepare
+
+    run = _prepared(tiny_chat, tmp_path)
+    recipe = _recipe(tmp_path, _sharegpt_file(tmp_path), "data.val_fraction=0.5")
+    with caplog.at_level("WARNING"):
+        prepare(recipe, target=tiny_chat, progress=False, overwrite=True)
+    lines = [r.getMessage() for r in caplog.records if "--overwrite" in r.getMessage()]
+    assert len(lines) == 1 and all(str(run / n) in lines[0] for n in ("features", "data", "prepare_config.yaml"))
+    (run / "checkpoints" / "step-000002").mkdir(parents=True)
+    before = _tree_state(run)
+    with pytest.raises(SpecheadsError, match=r"--overwrite: .* holds a trained run \(checkpoints\)"):
+        prepare(_recipe(tmp_path, _sharegpt_file(tmp_path)), target=tiny_chat, progress=False, overwrite=True)
+    assert _tree_state(run) == before
+
+
+def test_cli_prepare_has_overwrite(tmp_path, capsys):
+    from specheads.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["prepare", "--help"])
+    assert "--overwrite" in capsys.readouterr().out

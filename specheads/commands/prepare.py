@@ -15,6 +15,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", action="store_true",
                    help="re-hash every listed feature shard against its sha256 in the manifest; damaged shards are "
                         "rewritten (training checks each shard once on first read unless features.verify=false)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier prepare of other data, split, target or layers in output_dir: removes its "
+                        "features/, data/ (tokens, regenerated answers), prepare_config.yaml and prepare_summary.json "
+                        "first (refused when output_dir holds a trained run)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"# specheads prepare --config {args.config} {' '.join(args.overrides)}".rstrip())
     print(format_config(recipe), flush=True)
     with run_lock(recipe.output_dir, "prepare"):  # one writer per run folder
-        summary = prepare(recipe, progress=not args.no_progress, verify=args.verify)
+        summary = prepare(recipe, progress=not args.no_progress, verify=args.verify, overwrite=args.overwrite)
     print(format_summary(summary))
     print(f"summary written to {recipe.output_dir}/prepare_summary.json")
     return 0

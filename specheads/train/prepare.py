@@ -90,12 +90,15 @@ def _sidecar_count(manifest: dict) -> int:
     return sum(1 for s in manifest["shards"] if (s.get("targets") or {}).get("shard_sha256") == s["sha256"])
 
 
-def prepare(recipe, target=None, progress: bool = True, after_shard=None, verify: bool = False) -> dict:
+def prepare(recipe, target=None, progress: bool = True, after_shard=None, verify: bool = False,
+            overwrite: bool = False) -> dict:
     """Run the whole preparation for a Recipe; returns the summary (also written to prepare_summary.json).
 
-    Checks come first: a refused run (bad source, features of other data or another target in the folder) leaves
-    the run folder as it was. Only the regeneration cache (data/regenerated.jsonl, keyed by conversation id) grows
-    before the final check, which needs the regenerated answers. `verify`: re-hash listed shards (--verify)."""
+    Checks come first: a refused run (bad source, features of other data, another split, target or layers, tokens
+    of other data) leaves the run folder as it was. Only the regeneration cache (data/regenerated.jsonl, keyed by
+    conversation id) grows before the final check, which needs the regenerated answers. `verify`: re-hash listed
+    shards (--verify). `overwrite` (--overwrite): remove what an earlier prepare wrote here first (never in a folder
+    holding a trained run)."""
     import datasets
 
     if not progress:
@@ -118,8 +121,11 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None, verify
                                                                        target.name))
     timings["load_target_s"] = time.perf_counter() - t
     offline = recipe.features.mode == "offline"
+    if overwrite:
+        remove_prepared(out)
     if offline:
         check_features_folder(feat_dir, target=target)  # another target's features: refused before regenerating
+        check_split(feat_dir, dc.val_fraction)
     max_length = dc.max_length
     if target.max_positions and max_length > target.max_positions:
         log.warning("data.max_length %d > the target's %d positions; using %d", max_length, target.max_positions,
@@ -133,6 +139,8 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None, verify
     layers = feature_layers_for(recipe, target.num_layers)
     if offline:  # features of other data or layers in the folder: refused before anything is replaced
         check_features_folder(feat_dir, plan_features(target, tokens, layers, recipe.features).plan_key)
+    else:
+        check_same_tokens(data_dir / "tokens", tokens)
     tokens = _write_tokens(recipe, tokens, data_dir)
     summary.update(feature_layers=layers, feature_mode=recipe.features.mode)
     if offline:
@@ -151,6 +159,51 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None, verify
     summary["timings"] = {k: round(v, 2) for k, v in timings.items()}
     atomic_write_json(out / "prepare_summary.json", summary)
     return summary
+
+
+OVERWRITE_HINT = "rerun with `specheads prepare --overwrite` to replace this run's prepared data, or choose another " \
+                 "output_dir"
+
+
+def check_split(feat_dir: Path, val_fraction: float) -> None:
+    """The features' held-out split (the manifest's val_fraction) is the recipe's: training splits offline features
+    by the manifest, so another data.val_fraction would leave the features on the old split."""
+    m = check_features_folder(feat_dir)
+    if m is not None and float(m.get("val_fraction", 0.0)) != float(val_fraction):
+        raise SpecheadsError(f"{feat_dir}: its features were split with data.val_fraction {m.get('val_fraction', 0.0)}"
+                             f" (manifest.json), not {val_fraction}; {OVERWRITE_HINT}")
+
+
+def check_same_tokens(tok_dir: Path, tokens) -> None:
+    """Online features: data/tokens is the run's only data; tokens of other data are refused, not replaced."""
+    import datasets
+
+    if not tok_dir.exists():
+        return
+    old = datasets.load_from_disk(str(tok_dir))
+    columns = ("conversation_id", "input_ids", "loss_mask")
+    if len(old) != len(tokens) or any(list(old[c]) != list(tokens[c]) for c in columns):
+        raise SpecheadsError(f"{tok_dir}: holds tokens of other data (another data.source, length or template); "
+                             f"{OVERWRITE_HINT}")
+
+
+def remove_prepared(out: Path) -> None:
+    """--overwrite: delete what prepare wrote under `out` (features/, data/, prepare_config.yaml and summary), one log
+    line naming them. A folder holding a trained run is refused: its checkpoints and heads were trained on that data."""
+    import shutil
+
+    from specheads.train.checkpoint import CKPT_DIR, FINISHED
+
+    trained = [n for n in (CKPT_DIR, *FINISHED) if (out / n).exists()]
+    if trained:
+        raise SpecheadsError(f"--overwrite: {out} holds a trained run ({', '.join(trained)}) whose data it would "
+                             f"replace: choose another output_dir")
+    gone = [out / n for n in ("features", "data", "prepare_config.yaml", "prepare_summary.json") if (out / n).exists()]
+    if not gone:
+        return
+    log.warning("--overwrite: removing %s", ", ".join(str(p) for p in gone))
+    for p in gone:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
 def _read_source(recipe, timings: dict):
