@@ -5,16 +5,18 @@
     specheads export --import path/to/EAGLE3-checkpoint --target smollm2-135m --out runs/imported
 
 `--out` is replaced atomically, and only when that loses nothing: it must be absent, empty, or an earlier output of
-the same kind (recognised by the format recorded in its model.safetensors metadata, and holding only the files we
-write), unless `--force`; it may never be, contain or lie inside the source folder.
+the same kind from the same source (recognised by the format recorded in its model.safetensors metadata and the
+source named in its export_info.json, and holding only the files we write), unless `--force`; it may never be,
+contain or lie inside a folder the command reads (--head, the --import source, a --target folder), --force or not.
+A --head whose weights differ from their recorded sha256 is refused; --import warns when the head's config names
+another target than --target (heads/export_guards.py).
 """
 from __future__ import annotations
 
 import argparse
 import logging
 
-from pathlib import Path
-
+from specheads.heads.export_guards import GGUF_FILES, OWN_FILES, written_format  # noqa: F401 (their old home)
 from specheads.utils import SpecheadsError
 
 log = logging.getLogger(__name__)
@@ -27,14 +29,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--head", help="native head folder to export")
     src.add_argument("--import", dest="import_dir",
                      help="foreign checkpoint folder to import (eagle, eagle3, speculators, medusa-vllm, "
-                          "FasterDecoding Medusa; auto-detected) into a native folder; needs --target")
+                          "FasterDecoding Medusa; auto-detected) into a native folder; needs --target (a head whose "
+                          "config names another target is bound to --target with a warning naming both)")
     p.add_argument("--format", choices=FORMATS, default=None, help="export layout (required with --head)")
     p.add_argument("--from-format", default=None,
                    help="with --import: the layout, when auto-detection from config.json is not wanted")
     p.add_argument("--out", required=True,
-                   help="output folder (written atomically; absent, empty, or an earlier export of the same format)")
+                   help="output folder (written atomically; absent, empty, or an earlier export of the same head in the "
+                        "same format)")
     p.add_argument("--force", action="store_true",
-                   help="replace --out even when it holds other files (never the source folder)")
+                   help="replace --out even when it holds other files or another head's export (never a folder the "
+                        "command reads)")
     p.add_argument("--target", default=None,
                    help="target (alias, folder, hub id or .gguf): required with --import, and to export a Medusa head "
                         "with the shared lm_head as medusa-vllm")
@@ -52,32 +57,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"speculators: greedy proposal length (default {SPECULATIVE_TOKENS}, speculators' own default)")
 
 
-OWN_FILES = {"config.json", "model.safetensors", "model.safetensors.sha256"}  # what an export / head folder holds
-GGUF_FILES = {"draft.gguf", "target.gguf", "gguf_export.json"}  # what `--format gguf` writes (heads/gguf.py)
-
-
-def written_format(folder: Path) -> str | None:
-    """The format of an earlier `specheads export` (or of a native head folder) in `folder`, from the metadata of its
-    model.safetensors; None when the folder holds anything else."""
-    from safetensors import safe_open
-
-    names = {p.name for p in folder.iterdir()}
-    if names and names <= GGUF_FILES and "gguf_export.json" in names:
-        return "gguf"
-    if not names <= OWN_FILES or not (folder / "model.safetensors").is_file():
-        return None
-    try:
-        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-            meta = f.metadata() or {}
-    except Exception:  # noqa: BLE001 - unreadable: not recognisably ours
-        return None
-    return meta.get("specheads_export") or ("native" if "kind" in meta else None)
-
-
-def check_out(out: str, fmt: str, source: str, force: bool) -> None:
+def check_out(out: str, fmt: str, source: str, force: bool, reads: dict[str, str | None] | None = None) -> None:
+    """--out never is, holds or lies inside a folder the command reads (`source`, `reads`), --force or not; without
+    --force it is absent, empty, or an earlier `fmt` export of the same source (export_guards)."""
+    from specheads.heads.export_guards import check_read_folders, is_same_export
     from specheads.utils import refuse_replacing
 
-    refuse_replacing(out, [source], lambda d: written_format(d) == fmt, f"{fmt} export", force)
+    check_read_folders(out, reads or {})
+    refuse_replacing(out, [source], lambda d: is_same_export(d, fmt, source), f"{fmt} export of {source}", force)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,17 +73,25 @@ def run(args: argparse.Namespace) -> int:
     if args.head and args.format is None:
         raise SpecheadsError("--format: required with --head")
     fmt, source = ("native" if args.import_dir else args.format), args.import_dir or args.head
-    check_out(args.out, fmt, source, args.force)  # before the lock: never a lock file inside the source folder
+    reads = {"--target": args.target}
+    check_out(args.out, fmt, source, args.force, reads)  # before the lock: never a lock file inside the source
     # --out is replaced whole, so its lock lies beside it (<parent>/.<name>.specheads.lock)
     with run_lock(args.out, "export", beside=True):
-        check_out(args.out, fmt, source, args.force)  # again, now that no other export can write there
-        return _export(args)
+        check_out(args.out, fmt, source, args.force, reads)  # again, now that no other export can write there
+        from specheads.heads.export_guards import write_export_info
+
+        rc = _export(args)
+        write_export_info(args.out, source, fmt)  # what a later export may replace without --force: this source's
+    return rc
 
 
 def _export(args: argparse.Namespace) -> int:
     from specheads.heads.export import export_head, import_head
+    from specheads.heads.export_guards import verify_head, warn_other_target
     from specheads.target import load_target
 
+    if args.head:
+        verify_head(args.head)  # a damaged head (sha256 differs) is never copied into an export
     if args.head and args.format == "gguf":  # the converter reads folders: no target is loaded here
         from specheads.heads.gguf import export_gguf
 
@@ -107,6 +102,7 @@ def _export(args: argparse.Namespace) -> int:
     if args.import_dir:
         if target is None:
             raise SpecheadsError("--import: needs --target (the head is checked against it and bound to it)")
+        warn_other_target(args.import_dir, args.target)
         head = import_head(args.import_dir, target, fmt=args.from_format)
         head.save_pretrained(args.out)
         print(f"imported {args.import_dir} as a {head.kind} head -> {args.out}")
