@@ -6,9 +6,10 @@ import argparse
 import importlib
 import logging
 import sys
+from pathlib import Path
 
 from specheads import __version__
-from specheads.utils import SpecheadsError, setup_logging
+from specheads.utils import SpecheadsError, errno_text, os_error_of, setup_logging
 
 COMMANDS = {
     "prepare": "conversations -> chat-templated tokens + assistant masks -> target features (offline shards)",
@@ -53,9 +54,52 @@ def main(argv: list[str] | None = None) -> int:
     except SpecheadsError as e:
         print(f"specheads {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except UnicodeDecodeError as e:  # a file we read as text is not UTF-8 (a dataset, a prompt file, ...)
+        print(f"specheads {args.command}: error: {_not_utf8(e)}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - the OS refusing a write (full disk, read-only, ...) is one line too
+        oe = os_error_of(e)
+        if oe is None:
+            raise
+        where = str(oe.filename or "a safetensors file (its writer did not say which)")
+        if ".tmp-" in Path(where).name:  # a temporary name (mkstemp's): the folder it was being written in
+            where = f"{Path(where).parent} (a temporary file there)"
+        print(f"specheads {args.command}: error: {where}: cannot write: {errno_text(oe)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"specheads {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _not_utf8(e: UnicodeDecodeError) -> str:
+    """'<file>: not UTF-8 text: line N has byte 0xff (invalid start byte)': the file is the one the failing read
+    was reading (the open text file in the innermost frame that holds one), the line found by decoding it again."""
+    import io
+
+    tb, name = e.__traceback__, None
+    while tb is not None:
+        for v in tb.tb_frame.f_locals.values():
+            if isinstance(v, io.TextIOWrapper) and isinstance(getattr(v, "name", None), str):
+                name = v.name
+            elif isinstance(v, io.TextIOWrapper) and isinstance(getattr(v.buffer, "name", None), str):
+                name = v.buffer.name  # gzip.open(path) under a TextIOWrapper
+        tb = tb.tb_next
+    bad = e.object[e.start:e.start + 1].hex() if isinstance(e.object, bytes) else "?"
+    what = f"byte 0x{bad} ({e.reason})"
+    if name is None:
+        return f"a file read as text is not UTF-8: {what}"
+    try:
+        import gzip
+
+        data = (gzip.open if name.endswith(".gz") else open)(name, "rb").read()
+        data.decode("utf-8")
+    except UnicodeDecodeError as again:
+        line = data.count(b"\n", 0, again.start) + 1
+        row = f" (row {line - 1})" if name.endswith((".jsonl", ".jsonl.gz")) else ""
+        return f"{name}: not UTF-8 text: line {line}{row} has {what}"
+    except OSError:
+        pass
+    return f"{name}: not UTF-8 text: {what}"
 
 
 if __name__ == "__main__":

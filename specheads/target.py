@@ -174,6 +174,32 @@ def resolve_target_path(name_or_path: str) -> str:
     return name_or_path
 
 
+REMOTE_CODE = ("needs the model's own Python code (trust_remote_code); specheads runs no code from a model unless "
+               "asked: set target.trust_remote_code=true in the recipe if you trust it")
+PICKLED = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def check_target_folder(folder: Path, name: str, trust_remote_code: bool) -> None:
+    """Before transformers reads a local target folder: one SpecheadsError when it would run the folder's own code
+    (config.json `auto_map`) without trust_remote_code, or when its weights are pickles only (never unpickled)."""
+    import json
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise SpecheadsError(f"{folder / 'config.json'}: not a readable model config ({type(e).__name__})") from None
+    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    if auto_map and not trust_remote_code:
+        raise SpecheadsError(f"target {name!r}: {folder / 'config.json'} maps its classes to code in the folder "
+                             f"(auto_map {sorted(auto_map)[:3]}); it {REMOTE_CODE}")
+    names = [p.name for p in folder.iterdir() if p.is_file()]
+    pickled = sorted(n for n in names if n.endswith(PICKLED))
+    if pickled and not any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json") for n in names):
+        raise SpecheadsError(f"target {name!r}: {folder} holds its weights only as pickles ({', '.join(pickled[:3])})"
+                             f"; specheads never unpickles (it can run code): save the model as safetensors first "
+                             f"(from_pretrained(...).save_pretrained(DIR) writes model.safetensors)")
+
+
 def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str | None = None,
                 trust_remote_code: bool = False, attn_implementation: str | None = "sdpa") -> Target:
     """Load a frozen target (eval mode, no gradients). See the module docstring for what `name_or_path` may be."""
@@ -186,11 +212,17 @@ def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype = "
         kwargs["attn_implementation"] = attn_implementation
     if not Path(path).exists() and os.environ.get("HF_HUB_OFFLINE") == "1":
         raise SpecheadsError(f"target {name_or_path!r}: not a local path and HF_HUB_OFFLINE=1")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if Path(path).is_dir():
+        check_target_folder(Path(path), name_or_path, trust_remote_code)
+    try:  # safetensors only: a hub repo of pickled weights alone is refused too (use_safetensors)
+        model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, **kwargs)
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as e:
         raise SpecheadsError(f"target {name_or_path!r}: cannot load ({str(e).splitlines()[0]})") from None
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise SpecheadsError(f"target {name_or_path!r}: {REMOTE_CODE}") from None
     if device:
         model.to(device)
     model.eval()

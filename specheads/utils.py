@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -15,6 +16,68 @@ log = logging.getLogger("specheads")
 
 class SpecheadsError(Exception):
     """An error caused by the user's input (file, field or flag). The CLI prints it as one line, no traceback."""
+
+
+# What the OS answers when a write cannot happen here (full disk or quota, read-only, permissions, `ulimit -f`, a
+# file where a folder should be): one line naming the path, never a traceback.
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG,
+                          errno.ENOTDIR})
+
+
+class WriteError(SpecheadsError):
+    """A write the OS refused: `path` (the file or folder we were writing), `reason` (errno text and name) and `kept`
+    (what is still there; temporary files and folders are removed before this is raised)."""
+
+    def __init__(self, path: str | os.PathLike, reason: str, kept: str):
+        self.path, self.reason, self.kept = Path(path), reason, kept
+        super().__init__(f"{path}: cannot write: {reason}; {kept}")
+
+
+def os_error_of(e: BaseException) -> OSError | None:
+    """The OS error behind a failed write: `e` itself, or the one safetensors' writer reports in its message
+    ('I/O error: No space left on device (os error 28)'); None for anything else, or an errno outside
+    WRITE_ERRNOS (a bug, not the machine's refusal: it keeps its traceback)."""
+    import re
+
+    if isinstance(e, OSError):
+        return e if e.errno in WRITE_ERRNOS else None
+    m = re.search(r"\(os error (\d+)\)", str(e)) if type(e).__name__ == "SafetensorError" else None
+    if m and int(m.group(1)) in WRITE_ERRNOS:
+        return OSError(int(m.group(1)), os.strerror(int(m.group(1))))
+    return None
+
+
+def errno_text(e: OSError) -> str:
+    """'No space left on device [ENOSPC]'."""
+    return f"{e.strerror or os.strerror(e.errno)} [{errno.errorcode.get(e.errno, e.errno)}]"
+
+
+def as_write_error(e: BaseException, path: str | os.PathLike, kept: str,
+                   tmp: str | os.PathLike | None = None) -> WriteError | None:
+    """`e` as one WriteError naming what was written (a WriteError raised deeper keeps its file, e.g. a JSON file
+    inside a folder being written; names under the temporary folder `tmp` are given under `path`, where they were
+    going); None when `e` is not the OS refusing a write (re-raise it)."""
+    if isinstance(e, WriteError):
+        where, reason = e.path, e.reason
+    else:
+        oe = os_error_of(e)
+        if oe is None:
+            return None
+        where, reason = Path(oe.filename or path), errno_text(oe)
+    if tmp is not None and Path(where).is_relative_to(tmp):
+        where = Path(path) / Path(where).relative_to(tmp)
+    return WriteError(where, reason, kept)
+
+
+def remove_quietly(*paths: str | os.PathLike) -> None:
+    """Delete temporary files or folders (never raises: it runs while another error is on its way out)."""
+    for p in paths:
+        p = Path(p)
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                p.unlink()
 
 
 def check_values(section: str, obj: Any, rules: dict[str, str]) -> None:
@@ -54,10 +117,11 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = True) -> Iterator[Pat
     pid gone) are removed the next time `final` is written. Callers that replace a folder the user named check
     first with `refuse_replacing`."""
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(final)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
+    existed, tmp = final.exists(), None
     try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale(final)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
         yield tmp
         if final.exists():
             if not overwrite:
@@ -68,9 +132,14 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = True) -> Iterator[Pat
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    except BaseException as e:
+        if tmp is not None:
+            remove_quietly(tmp)
+        kept = f"{final} was left as it was" if existed else f"nothing was written at {final}"
+        err = as_write_error(e, final, kept + (" (its temporary folder removed)" if tmp is not None else ""), tmp)
+        if err is None:
+            raise
+        raise err from None
 
 
 def _remove_stale(final: Path) -> None:
@@ -110,6 +179,15 @@ def refuse_replacing(out: str | os.PathLike, sources: list[str | os.PathLike], i
         if rel:
             raise SpecheadsError(f"{flag} {out}: {rel} the source folder {src}; writing there would delete or mix "
                                  f"into it: choose another folder")
+    cwd = Path.cwd().resolve()
+    if cwd.is_relative_to(target) or not target.name:  # `.`, `..`, `/`: replaced whole, with the shell inside it
+        rel = "is the current folder" if cwd == target else "holds the current folder"
+        raise SpecheadsError(f"{flag} {out}: {rel} ({cwd}); the output is replaced whole, so it must be a folder of "
+                             f"its own: name a new sub-folder, e.g. {flag} ./out")
+    blocked = next((p for p in out.parents if p.exists() or p.is_symlink()), None)
+    if blocked is not None and not blocked.is_dir():
+        raise SpecheadsError(f"{flag} {out}: {blocked} is a file, not a folder, so nothing can be written below it: "
+                             f"choose another folder")
     if not out.exists() and not out.is_symlink():
         return
     if not out.is_dir():
@@ -125,19 +203,25 @@ def refuse_replacing(out: str | os.PathLike, sources: list[str | os.PathLike], i
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, fsync, rename: `path` is whole or as it was. An OS refusal
+    (full disk, read-only, ...) is one WriteError naming `path`; the temporary file is removed."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    existed, tmp = path.exists(), None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    except BaseException as e:
+        if tmp is not None:
+            remove_quietly(tmp)
+        err = as_write_error(e, path, "its previous content is kept" if existed else "it was not written")
+        if err is None:
+            raise
+        raise WriteError(path, err.reason, err.kept) from None
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:

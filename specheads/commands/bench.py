@@ -68,6 +68,40 @@ def method_names(args: argparse.Namespace) -> list[str]:
     return ["vanilla", "prompt-lookup"] + (["head"] if args.head else []) + (["draft-model"] if args.draft_model else [])
 
 
+def split_head(value: str) -> tuple[str, str]:
+    """One --head value as (label, folder): a value that is itself a folder is taken whole, even when its path holds
+    '='; else LABEL=DIR at the first '=' whose DIR is a folder. Neither: one error with the hint."""
+    from pathlib import Path
+
+    if "=" not in value or Path(value).is_dir():
+        return "", value
+    for i, ch in enumerate(value):
+        if ch == "=" and Path(value[i + 1:]).is_dir():
+            return value[:i], value[i + 1:]
+    label, _, folder = value.partition("=")
+    raise SpecheadsError(f"--head {value}: no such folder, and read as LABEL=DIR (label {label!r}) {folder!r} is not "
+                         f"one either; a folder whose own path holds '=' is used whole when it exists")
+
+
+def parse_heads(values: list[str]) -> dict[str, str]:
+    """--head values holding '=' -> {method name: folder}, as infer/bench.head_entries names them (one unlabelled
+    head is `head`; otherwise head:LABEL, LABEL defaulting to the folder's head kind)."""
+    from pathlib import Path
+
+    from specheads.heads.base import read_head_config
+
+    pairs = [split_head(v) for v in values]
+    if len(pairs) == 1 and not pairs[0][0]:
+        return {"head": pairs[0][1]}
+    out: dict[str, str] = {}
+    for value, (label, folder) in zip(values, pairs):
+        name = f"head:{label or read_head_config(Path(folder)).kind}"
+        if name in out:
+            raise SpecheadsError(f"--head {value}: label {name[5:]!r} used twice; name them as LABEL=DIR")
+        out[name] = folder
+    return out
+
+
 def method_options(args: argparse.Namespace):
     """The flags as plain values for the library (bench.MethodOptions), every tree spec checked against its head's
     folder before any model loads."""
@@ -81,7 +115,7 @@ def method_options(args: argparse.Namespace):
     SamplingParams(temperature=args.temperature)
     if args.llamacpp_p_min is not None and not 0.0 <= args.llamacpp_p_min <= 1.0:
         raise SpecheadsError(f"--llamacpp-p-min {args.llamacpp_p_min}: expected a confidence in [0, 1]")
-    heads = head_entries(args.head)
+    heads = head_entries(args.head) if not any("=" in h for h in args.head or []) else parse_heads(args.head)
     for head_dir in heads.values():
         config = read_head_config(Path(head_dir))
         parse_tree(args.tree, config.kind, config)

@@ -51,6 +51,10 @@ def drafter_source(args):
 
         from specheads.heads.base import read_head_config
 
+        label, eq, rest = args.head.partition("=")
+        if eq and not Path(args.head).exists() and Path(rest).is_dir():  # bench's LABEL=DIR given to generate
+            raise SpecheadsError(f"--head {args.head}: no such folder; generate takes one head folder, not LABEL=DIR "
+                                 f"(as bench does): --head {rest}")
         config = read_head_config(Path(args.head))
         return config.kind, config
     return args.drafter or "prompt-lookup", None

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from specheads.utils import SpecheadsError, atomic_write_json, atomic_write_text, read_json, sha256_file
+from specheads.utils import (SpecheadsError, as_write_error, atomic_write_json, atomic_write_text, read_json,
+                             remove_quietly, sha256_file)
 
 log = logging.getLogger(__name__)
 
@@ -187,21 +188,34 @@ def save_checkpoint(acc, model, opt, sched, state: TrainState, generators: dict[
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     acc.wait_for_everyone()
-    if _is_deepspeed(acc):
-        model.save_checkpoint(str(tmp), DS_TAG)
-    elif acc.is_main_process:
-        write_model_state(acc.unwrap_model(model), tmp)
-        write_optimizer_state(opt, tmp)
-    write_rng_state(tmp, acc.process_index, generators)
-    acc.wait_for_everyone()
+    try:
+        if _is_deepspeed(acc):
+            model.save_checkpoint(str(tmp), DS_TAG)
+        elif acc.is_main_process:
+            write_model_state(acc.unwrap_model(model), tmp)
+            write_optimizer_state(opt, tmp)
+        write_rng_state(tmp, acc.process_index, generators)
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            atomic_write_json(tmp / STATE_NAME, {"format": FORMAT, **asdict(state), "micro_step": acc.step,
+                                                 "num_processes": acc.num_processes,
+                                                 "scheduler": _json_state(sched.state_dict())})
+            write_checksums(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+    except Exception as e:  # the OS refusing a write: the partial checkpoint goes, the earlier ones stay
+        earlier = len(list_checkpoints(output_dir))
+        kept = (f"the partial checkpoint was removed; the {earlier} earlier checkpoint(s) in {root} are kept (free "
+                f"space, then continue with --resume)" if earlier else "the partial checkpoint was removed; there "
+                f"is no earlier one (free space, then train again)")
+        err = as_write_error(e, final, kept, tmp)
+        if err is None:
+            raise  # anything else is left as a kill leaves it: remove_partial clears it on the next start
+        if acc.is_main_process:
+            remove_quietly(tmp)
+        raise err from None
     if acc.is_main_process:
-        atomic_write_json(tmp / STATE_NAME, {"format": FORMAT, **asdict(state), "micro_step": acc.step,
-                                             "num_processes": acc.num_processes,
-                                             "scheduler": _json_state(sched.state_dict())})
-        write_checksums(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
         for old in list_checkpoints(output_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint %s", final)

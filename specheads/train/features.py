@@ -42,7 +42,7 @@ from typing import Any, Sequence
 import torch
 
 from specheads.heads.base import default_feature_layers
-from specheads.utils import SpecheadsError, atomic_write_json
+from specheads.utils import SpecheadsError, as_write_error, atomic_write_json, remove_quietly
 
 log = logging.getLogger(__name__)
 
@@ -282,9 +282,16 @@ def write_features(target, tokens, folder: str | os.PathLike, layers: Sequence[i
     atomic_write_json(mpath, manifest)
     bar = tqdm(total=todo_tokens, unit="tok", desc="features", disable=not progress)
     for k in todo:
-        manifest["shards"].append(_write_shard(target, plan, k, folder, cfg, bar))
-        manifest["shards"].sort(key=lambda s: s["index"])
-        atomic_write_json(mpath, manifest)
+        before = len(manifest["shards"])
+        try:
+            manifest["shards"].append(_write_shard(target, plan, k, folder, cfg, bar))
+            manifest["shards"].sort(key=lambda s: s["index"])
+            atomic_write_json(mpath, manifest)
+        except BaseException as e:
+            kept = f"the {before} shard(s) written before are kept (listed in {MANIFEST})" if before else \
+                "no shard was written before it"
+            _raise_write_error(e, folder / _shard_name(k), kept + ": free space, then rerun `specheads prepare` to "
+                                                                  "continue")
         if after_shard is not None:
             after_shard(k)
     bar.close()
@@ -325,15 +332,35 @@ def _write_shard(target, plan: FeaturePlan, k: int, folder: Path, cfg: FeatureCo
                "offsets": torch.tensor(offsets, dtype=torch.int64),
                "hidden": torch.cat([hidden[i] for i in idx], 0).contiguous()}  # [Ts,F,D]
     name = _shard_name(k)
-    tmp = folder / f".{name}.tmp-{os.getpid()}"
-    st_save_file(tensors, str(tmp), metadata={"format": FORMAT, "layers": json.dumps(plan.layers)})
+    meta = {"format": FORMAT, "layers": json.dumps(plan.layers)}
+    digest, size = _commit(lambda tmp: st_save_file(tensors, tmp, metadata=meta), folder / name)
     del tensors, hidden
-    digest, size = _sha256_file(tmp)  # read back from the page cache: checks what is on disk, not in memory
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / name)
     return {"index": k, "file": name, "num_samples": len(idx), "num_tokens": offsets[-1], "bytes": size,
             "sha256": digest, "conversation_ids": [plan.conversation_ids[i] for i in idx]}
+
+
+def _commit(write, final: Path) -> tuple[str, int]:
+    """`write(tmp)` to a temporary name beside `final`, sha256 it back (from the page cache: what is on disk, not in
+    memory), fsync, rename onto `final`; returns (sha256, bytes). Whatever fails, the temporary file is removed."""
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    try:
+        write(str(tmp))
+        digest, size = _sha256_file(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
+    return digest, size
+
+
+def _raise_write_error(e: BaseException, path: Path, kept: str):
+    """Re-raise `e`: as one WriteError naming `path` and what was kept when it is the OS refusing the write."""
+    err = as_write_error(e, path, kept)
+    if err is None:
+        raise e
+    raise err from None
 
 
 def _sha256_file(path: Path) -> tuple[str, int]:
@@ -440,13 +467,8 @@ def _write_sidecar(target, folder: Path, entry: dict, layer_index: int, dtype: s
     check_shard(folder / entry["file"], entry, full=False)
     tensors = _target_sidecar(target, folder / entry["file"], layer_index)
     name = _targets_name(entry["index"])
-    tmp = folder / f".{name}.tmp-{os.getpid()}"
-    st_save_file(tensors, str(tmp), metadata={"format": TARGETS_FORMAT, "dtype": dtype,
-                                              "shard_sha256": entry["sha256"]})
-    digest, size = _sha256_file(tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / name)
+    meta = {"format": TARGETS_FORMAT, "dtype": dtype, "shard_sha256": entry["sha256"]}
+    digest, size = _commit(lambda tmp: st_save_file(tensors, tmp, metadata=meta), folder / name)
     return {"file": name, "bytes": size, "sha256": digest, "shard_sha256": entry["sha256"]}
 
 
@@ -479,9 +501,15 @@ def write_target_sidecars(target, folder: str | os.PathLike, progress: bool = Tr
     manifest["targets"] = {"format": TARGETS_FORMAT, "dtype": dtype}
     layer_index = manifest["layers"].index(target.num_layers)
     bar = tqdm(total=sum(s["num_tokens"] for s in todo), unit="tok", desc="target sidecars", disable=not progress)
-    for entry in todo:
-        entry["targets"] = _write_sidecar(target, folder, entry, layer_index, dtype)
-        atomic_write_json(folder / MANIFEST, manifest)
+    for n, entry in enumerate(todo):
+        try:
+            entry["targets"] = _write_sidecar(target, folder, entry, layer_index, dtype)
+            atomic_write_json(folder / MANIFEST, manifest)
+        except BaseException as e:
+            entry.pop("targets", None)
+            _raise_write_error(e, folder / _targets_name(entry["index"]),
+                               f"the shards and the {n} target sidecar(s) written before are kept (listed in "
+                               f"{MANIFEST}): free space, then rerun `specheads prepare` to continue")
         bar.update(entry["num_tokens"])
         if after_shard is not None:
             after_shard(entry["index"])
