@@ -470,13 +470,9 @@ def _target_cases(h) -> list[dict[str, Any]]:
          "setup": pickled_target, "argv": gen, "rc": 2, "expect": "holds its weights only as pickles"},
         {"area": "train", "risk": "traceback", "name": "train.deepspeed without accelerate launch",
          "setup": h.prepared, "argv": TRAIN + [f"train.deepspeed={DS}"], "rc": 2, "expect": "accelerate launch",
-         "fresh_process": True,
-         "open": "a ValueError from torch.distributed (no process group) escapes the trainer; the check belongs in "
-                 "specheads/train/trainer.py, which another person is editing"},
+         "fresh_process": True},
         {"area": "train", "risk": "traceback", "name": "--calibrate-only with a DSpark recipe on an EAGLE-3 run",
-         "setup": h.trained, "argv": TRAIN + DSPARK + ["--calibrate-only"], "rc": 2, "expect": "eagle3",
-         "open": "an AttributeError ('Eagle3Head' has no 'num_drafts') escapes train/evaluate.calibrate_run; "
-                 "the check (best/ holds the recipe's head kind) belongs in train/trainer.recalibrate_run"},
+         "setup": h.trained, "argv": TRAIN + DSPARK + ["--calibrate-only"], "rc": 2, "expect": "eagle3"},
         {"area": "head", "risk": "unclear", "name": "bench --head LABEL=DIR split inside a path with '='",
          "argv": ["bench", "--target", "{target}", "--head", "{tmp}/c=d/head", "--dataset", "mt-bench", "--out",
                   "{tmp}/b"], "rc": 2, "expect": "a folder whose own path holds '=' is used whole"},

@@ -30,6 +30,7 @@ Shapes: B batch, T sequence, F feature layers, D hidden.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -678,6 +679,10 @@ class Trainer:
             ds_path = Path(cfg.deepspeed)
             if not ds_path.exists():
                 raise SpecheadsError(f"train.deepspeed: {ds_path} not found")
+            if "LOCAL_RANK" not in os.environ and "RANK" not in os.environ:  # DeepSpeed needs a process group
+                raise SpecheadsError(f"train.deepspeed: DeepSpeed runs under `accelerate launch` (e.g. `accelerate "
+                                     f"launch --config_file configs/accelerate/deepspeed-zero2.yaml -m specheads "
+                                     f"train --config ...`); this process was started without it")
             kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=str(ds_path),
                                                          gradient_accumulation_steps=cfg.grad_accum,
                                                          gradient_clipping=cfg.max_grad_norm or None)
@@ -851,6 +856,12 @@ def recalibrate_run(recipe, target=None) -> dict:
     out = Path(recipe.output_dir)
     if not any((out / n / "model.safetensors").exists() for n in ("best", "final")):
         raise SpecheadsError(f"--calibrate-only: {out} has no trained head (best/ or final/); train it first")
+    for n in ("best", "final"):
+        cfg = out / n / "config.json"
+        kind = json.loads(cfg.read_text()).get("kind") if cfg.exists() else None
+        if kind is not None and kind != "dspark":
+            raise SpecheadsError(f"--calibrate-only: {cfg} holds a {kind} head, not the recipe's dspark head; "
+                                 f"give the recipe this run was trained with")
     if target is None:
         target = load_target(recipe.target.name, dtype=recipe.target.dtype,
                              trust_remote_code=recipe.target.trust_remote_code)
