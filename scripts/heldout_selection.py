@@ -15,7 +15,7 @@ import torch
 
 def main(argv=None) -> int:
     from specheads.heads.base import load_head
-    from specheads.infer.head_eval import heldout_recipe
+    from specheads.train.heldout import heldout_recipe
     from specheads.target import load_target
     from specheads.train.evaluate import evaluate
     from specheads.train.trainer import eval_indices, load_training_data

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         if value < 1:
             raise SpecheadsError(f"{flag} {value}: must be at least 1")
     if args.dataset.startswith("heldout:"):
-        from specheads.infer.head_eval import evaluate_head_on_heldout, heldout_recipe
+        from specheads.train.heldout import evaluate_head_on_heldout, heldout_recipe
 
         recipe = heldout_recipe(args.dataset.split(":", 1)[1])
         dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype, args.dtype) or recipe.target.dtype
