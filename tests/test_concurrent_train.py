@@ -17,6 +17,7 @@ import sys, time, pathlib
 from specheads import cli
 lock = pathlib.Path(sys.argv[1])
 if sys.argv[2] == "wait":
+    (lock.parent / "ready").touch()  # imported: the test starts the first process now
     t = time.time()
     while not lock.exists() and time.time() - t < 120:
         time.sleep(0.01)
@@ -29,6 +30,14 @@ def _sweep():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _env() -> dict:
+    """One intra-op thread: a 2-thread reduction may split its work differently on a loaded machine (OpenMP's
+    dynamic teams), and the test compares bytes."""
+    import os
+
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def _sha(p: Path) -> str:
@@ -46,15 +55,19 @@ def test_two_concurrent_trains_one_runs_one_line_for_the_other(tmp_path):
         shutil.copytree(tmp_path / "prepared", tmp_path / name)
     steps = "train.max_steps=12"
     ref = subprocess.run([sys.executable, "-c", RUNNER, "-", "go", "train", "--config", recipe,
-                          f"output_dir={tmp_path / 'ref'}", steps], cwd=ROOT, capture_output=True, text=True)
+                          f"output_dir={tmp_path / 'ref'}", steps], cwd=ROOT, capture_output=True, text=True,
+                         env=_env())
     assert ref.returncode == 0, ref.stderr[-2000:]  # the uninterrupted run, alone, in a process of its own
     run = tmp_path / "run"
     argv = ["train", "--config", recipe, f"output_dir={run}", steps]
     lock = run / ".specheads.lock"
-    second = subprocess.Popen([sys.executable, "-c", RUNNER, str(lock), "wait", *argv], cwd=ROOT,
+    second = subprocess.Popen([sys.executable, "-c", RUNNER, str(lock), "wait", *argv], cwd=ROOT, env=_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(0.5)  # the second process is importing, then waits for the lock
-    first = subprocess.Popen([sys.executable, "-c", RUNNER, str(lock), "go", *argv], cwd=ROOT,
+    t = time.time()
+    while not (run / "ready").exists() and time.time() - t < 300:  # its imports done, it waits for the lock
+        time.sleep(0.05)
+    (run / "ready").unlink()
+    first = subprocess.Popen([sys.executable, "-c", RUNNER, str(lock), "go", *argv], cwd=ROOT, env=_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out2, err2 = second.communicate(timeout=600)
     out1, err1 = first.communicate(timeout=600)
