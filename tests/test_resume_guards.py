@@ -230,3 +230,15 @@ def test_cli_prepare_has_overwrite(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["prepare", "--help"])
     assert "--overwrite" in capsys.readouterr().out
+
+
+def test_train_refuses_features_split_otherwise_than_the_recipe(tiny_chat, tmp_path):
+    """A fresh train whose data.val_fraction differs from its own features' split is one line, not a silent
+    evaluation on the manifest's split."""
+    from specheads.train.prepare import prepare
+    from specheads.train.trainer import run_training
+
+    src = _sharegpt_file(tmp_path)
+    prepare(_recipe(tmp_path, src), target=tiny_chat, progress=False)
+    with pytest.raises(SpecheadsError, match="split with data.val_fraction 0.2"):
+        run_training(_recipe(tmp_path, src, "data.val_fraction=0.3", "train.max_steps=1"), target=tiny_chat)

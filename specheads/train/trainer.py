@@ -794,6 +794,10 @@ def load_training_data(recipe, target):
         if not (folder / "manifest.json").exists():
             raise SpecheadsError(f"{folder}: no offline features; run `specheads prepare --config <recipe>` first "
                                  f"(or set features.mode=online)")
+        from specheads.train.prepare import check_split
+
+        if not recipe.features.dir:  # its own features: their split is the one the recipe says (shared ones
+            check_split(folder, recipe.data.val_fraction)  # carry the split of the recipe that extracted them)
         verify, dtype = recipe.features.verify, target_dtype_name(target)  # sidecars only of this lm_head dtype
         train_ds = FeatureDataset(folder, "train", verify, targets_dtype=dtype)
         val_ds = FeatureDataset(folder, "val", verify, targets_dtype=dtype)
