@@ -165,6 +165,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def path_relation(out, src) -> str | None:
+    """How folder `out` relates to `src`: "is", "contains", "is inside" or None (apart)."""
+    target, s = Path(out).resolve(), Path(src).resolve()
+    return ("is" if target == s else "contains" if s.is_relative_to(target) else
+            "is inside" if target.is_relative_to(s) else None)
+
+
 def refuse_replacing(out: str | os.PathLike, sources: list[str | os.PathLike], is_ours, what: str, force: bool,
                      flag: str = "--out") -> None:
     """Check a user-named output folder before it is replaced. Never: `out` is, contains or lies inside a source
@@ -173,9 +180,7 @@ def refuse_replacing(out: str | os.PathLike, sources: list[str | os.PathLike], i
     out = Path(out)
     target = out.resolve()
     for src in sources:
-        s = Path(src).resolve()
-        rel = ("is" if target == s else "contains" if s.is_relative_to(target) else
-               "is inside" if target.is_relative_to(s) else None)
+        rel = path_relation(target, src)
         if rel:
             raise SpecheadsError(f"{flag} {out}: {rel} the source folder {src}; writing there would delete or mix "
                                  f"into it: choose another folder")

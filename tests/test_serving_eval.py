@@ -94,24 +94,12 @@ def test_dev_walk_tau_equals_served_chain_tau(tiny):
     assert m["eval_samples"] == 3 and m["tau_chain_walk_se"] > 0
 
 
-class ByteTok:
-    """One id per byte (3..252), no chat template: JSONL "prompt" rows are plain completions."""
-    pad_token_id = 0
-    eos_token_id = 2
-    chat_template = None
-
-    def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": [1] + [3 + b % 250 for b in text.encode()]}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
-
-
 def test_trainer_scores_every_held_out_sample_and_the_dev_set(tiny, tmp_path, monkeypatch):
     import json
 
     import specheads.infer.head_eval as head_eval
-    from tests.test_train import make_recipe, token_samples
+    from test_eval import ByteTok
+    from test_train import make_recipe, token_samples
 
     tiny.tokenizer = ByteTok()
     tiny.model.generation_config.eos_token_id = None
@@ -143,7 +131,7 @@ def Trainer_run(recipe, tiny, train, val, answers_from=None):
     from pathlib import Path
 
     from specheads.train.trainer import Trainer
-    from tests.test_train import make_head
+    from test_train import make_head
 
     if answers_from is not None:
         shutil.copytree(answers_from / "dev", Path(recipe.output_dir) / "dev")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from specheads.utils import SpecheadsError, atomic_write_json, read_json, sha256_file
+from specheads.utils import SpecheadsError, atomic_write_json, path_relation, read_json, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +80,10 @@ def check_read_folders(out, reads: dict[str, str | None]) -> None:
     """`reads`: {flag: path} of what the command reads besides the source (e.g. {"--target": ...}); a path that is not
     a local folder or file (an alias, a hub id) is skipped. --out is, contains or lies inside one: refused, --force
     or not."""
-    target = Path(out).resolve()
     for flag, path in reads.items():
         if not path or not Path(path).exists():
             continue
-        s = Path(path).resolve()
-        rel = ("is" if target == s else "contains" if s.is_relative_to(target) else
-               "is inside" if target.is_relative_to(s) else None)
+        rel = path_relation(out, path)
         if rel:
             raise SpecheadsError(f"--out {out}: {rel} the folder {flag} {path} that this command reads; it is never "
                                  f"replaced (--force or not): choose another folder")
