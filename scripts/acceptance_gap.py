@@ -41,8 +41,8 @@ def score_batches(head, batches, target, layers, labels, ngram: int) -> dict:
     with torch.no_grad():
         for b, label in zip(batches, labels):
             steps, d2t, targ = draft_step_logits(kind, head, b, target, layers, list(head.config.feature_layers))
-            _, top1, _ = step_correct(steps, targ, b["loss_mask"], d2t, topk=1)
-            start = step_correct(steps, targ, b["loss_mask"], d2t, topk=1)[0][0]
+            valid, top1, _ = step_correct(steps, targ, b["loss_mask"], d2t, topk=1)
+            start = valid[0]
             acc = accepted_lengths(top1)
             tok, fwd = walk_batch(acc, start)
             for name in ("all", f"kind:{label}"):

@@ -89,11 +89,9 @@ def dev_batches(rows: list[dict], target, layers: list[int], rank: int = 0, worl
     number of batches (a padding batch scores nothing), so a sharded head's collectives stay in step."""
     from specheads.infer.head_eval import answer_batch
 
-    mine = rows[rank::world]
     per = -(-len(rows) // world)
-    out = [answer_batch(target, r["prompt_ids"], r["answer_ids"], layers) for r in mine]
+    out = [answer_batch(target, r["prompt_ids"], r["answer_ids"], layers) for r in rows[rank::world]]
+    pad = out[0] if out else answer_batch(target, rows[0]["prompt_ids"], rows[0]["answer_ids"], layers)
     while len(out) < per:
-        pad = answer_batch(target, rows[0]["prompt_ids"], rows[0]["answer_ids"], layers)
-        pad["loss_mask"] = torch.zeros_like(pad["loss_mask"])
-        out.append(pad)
+        out.append({**pad, "loss_mask": torch.zeros_like(pad["loss_mask"])})  # scores nothing, no second forward
     return out

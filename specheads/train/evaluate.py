@@ -389,6 +389,18 @@ def calibrate_head(head_dir, target, batches, layers, cfg: EvalConfig, get_hidde
     return report
 
 
+def split_batches(ds, batch_size: int, collate_fn, target, layers, extract_fn=None, indices=None):
+    """Batches of a held-out split (or its samples `indices`) on the target's device, with `hidden` extracted
+    online when the split holds no features (extract_fn)."""
+    if indices is not None:
+        ds = torch.utils.data.Subset(ds, indices)
+    for b in torch.utils.data.DataLoader(ds, batch_size=batch_size, collate_fn=collate_fn):
+        b = {k: (t.to(target.device) if isinstance(t, torch.Tensor) else t) for k, t in b.items()}
+        if "hidden" not in b and extract_fn is not None:
+            b["hidden"] = extract_fn(target, b["input_ids"], b["attention_mask"], layers)
+        yield b
+
+
 def calibrate_run(recipe, target, val_ds, collate_fn, layers, extract_fn=None) -> dict | None:
     """After training a block head with a confidence head: calibrate `best/` and `final/` on the held-out split
     (every held-out sample) and write <output_dir>/calibration.json. Main process only (no collectives)."""
@@ -400,15 +412,9 @@ def calibrate_run(recipe, target, val_ds, collate_fn, layers, extract_fn=None) -
     if val_ds is None or len(val_ds) == 0:
         log.warning("calibration: no held-out samples; the confidences stay uncalibrated")
         return None
-    dev = target.device
 
     def batches():
-        dl = torch.utils.data.DataLoader(val_ds, batch_size=recipe.eval.batch_size, collate_fn=collate_fn)
-        for b in dl:
-            b = {k: (t.to(dev) if isinstance(t, torch.Tensor) else t) for k, t in b.items()}
-            if "hidden" not in b and extract_fn is not None:
-                b["hidden"] = extract_fn(target, b["input_ids"], b["attention_mask"], layers)
-            yield b
+        return split_batches(val_ds, recipe.eval.batch_size, collate_fn, target, layers, extract_fn)
 
     out, root = {}, Path(recipe.output_dir)
     same = all((root / n / "model.safetensors").exists() for n in ("best", "final")) and \

@@ -339,6 +339,7 @@ class Trainer:
         self.layers = list(layers or sorted(set(self.head_layers) | {L}))
         self.extract_fn = extract_fn
         self.output_dir = Path(recipe.output_dir)
+        self._dev_cache: list[dict] | None = None  # the dev set's batches (eval.dev_prompts), made at first use
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def train(self, resume: bool = False, stop_after: int | None = None) -> TrainResult:
@@ -472,11 +473,11 @@ class Trainer:
         computed once per process."""
         from specheads.train.devset import dev_answers, dev_batches
 
-        if getattr(self, "_dev_cache", None) is None:
-            if acc.is_main_process:
-                dev_answers(self.recipe, self.target)
+        if self._dev_cache is None:
+            rows = dev_answers(self.recipe, self.target) if acc.is_main_process else None
             acc.wait_for_everyone()
-            rows = dev_answers(self.recipe, self.target)
+            if rows is None:  # the main process has written them
+                rows = dev_answers(self.recipe, self.target)
             self._dev_cache = dev_batches(rows, self.target, self.layers, acc.process_index, acc.num_processes)
         return self._dev_cache
 
