@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from specheads.infer.cache import new_batch_cache
 from specheads.infer.drafters import DraftContext, Drafter
 from specheads.infer.generate import (PHASES, GenerationResult, GenerationStats, Request, cut_at_stop, encode_prompt,
                                       phase_timer)
@@ -125,23 +126,6 @@ def keep_accepted_rows(cache, cols: int, lengths: Sequence[int], accepted: Seque
 
 
 # ------------------------------------------------------------------------------------------------ the cache
-def new_batch_cache(model):
-    """A DynamicCache whose layers write each forward in place (regeneration's BufferedLayer: spare columns, no
-    copy of the whole cache per step). Sliding-window layers are refused: they keep only their window, so rows of
-    different lengths cannot share columns."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    from specheads.train.regenerate import _buffered_layer_class
-
-    cache = DynamicCache(config=model.config)
-    if not all(type(x) is DynamicLayer for x in cache.layers):
-        raise SpecheadsError("generate_batch: the target has sliding-window (or other non-plain) cache layers; "
-                             "batched generation needs full-attention layers (use generate, one prompt at a time)")
-    cache.layers = [_buffered_layer_class()() for _ in cache.layers]
-    return cache
-
-
 def merge_caches(live, fresh, live_rows: int, fresh_rows: int, model=None) -> None:
     """Append `fresh`'s rows below `live`'s (in place in `live`): both are right-padded with zeros to the longer
     one's columns (left-aligned rows: nothing moves, the masks hide the padding). A layer no forward has written

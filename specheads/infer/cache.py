@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from specheads.utils import SpecheadsError
+
 
 def prepare_cache(cache) -> None:
     """Make sliding-window layers keep every entry of a forward until `keep_accepted` prunes them."""
@@ -68,3 +70,20 @@ def tree_attention_mask(tree, cache, cache_len: int, dtype: torch.dtype, device=
     if len(sliding) == len(cache.layers):
         return sl
     return {"full_attention": full, "sliding_attention": sl}
+
+
+def new_batch_cache(model):
+    """A DynamicCache whose layers write each forward in place (regeneration's BufferedLayer: spare columns, no
+    copy of the whole cache per step). Sliding-window layers are refused: they keep only their window, so rows of
+    different lengths cannot share columns."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    from specheads.train.regenerate import _buffered_layer_class
+
+    cache = DynamicCache(config=model.config)
+    if not all(type(x) is DynamicLayer for x in cache.layers):
+        raise SpecheadsError("generate_batch: the target has sliding-window (or other non-plain) cache layers; "
+                             "batched generation needs full-attention layers (use generate, one prompt at a time)")
+    cache.layers = [_buffered_layer_class()() for _ in cache.layers]
+    return cache

@@ -237,8 +237,8 @@ def _chain_inputs(B: int, n: int, context: int, vocab: int, dtype, dev, g: torch
 
 def _row_caches(target, rows: Sequence[int], context: int, g: torch.Generator) -> dict[int, Any]:
     """One cache of `context` random tokens per batch size (rows x context), written in place as the batched loop's
-    (batch.new_batch_cache)."""
-    from specheads.infer.batch import new_batch_cache
+    (cache.new_batch_cache)."""
+    from specheads.infer.cache import new_batch_cache
 
     model, dev = target.model, target.device
     caches = {}
