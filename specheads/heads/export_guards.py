@@ -19,6 +19,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from safetensors import safe_open
+
+from specheads.heads.base import check_checksum
+from specheads.heads.export import HUB_IDS
 from specheads.utils import SpecheadsError, atomic_write_json, path_relation, read_json, sha256_file
 
 log = logging.getLogger(__name__)
@@ -31,8 +35,6 @@ GGUF_FILES = {"draft.gguf", "target.gguf", "gguf_export.json", INFO_NAME}  # wha
 def written_format(folder: Path) -> str | None:
     """The format of an earlier `specheads export` (or of a native head folder) in `folder`, from the metadata of its
     model.safetensors; None when the folder holds anything else."""
-    from safetensors import safe_open
-
     names = {p.name for p in folder.iterdir()}
     if names and names <= GGUF_FILES and "gguf_export.json" in names:
         return "gguf"
@@ -91,8 +93,6 @@ def check_read_folders(out, reads: dict[str, str | None]) -> None:
 
 def verify_head(head_dir) -> None:
     """--head: its model.safetensors against the recorded sha256 (heads/base.check_checksum), before any export."""
-    from specheads.heads.base import check_checksum
-
     head_dir = Path(head_dir)
     if (head_dir / "model.safetensors").is_file():
         check_checksum(head_dir)
@@ -118,8 +118,6 @@ def named_target(src: Path) -> str | None:
 
 
 def _same_name(a: str, b: str) -> bool:
-    from specheads.heads.export import HUB_IDS
-
     def norm(n: str) -> str:
         n = HUB_IDS.get(n, n)
         return _resolved(n) if Path(n).exists() else n.rstrip("/").lower()

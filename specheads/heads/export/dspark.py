@@ -1,0 +1,175 @@
+"""DSpark / DFlash block heads in the layouts of their two consumer families, written and read back.
+
+- `speculators`: speculators' DSparkDraftModel / DFlashDraftModel (speculators models/dspark/config.py and core.py,
+  models/dflash/config.py and core.py), which vLLM runs. speculators_model_type dspark (dflash when markov_rank 0
+  and no confidence head), transformer_layer_config (Qwen3), block_size, aux_hidden_state_layer_ids,
+  mask_token_id, sample_from_anchor, markov_* / *confidence_head*; fc, hidden_norm, layers.{i}.*, norm,
+  markov_head.*, confidence_head.proj.* [, lm_head, d2t, t2d when V' < V].
+- `specforge`: SpecForge's DFlashDraftModel / DSparkDraftModel (sgl-project/SpecForge
+  specforge/modeling/draft/dflash.py, dspark.py) and SGLang's DFlash loader (python/sglang/srt/models/dflash.py):
+  a flat Qwen3 config + block_size, num_target_layers, dflash_config {target_layer_ids (ours - 1),
+  mask_token_id}, DSpark fields; the same tensors, full vocabulary only (SpecForge drafts through the target's
+  lm_head).
+Our tensor names are speculators' (heads/dspark.py), so nothing is renamed; d2t is written as offsets.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from specheads.heads.base import CONFIG_NAME, WEIGHTS_NAME, HeadConfig, HeadSpec, write_safetensors
+from specheads.heads.dspark import DSparkHead, block_layer_config
+from specheads.heads.export.common import (
+    HUB_IDS, absolute_d2t, check_dims, check_keys, d2t_offsets, need, t2d_of,
+)
+from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json
+
+log = logging.getLogger(__package__)  # the package's one logger, specheads.heads.export
+
+BLOCK_TYPES = ("dspark", "dflash")  # speculators_model_type values imported as a dspark head
+# The loaders of the block formats, as refusals name them.
+BLOCK_LOADERS = {"speculators": "speculators' DSparkDraftModel / DFlashDraftModel (and vLLM, which runs it)",
+                 "specforge": "SpecForge's DSparkDraftModel / DFlashDraftModel (and SGLang's DFlash loader)"}
+
+
+def _block_type(spec: HeadSpec) -> str:
+    """speculators' name for the head: DFlash is DSpark without its Markov and confidence heads."""
+    return "dflash" if spec.markov_rank == 0 and not spec.confidence_head else "dspark"
+
+
+def _block_layer_dict(cfg: HeadConfig) -> dict:
+    d = block_layer_config(cfg.target_config, cfg.head_spec.num_layers, cfg.vocab_size).to_dict()
+    for k in ("transformers_version", "_name_or_path", "output_hidden_states",
+              "return_dict", "id2label", "label2id", "architectures"):
+        d.pop(k, None)
+    return d
+
+
+def _block_head_fields(spec: HeadSpec) -> dict:
+    return {"markov_rank": spec.markov_rank, "markov_head_type": spec.markov_head_type,
+            "enable_confidence_head": spec.confidence_head,
+            "confidence_head_with_markov": spec.confidence_head and spec.confidence_with_markov}
+
+
+def _speculators_block_config(cfg: HeadConfig, verifier: str | None) -> dict:
+    """DSparkSpeculatorConfig / DFlashSpeculatorConfig fields (speculators models/dflash/config.py,
+    models/dspark/config.py); aux ids are hidden_states-tuple ids, ours unchanged (its dflash converter maps the
+    z-lab ids by +1)."""
+    spec, kind = cfg.head_spec, _block_type(cfg.head_spec)
+    config = {
+        "architectures": ["DSparkSpeculator" if kind == "dspark" else "DFlashSpeculator"],
+        "speculators_model_type": kind, "transformer_layer_config": _block_layer_dict(cfg),
+        "draft_vocab_size": cfg.out_vocab, "block_size": spec.block_size, "target_hidden_size": None,
+        "aux_hidden_state_layer_ids": list(cfg.feature_layers), "mask_token_id": spec.mask_token_id,
+        "sliding_window_non_causal": False, "sample_from_anchor": spec.sample_from_anchor,
+        "speculators_config": {
+            "algorithm": kind, "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": spec.num_drafts}],
+            "verifier": {"name_or_path": verifier or HUB_IDS.get(cfg.target_name, cfg.target_name),
+                         "architectures": cfg.target_config.get("architectures") or ["LlamaForCausalLM"]}},
+    }
+    if kind == "dspark":
+        config.update(_block_head_fields(spec))
+    return config
+
+
+def _specforge_block_config(cfg: HeadConfig, where: str) -> dict:
+    """SpecForge's DFlashDraftModel reads a Qwen3 config + block_size, num_target_layers and dflash_config
+    (target_layer_ids in z-lab's convention: hidden_states[id + 1], i.e. ours - 1; -1 = the embeddings);
+    DSparkConfig adds the four DSpark fields at the top level (newer SpecForge reads them from dspark_config)."""
+    spec = cfg.head_spec
+    if cfg.draft_vocab_size:
+        raise SpecheadsError(f"--format specforge: {where} drafts over a {cfg.draft_vocab_size}-token draft vocab; "
+                             "SpecForge's DFlash / DSpark use the target's full vocabulary "
+                             "(head.draft_vocab_size null)")
+    kind = _block_type(spec)
+    config = _block_layer_dict(cfg)
+    ids = [i - 1 for i in cfg.feature_layers]
+    config.update(architectures=["DSparkDraftModel" if kind == "dspark" else "DFlashDraftModel"],
+                  block_size=spec.block_size, num_target_layers=int(cfg.target_config["num_hidden_layers"]),
+                  dflash_config={"target_layer_ids": ids, "mask_token_id": spec.mask_token_id},
+                  # top-level copies: DeepSpec's Qwen3DSparkModel config keys, and llama.cpp's DSparkModel reads
+                  # sample_from_anchor here (its default without it is true)
+                  target_layer_ids=ids, mask_token_id=spec.mask_token_id, sample_from_anchor=spec.sample_from_anchor)
+    if kind == "dspark":
+        config["model_type"] = "dspark"
+        config.update(_block_head_fields(spec), dspark_config=_block_head_fields(spec))
+    return config
+
+
+def check_block_exportable(cfg: HeadConfig, flag: str, consumer: str, where: str) -> None:
+    """One SpecheadsError naming the consumer when it cannot run this dspark head: the anchor-features variant
+    (head.anchor_features) adds W_a c_{p-1} to the anchor slot's input, and the engines build the block's input
+    from token embeddings alone ([x_p, m, ..., m]), with no tensor or config key for anchor_proj."""
+    if cfg.head_spec.anchor_features:
+        raise SpecheadsError(f"{flag}: {where}: {consumer} cannot run this head: it was trained with "
+                             "head.anchor_features (the anchor slot reads the fused target features of the last "
+                             "context row through anchor_proj.weight), and that engine builds the block's input "
+                             "from the token embeddings alone; the native folder keeps the head (specheads "
+                             "generate / bench run it), or train one with head.anchor_features false for the engines")
+
+
+def export_block_head(cfg: HeadConfig, sd: dict, fmt: str, out_dir, where: str, verifier: str | None) -> Path:
+    """A dspark head in speculators' or SpecForge's layout: same tensor names as ours (heads/dspark.py), d2t as
+    offsets; the calibration (temperatures and biases) has no slot in either format and stays in the native folder."""
+    check_block_exportable(cfg, f"--format {fmt}", BLOCK_LOADERS[fmt], where)
+    check_keys(sd, list(DSparkHead(cfg).state_dict()), where)
+    tensors = {k: v for k, v in sd.items() if k not in ("d2t", "t2d", "conf_temperature", "conf_bias")}
+    if fmt == "speculators":
+        config = _speculators_block_config(cfg, verifier)
+        if cfg.draft_vocab_size:  # speculators registers d2t/t2d (offsets) and keeps lm_head only when V' < V
+            tensors.update(d2t=d2t_offsets(sd["d2t"]), t2d=sd["t2d"].to(torch.bool))
+    else:
+        config = _specforge_block_config(cfg, where)
+    with atomic_dir(out_dir) as tmp:
+        atomic_write_json(tmp / CONFIG_NAME, config)
+        write_safetensors(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt", "specheads_export": fmt})
+    log.info("exported dspark head %s as %s (%s) to %s", where, fmt, config.get("speculators_model_type") or
+             config["architectures"][0], out_dir)
+    return Path(out_dir)
+
+
+def _block_spec(fmt: str, config: dict, target, where: str) -> HeadSpec:
+    """The HeadSpec a speculators dspark / dflash or SpecForge config describes (speculators' defaults where a key
+    is absent: sample_from_anchor true for dspark, false for dflash; markov_rank 256)."""
+    if fmt == "speculators":
+        layer, kind = need(config, "transformer_layer_config", where), config["speculators_model_type"]
+        ids = list(need(config, "aux_hidden_state_layer_ids", where))
+        heads = config if kind == "dspark" else {"markov_rank": 0, "enable_confidence_head": False}
+        mask, sfa = config.get("mask_token_id"), config.get("sample_from_anchor", kind == "dspark")
+    else:
+        layer, dfc = config, need(config, "dflash_config", where)
+        ids = [i + 1 for i in need(dfc, "target_layer_ids", where)]
+        heads = config.get("dspark_config") or config
+        if "markov_rank" not in heads:
+            heads = {"markov_rank": 0, "enable_confidence_head": False}
+        mask, sfa = dfc.get("mask_token_id"), config.get("sample_from_anchor", config.get("model_type") == "dspark")
+    check_dims(layer, target, where)
+    dv = int(config.get("draft_vocab_size") or target.vocab_size)
+    rank, conf = int(heads.get("markov_rank", 256)), bool(heads.get("enable_confidence_head", True))
+    return HeadSpec(kind="dspark", num_layers=int(need(layer, "num_hidden_layers", where)), feature_layers=ids,
+                    draft_vocab_size=dv if dv < target.vocab_size else None,
+                    block_size=int(need(config, "block_size", where)), markov_rank=rank,
+                    markov_head_type=heads.get("markov_head_type", "vanilla"), confidence_head=conf,
+                    confidence_with_markov=bool(heads.get("confidence_head_with_markov", rank > 0)) and rank > 0,
+                    sample_from_anchor=bool(sfa), mask_token_id=mask)
+
+
+def import_block_tensors(fmt: str, config: dict, sd: dict, target, where: str, w: str) -> tuple[HeadSpec, dict]:
+    """(HeadSpec, native state dict) of a speculators dspark / dflash or SpecForge DFlash / DSpark folder."""
+    spec = _block_spec(fmt, config, target, where)
+    check_keys(sd, ["fc.weight", "hidden_norm.weight", "norm.weight"], w)
+    tensors = {k: v for k, v in sd.items() if k not in ("d2t", "t2d")}
+    if spec.draft_vocab_size:
+        check_keys(sd, ["d2t", "lm_head.weight"], w)
+        tensors["d2t"] = absolute_d2t(sd["d2t"], sd.get("t2d"), w)
+        tensors["t2d"] = t2d_of(tensors["d2t"], target.vocab_size)
+    tensors["conf_temperature"] = torch.ones(spec.num_drafts)  # uncalibrated: the formats carry no calibration
+    tensors["conf_bias"] = torch.zeros(spec.num_drafts)
+    return spec, tensors
+
+
+def read_specforge(config: dict, sd: dict, target, where: str, w: str) -> tuple[HeadSpec, dict]:
+    return import_block_tensors("specforge", config, sd, target, where, w)

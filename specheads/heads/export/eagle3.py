@@ -1,0 +1,104 @@
+"""EAGLE-3 heads in the `eagle3` layout, written and read back. Consumers: SGLang's LlamaForCausalLMEagle3
+(python/sglang/srt/models/llama_eagle3.py), vLLM's Eagle3LlamaForCausalLM (vllm/model_executor/models/
+llama_eagle3.py), llama.cpp's EAGLE-3 converter (convert_hf_to_gguf.py; heads/gguf.py runs it) and, opt-in, the
+EAGLE-3 repo's model (SafeAILab/EAGLE eagle/model/cnets.py).
+
+Llama config + draft_vocab_size; aux layer ids both top level (`eagle_aux_hidden_state_layer_ids`, our
+hidden-states index: vLLM and llama.cpp) and nested (`eagle_config`, ours minus one: SGLang); fc.weight,
+midlayer.*, norm.weight, lm_head.weight, d2t (offsets), t2d. The fc and layer helpers here serve the speculators
+EAGLE-3 layout too (export/speculators.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from specheads.heads.base import HeadConfig, HeadSpec
+from specheads.heads.eagle3 import eagle3_layer_config
+from specheads.heads.export.common import (
+    absolute_d2t, check_dims, check_keys, d2t_offsets, drop_zero_attention_biases, legacy_rope_keys, t2d_of,
+    zero_attention_biases,
+)
+from specheads.utils import SpecheadsError
+
+
+def eagle3_llama_dict(cfg: HeadConfig) -> dict:
+    """The head's one-layer Llama config as a plain dict, legacy RoPE keys added."""
+    d = eagle3_layer_config(cfg.target_config, cfg.vocab_size).to_dict()
+    for k in ("transformers_version", "_name_or_path", "output_hidden_states", "return_dict", "id2label", "label2id"):
+        d.pop(k, None)
+    return legacy_rope_keys(d)
+
+
+def _vocab_maps(cfg: HeadConfig, sd: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t offsets [V'], t2d [V] bool) for EAGLE-3 layouts; identity maps without a draft vocab."""
+    if cfg.draft_vocab_size:
+        return d2t_offsets(sd["d2t"]), sd["t2d"].to(torch.bool)
+    return torch.zeros(cfg.vocab_size, dtype=torch.int64), torch.ones(cfg.vocab_size, dtype=torch.bool)
+
+
+def ascending_fc(cfg: HeadConfig, sd: dict) -> tuple[list[int], torch.Tensor]:
+    """Consumers concatenate the aux states in layer order; our fc [D, F*D] (F feature layers) reads them in
+    config order. Returns (ids ascending, fc.weight with its column blocks in that order): the same function of the
+    same states."""
+    ids, w = list(cfg.feature_layers), sd["fc.weight"]
+    order = sorted(range(len(ids)), key=lambda j: ids[j])
+    D = cfg.hidden_size
+    return [ids[j] for j in order], torch.cat([w[:, j * D:(j + 1) * D] for j in order], dim=1)
+
+
+def write_eagle3(cfg: HeadConfig, sd: dict, expected: list[str], **_) -> tuple[dict, dict, list[str]]:
+    """SGLang (llama_eagle3.py: fc bias and o_proj bias from `bias`, aux ids nested, ours minus one), vLLM and
+    llama.cpp (top-level aux ids, ours), the EAGLE-3 repo (hardcoded layers). No target_hidden_size: the EAGLE-3
+    repo loads the target's embedding only without it (cnets.py)."""
+    b = cfg.head_spec.resolved_bias()
+    ids, fc = ascending_fc(cfg, sd)
+    config = eagle3_llama_dict(cfg)
+    config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=cfg.out_vocab, bias=b,
+                  attention_bias=False, eagle_aux_hidden_state_layer_ids=ids,
+                  eagle_config={"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids], "use_aux_hidden_state": True})
+    d2t, t2d = _vocab_maps(cfg, sd)
+    tensors = {k: v for k, v in sd.items() if k not in ("d2t", "t2d")}
+    tensors.update({"fc.weight": fc, "d2t": d2t, "t2d": t2d})
+    if b:  # SGLang reads `bias` as the o_proj bias too (qkv is rebuilt without one)
+        tensors.update(zero_attention_biases(sd, "midlayer.", ("o",)))
+    required = ["fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"] + \
+        [k for k in expected if k.startswith("midlayer.")]
+    return config, tensors, required
+
+
+def _eagle3_ids(config: dict, L: int, where: str) -> list[int]:
+    """Aux ids in our convention: top level (vLLM / llama.cpp: ours), else eagle_config (SGLang: ours - 1), else
+    the engines' default [2, L // 2, L - 3]."""
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if top and nested and [i + 1 for i in nested] != list(top):
+        raise SpecheadsError(f"{where}: eagle_aux_hidden_state_layer_ids {top} and "
+                             f"eagle_config.eagle_aux_hidden_state_layer_ids {nested} (SGLang's ids, ours minus one) "
+                             "name different layers")
+    if top:
+        return list(top)
+    return [i + 1 for i in nested] if nested else [2, L // 2, L - 3]
+
+
+def read_eagle3_layer(config: dict, layer: dict, sd: dict, target, where: str, w: str) -> tuple[HeadSpec, dict]:
+    """(HeadSpec, native state dict) of an EAGLE-3 folder: `layer` is the config holding the midlayer's sizes
+    (the top level for `eagle3`, transformer_layer_config for speculators), `sd` named with `midlayer.`."""
+    check_dims(layer, target, where)
+    if int(layer.get("num_hidden_layers", 1)) != 1:
+        raise SpecheadsError(f"{where}: num_hidden_layers {layer['num_hidden_layers']}: one midlayer supported")
+    ids = _eagle3_ids(config, target.num_layers, where)
+    sd = drop_zero_attention_biases(sd, w)
+    dv = int(config.get("draft_vocab_size") or target.vocab_size)
+    spec = HeadSpec(kind="eagle3", feature_layers=ids, bias="fc.bias" in sd,
+                    draft_vocab_size=dv if dv < target.vocab_size else None)
+    check_keys(sd, ["fc.weight", "norm.weight", "lm_head.weight"], w)
+    tensors = {k: v for k, v in sd.items() if k not in ("d2t", "t2d")}
+    if dv < target.vocab_size:
+        check_keys(sd, ["d2t"], w)
+        tensors["d2t"] = absolute_d2t(sd["d2t"], sd.get("t2d"), w)
+        tensors["t2d"] = t2d_of(tensors["d2t"], target.vocab_size)
+    return spec, tensors
+
+
+def read_eagle3(config: dict, sd: dict, target, where: str, w: str) -> tuple[HeadSpec, dict]:
+    return read_eagle3_layer(config, config, sd, target, where, w)

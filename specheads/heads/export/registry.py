@@ -1,0 +1,150 @@
+"""The formats and their dispatch: `export_head` writes a native head folder in a format (one writer per format,
+export/<family>.py), `import_head` detects a folder's layout and reads it back (one reader per layout). Consumer:
+`specheads export` (commands/export.py); the native format is our own (heads/base.py save_pretrained /
+load_head: HeadConfig and our state dict).
+
+Writers: (cfg, sd, expected keys, **ctx) -> (config dict, tensors, keys the consumer needs). Readers: (config,
+state dict, target, config path, weights path) -> (HeadSpec, native state dict).
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from specheads.heads.base import (
+    CONFIG_NAME, WEIGHTS_NAME, DraftHead, HeadConfig, head_class, load_head, load_state_checked, read_head_config,
+    read_safetensors, write_safetensors,
+)
+from specheads.heads.export.common import SPECULATIVE_TOKENS, check_keys, resolve_verifier
+from specheads.heads.export.consumers import check_consumers
+from specheads.heads.export.dspark import export_block_head, read_specforge
+from specheads.heads.export.eagle import read_eagle, read_eagle_vllm, write_eagle, write_eagle_vllm
+from specheads.heads.export.eagle3 import read_eagle3, write_eagle3
+from specheads.heads.export.medusa import read_medusa_vllm, write_medusa_vllm
+from specheads.heads.export.repos import read_medusa_repo
+from specheads.heads.export.speculators import read_speculators, write_speculators
+from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json, read_json
+
+log = logging.getLogger(__package__)  # the package's one logger, specheads.heads.export
+
+FORMATS = ("native", "eagle", "eagle-vllm", "eagle3", "speculators", "medusa-vllm", "specforge",
+           "gguf")  # gguf: heads/gguf.py
+KIND_OF_FORMAT = {"eagle": "eagle", "eagle-vllm": "eagle", "eagle3": "eagle3", "speculators": "eagle3",
+                  "medusa-vllm": "medusa", "specforge": "dspark"}
+BLOCK_FORMATS = ("speculators", "specforge")  # the formats a dspark head exports to (speculators: dspark / dflash)
+_SKIP_ON_IMPORT = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")  # target's, not ours
+
+WRITERS = {"eagle": write_eagle, "eagle-vllm": write_eagle_vllm, "eagle3": write_eagle3,
+           "speculators": write_speculators, "medusa-vllm": write_medusa_vllm}
+READERS = {"eagle": read_eagle, "eagle-vllm": read_eagle_vllm, "medusa-vllm": read_medusa_vllm,
+           "medusa-repo": read_medusa_repo, "eagle3": read_eagle3, "speculators": read_speculators,
+           "specforge": read_specforge}
+
+
+def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target=None,
+                verifier_name_or_path: str | None = None, speculative_tokens: int = SPECULATIVE_TOKENS,
+                consumers: list[str] | None = None) -> Path:
+    """Write the native head folder `head_dir` in layout `fmt` to `out_dir` (atomically).
+
+    `target` is needed only for medusa-vllm with the shared lm_head (vLLM wants one projection per head).
+    `verifier_name_or_path`: the verifier model written into the export (default: the head's target, our aliases
+    as their hub id). `consumers`: the readers to check the head against (default: the format's engines,
+    `consumers_of(fmt, default_only=True)`); one that cannot read it is an error naming it and the reason.
+    """
+    if fmt not in FORMATS:
+        raise SpecheadsError(f"--format: {fmt!r} is not one of {list(FORMATS)}")
+    if fmt == "gguf":  # heads/gguf.py builds on this package: it runs llama.cpp's converter on an eagle3 export
+        raise SpecheadsError("--format gguf: written by specheads.heads.gguf.export_gguf (llama.cpp's converter), "
+                             "as `specheads export --format gguf` does")
+    head_dir = Path(head_dir)
+    cfg = read_head_config(head_dir)
+    sd = read_safetensors(head_dir / WEIGHTS_NAME)
+    where = str(head_dir / WEIGHTS_NAME)
+    if cfg.kind == "dspark" and fmt in BLOCK_FORMATS:
+        return export_block_head(cfg, sd, fmt, out_dir, where, verifier_name_or_path)
+    if fmt != "native" and KIND_OF_FORMAT[fmt] != cfg.kind:
+        raise SpecheadsError(f"--format {fmt}: needs a {KIND_OF_FORMAT[fmt]} head, {head_dir} holds a {cfg.kind} head")
+    # Every key our own head would have must be present (a truncated export is worse than none).
+    expected = list(head_class(cfg.kind)(cfg).state_dict())  # built on CPU: small next to the checkpoint itself
+    check_keys(sd, expected, where)
+
+    if fmt == "native":
+        config, tensors = cfg.to_dict(), sd
+    else:
+        chosen = check_consumers(fmt, cfg, consumers, str(head_dir))
+        verifier, note = resolve_verifier(cfg, verifier_name_or_path)
+        config, tensors, required = WRITERS[fmt](cfg, sd, expected, target=target, where=str(head_dir),
+                                                 verifier=verifier, speculative_tokens=speculative_tokens)
+        check_keys(tensors, required, f"export {fmt}")
+        config["specheads"] = {"format": fmt, "consumers": chosen, "head_target": cfg.target_name,
+                               "verifier": verifier, "feature_layers": sorted(cfg.feature_layers)}
+        if note:
+            config["specheads"]["verifier_note"] = note
+            log.warning("%s", note)
+    with atomic_dir(out_dir) as tmp:
+        atomic_write_json(tmp / CONFIG_NAME, config)
+        write_safetensors(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt", "specheads_export": fmt})
+    log.info("exported %s head %s as %s to %s (%d tensors)", cfg.kind, head_dir, fmt, out_dir, len(tensors))
+    return Path(out_dir)
+
+
+def detect_format(src: Path, config: dict) -> str:
+    if "format_version" in config and "fingerprint" in config:
+        return "native"
+    if "speculators_model_type" in config:
+        return "speculators"
+    if "dflash_config" in config or config.get("model_type") == "dspark":
+        return "specforge"
+    if config.get("model_type") == "medusa" or "num_heads" in config and "truncated_vocab_size" in config:
+        return "medusa-vllm"
+    if "medusa_num_heads" in config:
+        return "medusa-repo"
+    archs = config.get("architectures") or []
+    if "eagle_fc_bias" in config or "EagleLlamaForCausalLM" in archs:
+        return "eagle-vllm"
+    if "Eagle3" in " ".join(archs) or "draft_vocab_size" in config or "eagle_config" in config:
+        return "eagle3"
+    if "hidden_size" in config and "num_hidden_layers" in config:
+        return "eagle"
+    raise SpecheadsError(f"{src / CONFIG_NAME}: cannot tell the checkpoint format (no known keys)")
+
+
+def _weights_file(src: Path) -> Path:
+    for name in (WEIGHTS_NAME, "medusa_lm_head.safetensors"):
+        if (src / name).exists():
+            return src / name
+    found = sorted(src.glob("*.safetensors"))
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise SpecheadsError(f"{src}: several safetensors files ({[p.name for p in found]}); sharded heads unsupported")
+    pickles = [p.name for p in src.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
+    hint = f" (found {pickles}: convert them to safetensors first; pickles are never loaded)" if pickles else ""
+    raise SpecheadsError(f"{src}: no model.safetensors{hint}")
+
+
+def import_head(src_dir: str | Path, target, fmt: str | None = None) -> DraftHead:
+    """Load a head in any supported layout (auto-detected from config.json unless `fmt` is given) against `target`.
+    Returns a bound head; `.save_pretrained` writes it natively."""
+    src = Path(src_dir)
+    if not src.is_dir():
+        raise SpecheadsError(f"{src}: folder not found")
+    cpath = src / CONFIG_NAME
+    config = read_json(cpath)
+    if not isinstance(config, dict):
+        raise SpecheadsError(f"{cpath}: expected a JSON object")
+    fmt = fmt or detect_format(src, config)
+    if fmt == "native":
+        return load_head(src, target)
+    if fmt not in READERS:
+        raise SpecheadsError(f"--format: {fmt!r} is not one of {list(FORMATS) + ['medusa-repo']}")
+    wpath = _weights_file(src)
+    sd = {k: v for k, v in read_safetensors(wpath).items() if k not in _SKIP_ON_IMPORT}
+    spec, tensors = READERS[fmt](config, sd, target, str(cpath), str(wpath))
+    head = head_class(spec.kind)(HeadConfig.from_target(spec, target))
+    load_state_checked(head, tensors, wpath)
+    dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
+    log.info("imported %s checkpoint %s as a %s head", fmt, src, spec.kind)
+    return head.to(device=target.device, dtype=dtype).bind(target)

@@ -1,0 +1,60 @@
+"""EAGLE-3 heads in the `speculators` layout, written and read back. Consumers: speculators' Eagle3DraftModel
+(speculators models/eagle3/config.py and core.py: Eagle3SpeculatorConfig, loaded by SpeculatorModel.from_pretrained)
+and vLLM, which serves it through its speculators-config path (vllm/transformers_utils/configs/speculators/algos.py
+update_eagle3, then vllm/model_executor/models/llama_eagle3.py).
+
+speculators_model_type eagle3, transformer_layer_config, speculators_config {verifier, proposal_methods};
+fc.weight, layers.0.*, norm.weight, lm_head.weight [, d2t, t2d when V' < V]. A speculators folder of a dspark /
+dflash head is read by export/dspark.py.
+"""
+from __future__ import annotations
+
+import torch
+
+from specheads.heads.base import HeadConfig, HeadSpec
+from specheads.heads.export.common import SPECULATIVE_TOKENS, d2t_offsets, need
+from specheads.heads.export.dspark import BLOCK_TYPES, import_block_tensors
+from specheads.heads.export.eagle3 import ascending_fc, eagle3_llama_dict, read_eagle3_layer
+from specheads.utils import SpecheadsError
+
+
+def write_speculators(cfg: HeadConfig, sd: dict, expected: list[str], verifier: str = "",
+                      speculative_tokens: int = SPECULATIVE_TOKENS, **_) -> tuple[dict, dict, list[str]]:
+    layer = eagle3_llama_dict(cfg)
+    layer.pop("architectures", None)
+    ids, fc = ascending_fc(cfg, sd)
+    config = {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer, "draft_vocab_size": cfg.out_vocab, "norm_before_residual": False,
+        "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": ids,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens)}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier,
+                         "architectures": cfg.target_config.get("architectures") or ["LlamaForCausalLM"]}},
+    }
+    tensors = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v
+               for k, v in sd.items() if k not in ("d2t", "t2d")}
+    tensors["fc.weight"] = fc
+    required = ["fc.weight", "norm.weight", "lm_head.weight"] + \
+        ["layers.0." + k[len("midlayer."):] for k in expected if k.startswith("midlayer.")]
+    if cfg.draft_vocab_size:  # speculators registers d2t/t2d only when V' < V
+        tensors.update(d2t=d2t_offsets(sd["d2t"]), t2d=sd["t2d"].to(torch.bool))
+        required += ["d2t", "t2d"]
+    return config, tensors, required
+
+
+def read_speculators(config: dict, sd: dict, target, where: str, w: str) -> tuple[HeadSpec, dict]:
+    """A speculators folder: dspark / dflash heads through export/dspark.py, eagle3 ones here (layers.0. read as
+    our midlayer.)."""
+    if config.get("speculators_model_type") in BLOCK_TYPES:
+        return import_block_tensors("speculators", config, sd, target, where, w)
+    if config["speculators_model_type"] != "eagle3":
+        raise SpecheadsError(f"{where}: speculators_model_type {config['speculators_model_type']!r}: only "
+                             "eagle3 speculators are imported")
+    layer = need(config, "transformer_layer_config", where)
+    sd = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in sd.items()}
+    if any(k.startswith("layers.") for k in sd):
+        raise SpecheadsError(f"{w}: more than one decoder layer; specheads EAGLE-3 heads have one")
+    return read_eagle3_layer(config, layer, sd, target, where, w)
