@@ -11,7 +11,7 @@ from specheads.heads.base import HeadSpec, build_head
 from specheads.infer.drafters import (DRAFTERS, DraftContext, DraftModelDrafter, Drafter, DrafterKind, DSparkDrafter,
                                       EagleDrafter, MedusaDrafter, NoDrafter, PromptLookupDrafter,
                                       ScheduledUnionDrafter, ScoredLookupDrafter, ScoredTreeDrafter, build_drafter,
-                                      combine_drafters, drafter_kind, load_drafter, parse_tree, register_drafter)
+                                      combine_drafters, drafter_kind, parse_tree, register_drafter)
 from specheads.infer.scheduler import Scheduler
 from specheads.infer.tree import DraftTree, chain_tree, dynamic_tree
 from specheads.infer.treespec import TreeSpec
@@ -94,12 +94,16 @@ def test_a_new_head_kind_plugs_in_by_registering(tiny, monkeypatch):
         register_drafter(DrafterKind("bad", "no-such-family", "x", lambda *a: None))
 
 
-def test_load_drafter_from_a_head_folder(tiny, tmp_path):
-    build_head(HeadSpec(kind="eagle"), tiny).save_pretrained(tmp_path / "h")
-    d = load_drafter("plain", tiny, head_dir=str(tmp_path / "h"), tree="3,2,5", lookup=2, scheduler=scheduler())
-    inner = d.sources[0].inner
-    assert isinstance(d, ScheduledUnionDrafter) and (inner.depth, inner.top_k, inner.total_tokens) == (3, 2, 5)
-    assert not inner.head.training
+def test_a_training_free_kind_plugs_in_by_registering(tiny, monkeypatch):
+    """A module of one's own registers a kind; build_drafter and the messages know it by name."""
+    monkeypatch.setitem(DRAFTERS, "toy", None)  # removed again after the test
+    register_drafter(DrafterKind("toy", "tokens", "toy", lambda t, h, s: BlockDrafter(h, s.num_tokens),
+                                 default_tree="2"))
+    d = build_drafter(tiny, "toy", "3")
+    assert isinstance(d, BlockDrafter) and d.k == 3 and build_drafter(tiny, "toy").k == 2
+    assert len(d.propose(DraftContext(ids=[4, 5]))) == 4
+    with pytest.raises(SpecheadsError, match="--drafter nonsense: expected .*, toy"):
+        build_drafter(tiny, "nonsense")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -239,7 +243,7 @@ def test_eagle_proposals_equal_the_reference_implementation(tiny, kind, tree):
 
 
 def test_eagle_draft_rows_are_cropped_even_when_expansion_fails(tiny, monkeypatch):
-    import specheads.infer.drafters as drafters_mod
+    import specheads.infer.drafters.eagle as eagle_mod
 
     head = build_head(HeadSpec(kind="eagle"), tiny)
     d = EagleDrafter(head, depth=3, top_k=2, total_tokens=6)
@@ -255,11 +259,11 @@ def test_eagle_draft_rows_are_cropped_even_when_expansion_fails(tiny, monkeypatc
             expand([1, 2], tokens, parents)  # two draft rows now in the head cache
             raise RuntimeError("boom")
 
-        monkeypatch.setattr(drafters_mod, "dynamic_tree", failing)
+        monkeypatch.setattr(eagle_mod, "dynamic_tree", failing)
         with pytest.raises(RuntimeError):
             d.propose(DraftContext(ids=ids))
     assert d.cache.get_seq_length() == d.rows == len(ids) - 1 and d.draft is None
-    monkeypatch.setattr(drafters_mod, "dynamic_tree", dynamic_tree)
+    monkeypatch.setattr(eagle_mod, "dynamic_tree", dynamic_tree)
 
 
 def test_dspark_tree_specs_and_one_clear_error(tiny):

@@ -1,11 +1,12 @@
-"""DraftTree structure: masks, positions, static (Medusa choices), automatic choices, dynamic (EAGLE-2) trees."""
+"""DraftTree structure: masks, positions, the builders (chain, parents, rank paths, Medusa choices, trie union),
+dynamic (EAGLE-2) trees."""
 import math
 
 import pytest
 import torch
 
-from specheads.infer.tree import (DraftTree, chain_tree, choices_from_accuracies, dynamic_tree, normalize_choices,
-                                  tree_from_choices)
+from specheads.infer.tree import (DraftTree, chain_tree, dynamic_tree, normalize_choices, tree_from_choices,
+                                  tree_from_parents, tree_from_paths, trie_union)
 from specheads.utils import SpecheadsError
 
 NEG = float("-inf")
@@ -39,7 +40,7 @@ def test_positions_follow_depth_and_paths():
     t = small_tree()
     assert t.position_ids(7).tolist() == [[7, 8, 8, 9, 9, 9]]
     assert t.path(4) == [0, 1, 4] and t.path(5) == [0, 2, 5]
-    assert t.children(1) == [3, 4] and t.children(3) == []
+    assert t.children_lists() == [[1, 2], [3, 4], [5], [], [], []]
 
 
 def test_invalid_trees_are_rejected():
@@ -64,17 +65,6 @@ def test_tree_from_choices_uses_ranks_per_depth():
     assert t.tokens.tolist() == [7, 100, 101, 102, 200, 202, 200]
     assert t.parents.tolist() == [-1, 0, 0, 0, 1, 1, 2]
     assert t.depth.tolist() == [0, 1, 1, 1, 2, 2, 2]
-
-
-def test_choices_from_accuracies_best_first_by_product():
-    acc = torch.tensor([[0.6, 0.2, 0.1], [0.5, 0.1, 0.05]])  # [K=2, R=3]
-    # products: [0]=.6 [1]=.2 [0,0]=.3 [2]=.1 [1,0]=.1 [0,1]=.06 ...
-    ch = choices_from_accuracies(acc, num_nodes=4)
-    assert ch == [[0], [1], [2], [0, 0]] or ch == [[0], [1], [0, 0], [1, 0]]
-    ch = choices_from_accuracies(acc, num_nodes=3)
-    assert ch == [[0], [1], [0, 0]]
-    deep = choices_from_accuracies(torch.ones(2, 1), num_nodes=10)  # never deeper than the 2 heads
-    assert deep == [[0], [0, 0]]
 
 
 def test_normalize_choices_adds_prefixes_parents_first():
@@ -109,19 +99,6 @@ def test_dynamic_tree_keeps_best_connected_nodes():
     assert bool((big.parents[1:] < torch.arange(1, len(big))).all())
 
 
-def test_medusa_calibration_builds_choices(tiny):
-    from specheads.heads.base import HeadSpec, build_head
-    from specheads.infer.drafters import medusa_rank_accuracies
-
-    head = build_head(HeadSpec(kind="medusa", num_heads=2), tiny)
-    g = torch.Generator().manual_seed(0)
-    acc = medusa_rank_accuracies(tiny, head, [torch.randint(3, 256, (20,), generator=g).tolist()], ranks=256)
-    assert acc.shape == (2, 256)
-    torch.testing.assert_close(acc.sum(1), torch.ones(2, dtype=torch.float64))  # full ranking: every truth found once
-    ch = choices_from_accuracies(acc[:, :5] + 1e-3, num_nodes=8)
-    assert len(ch) == 8 and max(len(c) for c in ch) <= 2
-
-
 def test_ancestors_equal_paths_on_a_random_deep_tree():
     g = torch.Generator().manual_seed(3)
     parents, depth = [-1], [0]
@@ -137,16 +114,33 @@ def test_ancestors_equal_paths_on_a_random_deep_tree():
     assert torch.equal(t.ancestors(), ref)
 
 
-def test_merge_trees_is_a_trie_union():
-    from specheads.infer.tree import chain_tree, merge_trees
-
+def test_trie_union_shares_common_prefixes():
     # a: root 9 -> {1 -> 2, 3}; b: the chain 9 -> 1 -> 4 -> 5 shares node "1" and adds 4 -> 5 under it
     a = DraftTree(torch.tensor([9, 1, 3, 2]), torch.tensor([-1, 0, 0, 1]), torch.tensor([0, 1, 1, 2]))
-    m = merge_trees(a, chain_tree(9, [1, 4, 5]))
+    m, maps = trie_union([a, chain_tree(9, [1, 4, 5])])
     assert m.tokens.tolist() == [9, 1, 3, 2, 4, 5] and m.parents.tolist() == [-1, 0, 0, 1, 1, 4]
-    assert m.depth.tolist() == [0, 1, 1, 2, 2, 3]
-    assert merge_trees(a, chain_tree(9, [1, 2])).tokens.tolist() == a.tokens.tolist()  # nothing new: unchanged
+    assert m.depth.tolist() == [0, 1, 1, 2, 2, 3] and maps == [[0, 1, 2, 3], [0, 1, 4, 5]]
+    same, maps = trie_union([a, chain_tree(9, [1, 2])])
+    assert same.tokens.tolist() == a.tokens.tolist() and maps[1] == [0, 1, 3]  # nothing new: unchanged
     with pytest.raises(ValueError, match="roots"):
-        merge_trees(a, chain_tree(8, [1]))
+        trie_union([a, chain_tree(8, [1])])
     with pytest.raises(ValueError, match="deterministic"):
-        merge_trees(a, chain_tree(9, [1], q=torch.ones(2, 4) / 4))
+        trie_union([a, chain_tree(9, [1], q=torch.ones(2, 4) / 4)])
+
+
+def test_tree_from_parents_derives_depth():
+    t = tree_from_parents([5, 7, 8, 9, 10], [-1, 0, 1, 0, 0])  # a chain 5 -> 7 -> 8 and two more children of 5
+    assert t.parents.tolist() == [-1, 0, 1, 0, 0] and t.depth.tolist() == [0, 1, 2, 1, 1] and t.q is None
+    q = torch.ones(2, 4) / 4
+    assert tree_from_parents([1, 2], [-1, 0], q).q is q
+    with pytest.raises(ValueError):
+        tree_from_parents([1, 2], [-1, 1])  # a node is its own parent
+
+
+def test_tree_from_paths_follows_paths_in_order():
+    """Path c gets token(c, its parent's token); a path whose parent is missing or whose token is None is left out."""
+    table = {(10, 0): 11, (10, 1): 12, (11, 0): 13, (12, 0): None}
+    t = tree_from_paths(10, [(0,), (1,), (0, 0), (1, 0), (1, 0, 0), (0, 1), (0, 0, 0)],
+                        lambda c, parent: table.get((parent, c[-1])))
+    assert t.tokens.tolist() == [10, 11, 12, 13] and t.parents.tolist() == [-1, 0, 0, 1]
+    assert t.depth.tolist() == [0, 1, 1, 2]

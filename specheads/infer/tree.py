@@ -6,7 +6,6 @@ The attention mask and position ids are derived from `parents` / `depth`, never 
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -48,9 +47,6 @@ class DraftTree:
     @property
     def max_depth(self) -> int:
         return int(self.depth.max())
-
-    def children(self, i: int) -> list[int]:
-        return (self.parents == i).nonzero().flatten().tolist()
 
     def children_lists(self) -> list[list[int]]:
         """children_lists()[i] = node i's children in index order (one pass; verification walks these)."""
@@ -115,21 +111,24 @@ def chain_tree(root: int, tokens: Sequence[int], q: torch.Tensor | None = None) 
                      torch.arange(n), q)
 
 
-def merge_trees(a: DraftTree, b: DraftTree) -> DraftTree:
-    """Union of two deterministic trees over the same root, as a trie: a's nodes keep their indices, b's nodes
-    that a lacks (same token under the same parent) are appended in b's order. q must be None on both (mixing
-    sampled and point-mass proposals per node would need their mixture as q)."""
-    return trie_union([a, b])[0]
+def tree_from_parents(tokens: Sequence[int], parents: Sequence[int], q: torch.Tensor | None = None) -> DraftTree:
+    """A tree given node by node: tokens [N] and parents [N] (parents[0] = -1, parents[i] < i); depth derived."""
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return DraftTree(torch.tensor(list(tokens), dtype=torch.long), torch.tensor(list(parents), dtype=torch.long),
+                     torch.tensor(depth, dtype=torch.long), q)
 
 
 def trie_union(trees: Sequence[DraftTree]) -> tuple[DraftTree, list[list[int]]]:
     """Union of deterministic trees over the same root as a trie (same token under the same parent = one node):
     the first tree's nodes keep their indices, each further tree's new nodes are appended in its order. Returns
-    (the union, per tree the union node of each of its nodes)."""
+    (the union, per tree the union node of each of its nodes). q must be None on every tree (mixing sampled and
+    point-mass proposals per node would need their mixture as q)."""
     if any(t.q is not None for t in trees):
-        raise ValueError("merge_trees: only deterministic trees (q None) can be merged")
+        raise ValueError("trie_union: only deterministic trees (q None) can be merged")
     if len({int(t.tokens[0]) for t in trees}) != 1:
-        raise ValueError("merge_trees: the trees have different roots")
+        raise ValueError("trie_union: the trees have different roots")
     toks, pars, deps = [int(trees[0].tokens[0])], [-1], [0]
     index: dict[tuple[int, int], int] = {}  # (parent, token) -> union node
     maps = []
@@ -164,42 +163,38 @@ def normalize_choices(choices: Sequence[Sequence[int]]) -> list[tuple[int, ...]]
     return sorted(out, key=lambda c: (len(c), c))
 
 
-def tree_from_choices(root: int, topk_ids: torch.Tensor, choices: Sequence[Sequence[int]]) -> DraftTree:
-    """Medusa static tree. topk_ids [K, R]: head k's token ids by rank; choice (r_0..r_d) gets topk_ids[d, r_d]."""
-    choices = normalize_choices(choices)
-    k_heads, ranks = topk_ids.shape
-    index = {(): 0}
+def tree_from_paths(root: int, paths: Sequence[Sequence[int]],
+                    token: Callable[[tuple[int, ...], int], int | None]) -> DraftTree:
+    """A tree grown along rank paths in the given order (parents first): path c becomes a node under path c[:-1]'s
+    node with token(c, the parent node's token); a path whose parent is not in the tree, or whose token is None,
+    is left out (and so are the paths under it)."""
+    index: dict[tuple[int, ...], int] = {(): 0}
     tokens, parents, depth = [root], [-1], [0]
-    for c in choices:
-        d = len(c)
-        if d > k_heads or c[-1] >= ranks:
-            continue  # deeper than the heads, or a rank beyond the computed top-k: not proposable
-        if c[:-1] not in index:
+    for c in paths:
+        c = tuple(c)
+        p = index.get(c[:-1])
+        if p is None:
+            continue
+        t = token(c, tokens[p])
+        if t is None:
             continue
         index[c] = len(tokens)
-        tokens.append(int(topk_ids[d - 1, c[-1]]))
-        parents.append(index[c[:-1]])
-        depth.append(d)
+        tokens.append(int(t))
+        parents.append(p)
+        depth.append(len(c))
     return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depth))
 
 
-def choices_from_accuracies(acc: torch.Tensor, num_nodes: int) -> list[list[int]]:
-    """Best-first static tree from measured per-head rank accuracies acc [K, R] (acc[k, r] = how often head k's
-    rank-r token was the right one). A path's score is the product of its ranks' accuracies, as Medusa does; since
-    every factor is <= 1 a child never outscores its parent, so best-first expansion yields a connected tree.
-    Never deeper than K (the number of heads). Returns num_nodes choices (root excluded), parents first."""
-    acc = torch.as_tensor(acc, dtype=torch.float64)
-    k_heads, ranks = acc.shape
-    heap = [(-float(acc[0, r]), (r,)) for r in range(ranks)]
-    heapq.heapify(heap)
-    chosen: list[tuple[int, ...]] = []
-    while heap and len(chosen) < num_nodes:
-        neg, path = heapq.heappop(heap)
-        chosen.append(path)
-        if len(path) < k_heads:
-            for r in range(ranks):
-                heapq.heappush(heap, (neg * float(acc[len(path), r]), path + (r,)))
-    return [list(c) for c in normalize_choices(chosen)]
+def tree_from_choices(root: int, topk_ids: torch.Tensor, choices: Sequence[Sequence[int]]) -> DraftTree:
+    """Medusa static tree. topk_ids [K, R]: head k's token ids by rank; choice (r_0..r_d) gets topk_ids[d, r_d]."""
+    k_heads, ranks = topk_ids.shape
+
+    def token(c: tuple[int, ...], parent_token: int) -> int | None:
+        if len(c) > k_heads or c[-1] >= ranks:
+            return None  # deeper than the heads, or a rank beyond the computed top-k: not proposable
+        return int(topk_ids[len(c) - 1, c[-1]])
+
+    return tree_from_paths(root, normalize_choices(choices), token)
 
 
 # Medusa's default-ish small tree: 1 + 25 nodes, 4 heads (a chain of top-1 plus top-k branches near the root).
