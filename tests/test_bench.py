@@ -11,7 +11,7 @@ import pytest
 from specheads.infer.bench import (BenchSettings, HFGenerate, MethodOptions, RunRecord, accept_histogram, build_methods,
                                    build_results, compare, forward_token_counts, head_entries, markdown_table,
                                    record_from_generation, run_bench, step_breakdown, summarize, write_outputs)
-from specheads.infer.prompts import BenchPrompt, encode_turn, load_jsonl_prompts, load_prompts
+from specheads.infer.bench.prompts import BenchPrompt, encode_turn, load_jsonl_prompts, load_prompts
 from specheads.utils import SpecheadsError
 
 
@@ -366,7 +366,7 @@ def test_head_lookup_merges_prompt_lookup_and_names_the_method(tiny, tmp_path):
 
     tiny.tokenizer = ByteTok()
     build_head(HeadSpec(kind="eagle"), tiny).save_pretrained(tmp_path / "head")
-    args = MethodOptions(heads=head_entries(str(tmp_path / "head")), tree="2,2,4", head_lookup=3)
+    args = MethodOptions(heads=head_entries(str(tmp_path / "head")), tree="2,2,4", lookup=3)
     methods, extra = build_methods(["head", "head+lookup"], tiny, args)
     assert [m.name for m in methods] == ["vanilla", "head", "head+lookup"]  # plain and merged side by side
     t = extra["tree"]
@@ -383,8 +383,8 @@ def test_head_lookup_merges_prompt_lookup_and_names_the_method(tiny, tmp_path):
         build_methods(["head:nope+lookup"], tiny, args)
     with pytest.raises(SpecheadsError, match="greedy only"):
         build_methods(["head+lookup"], tiny, dataclasses.replace(args, temperature=0.7))
-    with pytest.raises(SpecheadsError, match="--head-lookup 0"):
-        dataclasses.replace(args, head_lookup=0)
+    with pytest.raises(SpecheadsError, match="--lookup 0"):
+        dataclasses.replace(args, lookup=0)
 
 
 def test_calibration_prompts_spread_over_the_set():
@@ -436,7 +436,7 @@ def test_dspark_lookup_and_combo_methods_on_tiny(tiny, tmp_path, monkeypatch):
     build_head(HeadSpec(kind="dspark", feature_layers=[1, 2, 3], block_size=4, markov_rank=16), tiny
                ).save_pretrained(tmp_path / "dspark")
     build_head(HeadSpec(kind="eagle"), tiny).save_pretrained(tmp_path / "eagle")
-    options = MethodOptions(heads=head_entries([str(tmp_path / "dspark"), str(tmp_path / "eagle")]), head_lookup=4)
+    options = MethodOptions(heads=head_entries([str(tmp_path / "dspark"), str(tmp_path / "eagle")]), lookup=4)
     names = ["head:dspark", "head:dspark+lookup", "head:eagle+lookup", "combo", "lookup+recycling", "combo+recycling"]
     methods, extra = build_methods(names + ["recycling"], tiny, options, calib_ids=[[1, 5, 6, 7, 5, 6, 7, 5, 6]])
     assert [m.name for m in methods] == ["vanilla"] + names + ["recycling"]

@@ -74,7 +74,7 @@ GENERATE_BAD = [  # (extra flags, head kind or None, what the one line says)
     (["--drafter", "draft-model", "--tree", "0"], None, "--tree 0: the number of draft tokens 0 is outside 1..64; draft-model takes"),
     (["--drafter", "plain", "--tree", "4"], None, "--tree 4: plain decoding drafts nothing"),
     (["--lookup", "-4"], "eagle3", "--lookup -4: must be 0 (off) .. 64"),
-    (["--drafter", "draft-model", "--draft-layers", "0"], None, "--draft-layers 0: must be at least 1"),
+    (["--drafter", "draft-model", "--draft-model", "truncated:0"], None, "--draft-model truncated:0: must be at least 1"),
     (["--temperature", "nan"], None, "--temperature nan: must be a finite number"),
     (["--temperature", "inf"], None, "--temperature inf: must be a finite number"),
     (["--top-p", "nan"], None, "--top-p nan: must be a finite number"),
@@ -96,7 +96,7 @@ BENCH_BAD = [
     (["--tree", "[[0],[0,0]]x"], "medusa", "a Medusa head takes chain:K"),
     (["--tree", "2,4,8"], "medusa", "--tree 2,4,8: not a tree spec; a Medusa head takes"),
     (["--temperature", "nan"], "eagle3", "--temperature nan: must be a finite number"),
-    (["--head-lookup", "0"], "eagle3", "--head-lookup 0: must be 1..64"),
+    (["--lookup", "0"], "eagle3", "--lookup 0: must be 1..64"),
 ]
 
 
@@ -106,6 +106,48 @@ def test_bench_bad_flags(heads, tmp_path, capsys, flags, kind, line):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert line in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+OLD_SPELLINGS = [  # (command, old flags, the notice, what the flags now hold)
+    ("bench", ["--head-lookup", "3"], "--head-lookup is now --lookup", {"lookup": 3}),
+    ("generate", ["--draft-layers", "2"], "--draft-layers is now --draft-model truncated:2",
+     {"draft_model": "truncated:2"}),
+    ("generate", ["--draft-target", "m"], "--draft-target is now --draft-model", {"draft_model": "m"}),
+]
+
+
+@pytest.mark.parametrize("command,flags,notice,values", OLD_SPELLINGS, ids=[f[0] for _, f, _, _ in OLD_SPELLINGS])
+def test_old_spellings_still_work_with_a_one_line_notice(capsys, command, flags, notice, values):
+    required = {"bench": ["--out", "x"], "generate": ["--prompt", "hi"]}[command]
+    args = build_parser().parse_args([command] + required + flags)
+    assert {k: getattr(args, k) for k in values} == values
+    err = capsys.readouterr().err
+    assert notice in err and len(err.strip().splitlines()) == 1, err
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert flags[0] not in sub.choices[command].format_help()  # hidden from --help
+
+
+def test_old_spelling_in_an_error_names_the_flag_as_typed(heads, capsys):
+    assert main(["generate", "--prompt", "Hi", "--drafter", "draft-model", "--draft-layers", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "--draft-layers is now" in err[0]
+    assert "--draft-layers 0: must be at least 1" in err[1]
+
+
+def test_one_dtype_default_and_spelling():
+    parser = build_parser()
+    for command, required in (("bench", ["--out", "x"]), ("generate", ["--prompt", "hi"])):
+        assert parser.parse_args([command] + required).dtype == "float32"
+        for flag in ("bf16", "bfloat16", "fp32", "float32", "fp16", "float16"):
+            assert parser.parse_args([command] + required + ["--dtype", flag]).dtype == flag
+
+
+def test_llamacpp_threads_default_to_the_cores_this_process_may_use():
+    import os
+
+    from specheads.infer.bench.llamacpp import default_threads
+
+    assert default_threads() == len(os.sched_getaffinity(0))
 
 
 def test_draft_layers_beyond_the_target_is_one_clear_error(tiny):

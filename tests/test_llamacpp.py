@@ -192,7 +192,7 @@ def test_non_eagle3_head_is_refused(tiny, tmp_path):
 
 def test_reply_counting():
     """Target forwards = new tokens - accepted drafts (the prefill emits the first token)."""
-    from specheads.infer.llamacpp import record_from_reply
+    from specheads.infer.bench.llamacpp import record_from_reply
 
     r = record_from_reply("llama.cpp:x", {"tokens": [5, 6, 7, 8, 9], "timings": {
         "predicted_n": 5, "draft_n": 6, "draft_n_accepted": 2}}, 10, 0.5, None)
@@ -260,7 +260,7 @@ def test_every_draft_accepted_gives_the_obvious_counts(repeat_smol):
     """The repeat target emits REPEAT forever and the head drafts only REPEAT: 25 tokens = the prefill's 1 + 6 steps
     of 3 accepted drafts + 1 bonus, so 7 target forwards, 18 drafted, 18 accepted, τ 25/7."""
     from specheads.infer.bench import MethodOptions, head_entries
-    from specheads.infer.llamacpp import build_llamacpp_method
+    from specheads.infer.bench.llamacpp import build_llamacpp_method
 
     folder, target, head_dir = repeat_smol
     options = MethodOptions(heads=head_entries([f"r={head_dir}"]), llamacpp_draft_max=3)
@@ -423,7 +423,7 @@ def test_dspark_llamacpp_drafts_are_our_drafts_and_greedy_equals_plain(tiny_smol
     drafted (read from its debug log) holds our draft_block's tokens for the same context and anchor (up to a near
     tie), cut where our confidence first falls below --spec-draft-p-min; its draft counters add up."""
     from specheads.heads.gguf import draft_gguf, target_gguf
-    from specheads.infer.llamacpp import LlamaServer
+    from specheads.infer.bench.llamacpp import LlamaServer
 
     folder, target, _ = tiny_smol
     head, head_dir = dspark_heads[which]
@@ -453,7 +453,7 @@ def test_p_min_choice_obvious_answers():
     """The --spec-draft-p-min chooser on hand-made blocks: everything accepted on a flat verify curve -> send every
     slot (p 0, τ 1 + K); nothing accepted on a rising curve -> send nothing; confident blocks accepted and
     unconfident ones rejected -> a cut between the two confidences (here 0.5: 4 tokens for cost 3 = 1.33x)."""
-    from specheads.infer.llamacpp_pmin import Block, choose_p_min, cut, expected
+    from specheads.infer.bench.llamacpp.pmin import Block, choose_p_min, cut, expected
 
     flat, rising = {1: 1.0, 2: 1.0, 3: 1.0}, {1: 1.0, 2: 1.5, 3: 2.0}
     assert cut([0.9, 0.4, 0.8], 0.5) == 1 and cut([0.9, 0.8], 0.5) == 2 and cut([0.3], 0.5) == 0
@@ -476,7 +476,7 @@ def test_dspark_every_draft_accepted_gives_the_obvious_counts(repeat_smol):
     + 4 steps of 4 accepted drafts + 1 bonus + a last step of 3 (the budget leaves n_remaining - 1), so 6 target
     forwards, 19 drafted, 19 accepted: every slot of the block drafts (sample_from_anchor)."""
     from specheads.infer.bench import MethodOptions, head_entries
-    from specheads.infer.llamacpp import build_llamacpp_method
+    from specheads.infer.bench.llamacpp import build_llamacpp_method
 
     folder, target, _ = repeat_smol
     _, head_dir = _dspark_head(folder.parent, target, "repeat-dspark", markov_rank=8, draft_vocab_size=1,

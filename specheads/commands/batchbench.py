@@ -1,14 +1,21 @@
-"""`specheads bench --batch-sizes B,B,...`: the batched sweep (infer/batchbench.py), reached from commands/bench.py."""
+"""`specheads bench --batch-sizes B,B,...`: the batched sweep (infer/bench/batch.py), reached from commands/bench.py."""
 from __future__ import annotations
 
 import argparse
 
+import specheads.target
+from specheads.commands import args as shared
+from specheads.infer.autotree import calibration_ids
+from specheads.infer.bench.batch import BatchBenchSettings, batch_markdown, build_batch_methods, check_batch_sizes, \
+    run_batch_bench
+from specheads.infer.bench.names import check_batch_methods, default_batch_methods, head_entries
+from specheads.infer.bench.prompts import encode_turn, load_prompts
 from specheads.utils import SpecheadsError
+
+BATCH_WARMUP_TOKENS = 8  # at most this many untimed warm-up tokens per method and batch size
 
 
 def parse_batch_sizes(text: str) -> list[int]:
-    from specheads.infer.batchbench import check_batch_sizes
-
     parts = [p.strip() for p in str(text).split(",") if p.strip()]
     if not parts or not all(p.isdigit() for p in parts):
         raise SpecheadsError(f"--batch-sizes {text}: expected comma-separated whole numbers >= 1, e.g. 1,2,4,8,16")
@@ -27,16 +34,8 @@ def check_sizes_fit(sizes: list[int], n_prompts: int, dataset: str) -> None:
 def run(args: argparse.Namespace, options) -> int:
     """The flags as plain values (`options`: bench.MethodOptions, from commands/bench.py), checked before the target
     loads; then the sweep."""
-    from specheads.infer.autotree import calibration_ids
-    from specheads.infer.batchbench import (BatchBenchSettings, batch_markdown, build_batch_methods,
-                                            check_batch_methods, default_batch_methods, run_batch_bench)
-    from specheads.infer.bench import head_entries
-    from specheads.infer.prompts import encode_turn, load_prompts
-    from specheads.target import load_target
-
     sizes = parse_batch_sizes(args.batch_sizes)
-    if args.max_new_tokens < 1:
-        raise SpecheadsError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+    shared.check_max_new_tokens(args.max_new_tokens)
     if args.both_turns:
         raise SpecheadsError("--both-turns: the batch sweep decodes first turns only (drop --both-turns)")
     names = ([m.strip() for m in args.methods.split(",") if m.strip()] if args.methods
@@ -44,19 +43,16 @@ def run(args: argparse.Namespace, options) -> int:
     check_batch_methods(names)
     if any(n.startswith("head") for n in names) and not args.head:
         raise SpecheadsError("--methods head: needs --head DIR (a head folder written by `specheads train`)")
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    shared.set_threads(args.threads)
     prompts = load_prompts(args.dataset, args.limit)
     check_sizes_fit(sizes, len(prompts), args.dataset)
-    dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype, args.dtype)
-    target = load_target(args.target, dtype=dtype, device=args.device)
+    dtype = shared.dtype_name(args.dtype)
+    target = specheads.target.load_target(args.target, dtype=dtype, device=args.device)
     encoded = [(p.id, encode_turn(target.tokenizer, p, 0, [])) for p in prompts]
     methods, extra = build_batch_methods(names, target, options, calib_ids=calibration_ids(target.tokenizer, prompts))
     settings = BatchBenchSettings(target=args.target, dataset=args.dataset, dtype=dtype, batch_sizes=sizes,
                                   temperature=args.temperature, max_new_tokens=args.max_new_tokens, limit=args.limit,
-                                  seed=args.seed, warmup_tokens=min(args.warmup_tokens, 8))
+                                  seed=args.seed, warmup_tokens=min(args.warmup_tokens, BATCH_WARMUP_TOKENS))
     results = run_batch_bench(encoded, methods, settings, out_dir=args.out, extra=extra)
     print(batch_markdown(results))
     print(f"wrote {args.out}/results.json, results.md, {', '.join(results.get('plots', []))}")

@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from specheads.heads.base import load_head
     from specheads.infer.head_eval import evaluate_head_on_prompts
-    from specheads.infer.prompts import load_prompts
+    from specheads.infer.bench.prompts import load_prompts
     from specheads.target import load_target
 
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--tree-width", args.tree_width),

@@ -3,12 +3,22 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
+import specheads.target
+from specheads.commands import args as shared
+from specheads.heads.base import read_head_config
+from specheads.infer.autotree import calibration_ids
+from specheads.infer.bench.prompts import load_prompts
+from specheads.infer.drafters import build_drafter, check_lookup, parse_tree
+from specheads.infer.engine.generate import generate
+from specheads.infer.resolve import HeadResolver
+from specheads.infer.verify import SamplingParams
 from specheads.utils import SpecheadsError
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--target", default="smollm2-135m", help="target alias, HF folder, hub id or .gguf")
+    shared.add_target(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--head", help="head folder (medusa, eagle, eagle3, dspark; native layout)")
     src.add_argument("--drafter", choices=["plain", "prompt-lookup", "draft-model", "recycling"], default=None,
@@ -31,26 +41,21 @@ def add_arguments(p) -> None:
                         "tokens per step; prompt-lookup (default 8) / draft-model (default 4): draft tokens per "
                         "step; auto (with an EAGLE / Medusa head): the size and depth that pay on this machine "
                         "(cached cost profile + a short acceptance probe, as bench does)")
-    p.add_argument("--lookup", type=int, default=0, metavar="N",
-                   help="with --head, greedy: also propose a prompt-lookup chain of up to N tokens, the head's "
-                        "tree and the chain under one per-step scheduler (one verify budget; 0 = off)")
-    p.add_argument("--draft-layers", type=int, default=4,
-                   help="draft-model: the target's first N layers form the draft (1..layers-1; default 4)")
-    p.add_argument("--draft-target", default=None, help="draft-model: a separate small model with the same vocabulary")
+    shared.add_lookup(p, 0, "with --head, greedy: also propose a prompt-lookup chain of up to N tokens, the head's "
+                            "tree and the chain under one per-step scheduler (one verify budget; 0 = off)")
+    shared.add_draft_model(p, f"--drafter draft-model: a separate small model with the same vocabulary, or "
+                              f"truncated:N, the target's first N layers (1..layers-1; default "
+                              f"truncated:{shared.DEFAULT_DRAFT_LAYERS})")
     p.add_argument("--typical-acceptance", action="store_true",
                    help="Medusa typical acceptance: LOSSY (output no longer follows the target's distribution)")
-    p.add_argument("--dtype", default="float32", help="target dtype (float32 | bfloat16 | float16)")
-    p.add_argument("--device", default=None)
+    shared.add_dtype(p)
+    shared.add_device(p)
     p.add_argument("--json", action="store_true", help="print the result and figures as one JSON object")
 
 
 def drafter_source(args):
     """(drafter name, head config or None): the head folder's kind, else --drafter (prompt-lookup by default)."""
     if args.head:
-        from pathlib import Path
-
-        from specheads.heads.base import read_head_config
-
         label, eq, rest = args.head.partition("=")
         if eq and not Path(args.head).exists() and Path(rest).is_dir():  # bench's LABEL=DIR given to generate
             raise SpecheadsError(f"--head {args.head}: no such folder; generate takes one head folder, not LABEL=DIR "
@@ -60,27 +65,9 @@ def drafter_source(args):
     return args.drafter or "prompt-lookup", None
 
 
-def auto_tree(target, head):
-    """`--tree auto` of a tree head: autotree.choose_tree_for_head on a few MT-bench questions spread over its
-    categories -> (the spec, the probe's acceptance as the prior of its rates under a scheduler)."""
-    from specheads.infer.autotree import calibration_ids, choose_tree_for_head
-    from specheads.infer.prompts import load_prompts
-
-    spec, tree = choose_tree_for_head(target, head, calibration_ids(target.tokenizer, load_prompts("mt-bench")))
-    print(f"--tree auto: {tree['summary']} ({tree['reason']})", file=sys.stderr)
-    acc = tree["acceptance"]
-    return spec, {"acc": acc["acc_monotone"], "counts": acc["counts"]}
-
-
 def build(args):
     """Target and drafter from the flags; every flag is checked before the target loads where it can be."""
-    from specheads.heads.base import load_head
-    from specheads.infer.drafters import build_drafter, check_lookup, drafter_kind, parse_tree
-    from specheads.infer.verify import SamplingParams
-    from specheads.target import load_target
-
-    if args.max_new_tokens < 1:
-        raise SpecheadsError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
+    shared.check_max_new_tokens(args.max_new_tokens)
     SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     if args.tree == "auto" and not args.head:
         raise SpecheadsError("--tree auto: needs --head DIR (training-free drafters take a number of tokens per step)")
@@ -89,20 +76,19 @@ def build(args):
         raise SpecheadsError("--lookup: merges prompt lookup into a head's tree; needs --head DIR")
     name, config = drafter_source(args)
     spec = parse_tree(args.tree, name, config)
-    if name == "draft-model" and args.draft_layers < 1:
-        raise SpecheadsError(f"--draft-layers {args.draft_layers}: must be at least 1 (target layers the draft keeps)")
-    target = load_target(args.target, dtype=args.dtype, device=args.device)
-    source = load_head(args.head, target).eval() if args.head else name
-    acceptance = None
-    if spec.mode == "auto" and drafter_kind(name, head=True).family != "block":  # a block head schedules per step
-        spec, acceptance = auto_tree(target, source)
-    options = {"draft_layers": args.draft_layers, "draft_target": args.draft_target} if name == "draft-model" else {}
-    return target, build_drafter(target, source, spec, lookup=args.lookup, acceptance=acceptance, **options)
+    options = shared.draft_model_options(args) if name == "draft-model" else {}
+    target = specheads.target.load_target(args.target, dtype=shared.dtype_name(args.dtype), device=args.device)
+    if not args.head:
+        return target, build_drafter(target, name, spec, lookup=args.lookup, **options)
+    # a tree head's auto: probed on a few MT-bench questions spread over its categories
+    resolver = HeadResolver(target, args.tree, lambda: calibration_ids(target.tokenizer, load_prompts("mt-bench")))
+    r = resolver.resolve(args.head)
+    if r.acceptance is not None:
+        print(f"--tree auto: {r.tree['summary']} ({r.tree['reason']})", file=sys.stderr)
+    return target, build_drafter(target, r.head, r.spec, lookup=args.lookup, acceptance=r.acceptance)
 
 
 def run(args) -> int:
-    from specheads.infer.generate import generate
-
     target, drafter = build(args)
     verification = "typical-lossy" if args.typical_acceptance else "auto"
     streamer = None

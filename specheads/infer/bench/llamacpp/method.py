@@ -1,4 +1,5 @@
-"""llama.cpp as a `specheads bench` engine, on the same prompts and in the same run as the other methods.
+"""llama.cpp as a `specheads bench` engine, on the same prompts and in the same run as the other methods (the
+server: bench/llamacpp/server.py; the DSpark confidence cut: bench/llamacpp/pmin.py).
 
 Methods (each one `llama-server` on 127.0.0.1, started once for the run, stopped at exit):
 - `llama.cpp`: plain decoding of the target GGUF (the run's dtype: bf16 -> bf16 GGUF);
@@ -21,141 +22,33 @@ With `llama.cpp` in the run, every other method also gets figures against it (`v
 """
 from __future__ import annotations
 
-import atexit
-import json
 import logging
-import os
-import socket
-import subprocess
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from specheads.utils import SpecheadsError, cache_root
+import torch
+
+from specheads.heads.base import load_head, read_head_config
+from specheads.heads.gguf import draft_gguf, find_tools, spec_type_of, target_gguf
+from specheads.infer.bench.llamacpp.pmin import Block, calibration_blocks, choose_p_min, step_seconds, verify_curve
+from specheads.infer.bench.llamacpp.server import LlamaServer, default_threads
+from specheads.infer.bench.names import (LLAMACPP_NGRAM, LLAMACPP_PLAIN, LLAMACPP_PREFIX, PROMPT_LOOKUP_MAX_NGRAM,
+                                         PROMPT_LOOKUP_NUM_TOKENS)
+from specheads.infer.bench.records import RunRecord
+from specheads.utils import SpecheadsError
 
 log = logging.getLogger(__name__)
 
-PLAIN, NGRAM, PREFIX = "llama.cpp", "llama.cpp-ngram", "llama.cpp:"
-THREADS = 2  # this machine's cores (-t / -tb); torch uses the same two
-CTX_SIZE = 4096  # tokens of KV cache per server: MT-bench prompt + 256-token answers fit with room
-STARTUP_TIMEOUT_S = 180.0  # model load + warm-up; SmolLM2 bf16 takes ~2 s
-REQUEST_TIMEOUT_S = 900.0  # one completion; 256 tokens at >= 1 tok/s
-NGRAM_ARGS = ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",  # bench.PROMPT_LOOKUP_MAX_NGRAM
-              "--spec-ngram-simple-size-m", "10")  # bench.PROMPT_LOOKUP_NUM_TOKENS
+# llama.cpp's own n-gram drafting with the n-gram size and draft length of our HF prompt-lookup method
+NGRAM_ARGS = ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(PROMPT_LOOKUP_MAX_NGRAM),
+              "--spec-ngram-simple-size-m", str(PROMPT_LOOKUP_NUM_TOKENS))
 GGUF_TYPE_OF_DTYPE = {"torch.float32": "f32", "torch.bfloat16": "bf16", "torch.float16": "f16"}
-
-
-def is_llamacpp_method(name: str) -> bool:
-    return name in (PLAIN, NGRAM) or (name.startswith(PREFIX) and len(name) > len(PREFIX))
-
-
-# ----------------------------------------------------------------------------------------------- the server
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class LlamaServer:
-    """One llama-server process on 127.0.0.1 (one slot, `THREADS` threads). Use as a context manager, or
-    `start()` / `stop()`; an exit handler stops it if the caller does not."""
-
-    def __init__(self, model: Path, draft: Path | None = None, spec_args: tuple[str, ...] = (),
-                 threads: int = THREADS, ctx_size: int = CTX_SIZE, log_file: Path | None = None,
-                 startup_timeout_s: float = STARTUP_TIMEOUT_S, request_timeout_s: float = REQUEST_TIMEOUT_S):
-        from specheads.heads.gguf import find_tools
-
-        self.binary = find_tools("llama-server").binary("llama-server")
-        self.args = [str(self.binary), "-m", str(model), "--host", "127.0.0.1", "-t", str(threads),
-                     "-tb", str(threads), "-c", str(ctx_size), "-np", "1", "--no-webui", "--no-cache-prompt",
-                     "--cache-ram", "0"]
-        if draft is not None:
-            self.args += ["-md", str(draft)]
-        self.args += list(spec_args)
-        self.log_file = log_file or cache_root() / "llamacpp-logs" / f"server-{os.getpid()}-{id(self):x}.log"
-        self.startup_timeout_s, self.request_timeout_s = startup_timeout_s, request_timeout_s
-        self.proc: subprocess.Popen | None = None
-        self.url = ""
-
-    def __enter__(self) -> "LlamaServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def start(self) -> "LlamaServer":
-        port = _free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_file, "w") as lf:
-            lf.write(" ".join(self.args + ["--port", str(port)]) + "\n")
-            lf.flush()
-            # same process group: a Ctrl-C in the terminal reaches the server too
-            self.proc = subprocess.Popen(self.args + ["--port", str(port)], stdout=lf, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
-        atexit.register(self.stop)
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SpecheadsError(f"llama-server exited with code {self.proc.returncode} while loading: "
-                                     f"{self._log_tail()} (log: {self.log_file})")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        log.info("llama-server ready on %s (%s)", self.url, " ".join(self.args[1:]))
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass  # still loading (503) or not listening yet
-            time.sleep(0.2)
-        self.stop()
-        raise SpecheadsError(f"llama-server not ready after {self.startup_timeout_s:.0f} s (log: {self.log_file})")
-
-    def _log_tail(self) -> str:
-        try:
-            lines = [ln for ln in self.log_file.read_text(errors="replace").splitlines() if ln.strip()]
-        except OSError:
-            return "(no log)"
-        return lines[-1] if lines else "(empty log)"
-
-    def complete(self, input_ids: list[int], n_predict: int, temperature: float = 0.0, seed: int = 0) -> dict:
-        """POST /completion with token ids; returns the server's JSON reply."""
-        if self.proc is None or self.proc.poll() is not None:
-            raise SpecheadsError(f"llama-server is not running ({self._log_tail()}; log: {self.log_file})")
-        body: dict[str, Any] = {"prompt": list(map(int, input_ids)), "n_predict": int(n_predict), "stream": False,
-                                "cache_prompt": False, "return_tokens": True, "seed": int(seed)}
-        if temperature <= 0:
-            body.update(temperature=0.0, top_k=1)  # greedy: argmax (llama-sampler.cpp temp <= 0), one candidate
-        else:  # plain temperature sampling: llama.cpp's default top-k 40 / top-p 0.95 / min-p 0.05 switched off
-            body.update(temperature=float(temperature), top_k=0, top_p=1.0, min_p=0.0)
-        req = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.request_timeout_s) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise SpecheadsError(f"llama-server /completion: HTTP {e.code}: {e.read()[:300]!r}") from None
-        except (urllib.error.URLError, TimeoutError) as e:
-            raise SpecheadsError(f"llama-server /completion: {e} (log: {self.log_file})") from None
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 # ----------------------------------------------------------------------------------------------- the method
 def record_from_reply(name: str, reply: dict, prompt_len: int, dt: float, tokenizer):
     """A bench RunRecord from one /completion reply (see the module docstring for the counting)."""
-    from specheads.infer.records import RunRecord
-
     ids = [int(t) for t in reply.get("tokens") or []]
     timings = reply.get("timings") or {}
     drafted, accepted = int(timings.get("draft_n", 0)), int(timings.get("draft_n_accepted", 0))
@@ -170,16 +63,15 @@ def record_from_reply(name: str, reply: dict, prompt_len: int, dt: float, tokeni
 
 
 class LlamaCppMethod:
-    """A `bench.Method`: `generate(input_ids, max_new_tokens) -> RunRecord` through one llama-server."""
+    """A bench `Method` (bench/records.py): `generate(input_ids, max_new_tokens) -> RunRecord` through one
+    llama-server."""
 
     def __init__(self, name: str, server: LlamaServer, tokenizer, temperature: float, info: dict[str, Any]):
         self.name, self.server, self.tokenizer, self.temperature = name, server, tokenizer, temperature
         self.info = info
         self.drafted = self.accepted = 0  # totals over every call (the bench's warm-up included)
 
-    def generate(self, input_ids: list[int], max_new_tokens: int):
-        import torch
-
+    def generate(self, input_ids: list[int], max_new_tokens: int) -> RunRecord:
         seed = torch.initial_seed() % 2**31  # bench seeds torch per prompt: the same for every method
         t0 = time.perf_counter()
         reply = self.server.complete(input_ids, max_new_tokens, self.temperature, seed)
@@ -199,31 +91,29 @@ def _draft_source(label: str, heads: dict[str, str]) -> str:
             return heads[key]
     if Path(label).exists():
         return label
-    raise SpecheadsError(f"--methods {PREFIX}{label}: no --head labelled {label!r} and no such folder or .gguf file "
-                         f"(given: {[k.removeprefix('head:') for k in heads] or 'none'})")
+    raise SpecheadsError(f"--methods {LLAMACPP_PREFIX}{label}: no --head labelled {label!r} and no such folder or "
+                         f".gguf file (given: {[k.removeprefix('head:') for k in heads] or 'none'})")
 
 
 def build_llamacpp_method(name: str, target, options, calib_ids: list[list[int]] | None = None) -> LlamaCppMethod:
     """`llama.cpp`, `llama.cpp:LABEL` or `llama.cpp-ngram` for `specheads bench`, its server started. `options`:
-    bench.MethodOptions. The target GGUF is `options.llamacpp_target` when set, else the target's folder converted
-    in the run's dtype (cached); `options.llamacpp_draft_max` sets --spec-draft-n-max (default: a DSpark head's
-    drafts per block, else llama.cpp's 3); `options.llamacpp_p_min` sets a DSpark head's --spec-draft-p-min (None:
-    chosen on `calib_ids` by infer/llamacpp_pmin.py when the head has a confidence head)."""
-    from specheads.heads.gguf import draft_gguf, find_tools, spec_type_of, target_gguf
-
+    bench.methods.MethodOptions. The target GGUF is `options.llamacpp_target` when set, else the target's folder
+    converted in the run's dtype (cached); `options.llamacpp_draft_max` sets --spec-draft-n-max (default: a DSpark
+    head's drafts per block, else llama.cpp's 3); `options.llamacpp_p_min` sets a DSpark head's --spec-draft-p-min
+    (None: chosen on `calib_ids` by bench/llamacpp/pmin.py when the head has a confidence head)."""
     tools = find_tools("llama-server", converter=True)
     outtype = GGUF_TYPE_OF_DTYPE.get(str(target.dtype), "bf16")
     model = target_gguf(options.llamacpp_target or target.name, outtype)
     info: dict[str, Any] = {"implementation": f"llama-server ({tools.version})", "target_gguf": str(model)}
-    threads = int(options.threads or THREADS)  # bench --threads sets torch's and llama.cpp's
+    threads = int(options.threads or default_threads())  # bench --threads sets torch's and llama.cpp's
     draft, spec_args = None, ()
-    if name == NGRAM:
+    if name == LLAMACPP_NGRAM:
         spec_args = NGRAM_ARGS
-    elif name != PLAIN:
-        src = _draft_source(name[len(PREFIX):], options.heads)
+    elif name != LLAMACPP_PLAIN:
+        src = _draft_source(name[len(LLAMACPP_PREFIX):], options.heads)
         draft = draft_gguf(src, target=None if src.endswith(".gguf") else target.name, outtype=outtype)
         spec_args = ("--spec-type", spec_type_of(draft))
-        cfg = None if src.endswith(".gguf") else _head_config(src)
+        cfg = None if src.endswith(".gguf") else read_head_config(Path(src))
         n_max = options.llamacpp_draft_max
         if n_max is None and cfg is not None and cfg.kind == "dspark":  # a block head runs its whole block
             n_max = cfg.head_spec.num_drafts
@@ -242,22 +132,11 @@ def build_llamacpp_method(name: str, target, options, calib_ids: list[list[int]]
     return LlamaCppMethod(name, server, target.tokenizer, float(options.temperature), info)
 
 
-def _head_config(src: str):
-    from specheads.heads.base import read_head_config
-
-    return read_head_config(Path(src))
-
-
 def tune_p_min(src: str, target, model: Path, draft: Path, spec_args: tuple[str, ...], n_max: int, threads: int,
                calib_ids: list[list[int]]):
-    """The DSpark head's --spec-draft-p-min for this machine (infer/llamacpp_pmin.py): our blocks on the
+    """The DSpark head's --spec-draft-p-min for this machine (bench/llamacpp/pmin.py): our blocks on the
     calibration prompts, llama-bench's verify curve for 1..n_max+1 tokens, and the draft's cost from one plain and
     one every-slot (p-min 0) completion of the first prompt."""
-    from specheads.heads.base import load_head
-    from specheads.heads.gguf import find_tools
-    from specheads.infer.llamacpp_pmin import (Block, calibration_blocks, choose_p_min, step_seconds,
-                                               verify_curve)
-
     if not calib_ids:
         raise SpecheadsError(f"{src}: choosing --spec-draft-p-min needs calibration prompts "
                              "(or pass --llamacpp-p-min P)")

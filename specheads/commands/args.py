@@ -1,0 +1,109 @@
+"""The flags `specheads generate` and `specheads bench` (single and batched) share: one spelling per idea, one help
+text, one dtype default. Old spellings stay accepted for one release as hidden aliases that print a one-line notice
+naming the new flag:
+
+    --head-lookup N     -> --lookup N
+    --draft-layers N    -> --draft-model truncated:N
+    --draft-target M    -> --draft-model M
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import torch
+
+from specheads.target import DTYPES
+from specheads.utils import SpecheadsError
+
+DEFAULT_DTYPE = "float32"  # exact: greedy speculative output equals plain decoding token for token
+TRUNCATED = "truncated:"  # --draft-model truncated:N = the target's first N layers as the draft
+DEFAULT_DRAFT_LAYERS = 4  # generate --drafter draft-model without --draft-model
+
+
+class _Renamed(argparse.Action):
+    """A flag's old spelling: hidden from --help, prints one line naming the new flag, stores into the new flag's
+    dest (through `convert`) and remembers how the value was spelled (`spelled`) for error messages."""
+
+    def __init__(self, option_strings, dest, new: str, convert=None, **kw):
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kw)
+        self.new, self.convert = new, convert
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        value = self.convert(values) if self.convert else values
+        print(f"specheads: {option_string} is now {self.new}"
+              f"{'' if self.convert is None else f' {value}'} (the old spelling goes in the next release)",
+              file=sys.stderr)
+        setattr(namespace, self.dest, value)
+        typed = dict(getattr(namespace, "_spelled", None) or {})
+        typed[self.dest] = (option_string, values)
+        namespace._spelled = typed
+
+
+def spelled(args: argparse.Namespace, dest: str, flag: str) -> tuple[str, Any]:
+    """(flag, value) as the user typed them (an old spelling included), for one-line errors."""
+    return (getattr(args, "_spelled", None) or {}).get(dest) or (flag, getattr(args, dest))
+
+
+def add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="smollm2-135m",
+                   help="target: alias, hub id, local folder or .gguf file (default: smollm2-135m)")
+
+
+def add_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=sorted(DTYPES),
+                   help=f"target dtype (default {DEFAULT_DTYPE}: greedy output equals plain decoding token for "
+                        "token; bf16 is faster on most CPUs, its batched verification rounds otherwise)")
+
+
+def add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, help="cpu | cuda (default: where the target loads)")
+
+
+def add_lookup(p: argparse.ArgumentParser, default: int, what: str) -> None:
+    """--lookup N: the prompt-lookup chain scheduled with a head (old spelling --head-lookup)."""
+    p.add_argument("--lookup", type=int, default=default, metavar="N", help=what)
+    p.add_argument("--head-lookup", dest="lookup", type=int, action=_Renamed, new="--lookup")
+
+
+def add_draft_model(p: argparse.ArgumentParser, what: str) -> None:
+    """--draft-model NAME | truncated:N (old spellings --draft-target NAME, --draft-layers N)."""
+    p.add_argument("--draft-model", default=None, metavar="NAME|truncated:N", help=what)
+    p.add_argument("--draft-target", dest="draft_model", action=_Renamed, new="--draft-model")
+    p.add_argument("--draft-layers", dest="draft_model", action=_Renamed, new="--draft-model",
+                   convert=lambda n: f"{TRUNCATED}{n}")
+
+
+def dtype_name(text: str) -> str:
+    """--dtype by its full name (float32, bfloat16, float16), as results.json records it."""
+    return str(DTYPES[text]).removeprefix("torch.")
+
+
+def draft_model_options(args: argparse.Namespace) -> dict:
+    """generate's --draft-model as build_drafter's draft-model options: {"draft_target": NAME} or {"draft_layers":
+    N} (default the target's first 4 layers); N is checked here before any model loads (at least 1) and against the
+    target's layers by build_drafter."""
+    spec = args.draft_model or f"{TRUNCATED}{DEFAULT_DRAFT_LAYERS}"
+    if not spec.startswith(TRUNCATED):
+        return {"draft_target": spec, "draft_layers": DEFAULT_DRAFT_LAYERS}
+    n = spec[len(TRUNCATED):].strip()
+    if not n.lstrip("-").isdigit() or int(n) < 1:
+        flag, value = spelled(args, "draft_model", "--draft-model")
+        raise SpecheadsError(f"{flag} {value}: must be at least 1 (target layers the draft keeps)")
+    return {"draft_target": None, "draft_layers": int(n)}
+
+
+def set_threads(threads: int | None) -> None:
+    """--threads: torch's CPU threads (and llama.cpp's, through the bench's method options)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise SpecheadsError(f"--threads {threads}: must be at least 1")
+    torch.set_num_threads(threads)
+
+
+def check_max_new_tokens(n: int) -> None:
+    """--max-new-tokens: at least 1."""
+    if n < 1:
+        raise SpecheadsError(f"--max-new-tokens {n}: must be at least 1")

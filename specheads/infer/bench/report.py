@@ -1,0 +1,141 @@
+"""The results of a single bench run: results.json (schema `specheads.bench/1`: figures per method, overall and
+per category, against vanilla and, with `llama.cpp` in the run, against it too) and results.md (tables);
+`write_results` writes both with the plots (the batched sweep's report, bench/batch.py, uses it and `fmt` too).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+from specheads.infer.bench.metrics import DEFINITIONS, compare, step_breakdown
+from specheads.infer.bench.prompts import MT_BENCH_CATEGORIES
+from specheads.infer.bench.records import BenchSettings, RunRecord
+from specheads.utils import atomic_write_json, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "specheads.bench/1"
+_CAT_ORDER = {c: i for i, c in enumerate(MT_BENCH_CATEGORIES)}
+
+
+def build_results(records: list[RunRecord], names: list[str], settings: BenchSettings, meta: dict[str, Any],
+                  complete: bool) -> dict[str, Any]:
+    """results.json of a single run: per method its figures overall and per category (MT-bench's order first)
+    against vanilla, its step breakdown, and with `llama.cpp` in the run its figures against llama.cpp."""
+    greedy = settings.temperature <= 0
+    van = [r for r in records if r.method == "vanilla"]
+    cats = sorted({r.category for r in records}, key=lambda c: (c not in _CAT_ORDER, _CAT_ORDER.get(c, 0), c))
+    methods_out: dict[str, Any] = {}
+    for name in names:
+        mine = [r for r in records if r.method == name]
+        overall = compare(mine, van or None, greedy)
+        per_cat = {c: compare([r for r in mine if r.category == c], [r for r in van if r.category == c] or None,
+                              greedy) for c in cats}
+        methods_out[name] = {"overall": overall, "categories": per_cat, "step_breakdown": step_breakdown(mine)}
+        ref = [r for r in records if r.method == "llama.cpp"]  # the second reference: llama.cpp plain decoding
+        if ref and name != "llama.cpp":
+            methods_out[name]["vs_llama.cpp"] = compare(mine, ref, greedy)
+    return {"schema": SCHEMA, **meta, "settings": asdict(settings), "complete": complete, "definitions": DEFINITIONS,
+            "num_prompts": len({r.prompt_id for r in records}), "categories": cats, "methods": methods_out}
+
+
+def fmt(x: Any, spec: str = ".2f", suffix: str = "") -> str:
+    """A figure as results.md shows it: n/a when unknown."""
+    return "n/a" if x is None else f"{x:{spec}}{suffix}"
+
+
+def llamacpp_table(results: dict[str, Any]) -> list[str]:
+    """With `llama.cpp` in the run: every method against llama.cpp plain, the second reference beside vanilla."""
+    rows = [(n, m["vs_llama.cpp"]) for n, m in results["methods"].items() if m.get("vs_llama.cpp")]
+    if not rows:
+        return []
+    lines = ["", "## Against llama.cpp plain decoding (same prompts, same run)", "",
+             "| method | tokens/s | speedup over llama.cpp | identical to llama.cpp |", "|---|---:|---:|---:|"]
+    for name, v in rows:
+        lines.append(f"| {name} | {fmt(v['tokens_per_s'], '.1f')} | {fmt(v['speedup'], '.2f', 'x')} | "
+                     f"{fmt(v['identical'], '.0%')} |")
+    return lines
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    s = results["settings"]
+    lines = [f"# specheads bench: {s['target']} on {s['dataset']}", "",
+             f"{results['num_prompts']} prompts, dtype {s['dtype']}, temperature {s['temperature']}, "
+             f"max {s['max_new_tokens']} new tokens per turn, {results['environment']['cpu'] or 'unknown CPU'}"
+             f" ({results['environment']['torch_threads']} threads), {results['date']}."
+             + ("" if results.get("complete") else " **Incomplete run (interrupted).**"), "",
+             "| method | tokens/s | τ | speedup | expected | identical | new tokens | target forwards |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, m in results["methods"].items():
+        o = m["overall"]
+        lines.append(f"| {name} | {fmt(o['tokens_per_s'], '.1f')} | {fmt(o['tau'])} | {fmt(o['speedup'], '.2f', 'x')}"
+                     f" | {fmt(o.get('expected_speedup'), '.2f', 'x')} | {fmt(o['identical'], '.0%')} | "
+                     f"{o['new_tokens']} | {fmt(o['target_forwards'], 'd')} |")
+    lines += llamacpp_table(results) + schedule_table(results)
+    cats = results["categories"]
+    if len(cats) > 1:
+        names = list(results["methods"])
+        lines += ["", "## Per category (speedup / τ)", "", "| category | " + " | ".join(names) + " |",
+                  "|---|" + "---:|" * len(names)]
+        for c in cats:
+            cells = []
+            for n in names:
+                f = results["methods"][n]["categories"][c]
+                cells.append(f"{fmt(f['speedup'], '.2f', 'x')} / {fmt(f['tau'])}")
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    for name, m in results["methods"].items():
+        b = m.get("step_breakdown")
+        if b:
+            lines += ["", f"## Step time breakdown: {name} ({fmt(b['ms_per_step'], '.1f')} ms per step)", "",
+                      "| phase | seconds | share of steps |", "|---|---:|---:|"]
+            for k, v in sorted(b["seconds"].items(), key=lambda kv: -kv[1]):
+                lines.append(f"| {k} | {v:.3f} | {fmt(b['step_share'].get(k), '.1%')} |")
+            lines.append(f"| **non-model share** (all but {' + '.join(b['model_phases'])}) | | "
+                         f"{fmt(b['non_model_share'], '.1%')} |")
+    trees = results.get("trees") or ({"head": results["tree"]} if results.get("tree") else {})
+    for name, tree in trees.items():
+        title = "Tree" if len(trees) == 1 else f"Tree: {name}"
+        lines += ["", f"## {title}", "", f"{tree.get('summary', '')}", "", f"Why: {tree.get('reason', '')}"]
+    lines += definitions_lines(results)
+    return "\n".join(lines)
+
+
+def schedule_table(results: dict[str, Any]) -> list[str]:
+    """results.md's scheduler section: expected against measured per scheduled method, each source alone and the
+    oracle on the same steps."""
+    rows = [(n, m["overall"]) for n, m in results["methods"].items() if m["overall"].get("expected_tau") is not None]
+    if not rows:
+        return []
+    lines = ["", "## Scheduler: expected against measured, each source alone, the oracle", "",
+             "| method | τ | expected τ | speedup | expected speedup | expected / measured | alone τ (same steps) | "
+             "oracle τ | oracle speedup (est.) | censored steps |", "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for n, o in rows:
+        alone = ", ".join(f"{k} {v:.2f}" for k, v in (o.get("sources_tau") or {}).items()) or "n/a"
+        lines.append(f"| {n} | {fmt(o['tau'])} | {fmt(o['expected_tau'])} | {fmt(o['speedup'], '.2f', 'x')} | "
+                     f"{fmt(o['expected_speedup'], '.2f', 'x')} | {fmt(o.get('expected_vs_measured'), '.2f')} | "
+                     f"{alone} | {fmt(o['oracle_tau'])} | {fmt(o['oracle_speedup'], '.2f', 'x')} | "
+                     f"{fmt(o['oracle_censored'], 'd')} |")
+    lines += ["", "Expected figures are the scheduler's own predictions (over one target forward per token, by the "
+              "machine's cost profile and the run's measured draft and loop seconds); the oracle takes, per step, the "
+              "better source alone, priced by the same model, so compare oracle speedup with expected speedup."]
+    return lines
+
+
+def definitions_lines(results: dict[str, Any]) -> list[str]:
+    """results.md's last line: every figure's definition (results["definitions"])."""
+    return ["", "Definitions: " + "; ".join(f"**{k}** = {v}" for k, v in results["definitions"].items()) + ".", ""]
+
+
+def write_results(results: dict[str, Any], out_dir: Path, plots: Callable[[dict, Path], list[str]],
+                  markdown: Callable[[dict], str]) -> None:
+    """results.json, results.md and the plots into out_dir (created); a failing plot is logged and skipped."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        results["plots"] = plots(results, out_dir)
+    except Exception as e:  # a plot must never lose the measurements
+        log.warning("plots not written: %s", e)
+        results["plots"] = []
+    atomic_write_json(out_dir / "results.json", results)
+    atomic_write_text(out_dir / "results.md", markdown(results))

@@ -1,0 +1,106 @@
+"""From a head folder and `--tree` to what build_drafter needs: the head loaded, its tree spec resolved (a tree
+head's `auto` probed by autotree.choose_tree_for_head, a block head's `auto` left to its per-step scheduler, or the
+whole block for the batched sweep), the tree's record for results.json and the probe's acceptance prior. One
+resolver serves `specheads generate`, the single bench and the batched bench; within one run each head folder is
+loaded once and probed once, and every scheduler of the run is priced by one cost profile.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from specheads.heads.base import load_head
+from specheads.infer import autotree
+from specheads.infer.drafters import drafter_kind, parse_tree
+from specheads.infer.profile import load_or_profile, t1_seconds
+from specheads.infer.scheduler import RULE as SCHEDULER_RULE
+from specheads.infer.scheduler import Scheduler
+from specheads.infer.treespec import TreeSpec
+
+BLOCK_AUTO = ("scheduler", "block")  # what `--tree auto` means for a block head (ResolvedHead.spec)
+
+
+@dataclass
+class ResolvedHead:
+    """A loaded head and its resolved tree."""
+
+    head: Any  # the DraftHead, eval mode
+    spec: TreeSpec  # for build_drafter: a block head's `auto` stays auto (its per-step scheduler)
+    tree: dict[str, Any]  # results.json's record: mode, kind, family, reason, summary (+ the probe's fields)
+    family: str  # the drafter family of the head's kind (tree heads: static / dynamic; block)
+
+    @property
+    def acceptance(self) -> dict[str, Any] | None:
+        """A tree head's `--tree auto` probe acceptance (per depth and rank, with counts): its rates' prior under a
+        scheduler; None without a probe."""
+        acc = self.tree.get("acceptance")
+        return {"acc": acc["acc_monotone"], "counts": acc["counts"]} if acc else None
+
+
+class HeadResolver:
+    """One run's heads and trees. `tree`: the `--tree` text every head takes; `calib_ids`: the prompts (token ids)
+    of a tree head's `auto` probe, or a function returning them, called at the first probe; `refresh`: measure the
+    cost profile again before the probe."""
+
+    def __init__(self, target, tree: str | None = "auto",
+                 calib_ids: list[list[int]] | Callable[[], list[list[int]]] = (), refresh: bool = False):
+        self.target, self.tree, self.refresh = target, tree, refresh
+        self._calib_ids = calib_ids
+        self._heads: dict[str, dict[str, Any]] = {}  # head folder -> {"head", and once probed "spec", "tree"}
+        self.costs: dict[str, Any] | None = None  # the cost profile this run's schedulers are priced by
+
+    def calib_ids(self) -> list[list[int]]:
+        if callable(self._calib_ids):
+            self._calib_ids = self._calib_ids()
+        return list(self._calib_ids)
+
+    def resolve(self, head_dir: str, block_auto: str = "scheduler") -> ResolvedHead:
+        """The head of `head_dir` and its tree. A block head's `auto`: "scheduler" (the per-step scheduler over its
+        block; build_drafter takes spec auto) or "block" (the whole block every step: the batched sweep, whose
+        budget cuts it per row)."""
+        entry = self._heads.setdefault(str(head_dir), {})
+        if "head" not in entry:
+            entry["head"] = load_head(head_dir, self.target).eval()
+        head = entry["head"]
+        kind = head.config.kind
+        family = drafter_kind(kind, head=True).family
+        spec = parse_tree(self.tree, kind, head)
+        if spec.mode == "auto" and family == "block" and block_auto == "block":
+            spec = TreeSpec.tokens(head.num_drafts)
+            tree = {**given_tree_record(kind, family, spec), "mode": "auto",
+                    "reason": "a block head's auto in the batch sweep: every row drafts its whole block each step, "
+                              "the +sched budget chooses the prefix each row verifies",
+                    "summary": f"the block of {head.num_drafts} drafts every step (+sched: the batch budget cuts it)"}
+        elif spec.mode == "auto" and family == "block":
+            tree = {"mode": "auto", "kind": kind, "family": family, "reason": SCHEDULER_RULE,
+                    "summary": f"per-step scheduler over the block of {head.num_drafts} drafts (prefix that pays)"}
+        elif spec.mode == "auto":
+            if "spec" not in entry:
+                entry["spec"], entry["tree"] = autotree.choose_tree_for_head(self.target, head, self.calib_ids(),
+                                                                             refresh=self.refresh)
+            spec, tree = entry["spec"], dict(entry["tree"])
+            if self.costs is None:  # the profile the probe settled on prices the run's schedulers
+                self.costs = tree["profile"]
+        else:
+            tree = given_tree_record(kind, family, spec)
+        return ResolvedHead(head, spec, tree, family)
+
+    def scheduler(self) -> Scheduler:
+        """A fresh per-step scheduler priced by the run's cost profile: the one a `--tree auto` probe of this run
+        settled on, else read (or measured) once per run."""
+        if self.costs is None:
+            prof = load_or_profile(self.target, refresh=self.refresh)
+            self.costs = {"verify_relative": prof["verify"]["relative"], "t1_s": t1_seconds(prof),
+                          **{k: prof.get(k) for k in ("path", "cached", "noisy", "measured_at")}}
+        return Scheduler(self.costs["verify_relative"], self.costs["t1_s"], profile=self.costs)
+
+
+def given_tree_record(kind: str, family: str, spec: TreeSpec) -> dict[str, Any]:
+    """results.json's record of a tree given with --tree."""
+    tree: dict[str, Any] = {"mode": spec.text, "kind": kind, "family": family, "reason": "given with --tree",
+                            "summary": f"{spec.summary()} (given)"}
+    if spec.mode == "dynamic":
+        tree.update(total_tokens=spec.total_tokens, depth=spec.depth, top_k=spec.top_k)
+    elif spec.mode == "static":
+        tree.update(choices=[list(c) for c in spec.choices], total_tokens=len(spec.choices))
+    return tree
