@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from specheads.heads.base import HeadSpec, build_head
-from specheads.infer.batch import (generate_batch, keep_accepted_rows, merge_caches, new_batch_cache,
-                                   pack_trees)
+from specheads.infer.engine.batch import generate_batch, pack_trees
+from specheads.infer.engine.kvcache import keep_accepted_rows, merge_caches, new_batch_cache
 from specheads.infer.batchbudget import (AcceptanceTracker, BudgetScheduler, ExploreClock, choose_batch_budget,
                                          effective_survival)
 from specheads.infer.drafters import (DraftModelDrafter, Drafter, DSparkDrafter, EagleDrafter, MedusaDrafter, NoDrafter,
                                       PromptLookupDrafter, combine_drafters)
-from specheads.infer.generate import generate
+from specheads.infer.engine.generate import generate
 from specheads.infer.drafters import TokenRecyclingDrafter
 from specheads.infer.scheduler import Scheduler
 from specheads.infer.tree import DraftTree, chain_tree

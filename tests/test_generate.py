@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from specheads.heads.base import HeadSpec, build_head
+from specheads.heads.base import HeadSpec, build_head, load_head
 from specheads.infer.drafters import (DraftContext, DraftModelDrafter, Drafter, DSparkDrafter, EagleDrafter,
-                                      MedusaDrafter, NoDrafter, PromptLookupDrafter, combine_drafters, load_drafter,
+                                      MedusaDrafter, NoDrafter, PromptLookupDrafter, build_drafter, combine_drafters,
                                       truncated_draft_model)
-from specheads.infer.generate import SpeculativeGenerator, generate
+from specheads.infer.engine.generate import SpeculativeGenerator, generate
 from specheads.infer.drafters import TokenRecyclingDrafter
 from specheads.infer.tree import DraftTree
 from specheads.target import tiny_target
@@ -276,10 +276,10 @@ def test_head_target_mismatch_is_one_clear_error(tiny, tmp_path):
     build_head(HeadSpec(kind="medusa", num_heads=2), tiny).save_pretrained(tmp_path / "h")
     other = tiny_target(seed=2)
     with pytest.raises(SpecheadsError):
-        load_drafter("plain", other, head_dir=str(tmp_path / "h"))
-    assert isinstance(load_drafter("plain", tiny, head_dir=str(tmp_path / "h")), MedusaDrafter)
+        load_head(str(tmp_path / "h"), other)
+    assert isinstance(build_drafter(tiny, load_head(str(tmp_path / "h"), tiny)), MedusaDrafter)
     with pytest.raises(SpecheadsError, match="--drafter"):
-        load_drafter("nonsense", tiny)
+        build_drafter(tiny, "nonsense")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -323,7 +323,7 @@ def test_greedy_identical_to_hf_generate_smollm2(smollm2):
 
     full = os.environ.get("SPECHEADS_FULL_EXACTNESS") == "1"
     n_prompts, n_new = (20, 64) if full else (2, 24)
-    from specheads.infer.generate import encode_prompt
+    from specheads.infer.engine.generate import encode_prompt
 
     torch.manual_seed(0)
     drafters = smol_drafters(smollm2)
@@ -356,7 +356,7 @@ def test_cli_generate_smollm2(capsys):
 def test_eagle_tree_rows_equal_sequential_head_runs(tiny, monkeypatch):
     """Every expanded node's draft log-probs equal a plain causal head run over the true rows plus that node's own
     path (siblings invisible, positions by depth), to 1e-5 (fp32)."""
-    import specheads.infer.drafters as drafters_mod
+    import specheads.infer.drafters.eagle as drafters_mod
 
     seen = []  # (path tokens below the root, log-probs the tree builder received)
     real = drafters_mod.dynamic_tree
@@ -418,7 +418,7 @@ def test_cli_tree_auto_needs_a_head(capsys, monkeypatch):
 def test_cli_generate_takes_a_dspark_head(tiny, tmp_path, capsys, monkeypatch):
     """`specheads generate --head DIR` with a DSpark head: its tree forms checked against the folder before any
     model loads, then (auto, the default) the scheduled drafter streams and reports the scheduler's figures."""
-    import specheads.infer.drafters as drafters_mod
+    import specheads.infer.drafters.build as drafters_mod
     import specheads.target
     from specheads.cli import main
     from specheads.infer.scheduler import Scheduler
@@ -459,7 +459,7 @@ def test_cli_generate_tree_auto_smollm2(smollm2, tmp_path, capsys):
     import json
 
     from specheads.cli import main
-    from specheads.heads.base import HeadSpec, build_head
+    from specheads.heads.base import HeadSpec, build_head, load_head
 
     build_head(HeadSpec(kind="eagle3", draft_vocab_size=1024), smollm2).save_pretrained(tmp_path / "head")
     assert main(["generate", "--target", "smollm2-135m", "--head", str(tmp_path / "head"), "--tree", "auto",
@@ -473,7 +473,7 @@ def test_cli_generate_tree_auto_smollm2(smollm2, tmp_path, capsys):
 def test_phase_timer_adds_each_block_even_when_it_raises():
     import time
 
-    from specheads.infer.generate import phase_timer
+    from specheads.infer.engine.generate import phase_timer
 
     t = {"draft": 0.0}
     with phase_timer(t, "draft"):

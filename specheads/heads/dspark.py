@@ -219,8 +219,7 @@ class BlockContext:
 @dataclass
 class BlockCache:
     """The head's context at inference: per layer, keys (normed, rotated) and values of the TRUE context rows
-    [B,Hkv,S,hd]; row i has position i. Only verified rows are appended, so nothing is ever rolled back except by
-    `crop` (when the caller's own bookkeeping rewinds)."""
+    [B,Hkv,S,hd]; row i has position i. Only verified rows are appended, so nothing is ever rolled back."""
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
@@ -229,13 +228,6 @@ class BlockCache:
     @property
     def length(self) -> int:
         return int(self.keys[0].shape[-2]) if self.keys else 0
-
-    def crop(self, n: int) -> None:
-        """Keep the first n context rows."""
-        self.keys = [k[..., :n, :] for k in self.keys]
-        self.values = [v[..., :n, :] for v in self.values]
-        if self.fused is not None:
-            self.fused = self.fused[:, :n]
 
 
 class DSparkHead(DraftHead):

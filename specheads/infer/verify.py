@@ -72,8 +72,11 @@ def target_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor
 
 def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Accepted:
     """Accept the longest path whose every token equals the target's argmax at its parent; bonus = argmax there.
-    Only the rows on the walked path are reduced (depth + 1 of N), each in fp32 as HF generate does (bf16 argmax on
-    CPU is ~7x slower; the fp32 copy is exact, so the first maximal index is the same)."""
+    Logits on the host: the walk reduces only the rows on its path (depth + 1 of N), each in fp32 as HF generate
+    does (bf16 argmax on CPU is ~7x slower; the fp32 copy is exact, so the first maximal index is the same), and
+    there is no device to wait for. Logits on an accelerator: `greedy_on_device`, one transfer per step."""
+    if logits.device.type != "cpu":
+        return greedy_on_device(tree, logits)
     tokens, kids, nodes, cur = tree.tokens.tolist(), tree.children_lists(), [0], 0
     while True:
         best = int(logits[cur].float().argmax())  # the target's own greedy choice after node cur
@@ -82,6 +85,44 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Accepted:
             return Accepted(nodes, best)
         cur = nxt
         nodes.append(cur)
+
+
+def _to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting for the work queued there (pinned, non-blocking)."""
+    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
+
+
+def _ancestors(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[N, N] bool: a[i, j] = node j is node i or one of its ancestors, built where `parents` [N] lives (one
+    hop per depth, no host reads)."""
+    n = parents.numel()
+    cols = torch.arange(n, device=parents.device)
+    a = cols[:, None] == cols[None]
+    up = parents
+    for _ in range(max_depth):
+        a |= up[:, None] == cols[None]  # up = -1 (above the root) matches no column
+        up = torch.where(up >= 0, parents[up.clamp(min=0)], up)
+    return a
+
+
+def greedy_on_device(tree: DraftTree, logits: torch.Tensor) -> Accepted:
+    """verify_greedy as tensor ops where the logits are (gpt-fast's vectorised acceptance): the target's argmax
+    after every node at once, the walk's path found by masks, one transfer of (last node, bonus) at the end.
+    The walk takes a node's first child (index order) equal to the target's token: node i is on its path iff every
+    node from the root to i equals the target's token after its parent and has no earlier sibling that does."""
+    dev, n = logits.device, len(tree)
+    best = logits.float().argmax(-1)  # [N] the target's greedy token after each node (first maximal index)
+    tpd = _to(torch.stack([tree.tokens, tree.parents, tree.depth]), dev)  # [3, N]
+    tokens, parents, depth = tpd[0], tpd[1], tpd[2]
+    match = tokens == best[parents.clamp(min=0)]  # [N] node i equals the target's token after its parent
+    match[0] = True  # the root is always kept
+    idx = torch.arange(n, device=dev)
+    earlier = (parents[:, None] == parents[None]) & (idx[None] < idx[:, None])  # [N, N] j is an earlier sibling of i
+    first = match & ~(earlier & match[None]).any(-1)  # the child the walk takes under its parent
+    on_path = ~(_ancestors(parents, tree.max_depth) & ~first[None]).any(-1)  # [N] one root-to-node chain
+    last = torch.where(on_path, depth, -1).argmax()  # its deepest node
+    last, bonus = torch.stack([last, best[last]]).tolist()  # the step's one device -> host transfer
+    return Accepted(tree.path(last), bonus)
 
 
 def _sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -98,14 +139,21 @@ def verify_sampling(tree: DraftTree, logits: torch.Tensor, sampling: SamplingPar
       on rejection p <- norm(max(p - q, 0)) and q <- norm(q with x removed) (the next child was drawn from that q).
     Deterministic proposals (tree.q None) are point masses: accept x with probability p(x); on rejection p(x) <- 0
     and renormalise. If every child is rejected the bonus is drawn from the residual p; at a leaf from p itself.
-    Each emitted token is therefore distributed exactly as the target's own sampling distribution."""
+    Each emitted token is therefore distributed exactly as the target's own sampling distribution.
+    Logits on the host: only the rows the walk visits (depth + 1 of N) are warped. On an accelerator every row is
+    warped there and all of them come to the host in one transfer (and q, if it is there, in one more), instead of
+    one wait per depth; the walk itself runs on the host in float64 either way."""
+    if probs is None and logits.device.type != "cpu":
+        probs = target_probs(logits, sampling).cpu()  # [N, V]
+    q_all = tree.q if tree.q is None or tree.q.device.type == "cpu" else tree.q.cpu()  # [N, V] | None
+
     def row(i: int) -> torch.Tensor:  # p at node i, warped only for the rows the walk visits (depth + 1 of N)
         return (target_probs(logits[i:i + 1], sampling)[0] if probs is None else probs[i]).to("cpu", torch.float64)
 
     tokens, kids, nodes, cur = tree.tokens.tolist(), tree.children_lists(), [0], 0
     while True:
         p = row(cur)  # float64 on CPU: exact-enough residuals, CPU generator
-        q = None if tree.q is None else tree.q[cur].to("cpu", torch.float64)
+        q = None if q_all is None else q_all[cur].to(torch.float64)
         accepted = None
         for child in kids[cur]:
             x = tokens[child]
@@ -149,13 +197,13 @@ def verify_typical_lossy(tree: DraftTree, logits: torch.Tensor, sampling: Sampli
     p_all = torch.softmax(logits.float() / t, dim=-1)  # [N, V]
     ent = -(p_all * torch.log(p_all.clamp_min(1e-12))).sum(-1)  # [N]
     thresh = torch.minimum(torch.full_like(ent, posterior_threshold), posterior_alpha * torch.exp(-ent))
-    tokens = tree.tokens.tolist()
-    ok = [True] + [bool(p_all[int(tree.parents[i]), tokens[i]] > thresh[int(tree.parents[i])])
-                   for i in range(1, len(tree))]
-    good = [True] * len(tree)  # accepted itself and all ancestors accepted
-    for i in range(1, len(tree)):
-        good[i] = ok[i] and good[int(tree.parents[i])]
-    best = max(range(len(tree)), key=lambda i: (int(tree.depth[i]) if good[i] else -1, -i))
+    dev = p_all.device
+    tpd = _to(torch.stack([tree.tokens, tree.parents, tree.depth]), dev)  # [3, N]
+    tokens, parents, depth = tpd[0], tpd[1].clamp(min=0), tpd[2]
+    ok = p_all[parents, tokens] > thresh[parents]  # [N] node i passes under its parent's threshold
+    ok[0] = True  # the root
+    good = ~(_ancestors(tpd[1], tree.max_depth) & ~ok[None]).any(-1)  # [N] it and all its ancestors pass
+    best = int(torch.where(good, depth, -1).argmax())  # the deepest accepted node, the first of equal depth
     nodes = tree.path(best)
     if sampling.greedy:
         bonus = int(logits[best].argmax())

@@ -16,7 +16,8 @@ prompts are prefilled (one left-padded forward, last position's logits only) and
 cache is left-padded to the longer of the two (RoPE is applied before caching and positions are given per row, so
 moving a row's entries right changes nothing). Finished rows are decoded along, ignored, until `COMPACT_AT` of the
 batch has finished, then dropped in one copy (cache, mask, positions, and the cache columns no live row uses).
-Cache layers write each step in place (BufferedLayer). Prompts wait in order of their length (length bucketing).
+Cache layers write each step in place (engine/kvcache.py BufferedLayer). Prompts wait in order of their length
+(length bucketing).
 Measured: docs/architecture.md (245 vs 216 tokens/s for the previous chunked loop).
 A conversation stops at the first turn whose prompt already fills `max_length` (what follows would be truncated
 away by tokenisation).
@@ -25,7 +26,6 @@ in the same refilled batch and stores token ids (`read_regenerated_texts` reads 
 """
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -37,6 +37,7 @@ from typing import Any, Hashable, Iterator, Sequence
 
 import torch
 
+from specheads.infer.engine.kvcache import buffered_cache, merge_caches, select_rows
 from specheads.target import chat_prompt_ids
 from specheads.utils import SpecheadsError
 
@@ -45,52 +46,6 @@ log = logging.getLogger(__name__)
 # Refill the batch when fewer rows than this fraction of batch_size are decoding: a quarter of the batch at a time
 # is prefilled beside the live rows (a prefill token costs ~1/5 of a decode token here, so refills are cheap).
 REFILL_BELOW = 0.75
-
-
-@functools.lru_cache(maxsize=None)
-def _buffered_layer_class():
-    """Defined on first use (transformers is imported lazily); one class for every cache."""
-    from transformers.cache_utils import DynamicLayer
-
-    class BufferedLayer(DynamicLayer):
-        """A DynamicLayer whose keys / values are views [:, :, :L] of buffers with GROW spare columns: a decode
-        step writes its column in place. DynamicLayer's torch.cat copies the whole cache every step, which at 64
-        rows x 600 columns (bf16, 2 cores) costs as much as the attention itself (16 vs 16 ms a layer)."""
-
-        GROW = 64  # spare columns: one copy per 64 steps instead of one per step
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            L, n = (self.keys.shape[-2] if self.keys.numel() else 0), key_states.shape[-2]
-            buf_k, buf_v = getattr(self, "buf_k", None), getattr(self, "buf_v", None)
-            if (buf_k is None or L + n > buf_k.shape[-2] or buf_k.shape[:2] != key_states.shape[:2]
-                    or (L and (self.keys.data_ptr() != buf_k.data_ptr() or self.keys.stride() != buf_k.stride()))):
-                shape = list(key_states.shape)  # the cache was replaced (rows selected, merged, cut) or is full
-                shape[-2] = L + n + self.GROW
-                buf_k, buf_v = key_states.new_empty(shape), value_states.new_empty(shape)
-                if L:
-                    buf_k[:, :, :L], buf_v[:, :, :L] = self.keys, self.values
-                self.buf_k, self.buf_v = buf_k, buf_v
-            buf_k[:, :, L:L + n], buf_v[:, :, L:L + n] = key_states, value_states
-            self.keys, self.values = buf_k[:, :, :L + n], buf_v[:, :, :L + n]
-            return self.keys, self.values
-
-    return BufferedLayer
-
-
-def _new_cache(model):
-    """A DynamicCache for `model`; its plain layers write in place (see BufferedLayer). Returns (cache, mergeable):
-    sliding-window layers keep only the last window, so their rows cannot be re-aligned for merging."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    cache = DynamicCache(config=model.config)
-    if not all(type(x) is DynamicLayer for x in cache.layers):
-        return cache, False
-    layer_cls = _buffered_layer_class()
-    cache.layers = [layer_cls() for _ in cache.layers]
-    return cache, True
 
 
 @dataclass
@@ -112,14 +67,11 @@ class _Batch:
         """Keep the live rows, then cut the leading columns that no kept row uses."""
         rows = [r for r, k in enumerate(self.keys) if k is not None]
         sel = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
-        self.cache.reorder_cache(sel)
         self.mask, self.pos, self.tok = self.mask[sel], self.pos[sel], self.tok[sel]
         self.keys = [self.keys[r] for r in rows]
         first = int(self.mask.any(0).int().argmax())  # first column some row uses
-        if first > 0:
-            self.mask = self.mask[:, first:]
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+        self.mask = self.mask[:, first:]
+        select_rows(self.cache, rows, start=first)
 
     def merge(self, other: "_Batch") -> None:
         """Append other's live rows after dropping both batches' finished ones; the shorter cache is left-padded to
@@ -127,20 +79,13 @@ class _Batch:
         for batch in (self, other):
             if batch.live < len(batch.keys):
                 batch.compact()
-        L = max(self.mask.shape[1], other.mask.shape[1])
+        L = max(self.mask.shape[1], other.mask.shape[1])  # the caches' columns
 
-        def lpad(x: torch.Tensor, dim: int) -> torch.Tensor:
-            n = L - x.shape[dim]
-            if n == 0:
-                return x
-            shape = list(x.shape)
-            shape[dim] = n
-            return torch.cat([x.new_zeros(shape), x], dim=dim)
+        def lpad(x: torch.Tensor) -> torch.Tensor:
+            return x if x.shape[1] == L else torch.cat([x.new_zeros(x.shape[0], L - x.shape[1]), x], dim=1)
 
-        for a, b in zip(self.cache.layers, other.cache.layers):
-            a.keys = torch.cat([lpad(a.keys, 2), lpad(b.keys, 2)], dim=0)
-            a.values = torch.cat([lpad(a.values, 2), lpad(b.values, 2)], dim=0)
-        self.mask = torch.cat([lpad(self.mask, 1), lpad(other.mask, 1)], dim=0)
+        merge_caches(self.cache, other.cache, len(self.keys), len(other.keys), left_padded=True)
+        self.mask = torch.cat([lpad(self.mask), lpad(other.mask)], dim=0)
         self.pos = torch.cat([self.pos, other.pos])
         self.tok = torch.cat([self.tok, other.tok])
         self.keys = self.keys + other.keys
@@ -165,7 +110,7 @@ def generate_stream(target, work: deque, batch_size: int, temperature: float = 0
     answers: dict[Hashable, list[int]] = {}
     caps: dict[Hashable, int] = {}
     live: _Batch | None = None
-    can_merge = True  # False for sliding-window caches (see _new_cache)
+    can_merge = True  # False for sliding-window caches (see kvcache.buffered_cache)
 
     def advance(batch: _Batch, logits: torch.Tensor) -> list[tuple[Hashable, list[int]]]:
         """Pick each row's next token; rows that end are returned (and compacted away in bulk, see COMPACT_AT)."""
@@ -199,7 +144,7 @@ def generate_stream(target, work: deque, batch_size: int, temperature: float = 0
                 answers[key], caps[key] = [], int(cap)
             ids, mask = ids.to(dev), mask.to(dev)
             pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [n,T]
-            cache, mergeable = _new_cache(model)
+            cache, mergeable = buffered_cache(model)
             can_merge = can_merge and mergeable
             out = model(input_ids=ids, attention_mask=mask, position_ids=pos, **{ck: cache}, use_cache=True,
                         logits_to_keep=1)
