@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from specheads.infer.drafters.registry import DrafterKind, register_drafter
+from specheads.infer.engine.kvcache import drop_tail
 from specheads.infer.engine.protocol import DraftContext, Drafter
 from specheads.infer.tree import DraftTree, chain_tree
 from specheads.infer.treespec import TreeSpec
@@ -57,7 +58,7 @@ class DraftModelDrafter(Drafter):
             common += 1
         common = min(common, len(ids) - 1)  # the root's logits are needed, so at least it is fed again
         if common < len(self.cached):
-            self.cache.crop(common - len(self.cached))
+            drop_tail(self.cache, len(self.cached) - common)
             self.cached = self.cached[:common]
         if k <= 0:
             return chain_tree(ids[-1], [])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from specheads.infer.drafters.registry import DrafterKind, register_drafter
+from specheads.infer.engine.kvcache import drop_tail
 from specheads.infer.engine.protocol import DraftContext, Drafter
 from specheads.infer.tree import DraftTree, chain_tree, dynamic_tree, tree_from_parents
 from specheads.infer.treespec import TreeSpec
@@ -96,7 +97,7 @@ class EagleDrafter(Drafter):
                                 to_target=to_target)
         finally:
             if self.draft.count:  # keep only the true rows in the head cache
-                self.cache.crop(-self.draft.count)
+                drop_tail(self.cache, self.draft.count)
             self.draft = None
 
 
