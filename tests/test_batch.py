@@ -420,7 +420,8 @@ def test_dspark_rows_resting_skip_the_head_and_stay_exact(tiny):
 
 # ------------------------------------------------------------------------------------------- the cost surface
 def test_batch_cost_surface_measured_cached_and_interpolated(tiny, tmp_path, monkeypatch):
-    from specheads.infer import profile
+    from specheads.infer.scheduling import profile
+    from specheads.infer.scheduling.costs import batch_cost_fn, batch_costs
 
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
     calls = []
@@ -429,10 +430,10 @@ def test_batch_cost_surface_measured_cached_and_interpolated(tiny, tmp_path, mon
     prof = profile.load_or_profile_batch(tiny, rows=(1, 2, 4), tokens=(1, 2, 4), context=16, repeats=2)
     rel = prof["batch"]["relative"]
     assert sorted(rel) == ["1", "2", "4"] and rel["1"]["1"] == pytest.approx(1.0)
-    costs = profile.batch_costs(prof)
+    costs = batch_costs(prof)
     assert all(costs[(b, n)] <= costs[(b, 2 * n)] for b in (1, 2, 4) for n in (1, 2))  # fitted monotone in n
     assert all(costs[(b, n)] <= costs[(2 * b, n)] for b in (1, 2) for n in (1, 2, 4))  # and in B
-    fn = profile.batch_cost_fn(prof)
+    fn = batch_cost_fn(prof)
     assert fn(1, 1) == pytest.approx(1.0) and fn(3, 3) == pytest.approx(
         (costs[(2, 2)] + costs[(2, 4)] + costs[(4, 2)] + costs[(4, 4)]) / 4)
     if not prof["noisy"]:  # a profile measured on a busy machine is never trusted later

@@ -269,7 +269,8 @@ def test_head_method_tree_auto_on_tiny(tiny, tmp_path, monkeypatch, kind):
     from specheads.heads.base import HeadSpec, build_head
 
     import specheads.infer.autotree as autotree
-    import specheads.infer.profile as prof_mod
+    import specheads.infer.scheduling.profile as prof_mod
+    from specheads.infer.scheduling.costs import t1_seconds
 
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(prof_mod, "PROFILE_CONTEXT", 32)
@@ -306,7 +307,7 @@ def test_head_method_tree_auto_on_tiny(tiny, tmp_path, monkeypatch, kind):
     monkeypatch.setattr(autotree, "load_or_profile", lambda target, refresh=False: fresh)
     _, extra3 = build_methods(["head"], tiny, args, calib_ids=[[1, 5, 6, 7, 5, 6, 7, 5, 6]])
     cost = extra3["tree"]["draft_cost"]
-    assert cost["t1_s"] == prof_mod.t1_seconds(fresh) and cost["t1_from"].startswith("the profile")
+    assert cost["t1_s"] == t1_seconds(fresh) and cost["t1_from"].startswith("the profile")
     assert extra3["tree"]["profile"]["remeasured"] is False
     monkeypatch.setattr(autotree, "load_or_profile", real_load)
     prompts = [BenchPrompt(id="0", category="a", turns=["abcabcabc"], chat=False)]
@@ -331,7 +332,7 @@ def test_several_heads_in_one_run(tiny, tmp_path, monkeypatch):
     from specheads.heads.base import HeadSpec, build_head
 
     import specheads.infer.autotree as autotree
-    import specheads.infer.profile as prof_mod
+    import specheads.infer.scheduling.profile as prof_mod
 
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(prof_mod, "PROFILE_CONTEXT", 32)
@@ -426,7 +427,7 @@ def test_dspark_lookup_and_combo_methods_on_tiny(tiny, tmp_path, monkeypatch):
     from specheads.heads.base import HeadSpec, build_head
 
     import specheads.infer.autotree as autotree
-    import specheads.infer.profile as prof_mod
+    import specheads.infer.scheduling.profile as prof_mod
 
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(prof_mod, "PROFILE_CONTEXT", 32)

@@ -1,5 +1,6 @@
-"""The verification-cost profile (profile.py) and the tree-choice arithmetic on it (autotree.py): expected τ, the
-choice on synthetic cost profiles, acceptance counting, and the cached profile on the tiny target."""
+"""The verification-cost profile (scheduling/profile.py, read through scheduling/costs.py) and the tree-choice
+arithmetic on it (scheduling/autotree.py): best-first trees against brute force, the choice on synthetic cost
+profiles, acceptance counting, and the cached profile on the tiny target."""
 from __future__ import annotations
 
 import itertools
@@ -7,17 +8,23 @@ import itertools
 import pytest
 import torch
 
-from specheads.infer.autotree import acceptance_matrix, best_first_paths, choose_tree, expected_tau, monotone_in_rank
-from specheads.infer.profile import interp_cost, isotonic, load_or_profile, measure_verify_cost
+import specheads.infer.scheduling.profile as prof_mod
+from specheads.infer.scheduling.autotree import acceptance_matrix, best_first_paths, choose_tree, monotone_in_rank
+from specheads.infer.scheduling.costs import cost_drop, interp_cost, isotonic
+from specheads.infer.scheduling.profile import load_or_profile, measure_verify_cost, profile_noise
 from specheads.infer.tree import DraftTree
 
 
-def test_expected_tau_hand_computed():
-    acc = [[0.6, 0.2], [0.5, 0.1]]
-    # 1 (bonus) + 0.6 + 0.2 + 0.6*0.5 + 0.6*0.1 + 0.2*0.5
-    assert expected_tau(acc, [[0], [1], [0, 0], [0, 1], [1, 0]]) == pytest.approx(1 + 0.6 + 0.2 + 0.3 + 0.06 + 0.1)
-    assert expected_tau(acc, []) == 1.0
-    assert expected_tau(acc, [[0, 0, 0]]) == 1.0  # depth 3 not measured: adds nothing
+def expected_tau(acc, choices) -> float:
+    """Expected tokens per target forward of the static tree `choices` (rank paths, root excluded): 1 + the sum over
+    nodes of the product of acc along the path; a node whose depth or rank is not measured adds 0."""
+    tau = 1.0
+    for path in choices:
+        p = 1.0
+        for d, r in enumerate(path):
+            p *= acc[d][r] if d < len(acc) and r < len(acc[d]) else 0.0
+        tau += p
+    return tau
 
 
 def _connected_trees(acc, n):
@@ -94,8 +101,6 @@ def test_acceptance_matrix_counts_ranks_along_the_accepted_path():
 
 
 def test_profile_tiny_target_is_cached(tiny, tmp_path, monkeypatch):
-    import specheads.infer.profile as prof_mod
-
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
     monkeypatch.setattr(prof_mod, "MAX_T1_SPREAD", float("inf"))  # microsecond forwards of the tiny model are noisy
     monkeypatch.setattr(prof_mod, "MAX_COST_DROP", float("inf"))
@@ -129,8 +134,6 @@ def test_monotone_in_rank_pools_a_noisy_inversion():
 
 
 def test_cost_drop_and_noise_verdict():
-    from specheads.infer.profile import cost_drop, profile_noise
-
     assert cost_drop([1.0, 1.06, 1.13, 1.24, 1.41, 1.84]) == 0.0  # an idle 2-core machine
     assert cost_drop([1.0, 2.055, 1.206, 1.628, 0.931, 1.425]) == pytest.approx(1 - 0.931 / 2.055)  # two busy loops
     assert profile_noise({"t1_spread": 1.1, "cost_drop": 0.02}) == ""
@@ -141,8 +144,6 @@ def test_cost_drop_and_noise_verdict():
 def test_noisy_profile_is_measured_again_and_not_trusted_later(tiny, tmp_path, monkeypatch, caplog):
     """A busy machine (another process on the cores) gives a disturbed profile: measured again up to
     PROFILE_ATTEMPTS times; one that stays noisy serves this run but the next run measures afresh."""
-    import specheads.infer.profile as prof_mod
-
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
     verdicts = iter(["busy", "", "busy", "busy", "busy", ""])
     calls = []

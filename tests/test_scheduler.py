@@ -1,4 +1,4 @@
-"""The per-step scheduler (infer/scheduler.py) on hand-made confidences and cost curves whose answer is obvious, its
+"""The per-step scheduler (infer/scheduling/step.py, acceptance.py) on hand-made confidences and cost curves whose answer is obvious, its
 estimators and replay arithmetic, and the DSpark and union drafters' bookkeeping on the tiny target."""
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import torch
 from specheads.heads.base import HeadSpec, build_head
 from specheads.infer.drafters import (DSparkDrafter, PromptLookupDrafter, ScheduledUnionDrafter, ScoredDrafter,
                                       combine_drafters)
-from specheads.infer.generate import generate
-from specheads.infer.profile import interp_cost
-from specheads.infer.scheduler import (MIN_CLOCK_STEPS, Candidates, LookupRates, Rates, Scheduler, StepClock,
-                                       StepReport, accepted_along, choose_nodes, choose_prefix, consistent,
-                                       merge_candidates, outcomes, rank_rates, survival)
+from specheads.infer.engine.generate import generate
+from specheads.infer.scheduling.acceptance import (Candidates, LookupRates, Rates, accepted_along, consistent,
+                                                   merge_candidates, outcomes, rank_rates, survival)
+from specheads.infer.scheduling.costs import interp_cost
+from specheads.infer.scheduling.step import MIN_CLOCK_STEPS, Scheduler, StepClock, StepReport, choose_nodes
 from specheads.infer.tree import DraftTree, chain_tree
 
 from test_generate import hf_greedy
@@ -27,16 +27,21 @@ STEEP = {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}  # every node costs a whole forward (no
 
 
 # ------------------------------------------------------------------------------------------------ the value rule
+def _chain_choice(conf, verify_costs, fixed_cost):
+    """A block's chain: choose_nodes over p = survival(conf), each draft the parent of the next."""
+    return choose_nodes([1.0] + survival(conf), [-1] + list(range(len(conf))), verify_costs, fixed_cost)
+
+
 def test_prefix_length_obvious_answers():
-    c = choose_prefix([0.9, 0.9, 0.1], FLAT, fixed_cost=0.1)
+    c = _chain_choice([0.9, 0.9, 0.1], FLAT, fixed_cost=0.1)
     assert len(c.keep) - 1 == 2  # the third draft (survival 0.081) is not worth its 5%
     assert c.expected_tau == pytest.approx(1 + 0.9 + 0.81)
     assert c.cost == pytest.approx(interp_cost(FLAT, 3) + 0.1) and c.value == pytest.approx(c.expected_tau / c.cost)
-    assert len(choose_prefix([0.9, 0.9, 0.1], STEEP, fixed_cost=0.0).keep) == 1  # L = 0: plain decoding pays best
-    assert len(choose_prefix([0.99] * 4, FLAT, fixed_cost=0.1).keep) == 5  # a sure block: all of it
-    assert choose_prefix([], FLAT, 0.1).keep == [0]
+    assert len(_chain_choice([0.9, 0.9, 0.1], STEEP, fixed_cost=0.0).keep) == 1  # L = 0: plain decoding pays best
+    assert len(_chain_choice([0.99] * 4, FLAT, fixed_cost=0.1).keep) == 5  # a sure block: all of it
+    assert _chain_choice([], FLAT, 0.1).keep == [0]
     # a fixed cost per step (a costly draft pass) makes longer prefixes pay: it is spread over more tokens
-    assert len(choose_prefix([0.9, 0.3], STEEP, 0.0).keep) == 1 and len(choose_prefix([0.9, 0.3], STEEP, 3.0).keep) > 1
+    assert len(_chain_choice([0.9, 0.3], STEEP, 0.0).keep) == 1 and len(_chain_choice([0.9, 0.3], STEEP, 3.0).keep) > 1
 
 
 def test_survival_and_consistent():
