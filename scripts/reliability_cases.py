@@ -1,11 +1,13 @@
 """The reliability sweep's second table (scripts/reliability_sweep.py runs it): run locks, damaged checkpoints,
 overrides, imports and exports, regenerated data, the OS refusing writes (full disk, file too large, read-only,
-permission denied), targets that would run code, and --head paths holding '='.
+permission denied), targets that would run code, --head paths holding '=', and kill -9 during prepare, train and
+export (reliability_kill.py: a real SIGKILL, then a rerun compared with an uninterrupted run).
 
 `cases(h)` builds the rows; `h` is the sweep's namespace of helpers (Ctx fixtures, `head`, `trained`, `prepared`,
 `kept`, `conversations`, ...), passed in so that this module imports nothing of the sweep (no import cycle). A case
 may carry `during(ctx)`: a context manager active only while the CLI runs (a file size limit, writes refused under
-a folder), and `open`: why a known failing case is not fixed yet (it stays in the table, marked).
+a folder), `run(ctx, argv)`: the case runs the CLI itself (the kill cases), and `open`: why a known failing case is
+not fixed yet (it stays in the table, marked).
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import signal
 import socket
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+import reliability_kill
 
 # -------------------------------------------------------------------------------------- the OS refusing writes
 
@@ -365,7 +369,7 @@ def cases(h) -> list[dict[str, Any]]:
          "setup": only_step_best(h),
          "argv": RESUME, "rc": 2, "expect": "--resume: no checkpoint", "check": h.kept("run/checkpoints/step-best")},
     ]
-    return rows + _input_cases(h) + _os_cases(h) + _target_cases(h)
+    return rows + _input_cases(h) + _os_cases(h) + _target_cases(h) + kill_cases()
 
 
 def _input_cases(h) -> list[dict[str, Any]]:
@@ -483,3 +487,42 @@ def _target_cases(h) -> list[dict[str, Any]]:
          "setup": h.head, "argv": GEN[:4] + ["mine={head}"] + GEN[5:], "rc": 2,
          "expect": "generate takes one head folder, not LABEL=DIR"},
     ]
+
+
+# ------------------------------------------------------------------------------------- kill -9 (issue 28)
+
+def _killed_and_rerun(name: str, earlier: bool) -> Callable:
+    """The case's CLI run: `name`'s command killed at its point in {tmp}, then run again (reliability_kill)."""
+    def run(ctx, argv) -> tuple[int, str, str]:
+        ctx.outcome = reliability_kill.run_kills([reliability_kill.KILLS[name]], ctx.base, ctx.tmp, earlier)
+        return ctx.outcome.rc, ctx.outcome.out, ctx.outcome.err
+    return run
+
+
+def _as_uninterrupted(ctx) -> str:
+    assert ctx.outcome.ok, ctx.outcome.note()
+    return ctx.outcome.note()
+
+
+def kill_cases() -> list[dict[str, Any]]:
+    """A real SIGKILL at each point of reliability_kill.KILLS, then the same command again (train: --resume); its
+    message, and its outputs against an uninterrupted run's (check)."""
+    expect = {"prepare": "summary written to", "train": "trained 9 steps", "export": "exported"}
+    risk = {"prepare killed while writing feature shard 1": "silent wrong result",
+            "prepare killed while writing its manifest": "silent wrong result",
+            "prepare killed while writing the target sidecars": "silent wrong result",
+            "train killed mid-step (after checkpoint 3)": "silent wrong result",
+            "train killed as its checkpoint folder appears": "data loss",
+            "train killed mid-save, before the checksums": "data loss",
+            "train killed while writing final/": "data loss",
+            "export killed while writing": "silent wrong result",
+            "export killed while writing over an earlier export": "data loss",
+            "export killed while recording its source": "unclear"}
+    rows = []
+    for name, k in reliability_kill.KILLS.items():
+        first, _ = reliability_kill.argvs(k.command, Path("{base}"), reliability_kill.target_of(k.command,
+                                                                                                Path("{tmp}")))
+        rows.append({"area": "kill", "risk": risk[name], "name": name, "argv": first, "rc": 0,
+                     "expect": expect[k.command], "run": _killed_and_rerun(name, "earlier export" in name),
+                     "check": _as_uninterrupted, "open": reliability_kill.OPEN.get(name, "")})
+    return rows

@@ -1,7 +1,8 @@
 """Bad inputs through the real CLI, and the message each gets: writes docs/reliability.md and docs/reliability.json.
 
-    python scripts/reliability_sweep.py                 # every case (about a minute on 2 cores)
+    python scripts/reliability_sweep.py                 # every case (minutes on 2 cores; the kill cases most)
     python scripts/reliability_sweep.py --only export   # cases whose area or name contains "export"
+    python scripts/reliability_sweep.py --only kill --update   # those, merged into the recorded pages
 
 Each case runs `specheads.cli.main(argv)` in a fresh folder on a tiny random Llama saved as a Hugging Face folder with
 SmolLM2's tokenizer and chat template (the bundled target's, so prepare and generate run for real in seconds; its
@@ -10,7 +11,8 @@ case is a dict in CASES: `area`, `name` (the bad input), `argv` (placeholders {t
 {convs}), optional `setup(ctx)` that builds what the case needs, `rc` (expected exit code), `expect` (a fragment the
 message must hold), optional `check(ctx)` (further facts: nothing deleted, nothing executed; returns a note),
 `risk` (the class of failure it guards against: RISKS) and, from scripts/reliability_cases.py (the second table:
-locks, damaged checkpoints, the OS refusing writes, targets, ...), `during(ctx)` and `open`.
+locks, damaged checkpoints, the OS refusing writes, targets, kills, ...), `during(ctx)`, `run(ctx, argv)` (a case
+that runs the CLI itself: (exit code, stdout, stderr)) and `open`.
 Add a row to cover a new bad input, then rerun the script: tests/test_reliability_sweep.py fails while the page and
 the cases disagree.
 """
@@ -38,8 +40,7 @@ for _p in (ROOT, ROOT / "scripts"):  # this checkout's specheads, and reliabilit
         sys.path.insert(0, str(_p))
 
 import reliability_cases  # noqa: E402
-
-RISKS = ("data loss", "silent wrong result", "traceback", "unclear")  # what a case guards against
+from reliability_doc import RISKS, merge_rows, render_markdown  # noqa: E402
 
 RECIPE = """command: specheads prepare --config {recipe}   # then: specheads train --config {recipe}
 output_dir: {base}/prepared
@@ -481,6 +482,7 @@ def _normalise(text: str, ctx: Ctx) -> str:
         text = text.replace(str(Path(ctx.vars[key]).resolve()), f"<{key}>").replace(ctx.vars[key], f"<{key}>")
     text = re.sub(r"\bpid \d+", "pid <pid>", text)
     text = re.sub(r"\d+\.\d+ tok/s", "<n> tok/s", text)
+    text = re.sub(r"(\.tmp-)[A-Za-z0-9_]+", r"\1<x>", text)  # a temporary file's random name
     return re.sub(r"\b[0-9a-f]{12,}\b", "<hex>", text)
 
 
@@ -491,8 +493,11 @@ def run_case(case: dict, base: Path) -> dict:
     if case.get("setup"):
         case["setup"](ctx)
     argv = [a.format(**ctx.vars) for a in case["argv"]]
-    with case["during"](ctx) if case.get("during") else contextlib.nullcontext():
-        rc, out, err = _cli_process(argv) if case.get("fresh_process") else _cli(argv)
+    if case.get("run"):  # a case that runs the CLI itself (the kill cases: processes killed and rerun)
+        rc, out, err = case["run"](ctx, argv)
+    else:
+        with case["during"](ctx) if case.get("during") else contextlib.nullcontext():
+            rc, out, err = _cli_process(argv) if case.get("fresh_process") else _cli(argv)
     lines = (out + err).splitlines()
     if rc != 0:
         msg = next((ln for ln in reversed(lines) if ": error: " in ln), None)
@@ -512,7 +517,7 @@ def run_case(case: dict, base: Path) -> dict:
             ok, note = False, f"FAILED: {e}"
     row = {"area": case["area"], "name": case["name"], "risk": case.get("risk") or RISK[case["name"]],
            "command": "specheads " + " ".join(case["argv"]), "rc": rc, "expected_rc": case["rc"],
-           "expected": case["expect"], "message": _normalise(msg.strip(), ctx), "also": note, "ok": ok,
+           "expected": case["expect"], "message": _normalise(msg.strip(), ctx), "also": _normalise(note, ctx), "ok": ok,
            "open": case.get("open", ""), "seconds": round(time.perf_counter() - t, 1)}
     shutil.rmtree(tmp, ignore_errors=True)
     return row
@@ -534,57 +539,28 @@ def sweep(only: str | None = None, base: Path | None = None, names: list[str] | 
             shutil.rmtree(base, ignore_errors=True)
 
 
-def render_markdown(rows: list[dict]) -> str:
-    head = ["# Reliability: bad inputs and the message each gets", "",
-            "Produced by `python scripts/reliability_sweep.py` (the real CLI, in-process, in fresh folders on a tiny "
-            "random Llama with SmolLM2's tokenizer; cases in the `CASES` tables of the script and of "
-            "scripts/reliability_cases.py). Exit 2 = the user's mistake or the machine refusing a write (full "
-            "disk, file too large, read-only, permission denied), printed as one line; no row may end in a "
-            "traceback. `risk` is what the case guards against (data loss, a silent wrong result, a traceback, "
-            "an unclear message); `expected` is the fragment the message must hold; `<tmp>` is the case's "
-            "folder; `also` lists what was checked besides the message. Full disks are a file size limit "
-            "(`ulimit -f`, SIGXFSZ ignored: EFBIG) or a write that fails as a full disk does (ENOSPC, EDQUOT); "
-            "read-only and permission-denied folders refuse every write under them (the sweep runs as root, "
-            "where chmod does not stop writes). tests/test_reliability_sweep.py keeps this page and the cases "
-            "in step.", "", "| risk | cases | as expected | known failing (open) | not as expected |",
-            "|---|---:|---:|---:|---:|"]
-    for risk in RISKS:
-        rs = [r for r in rows if r["risk"] == risk]
-        head.append(f"| {risk} | {len(rs)} | {sum(r['ok'] for r in rs)} | "
-                    f"{sum(not r['ok'] and bool(r['open']) for r in rs)} | "
-                    f"{sum(not r['ok'] and not r['open'] for r in rs)} |")
-    head += ["", "| # | area | risk | bad input | command | exit (expected) | expected | message | also |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    body = []
-    for i, r in enumerate(rows, 1):
-        also = r["also"] + (f" OPEN: {r['open']}" if r["open"] and not r["ok"] else "")
-        cells = [str(i), r["area"], r["risk"], r["name"], f"`{r['command']}`", f"{r['rc']} ({r['expected_rc']})",
-                 r["expected"], r["message"], also.strip()]
-        body.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    bad = [r["name"] for r in rows if not r["ok"] and not r["open"]]
-    known = [r["name"] for r in rows if not r["ok"] and r["open"]]
-    tail = ["", f"{len(rows)} cases, {len(rows) - len(bad) - len(known)} as expected"
-            + (f"; known failing (open): {known}" if known else "") + (f"; NOT as expected: {bad}" if bad else "")
-            + "."]
-    return "\n".join(head + body + tail) + "\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=None, help="run the cases whose area or name contains this")
+    ap.add_argument("--update", action="store_true",
+                    help="with --only: merge the rows run into the recorded reliability.json (the other cases keep "
+                         "their recorded rows) and rewrite both pages")
     ap.add_argument("--out", default=str(ROOT / "docs"), help="folder for reliability.md and reliability.json")
     a = ap.parse_args(argv)
     t = time.perf_counter()
     rows = sweep(a.only)
     out = Path(a.out)
-    if a.only is None:
+    if a.only is None or a.update:
+        recorded = rows if a.only is None else merge_rows(json.loads((out / "reliability.json").read_text()),
+                                                          rows, CASES)
         out.mkdir(parents=True, exist_ok=True)
         (out / "reliability.json").write_text(json.dumps(
-            [{k: v for k, v in r.items() if k != "seconds"} for r in rows], indent=2) + "\n")
-        (out / "reliability.md").write_text(render_markdown(rows))
+            [{k: v for k, v in r.items() if k != "seconds"} for r in recorded], indent=2) + "\n")
+        (out / "reliability.md").write_text(render_markdown(recorded))
     for r in rows:
         print(f"{'ok ' if r['ok'] else 'OPEN' if r['open'] else 'BAD'} {r['seconds']:5.1f}s  {r['area']:8s} {r['name']}: {r['message']}")
-    print(f"{len(rows)} cases in {time.perf_counter() - t:.0f} s" + ("" if a.only else f"; wrote {out}/reliability.md"))
+    wrote = f"; wrote {out}/reliability.md" if a.only is None or a.update else ""
+    print(f"{len(rows)} cases in {time.perf_counter() - t:.0f} s{wrote}")
     return 0 if all(r["ok"] or r["open"] for r in rows) else 1
 
 

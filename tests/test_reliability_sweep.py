@@ -1,5 +1,6 @@
 """docs/reliability.md stays true: it is rendered from docs/reliability.json, which holds one row per case of
-scripts/reliability_sweep.py, and a sample of the cases run again here gives the recorded messages exactly."""
+scripts/reliability_sweep.py, and a sample of the cases run again here gives the recorded messages exactly (the kill
+cases, minutes of processes, run in tests/test_kill9.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -48,6 +49,19 @@ def test_every_class_of_failure_is_tried(recorded):
     for risk in sweep.RISKS:
         rows = [r for r in recorded if r["risk"] == risk]
         assert f"| {risk} | {len(rows)} | {sum(r['ok'] for r in rows)} |" in page
+
+
+def test_a_rerun_of_some_cases_merges_into_the_recorded_rows(recorded):
+    """`--only WORD --update`: the rows run replace theirs, every other case keeps its recorded row, in the cases'
+    order; a case with no row at all is refused, naming it."""
+    sweep = _sweep()
+    again = [dict(recorded[3], message="new"), dict(recorded[0], message="newer")]
+    merged = sweep.merge_rows(recorded, again, sweep.CASES)
+    assert [(r["area"], r["name"]) for r in merged] == [(c["area"], c["name"]) for c in sweep.CASES]
+    assert [r["message"] for r in merged[:4]] == ["newer", recorded[1]["message"], recorded[2]["message"], "new"]
+    assert merged[4:] == recorded[4:]
+    with pytest.raises(SystemExit, match="no recorded row for .'hidden_size as a string'"):
+        sweep.merge_rows([r for r in recorded if r["name"] != "hidden_size as a string"], again, sweep.CASES)
 
 
 @pytest.fixture(scope="module")
