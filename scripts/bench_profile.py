@@ -9,7 +9,7 @@ import argparse
 
 import torch
 
-from specheads.infer.profile import load_or_profile
+from specheads.infer.scheduling.profile import load_or_profile
 from specheads.target import load_target
 
 

@@ -174,8 +174,8 @@ def exactness(device: str, dtype: torch.dtype, n_prompts: int, new_tokens: int) 
 def batched(device: str, dtype: torch.dtype, n_prompts: int, new_tokens: int, cost=None) -> dict:
     """generate_batch, 3 rows at a time, against HF generate per row; with the batch budget on `cost` (or a
     made-up surface) too."""
-    from specheads.infer.batch import generate_batch
-    from specheads.infer.batchbudget import BudgetScheduler
+    from specheads.infer.engine.batch import generate_batch
+    from specheads.infer.scheduling.batch_budget import BudgetScheduler
 
     target = exact_target(device, dtype)
     ps = prompts(target.vocab_size, n_prompts)
@@ -215,7 +215,7 @@ def shape_target(shape: dict, device: str, dtype: torch.dtype, name: str):
 
 def verify_cost(shape_name: str, device: str, tiny: bool) -> dict:
     """t(n)/t(1) for n up to 128 nodes over 1024 cached tokens (tiny: 16 over 64), and the rows x tokens surface."""
-    from specheads.infer.profile import measure_batch_cost, measure_verify_cost
+    from specheads.infer.scheduling.profile import measure_batch_cost, measure_verify_cost
 
     shape = (TINY_SHAPES if tiny else SHAPES)[shape_name]
     target = shape_target(shape, device, torch.float32 if tiny else torch.bfloat16, shape_name)
@@ -326,7 +326,7 @@ def main(argv=None) -> int:
     surface = check.record["sections"]["verify_cost_llama-1b"].get("batch")
     cost = None
     if surface:
-        from specheads.infer.profile import batch_cost_fn
+        from specheads.infer.scheduling.costs import batch_cost_fn
 
         cost = batch_cost_fn({"batch": surface})
     check.section("batched_fp32", batched, device, torch.float32, n, new, cost)

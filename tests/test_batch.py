@@ -8,15 +8,14 @@ import pytest
 import torch
 
 from specheads.heads.base import HeadSpec, build_head
+from specheads.infer.drafters import (Drafter, DraftModelDrafter, DSparkDrafter, EagleDrafter, MedusaDrafter, NoDrafter,
+                                      PromptLookupDrafter, TokenRecyclingDrafter, combine_drafters)
 from specheads.infer.engine.batch import generate_batch, pack_trees
-from specheads.infer.engine.kvcache import keep_accepted_rows, merge_caches, new_batch_cache
-from specheads.infer.batchbudget import (AcceptanceTracker, BudgetScheduler, ExploreClock, choose_batch_budget,
-                                         effective_survival)
-from specheads.infer.drafters import (DraftModelDrafter, Drafter, DSparkDrafter, EagleDrafter, MedusaDrafter, NoDrafter,
-                                      PromptLookupDrafter, combine_drafters)
 from specheads.infer.engine.generate import generate
-from specheads.infer.drafters import TokenRecyclingDrafter
-from specheads.infer.scheduler import Scheduler
+from specheads.infer.engine.kvcache import keep_accepted_rows, merge_caches, new_batch_cache
+from specheads.infer.scheduling.batch_budget import (AcceptanceTracker, BudgetScheduler, ExploreClock,
+                                                     choose_batch_budget, effective_survival)
+from specheads.infer.scheduling.step import Scheduler
 from specheads.infer.tree import DraftTree, chain_tree
 from specheads.infer.verify import Accepted
 from specheads.target import tiny_target
@@ -445,7 +444,8 @@ def test_batch_cost_surface_measured_cached_and_interpolated(tiny, tmp_path, mon
 
 
 def test_monotone_surface_and_noise_guard():
-    from specheads.infer.profile import monotone_surface, profile_noise, surface_drop
+    from specheads.infer.scheduling.costs import monotone_surface, surface_drop
+    from specheads.infer.scheduling.profile import profile_noise
 
     raw = {(1, 1): 1.0, (1, 2): 1.4, (2, 1): 1.2, (2, 2): 1.1}  # (2, 2) measured below (2, 1) and (1, 2)
     fit = monotone_surface(raw, (1, 2), (1, 2))
@@ -456,7 +456,7 @@ def test_monotone_surface_and_noise_guard():
 
 # ------------------------------------------------------------------------------------------- bench --batch-sizes
 def test_batch_figures_on_hand_made_runs():
-    from specheads.infer.batchbench import BatchRun, compare_runs
+    from specheads.infer.bench.batch import BatchRun, compare_runs
 
     van = [BatchRun("vanilla", 2, ["a", "b"], [[1, 2, 3], [4, 5]], 1.0, 3, 5)]
     plain = [BatchRun("plain", 2, ["a", "b"], [[1, 2, 3], [4, 5]], 2.0, 3, 5)]
@@ -472,7 +472,7 @@ def test_chunk_paired_ratio_against_plain():
     chunks are matched by their prompts, not by order."""
     import math
 
-    from specheads.infer.batchbench import BatchRun, paired_chunk_ratio
+    from specheads.infer.bench.batch import BatchRun, paired_chunk_ratio
 
     plain = [BatchRun("plain", 1, ["a"], [[1] * 10], 1.0, 10, 10), BatchRun("plain", 1, ["b"], [[1] * 10], 2.0, 10, 10)]
     mine = [BatchRun("x", 1, ["b"], [[1] * 10], 2.0 / 0.9, 9, 9), BatchRun("x", 1, ["a"], [[1] * 10], 1.0 / 1.1, 9, 9)]
@@ -488,9 +488,9 @@ def test_batch_sweep_on_the_tiny_target(tiny, tmp_path, monkeypatch):
     results files are written."""
     import json
 
-    from specheads.infer import profile
-    from specheads.infer.batchbench import BatchBenchSettings, build_batch_methods, run_batch_bench
     from specheads.infer.bench import MethodOptions
+    from specheads.infer.bench.batch import BatchBenchSettings, build_batch_methods, run_batch_bench
+    from specheads.infer.scheduling import profile
 
     real = profile.load_or_profile_batch
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
@@ -521,9 +521,9 @@ def test_batch_sweep_on_the_tiny_target(tiny, tmp_path, monkeypatch):
 def test_batch_sweep_takes_a_dspark_head_with_tree_auto(tiny, tmp_path, monkeypatch):
     """A DSpark head in the sweep with the default --tree auto: the whole block every step (no tree probe, which
     only tree heads have), +sched cutting it per row; every row equals vanilla's (fp32 greedy)."""
-    from specheads.infer import profile
-    from specheads.infer.batchbench import BatchBenchSettings, build_batch_methods, run_batch_bench
     from specheads.infer.bench import MethodOptions
+    from specheads.infer.bench.batch import BatchBenchSettings, build_batch_methods, run_batch_bench
+    from specheads.infer.scheduling import profile
 
     real = profile.load_or_profile_batch
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))

@@ -266,10 +266,9 @@ def test_cli_rejects_unknown_method(tmp_path, capsys):
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_head_method_tree_auto_on_tiny(tiny, tmp_path, monkeypatch, kind):
-    from specheads.heads.base import HeadSpec, build_head
-
-    import specheads.infer.autotree as autotree
+    import specheads.infer.scheduling.autotree as autotree
     import specheads.infer.scheduling.profile as prof_mod
+    from specheads.heads.base import HeadSpec, build_head
     from specheads.infer.scheduling.costs import t1_seconds
 
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
@@ -329,10 +328,9 @@ def test_head_method_tree_auto_on_tiny(tiny, tmp_path, monkeypatch, kind):
 def test_several_heads_in_one_run(tiny, tmp_path, monkeypatch):
     """Two --head values become methods head:eagle and head:medusa (labels from the folders' kinds), each with its
     own tree, both checked against vanilla in the same run."""
-    from specheads.heads.base import HeadSpec, build_head
-
-    import specheads.infer.autotree as autotree
+    import specheads.infer.scheduling.autotree as autotree
     import specheads.infer.scheduling.profile as prof_mod
+    from specheads.heads.base import HeadSpec, build_head
 
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(prof_mod, "PROFILE_CONTEXT", 32)
@@ -389,7 +387,7 @@ def test_head_lookup_merges_prompt_lookup_and_names_the_method(tiny, tmp_path):
 
 
 def test_calibration_prompts_spread_over_the_set():
-    from specheads.infer.autotree import calibration_prompts
+    from specheads.infer.scheduling.autotree import calibration_prompts
 
     assert calibration_prompts(list(range(80))) == [0, 20, 40, 60]  # one per two MT-bench categories
     assert calibration_prompts([7, 8]) == [7, 8]  # fewer prompts than asked: all of them
@@ -424,10 +422,9 @@ def test_dspark_lookup_and_combo_methods_on_tiny(tiny, tmp_path, monkeypatch):
     """head:dspark (its --tree auto is the per-step scheduler), dspark+lookup and eagle+lookup (one scheduler over
     the head and the lookup chain), combo (both heads and lookup): all identical to vanilla, with the scheduler's
     expected figures and the oracle in results.json and results.md."""
-    from specheads.heads.base import HeadSpec, build_head
-
-    import specheads.infer.autotree as autotree
+    import specheads.infer.scheduling.autotree as autotree
     import specheads.infer.scheduling.profile as prof_mod
+    from specheads.heads.base import HeadSpec, build_head
 
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(prof_mod, "PROFILE_CONTEXT", 32)

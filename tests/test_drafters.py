@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from specheads.heads.base import HeadSpec, build_head
-from specheads.infer.drafters import (DRAFTERS, DraftContext, DraftModelDrafter, Drafter, DrafterKind, DSparkDrafter,
+from specheads.infer.drafters import (DRAFTERS, DraftContext, Drafter, DrafterKind, DraftModelDrafter, DSparkDrafter,
                                       EagleDrafter, MedusaDrafter, NoDrafter, PromptLookupDrafter,
                                       ScheduledUnionDrafter, ScoredLookupDrafter, ScoredTreeDrafter, build_drafter,
                                       combine_drafters, drafter_kind, parse_tree, register_drafter)
-from specheads.infer.scheduler import Scheduler
+from specheads.infer.scheduling.step import Scheduler
 from specheads.infer.tree import DraftTree, chain_tree, dynamic_tree
 from specheads.infer.treespec import TreeSpec
 from specheads.utils import SpecheadsError

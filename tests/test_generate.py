@@ -6,15 +6,13 @@ import pytest
 import torch
 
 from specheads.heads.base import HeadSpec, build_head, load_head
-from specheads.infer.drafters import (DraftContext, DraftModelDrafter, Drafter, DSparkDrafter, EagleDrafter,
-                                      MedusaDrafter, NoDrafter, PromptLookupDrafter, build_drafter, combine_drafters,
-                                      truncated_draft_model)
+from specheads.infer.drafters import (DraftContext, Drafter, DraftModelDrafter, DSparkDrafter, EagleDrafter,
+                                      MedusaDrafter, NoDrafter, PromptLookupDrafter, TokenRecyclingDrafter,
+                                      build_drafter, combine_drafters, truncated_draft_model)
 from specheads.infer.engine.generate import SpeculativeGenerator, generate
-from specheads.infer.drafters import TokenRecyclingDrafter
 from specheads.infer.tree import DraftTree
 from specheads.target import tiny_target
 from specheads.utils import SpecheadsError
-
 
 # Small sequential forwards: one intra-op thread is several times faster than two on a shared CPU.
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -66,7 +64,7 @@ def prompts(vocab, n, seed=0):
 
 
 def tiny_drafters(target):
-    from specheads.infer.scheduler import Scheduler
+    from specheads.infer.scheduling.step import Scheduler
 
     other = tiny_target(seed=1)
     flat = {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2, 32: 1.4}
@@ -299,7 +297,7 @@ SMOL_PROMPTS = [
 
 
 def smol_drafters(target):
-    from specheads.infer.scheduler import Scheduler
+    from specheads.infer.scheduling.step import Scheduler
 
     small = dict(depth=3, top_k=4, total_tokens=12)  # untrained heads: small trees keep the test affordable
     flat = {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1}  # a hand-made profile: the untrained block is verified most steps
@@ -421,7 +419,7 @@ def test_cli_generate_takes_a_dspark_head(tiny, tmp_path, capsys, monkeypatch):
     import specheads.infer.drafters.build as drafters_mod
     import specheads.target
     from specheads.cli import main
-    from specheads.infer.scheduler import Scheduler
+    from specheads.infer.scheduling.step import Scheduler
 
     build_head(HeadSpec(kind="dspark", feature_layers=[1, 2, 3], block_size=4, markov_rank=8), tiny
                ).save_pretrained(tmp_path / "ds")

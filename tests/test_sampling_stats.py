@@ -121,7 +121,7 @@ def test_end_to_end_dspark_block_sampling(markov):
     from specheads.heads.base import HeadSpec, build_head
     from specheads.infer.drafters import DSparkDrafter
     from specheads.infer.generate import SpeculativeGenerator
-    from specheads.infer.scheduler import Scheduler
+    from specheads.infer.scheduling.step import Scheduler
     from specheads.target import tiny_target
 
     target = tiny_target(vocab_size=V, hidden_size=32, num_layers=2, seed=0)

@@ -10,7 +10,6 @@ import specheads.target
 from specheads.commands import args as shared
 from specheads.commands import batchbench
 from specheads.heads.base import read_head_config
-from specheads.infer.autotree import calibration_ids
 from specheads.infer.bench import BenchSettings, MethodOptions, build_methods, markdown_table, run_bench
 from specheads.infer.bench.methods import check_lookup_tokens
 from specheads.infer.bench.names import (HEAD_LOOKUP_TOKENS, check_method_names, default_methods, head_entries,
@@ -18,6 +17,7 @@ from specheads.infer.bench.names import (HEAD_LOOKUP_TOKENS, check_method_names,
 from specheads.infer.bench.names import head_entries as parse_heads, split_head  # noqa: F401 (tests/test_os_errors.py)
 from specheads.infer.bench.prompts import load_prompts
 from specheads.infer.drafters import parse_tree
+from specheads.infer.scheduling.autotree import calibration_ids
 from specheads.infer.verify import SamplingParams
 from specheads.utils import SpecheadsError
 

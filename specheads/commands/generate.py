@@ -8,11 +8,11 @@ from pathlib import Path
 import specheads.target
 from specheads.commands import args as shared
 from specheads.heads.base import read_head_config
-from specheads.infer.autotree import calibration_ids
 from specheads.infer.bench.prompts import load_prompts
 from specheads.infer.drafters import build_drafter, check_lookup, parse_tree
 from specheads.infer.engine.generate import generate
 from specheads.infer.resolve import HeadResolver
+from specheads.infer.scheduling.autotree import calibration_ids
 from specheads.infer.verify import SamplingParams
 from specheads.utils import SpecheadsError
 

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from specheads.heads.base import load_head
-from specheads.infer import autotree
 from specheads.infer.drafters import drafter_kind, parse_tree
-from specheads.infer.profile import load_or_profile, t1_seconds
-from specheads.infer.scheduler import RULE as SCHEDULER_RULE
-from specheads.infer.scheduler import Scheduler
+from specheads.infer.scheduling import autotree
+from specheads.infer.scheduling.costs import t1_seconds
+from specheads.infer.scheduling.profile import load_or_profile
+from specheads.infer.scheduling.step import RULE as SCHEDULER_RULE
+from specheads.infer.scheduling.step import Scheduler
 from specheads.infer.treespec import TreeSpec
 
 BLOCK_AUTO = ("scheduler", "block")  # what `--tree auto` means for a block head (ResolvedHead.spec)

@@ -29,8 +29,6 @@ from typing import Any, Callable
 
 import torch
 
-from specheads.infer import profile
-from specheads.infer.batchbudget import AcceptanceTracker, BudgetScheduler, ExploreClock
 from specheads.infer.bench.methods import hf_sampling_kwargs
 from specheads.infer.bench.metrics import ratio
 from specheads.infer.bench.names import (PROMPT_LOOKUP_MAX_NGRAM, PROMPT_LOOKUP_NUM_TOKENS, check_batch_methods,
@@ -41,6 +39,9 @@ from specheads.infer.bench.runner import Unit, run_meta, run_units
 from specheads.infer.drafters import NoDrafter, build_drafter
 from specheads.infer.engine.batch import generate_batch
 from specheads.infer.resolve import HeadResolver
+from specheads.infer.scheduling import profile
+from specheads.infer.scheduling.batch_budget import AcceptanceTracker, BudgetScheduler, ExploreClock
+from specheads.infer.scheduling.costs import batch_cost_fn
 from specheads.infer.treespec import TreeSpec
 from specheads.utils import SpecheadsError
 
@@ -327,7 +328,7 @@ def build_batch_methods(names: list[str], target, options, calib_ids: list[list[
         if sched:
             cost = cost or _cost_surface(target, options.refresh_profile, extra)
             make_sched = _scheduler_factory(cost)
-        info = {"implementation": "specheads.infer.batch.generate_batch", "budget": "BudgetScheduler" if sched
+        info = {"implementation": "specheads.infer.engine.batch.generate_batch", "budget": "BudgetScheduler" if sched
                 else "whole trees"}
         methods.append(OursBatch(n, target, makers[base], options.temperature, info, make_sched))
         extra["methods_info"][n] = info
@@ -347,7 +348,7 @@ def _head_maker(name: str, target, options, resolver: HeadResolver, extra: dict)
 def _cost_surface(target, refresh: bool, extra: dict):
     prof = profile.load_or_profile_batch(target, refresh=refresh)
     extra["cost_surface"] = {k: prof.get(k) for k in ("path", "cached", "noisy", "noise", "batch")}
-    return profile.batch_cost_fn(prof)
+    return batch_cost_fn(prof)
 
 
 def _scheduler_factory(cost) -> Callable:

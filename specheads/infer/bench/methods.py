@@ -17,15 +17,14 @@ from typing import Any, Callable
 import torch
 
 from specheads.infer.bench.llamacpp.method import build_llamacpp_method
-from specheads.infer.bench.names import (HEAD_LOOKUP_TOKENS, LOOKUP_SUFFIX, OURS_TRAINING_FREE,
-                                         PROMPT_LOOKUP_MAX_NGRAM, PROMPT_LOOKUP_NUM_TOKENS, UNION_METHODS,
-                                         check_method_names, expand_heads, is_head_method, is_llamacpp_method,
-                                         split_lookup)
+from specheads.infer.bench.names import (HEAD_LOOKUP_TOKENS, LOOKUP_SUFFIX, OURS_TRAINING_FREE, PROMPT_LOOKUP_MAX_NGRAM,
+                                         PROMPT_LOOKUP_NUM_TOKENS, UNION_METHODS, check_method_names, expand_heads,
+                                         is_head_method, is_llamacpp_method, split_lookup)
 from specheads.infer.bench.records import Method, RunRecord
 from specheads.infer.drafters import build_drafter, combine_drafters, parse_tree
 from specheads.infer.engine.generate import generate
 from specheads.infer.resolve import HeadResolver
-from specheads.infer.scheduler import RULE as SCHEDULER_RULE
+from specheads.infer.scheduling.step import RULE as SCHEDULER_RULE
 from specheads.infer.treespec import MAX_TREE_DEPTH, TreeSpec
 from specheads.utils import SpecheadsError
 

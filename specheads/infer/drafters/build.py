@@ -5,7 +5,7 @@ from __future__ import annotations
 from specheads.infer.drafters.registry import check_lookup, drafter_kind, parse_tree, tree_limits
 from specheads.infer.drafters.union import combine_drafters
 from specheads.infer.engine.protocol import Drafter
-from specheads.infer.scheduler import Scheduler
+from specheads.infer.scheduling.step import Scheduler
 from specheads.infer.treespec import TreeSpec, check_tree_spec
 
 

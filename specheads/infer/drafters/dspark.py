@@ -9,7 +9,8 @@ import torch
 from specheads.infer.drafters.registry import DrafterKind, register_drafter
 from specheads.infer.drafters.scored import ScoredDrafter, emitted_tokens
 from specheads.infer.engine.protocol import DraftContext, Drafter
-from specheads.infer.scheduler import PRIOR_STRENGTH, Candidates, Rates, Scheduler, StepReport, outcomes, survival
+from specheads.infer.scheduling.acceptance import PRIOR_STRENGTH, Candidates, Rates, outcomes, survival
+from specheads.infer.scheduling.step import Scheduler, StepReport
 from specheads.infer.tree import DraftTree, chain_tree, tree_from_parents
 from specheads.infer.treespec import TreeSpec
 from specheads.infer.verify import target_probs

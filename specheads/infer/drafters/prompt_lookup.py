@@ -6,7 +6,7 @@ import torch
 
 from specheads.infer.drafters.registry import DrafterKind, register_drafter
 from specheads.infer.engine.protocol import DraftContext, Drafter
-from specheads.infer.scheduler import MATCH_CAP
+from specheads.infer.scheduling.acceptance import MATCH_CAP
 from specheads.infer.tree import DraftTree, chain_tree
 from specheads.infer.treespec import TreeSpec
 

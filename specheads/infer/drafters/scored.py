@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from specheads.infer.drafters.prompt_lookup import PromptLookupDrafter
 from specheads.infer.engine.protocol import DraftContext, Drafter
-from specheads.infer.scheduler import (Candidates, LookupRates, Scheduler, StepReport, outcomes, path_products,
-                                       rank_rates, survival)
+from specheads.infer.scheduling.acceptance import Candidates, LookupRates, outcomes, path_products, rank_rates, survival
+from specheads.infer.scheduling.step import Scheduler, StepReport
 from specheads.infer.tree import DraftTree, chain_tree
 from specheads.infer.verify import Accepted
 

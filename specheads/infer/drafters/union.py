@@ -9,7 +9,8 @@ import torch
 
 from specheads.infer.drafters.scored import ScoredDrafter, ScoredLookupDrafter, emitted_tokens, scored
 from specheads.infer.engine.protocol import DraftContext, Drafter
-from specheads.infer.scheduler import WINDOW_STEPS, Scheduler, StepReport, accepted_along, merge_candidates
+from specheads.infer.scheduling.acceptance import accepted_along, merge_candidates
+from specheads.infer.scheduling.step import WINDOW_STEPS, Scheduler, StepReport
 from specheads.infer.tree import DraftTree, chain_tree
 
 

@@ -19,7 +19,7 @@ import torch
 from specheads.infer.drafters.plain import NoDrafter
 from specheads.infer.engine.kvcache import keep_accepted, prepare_cache, tree_attention_mask
 from specheads.infer.engine.protocol import DraftContext, Drafter
-from specheads.infer.scheduler import StepClock, StepReport
+from specheads.infer.scheduling.step import StepClock, StepReport
 from specheads.infer.tree import DraftTree
 from specheads.infer.verify import VERIFICATIONS, Accepted, SamplingParams, verifier
 from specheads.utils import SpecheadsError

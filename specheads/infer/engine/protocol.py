@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specheads.infer.scheduler import StepClock, StepReport
+from specheads.infer.scheduling.step import StepClock, StepReport
 from specheads.infer.tree import DraftTree, chain_tree
 from specheads.infer.verify import Accepted, SamplingParams
 
