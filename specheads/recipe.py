@@ -10,7 +10,7 @@ from specheads.heads.base import HeadSpec
 from specheads.train.data import DataConfig
 from specheads.train.evaluate import EvalConfig
 from specheads.train.features import FeatureConfig
-from specheads.train.trainer import TrainConfig
+from specheads.train.settings import TrainConfig
 
 
 @dataclass

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from specheads.train.data import (LoadStats, iter_json_array, is_val, load_conversations, render_segments,
-                                  tokenize_conversations)
+from specheads.train.data import is_val, load_conversations, render_segments, tokenize_conversations
+from specheads.train.sources import LoadStats, iter_json_array
 from specheads.utils import SpecheadsError
 
 CONVS = [

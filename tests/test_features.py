@@ -9,9 +9,12 @@ import os
 import pytest
 import torch
 
+from specheads.train import dataset, shards, teacher
 from specheads.train import features as F
-from specheads.train.features import (FeatureConfig, FeatureDataset, OnlineFeatures, collate, extract_features,
-                                      length_batches, resolve_layers, verify_features, write_features)
+from specheads.train.dataset import FeatureDataset, collate
+from specheads.train.features import FeatureConfig, OnlineFeatures, extract_features, length_batches, write_features
+from specheads.train.layout import resolve_layers
+from specheads.train.shards import verify_features
 from specheads.utils import SpecheadsError
 
 
@@ -125,7 +128,7 @@ def test_killed_run_resumes_without_redoing_shards(tiny, tmp_path):
     def kill_after_two(k):
         if k == 1:
             # a half-written next shard, as a kill during the write would leave it
-            (run / f".{F._shard_name(2)}.tmp-999").write_bytes(b"partial")
+            (run / f".{shards.shard_name(2)}.tmp-999").write_bytes(b"partial")
             raise _Killed
 
     with pytest.raises(_Killed):
@@ -210,8 +213,8 @@ def test_target_sidecars_hold_the_full_lm_head_greedy_and_lse(tiny, tmp_path):
     rows = _rows(9)
     L = tiny.num_layers
     write_features(tiny, rows, tmp_path, [2, L], FeatureConfig(shard_tokens=60), progress=False)
-    m = F.write_target_sidecars(tiny, tmp_path, progress=False)
-    assert m["targets"] == {"format": F.TARGETS_FORMAT, "dtype": "float32"}
+    m = teacher.write_target_sidecars(tiny, tmp_path, progress=False)
+    assert m["targets"] == {"format": shards.TARGETS_FORMAT, "dtype": "float32"}
     assert all(s["targets"]["shard_sha256"] == s["sha256"] for s in m["shards"]) and verify_features(tmp_path) == []
     ds = FeatureDataset(tmp_path)
     assert ds.has_targets
@@ -232,8 +235,8 @@ def test_old_folder_loads_with_one_warning_and_sidecars_are_added_without_reextr
     L = tiny.num_layers
     write_features(tiny, rows, tmp_path, [L], FeatureConfig(shard_tokens=50), progress=False)  # no sidecars
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert "targets" not in manifest and manifest["format"] == F.FORMAT  # the format an older specheads wrote
-    F._WARNED.clear()
+    assert "targets" not in manifest and manifest["format"] == shards.FORMAT  # the format an older specheads wrote
+    dataset._WARNED.clear()
     with caplog.at_level("WARNING"):
         a, b = FeatureDataset(tmp_path, "train"), FeatureDataset(tmp_path, "val")
     assert not a.has_targets and "target_greedy" not in a[0]
@@ -247,11 +250,11 @@ def test_old_folder_loads_with_one_warning_and_sidecars_are_added_without_reextr
         raise Killed
 
     with pytest.raises(Killed):  # killed after the first sidecar: it is listed, the others are not
-        F.write_target_sidecars(tiny, tmp_path, progress=False, after_shard=kill)
+        teacher.write_target_sidecars(tiny, tmp_path, progress=False, after_shard=kill)
     half = json.loads((tmp_path / "manifest.json").read_text())
     assert sum("targets" in s for s in half["shards"]) == 1 and not FeatureDataset(tmp_path).has_targets
     written = []
-    F.write_target_sidecars(tiny, tmp_path, progress=False, after_shard=written.append)
+    teacher.write_target_sidecars(tiny, tmp_path, progress=False, after_shard=written.append)
     assert len(written) == len(half["shards"]) - 1 and half["shards"][0]["index"] not in written
     assert _shard_mtimes(tmp_path) == before  # the feature shards were only read
     assert FeatureDataset(tmp_path).has_targets and not list(tmp_path.glob(".targets-*"))
@@ -262,7 +265,7 @@ def test_damaged_stale_or_other_dtype_sidecars_are_not_used(tiny, tmp_path, capl
 
     L = tiny.num_layers
     write_features(tiny, _rows(6, seed=5), tmp_path, [L], FeatureConfig(shard_tokens=40), progress=False)
-    m = F.write_target_sidecars(tiny, tmp_path, progress=False)
+    m = teacher.write_target_sidecars(tiny, tmp_path, progress=False)
     side = tmp_path / m["shards"][0]["targets"]["file"]
     side.write_bytes(side.read_bytes()[:50])  # truncated
     assert m["shards"][0]["targets"]["file"] in verify_features(tmp_path)
@@ -270,17 +273,17 @@ def test_damaged_stale_or_other_dtype_sidecars_are_not_used(tiny, tmp_path, capl
         FeatureDataset(tmp_path)[0]
     m["shards"][1]["targets"]["shard_sha256"] = "0" * 64  # a sidecar of an earlier version of shard 1
     atomic_write_json(tmp_path / "manifest.json", m)
-    assert F.sidecars_usable(m) == f"1 of {len(m['shards'])} shards without their target sidecar"
+    assert shards.sidecars_usable(m) == f"1 of {len(m['shards'])} shards without their target sidecar"
     written = []
-    F.write_target_sidecars(tiny, tmp_path, progress=False, after_shard=written.append)
+    teacher.write_target_sidecars(tiny, tmp_path, progress=False, after_shard=written.append)
     assert written == [0, 1] and verify_features(tmp_path) == [] and FeatureDataset(tmp_path).has_targets
-    F._WARNED.clear()
+    dataset._WARNED.clear()
     with caplog.at_level("WARNING"):  # training a bf16 target on fp32 sidecars: not used, said once
         assert not FeatureDataset(tmp_path, targets_dtype="bfloat16").has_targets
     assert any("computed in float32, the target runs in bfloat16" in r.message for r in caplog.records)
     bf16 = tiny_bf16()
     with caplog.at_level("WARNING"):  # nor replaced by a bf16 pass: they belong to the folder's first writer
-        F.write_target_sidecars(bf16, tmp_path, progress=False)
+        teacher.write_target_sidecars(bf16, tmp_path, progress=False)
     assert json.loads((tmp_path / "manifest.json").read_text())["targets"]["dtype"] == "float32"
 
 
@@ -314,7 +317,7 @@ def _head(kind, target, draft_vocab=64, **spec):
 
 def _sidecar_batches(target, tmp_path, layers, n=10):
     write_features(target, _rows(n, seed=7), tmp_path, layers, FeatureConfig(shard_tokens=80), progress=False)
-    F.write_target_sidecars(target, tmp_path, progress=False)
+    teacher.write_target_sidecars(target, tmp_path, progress=False)
     ds = FeatureDataset(tmp_path)
     with_side = [collate([ds[i], ds[i + 1]]) for i in range(0, len(ds) - 1, 2)]
     without = [{k: v for k, v in b.items() if not k.startswith("target_")} for b in with_side]
@@ -326,14 +329,15 @@ def test_losses_and_eval_with_sidecars_equal_the_full_vocabulary_computation(tmp
     """EAGLE-3 (and the other kinds) train on the same loss and evaluate to the same metrics whether the target's
     greedy token and logsumexp come from the sidecar (draft-vocab columns only) or from the full lm_head."""
     from specheads.target import tiny_target
-    from specheads.train import steps
     from specheads.train.evaluate import EvalConfig, evaluate
+    from specheads.train.kinds import block
     from specheads.train.steps import LossSettings, train_loss
 
     full_calls = []
-    real = steps.lm_head_logits
-    monkeypatch.setattr(steps, "lm_head_logits", lambda t, h, vocab=None: (full_calls.append(vocab is None),
-                                                                            real(t, h, vocab))[1])
+    real = teacher.lm_head_logits
+    for module in (teacher, block):  # every caller of the lm_head in a training or evaluation step
+        monkeypatch.setattr(module, "lm_head_logits", lambda t, h, vocab=None: (full_calls.append(vocab is None),
+                                                                                 real(t, h, vocab))[1])
 
     target = tiny_target(dtype=dtype)
     target.final_norm.weight.data.mul_(8)  # sharper distributions: in / out of the draft vocab both occur

@@ -129,7 +129,7 @@ def test_step_correct_and_simulated_tau():
 
 
 def test_target_logits_on_masked_rows_only_give_the_same_losses(tiny):
-    from specheads.train.steps import target_logits
+    from specheads.train.teacher import target_logits
 
     torch.manual_seed(0)
     h = torch.randn(2, 12, 64)
@@ -150,7 +150,7 @@ def test_target_logits_on_masked_rows_only_give_the_same_losses(tiny):
 
 def test_medusa_soft_labels_from_draft_vocab_columns_equal_the_sliced_full_logits(tiny):
     # steps.train_loss computes only the draft vocab's lm_head rows for Medusa's soft labels
-    from specheads.train.steps import target_logits
+    from specheads.train.teacher import target_logits
 
     torch.manual_seed(1)
     h = torch.randn(2, 12, 64)
@@ -323,7 +323,7 @@ def test_parse_loss_and_the_per_kind_table():
 def test_train_config_validates_the_loss(tmp_path):
     from specheads.config import load_config
     from specheads.recipe import Recipe
-    from specheads.train.trainer import TrainConfig
+    from specheads.train.settings import TrainConfig
     from specheads.utils import SpecheadsError
 
     assert TrainConfig(loss="soft_ce:0.1,tv:0.9").loss == "soft_ce:0.1,tv:0.9"

@@ -53,7 +53,8 @@ class _Killed(RuntimeError):
 
 def test_prepare_killed_midway_resumes(tiny_chat, tmp_path):
     from specheads.heads.base import default_feature_layers
-    from specheads.train.features import FeatureDataset, verify_features
+    from specheads.train.dataset import FeatureDataset
+    from specheads.train.shards import verify_features
     from specheads.train.prepare import format_summary, prepare
 
     recipe = _recipe(tmp_path, _sharegpt_file(tmp_path))
@@ -291,7 +292,7 @@ def test_shared_features_dir_trains_medusa_from_eagle3_extraction(tiny_chat, tmp
     from specheads.heads.base import load_head
     from specheads.recipe import Recipe
     from specheads.target import tiny_target
-    from specheads.train.features import FeatureDataset
+    from specheads.train.dataset import FeatureDataset
     from specheads.train.prepare import format_summary, prepare
     from specheads.train.trainer import run_training
 
@@ -400,7 +401,7 @@ def test_prepare_text_mode_trains_on_every_token(tiny_base, tmp_path):
     loss, features extracted as for chat data."""
     import datasets
 
-    from specheads.train.features import FeatureDataset
+    from specheads.train.dataset import FeatureDataset
     from specheads.train.prepare import prepare
 
     for src in (_text_file(tmp_path), tmp_path / "novel.txt"):

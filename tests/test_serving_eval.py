@@ -37,7 +37,7 @@ def test_ratio_standard_error_by_hand():
 
 
 def test_eval_indices_are_every_sample_or_a_seeded_draw():
-    from specheads.train.trainer import eval_indices
+    from specheads.train.dataset import eval_indices
 
     assert eval_indices(10, None, 0) == list(range(10)) and eval_indices(10, 50, 0) == list(range(10))
     a, b = eval_indices(200, 16, 0), eval_indices(200, 16, 0)
@@ -69,7 +69,7 @@ def test_dev_walk_tau_equals_served_chain_tau(tiny):
     from specheads.infer.generate import generate
     from specheads.infer.head_eval import answer_batch
     from specheads.train.evaluate import EvalConfig, evaluate
-    from specheads.train.features import resolve_layers
+    from specheads.train.layout import resolve_layers
 
     tiny.model.generation_config.eos_token_id = None  # answers of exactly max_new_tokens tokens
     g = torch.Generator().manual_seed(1)

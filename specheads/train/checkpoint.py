@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from specheads.config import changed_settings, flatten_config
 from specheads.utils import (SpecheadsError, as_write_error, atomic_write_json, atomic_write_text, read_json,
                              remove_quietly, sha256_file)
 
@@ -136,8 +137,6 @@ def check_resume_settings(output_dir: str | Path, recipe_dict: dict) -> dict[str
     mean is one SpecheadsError naming every such key with its old -> new value. Returns the settings that changed
     since the last segment ({key: [old, new]}, allowed ones only), or None when the run has no train_config.yaml
     (nothing to compare: a warning)."""
-    from specheads.config import changed_settings, flatten_config
-
     out = Path(output_dir)
     path = out / CONFIG_NAME
     if not path.exists():

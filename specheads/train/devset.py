@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from specheads.train.layout import features_dir
 from specheads.utils import SpecheadsError, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -36,8 +37,6 @@ def dev_settings(recipe, target) -> dict:
 def training_conversation_ids(recipe) -> set[str]:
     """Conversation ids of the run's prepared data (data/tokens of the run, and of the features folder's run)."""
     import datasets
-
-    from specheads.train.prepare import features_dir
 
     ids: set[str] = set()
     for root in {Path(recipe.output_dir), features_dir(recipe).parent}:

@@ -2,17 +2,19 @@
 settings its training-time evaluation scored (train_config.yaml, eval_indices), so the figures reproduce it."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+from specheads.config import load_config
+from specheads.recipe import Recipe
+from specheads.train.dataset import eval_indices, split_batches
+from specheads.train.evaluate import evaluate
+from specheads.train.trainer import load_training_data
+from specheads.utils import SpecheadsError
 
 
 def heldout_recipe(run_dir: str):
     """The recipe a run trained with (<run_dir>/train_config.yaml), for `--dataset heldout:RUN`."""
-    from pathlib import Path
-
-    from specheads.config import load_config
-    from specheads.recipe import Recipe
-    from specheads.utils import SpecheadsError
-
     path = Path(run_dir) / "train_config.yaml"
     if not path.exists():
         raise SpecheadsError(f"--dataset heldout:{run_dir}: {path} not found (a folder `specheads train` wrote)")
@@ -22,9 +24,6 @@ def heldout_recipe(run_dir: str):
 def evaluate_head_on_heldout(target, head, recipe) -> dict[str, Any]:
     """Metrics of `head` on the held-out split of the run `recipe` trained (its stored tokens and features, the
     samples and settings its training-time evaluation scored): they reproduce that evaluation's figures."""
-    from specheads.train.evaluate import evaluate, split_batches
-    from specheads.train.trainer import eval_indices, load_training_data
-
     _, val_ds, collate_fn, layers, extract_fn = load_training_data(recipe, target)
     picked = eval_indices(len(val_ds), recipe.eval.max_samples, recipe.seed)
     batches = split_batches(val_ds, recipe.eval.batch_size, collate_fn, target, layers, extract_fn, picked)

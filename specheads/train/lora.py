@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specheads.utils import SpecheadsError
+from specheads.utils import SpecheadsError, atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +99,6 @@ def save_adapters(model: Medusa2Model, out_dir: Path) -> None:
 def save_merged_target(model: Medusa2Model, out_dir: Path) -> None:
     """The target with adapters merged into a copy (training state untouched), as an HF folder."""
     import copy
-
-    from specheads.utils import atomic_dir
 
     merged = copy.deepcopy(model.peft).merge_and_unload()
     with atomic_dir(out_dir) as tmp:

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from specheads.train.teacher import TargetRows
+
 DECAY = 0.8  # per-head / per-step weight 0.8^k (Medusa paper λ_k; EAGLE-3 TTT step weight)
 EAGLE_W_REG = 1.0  # EAGLE-1 paper: SmoothL1 feature regression weight
 EAGLE_W_CE = 0.1  # EAGLE-1 paper: classification (soft CE) weight
@@ -149,33 +151,6 @@ def resolve_loss(kind: str, loss: str | None = None, eta: float = LK_ETA, block_
     return DistillLoss(parse_loss(text, allow_zero=True), eta)
 
 
-@dataclass
-class TargetRows:
-    """What the losses read of the target's next-token distribution, per row j (predicting token j+1): its
-    logits at the draft-vocab columns, whether its greedy token lies in the draft vocab, the greedy token and the
-    full-vocabulary logsumexp (None when not computed). Rows no loss reads may hold anything."""
-
-    logits: torch.Tensor  # [B,T,V'] (V' = V without a draft vocab)
-    in_vocab: torch.Tensor | None = None  # [B,T] bool
-    greedy: torch.Tensor | None = None  # [B,T] long target ids
-    lse: torch.Tensor | None = None  # [B,T] float32, logsumexp over all V columns
-
-    @classmethod
-    def from_full(cls, full: torch.Tensor, d2t: torch.Tensor | None, with_lse: bool = True) -> "TargetRows":
-        """From the target's logits over the full vocabulary [B,T,V] (the path without a sidecar)."""
-        from specheads.train.features import greedy_and_lse
-
-        greedy, lse = greedy_and_lse(full) if with_lse else (full.argmax(-1), None)
-        if d2t is None:
-            return cls(full, torch.ones_like(greedy, dtype=torch.bool), greedy, lse)
-        d2t = d2t.to(full.device)
-        return cls(full[..., d2t], in_draft_vocab(d2t, full.shape[-1])[greedy], greedy, lse)
-
-    def at(self, bi: torch.Tensor, ti: torch.Tensor):
-        """The rows (bi, ti) -> (logits [N,V'], lse [N] or None)."""
-        return self.logits[bi, ti], None if self.lse is None else self.lse[bi, ti]
-
-
 def _reduce(x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     return _mean(x) if weights is None else _wmean(x, weights)
 
@@ -277,13 +252,6 @@ def medusa_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.
         if lk.shape[0]:
             metrics[f"acc_{k}"] = (lk.argmax(-1) == labels).float().mean().detach()
     return LossOutput(total, metrics)
-
-
-def in_draft_vocab(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[V] bool: True for the target ids in the draft vocabulary d2t [V']."""
-    m = torch.zeros(vocab_size, dtype=torch.bool, device=d2t.device)
-    m[d2t] = True
-    return m
 
 
 def _as_rows(target: TargetRows | torch.Tensor, d2t: torch.Tensor | None, loss: DistillLoss) -> TargetRows:

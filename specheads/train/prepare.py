@@ -16,11 +16,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from specheads.train.features import check_features_folder, plan_features, write_features, write_target_sidecars
+import datasets
+
+from specheads.config import save_config
+from specheads.train.checkpoint import CKPT_DIR, FINISHED
+from specheads.train.data import chat_tokenizer, load_conversations, load_texts, tokenize_conversations
+from specheads.train.features import plan_features, write_features
+from specheads.train.layout import OVERWRITE_HINT, check_split, feature_layers_for, features_dir
+from specheads.train.regenerate import read_done_ids, read_regenerated, regenerate, text_tokens
+from specheads.train.shards import check_features_folder, check_shared_features, verify_features
+from specheads.train.teacher import write_target_sidecars
 from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -34,19 +44,6 @@ def _du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def feature_layers_for(recipe, num_layers: int) -> list[int]:
-    """features.layers if set, else head.feature_layers, else the head kind's default; layer L always added."""
-    from specheads.train.features import resolve_layers
-
-    layers = recipe.features.layers if recipe.features.layers is not None else recipe.head.feature_layers
-    return resolve_layers(num_layers, layers, recipe.head.kind)
-
-
-def features_dir(recipe) -> Path:
-    """Where the offline features are: features.dir, or <output_dir>/features."""
-    return Path(recipe.features.dir) if recipe.features.dir else Path(recipe.output_dir) / "features"
-
-
 def _load_target(recipe, target=None, dtype: str | None = None):
     from specheads.target import load_target
 
@@ -58,9 +55,6 @@ def _load_target(recipe, target=None, dtype: str | None = None):
 
 def _prepare_shared(recipe, target=None, verify: bool = False, progress: bool = True) -> dict:
     """features.dir names another recipe's finished features: check them, extract nothing (data is theirs)."""
-    from specheads.config import save_config
-    from specheads.train.features import check_shared_features, verify_features
-
     out = Path(recipe.output_dir)
     target = _load_target(recipe, target)
     layers = feature_layers_for(recipe, target.num_layers)
@@ -99,8 +93,6 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None, verify
     conversation id) grows before the final check, which needs the regenerated answers. `verify`: re-hash listed
     shards (--verify). `overwrite` (--overwrite): remove what an earlier prepare wrote here first (never in a folder
     holding a trained run)."""
-    import datasets
-
     if not progress:
         datasets.disable_progress_bars()
     if recipe.features.dir and recipe.features.mode == "offline":
@@ -115,8 +107,6 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None, verify
     if target.tokenizer is None:
         raise SpecheadsError(f"target {target.name}: has no tokenizer (needed to tokenize data.source)")
     if dc.mode == "chat":  # data.chat_template, or one clear error for a target without a template
-        from specheads.train.data import chat_tokenizer
-
         target = dataclasses.replace(target, tokenizer=chat_tokenizer(target.tokenizer, dc.chat_template,
                                                                        target.name))
     timings["load_target_s"] = time.perf_counter() - t
@@ -161,23 +151,8 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None, verify
     return summary
 
 
-OVERWRITE_HINT = "rerun with `specheads prepare --overwrite` to replace this run's prepared data, or choose another " \
-                 "output_dir"
-
-
-def check_split(feat_dir: Path, val_fraction: float) -> None:
-    """The features' held-out split (the manifest's val_fraction) is the recipe's: training splits offline features
-    by the manifest, so another data.val_fraction would leave the features on the old split."""
-    m = check_features_folder(feat_dir)
-    if m is not None and float(m.get("val_fraction", 0.0)) != float(val_fraction):
-        raise SpecheadsError(f"{feat_dir}: its features were split with data.val_fraction {m.get('val_fraction', 0.0)}"
-                             f" (manifest.json), not {val_fraction}; {OVERWRITE_HINT}")
-
-
 def check_same_tokens(tok_dir: Path, tokens) -> None:
     """Online features: data/tokens is the run's only data; tokens of other data are refused, not replaced."""
-    import datasets
-
     if not tok_dir.exists():
         return
     old = datasets.load_from_disk(str(tok_dir))
@@ -190,10 +165,6 @@ def check_same_tokens(tok_dir: Path, tokens) -> None:
 def remove_prepared(out: Path) -> None:
     """--overwrite: delete what prepare wrote under `out` (features/, data/, prepare_config.yaml and summary), one log
     line naming them. A folder holding a trained run is refused: its checkpoints and heads were trained on that data."""
-    import shutil
-
-    from specheads.train.checkpoint import CKPT_DIR, FINISHED
-
     trained = [n for n in (CKPT_DIR, *FINISHED) if (out / n).exists()]
     if trained:
         raise SpecheadsError(f"--overwrite: {out} holds a trained run ({', '.join(trained)}) whose data it would "
@@ -207,8 +178,6 @@ def remove_prepared(out: Path) -> None:
 
 
 def _read_source(recipe, timings: dict):
-    from specheads.train.data import load_conversations, load_texts
-
     dc = recipe.data
     text = dc.mode == "text"
     t = time.perf_counter()
@@ -228,8 +197,6 @@ def _read_source(recipe, timings: dict):
 
 def _regenerate(recipe, target, convs, regen_path: Path, max_length: int, summary: dict, timings: dict, progress):
     """The target answers the conversations (resumable by id); returns the conversations to tokenise."""
-    from specheads.train.regenerate import read_done_ids, read_regenerated, regenerate
-
     dc = recipe.data
     t = time.perf_counter()
     regen_path.parent.mkdir(parents=True, exist_ok=True)
@@ -261,9 +228,6 @@ def _regenerate(recipe, target, convs, regen_path: Path, max_length: int, summar
 def _tokenize(recipe, convs, target, max_length: int, summary: dict, timings: dict, progress: bool):
     """Chat: the template's tokens and assistant masks. Text: max_length windows, loss on every token, and with
     data.regenerate the target's continuation of each window's prefix (its time is inside tokenize_s)."""
-    from specheads.train.data import tokenize_conversations
-    from specheads.train.regenerate import text_tokens
-
     dc = recipe.data
     t = time.perf_counter()
     if dc.mode == "text":
@@ -286,10 +250,6 @@ def _tokenize(recipe, convs, target, max_length: int, summary: dict, timings: di
 
 def _write_tokens(recipe, tokens, data_dir: Path):
     """prepare_config.yaml and data/tokens (atomically); returns the tokens as read back from disk."""
-    import datasets
-
-    from specheads.config import save_config
-
     data_dir.mkdir(parents=True, exist_ok=True)
     save_config(recipe, Path(recipe.output_dir) / "prepare_config.yaml")
     with atomic_dir(data_dir / "tokens") as tmp:

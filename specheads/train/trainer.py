@@ -7,7 +7,7 @@ already does it (device placement, DDP, DeepSpeed ZeRO, mixed precision, gradien
 `Trainer.train` reads top-down: setup (checks first, then accelerator, module, optimizer, data, schedule, resume),
 then per optimizer step `_train_step`, `_evaluate_if_due`, `_save_if_due`, and `_finish`. What differs between
 head-only training and Medusa-2 (module, parameter groups, schedule, loss, evaluated head, export) is chosen once,
-as a `HeadOnly` or `Medusa2` object.
+as a `HeadOnly` or `Medusa2` object (parts.py); each head kind's step is its file in kinds/.
 
 Layout under `<output_dir>`:
     train_config.yaml            the resolved recipe (written once the run's checks have passed; a resume keeps it)
@@ -33,157 +33,41 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import datasets
 import torch
+from accelerate import skip_first_batches
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
 
+import specheads.target
+from specheads.config import config_to_dict, format_config, save_config
+from specheads.heads.base import build_head
+from specheads.train import checkpoint
+from specheads.train.accel import build_accelerator, flat_config
+from specheads.train.calibrate import calibrate_run
 from specheads.train.checkpoint import CKPT_DIR, TrainState, list_checkpoints
+from specheads.train.data import is_val
+from specheads.train.dataset import (FeatureDataset, TokenDataset, assistant_token_counts, collate, eval_indices,
+                                     masked_token_counts)
+from specheads.train.devset import dev_answers, dev_batches
+from specheads.train.evaluate import eval_summary, evaluate
+from specheads.train.features import extract_features
+from specheads.train.layout import check_split, feature_layers_for, features_dir, tokens_dir
+from specheads.train.parts import HeadOnly, Medusa2
+from specheads.train.settings import TrainConfig
+from specheads.train.steps import LossSettings
+from specheads.train.teacher import target_dtype_name
 from specheads.utils import SpecheadsError, atomic_write_json
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TrainConfig", "TrainResult", "Trainer", "run_training", "list_checkpoints", "load_training_data"]
-
-
-@dataclass
-class TrainConfig:
-    lr: float = 3e-4  # AdamW peak learning rate (EAGLE-3 repo: 1e-4 at batch 16 x 2048 tokens on GPUs)
-    weight_decay: float = 0.0  # AdamW decoupled weight decay (EAGLE/Medusa repos: 0)
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW (EAGLE repo)
-    epochs: int = 1  # passes over the training split (ignored when max_steps is set)
-    max_steps: int | None = None  # optimizer steps; None = epochs x ceil(batches / grad_accum)
-    batch_size: int = 4  # samples per process per micro-batch
-    grad_accum: int = 1  # micro-batches per optimizer step (effective batch = batch_size x grad_accum x processes)
-    warmup_steps: int = 50  # linear warm-up steps, then cosine decay to 0 (transformers schedule)
-    max_grad_norm: float = 0.5  # clip by global norm (EAGLE repo: 0.5); 0 = off
-    save_every: int = 500  # optimizer steps between checkpoints (0 = only at the end)
-    keep_last: int = 2  # checkpoints kept (older ones deleted after a new one is written)
-    log_every: int = 10  # optimizer steps between tracker/log lines
-    mixed_precision: str = "no"  # no | bf16 (head forward under bf16 autocast; master weights fp32)
-    tracker: str = "wandb"  # wandb | tensorboard | none (wandb offline under <output_dir> without an API key)
-    deepspeed: str | None = None  # DeepSpeed JSON (configs/deepspeed/zero2.json); None = plain DDP / one process
-    soft_labels: bool = False  # Medusa: soft CE against the target distribution instead of the data's tokens
-    loss_decay: float = 0.8  # weight 0.8^k per Medusa head / EAGLE-3 TTT step (papers)
-    # EAGLE(-3): width w of the uniform noise U(-w/2, w/2) on input features. The EAGLE repo scales its 0.2 by
-    # 512 / sequence length (AddUniformNoise); a fixed width here, equal to the repo's at 512 tokens.
-    noise: float = 0.2
-    eagle_w_reg: float = 1.0  # EAGLE-1 SmoothL1 feature regression weight (paper)
-    eagle_w_ce: float = 0.1  # EAGLE-1 soft CE weight (paper)
-    block_gamma: float = 4.0  # DSpark / DFlash: draft j weighted exp(-j / gamma) (DeepSpec loss_decay_gamma 4)
-    block_w_ce: float = 0.1  # DSpark / DFlash: soft CE against the target (DeepSpec ce_loss_alpha 0.1)
-    block_w_l1: float = 0.9  # DSpark / DFlash: ||q - p||_1 = 2 TV (DeepSpec l1_loss_alpha 0.9)
-    confidence_alpha: float = 1.0  # DSpark: confidence BCE weight (DeepSpec / speculators confidence_head_alpha)
-    max_anchors: int = 512  # DSpark / DFlash: blocks per sequence and step (DeepSpec num_anchors 512 at 4k tokens)
-    block_full_vocab: bool = False  # DSpark / DFlash: target over the full vocab (exact acceptance; ~2x the step
-    # without target sidecars, the V' columns' cost with them)
-    # The distillation objective (losses.py, docs/training.md "The loss family"): NAME or NAME:WEIGHT,... over
-    # soft_ce | kl | tv | l1 | lk_alpha | lk_lambda, e.g. "tv" or "soft_ce:0.1,tv:0.9". None = the kind's own
-    # (losses.DEFAULT_LOSS: soft CE; DSpark / DFlash block_w_ce x CE + block_w_l1 x L1)
-    loss: str | None = None
-    lk_eta: float = 3.0  # LK^λ: λ = exp(-lk_eta x mean acceptance) (arXiv 2602.23881's best; SpecForge --kl-decay)
-    num_workers: int = 0  # DataLoader workers (0: features are already tensors; workers cost RAM per process)
-    # Medusa-2 (head.kind medusa, features.mode online): LoRA on the target trained jointly with the heads
-    lora: bool = False  # off = Medusa-1 (frozen target)
-    lora_r: int = 32  # LoRA rank (Medusa-2 repo scripts)
-    lora_alpha: int = 16  # LoRA scale numerator
-    lora_dropout: float = 0.05  # LoRA dropout
-    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    lora_lr_ratio: float = 0.25  # adapters' lr = lr x this (Medusa-2: heads at a higher lr than the backbone)
-    lora_warmup_steps: int = 0  # heads-only first stage: adapters at lr 0 for this many steps
-    lm_loss_weight: float = 1.0  # weight of KL(original target || adapted target) on assistant tokens
-    lora_merge: bool = False  # at the end also write the merged target to <output_dir>/merged-target
-
-    def __post_init__(self) -> None:
-        from specheads.utils import check_values
-
-        check_values("train", self, {
-            "batch_size": ">=1", "grad_accum": ">=1", "epochs": ">=1", "warmup_steps": ">=0", "save_every": ">=0",
-            "keep_last": ">=1", "log_every": ">=1", "lr": ">0", "max_steps": ">=1|None", "weight_decay": ">=0",
-            "max_grad_norm": ">=0", "loss_decay": ">0", "noise": ">=0", "eagle_w_reg": ">=0", "eagle_w_ce": ">=0",
-            "num_workers": ">=0", "lora_r": ">=1", "lora_alpha": ">0", "lora_dropout": "[0,1)",
-            "lora_lr_ratio": ">=0", "lora_warmup_steps": ">=0", "lm_loss_weight": ">=0",
-            "block_gamma": ">0", "block_w_ce": ">=0", "block_w_l1": ">=0", "confidence_alpha": ">=0",
-            "max_anchors": ">=1", "lk_eta": ">=0"})
-        self._check_loss()
-        if self.mixed_precision not in ("no", "bf16"):
-            raise SpecheadsError(f"train.mixed_precision: {self.mixed_precision!r} is not one of ['no', 'bf16']")
-        if self.tracker not in ("wandb", "tensorboard", "none"):
-            raise SpecheadsError(f"train.tracker: {self.tracker!r} is not one of ['wandb', 'tensorboard', 'none']")
-        if len(self.betas) != 2 or not all(math.isfinite(b) and 0 <= b < 1 for b in self.betas):
-            raise SpecheadsError(f"train.betas: expected two numbers in [0, 1), got {self.betas!r}")
-        if not self.lora_targets:
-            raise SpecheadsError("train.lora_targets: needs at least one module name")
-
-    def _check_loss(self) -> None:
-        """train.loss parses, and does not meet DSpark's own CE / L1 weights changed beside it."""
-        from specheads.train.losses import BLOCK_W_CE, BLOCK_W_L1, LOSS_SYNTAX, parse_loss
-
-        if self.loss is None:
-            return
-        try:
-            parse_loss(self.loss)
-        except ValueError as e:
-            raise SpecheadsError(f"train.loss: {self.loss!r}: {e}; write {LOSS_SYNTAX}") from None
-        if (self.block_w_ce, self.block_w_l1) != (BLOCK_W_CE, BLOCK_W_L1):
-            raise SpecheadsError(f"train.loss: replaces DSpark's CE / L1 weights, and train.block_w_ce / block_w_l1 "
-                                 f"are {self.block_w_ce} / {self.block_w_l1} beside it; set them back to "
-                                 f"{BLOCK_W_CE} / {BLOCK_W_L1} or write the mixture into train.loss "
-                                 f"(e.g. soft_ce:{self.block_w_ce},l1:{self.block_w_l1})")
-
-    def check_loss_for(self, kind: str) -> None:
-        """train.loss against the head kind: Medusa's hard labels (and Medusa-2) train CE on the data's tokens."""
-        if self.loss is None or kind != "medusa":
-            return
-        if self.lora or not self.soft_labels:
-            what = "Medusa-2 (train.lora) trains" if self.lora else "Medusa with train.soft_labels false trains"
-            raise SpecheadsError(f"train.loss: {what} CE on the data's tokens, not a distillation loss; set "
-                                 f"train.soft_labels=true{' and train.lora=false' if self.lora else ''} or drop "
-                                 f"train.loss")
-
-
-# ------------------------------------------------------------------------------------------------------ data plumbing
-
-def pad_collate(samples: list[dict], pad_id: int = 0) -> dict:
-    """Right-pad a list of {"input_ids" [T], "loss_mask" [T], optional "hidden" [T,F,D]} into a batch dict."""
-    B = len(samples)
-    T = max(len(s["input_ids"]) for s in samples)
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    lm = torch.zeros(B, T, dtype=torch.long)
-    am = torch.zeros(B, T, dtype=torch.long)
-    hidden = None
-    if "hidden" in samples[0]:
-        h0 = samples[0]["hidden"]
-        hidden = torch.zeros((B, T) + tuple(h0.shape[1:]), dtype=h0.dtype)
-    for i, s in enumerate(samples):
-        n = len(s["input_ids"])
-        ids[i, :n] = torch.as_tensor(s["input_ids"], dtype=torch.long)
-        lm[i, :n] = torch.as_tensor(s["loss_mask"], dtype=torch.long)
-        am[i, :n] = 1
-        if hidden is not None:
-            hidden[i, :n] = s["hidden"]
-    out = {"input_ids": ids, "loss_mask": lm, "attention_mask": am}
-    if hidden is not None:
-        out["hidden"] = hidden
-    return out
-
-
-class TokenDataset(torch.utils.data.Dataset):
-    """A datasets.Dataset (input_ids, loss_mask) as torch samples (online mode: features computed per batch)."""
-
-    def __init__(self, ds):
-        self.ds = ds
-
-    def __len__(self) -> int:
-        return len(self.ds)
-
-    def __getitem__(self, i: int) -> dict:
-        row = self.ds[int(i)]
-        return {"input_ids": torch.as_tensor(row["input_ids"], dtype=torch.long),
-                "loss_mask": torch.as_tensor(row["loss_mask"], dtype=torch.long)}
+__all__ = ["TrainConfig", "TrainResult", "Trainer", "run_training", "list_checkpoints", "load_training_data",
+           "eval_indices"]
 
 
 @dataclass
@@ -195,106 +79,6 @@ class TrainResult:
     output_dir: Path
     last_loss: float | None = None
     best_dir: Path | None = None  # <output_dir>/best, or None when no evaluation ran (no held-out split)
-
-
-# ------------------------------------------------------------------------------------------- kind-specific parts
-
-class HeadOnly:
-    """Head-only training (Medusa-1, EAGLE-1/2, EAGLE-3): the frozen target supplies the features, the head is the
-    trainable module and is exported with its own save_pretrained."""
-
-    def __init__(self, trainer: "Trainer", settings):
-        self.t = trainer
-        self.settings = settings
-
-    def module(self) -> torch.nn.Module:
-        return self.t.head
-
-    def param_groups(self, module, lr: float) -> list[dict]:
-        return [{"params": [p for p in module.parameters() if p.requires_grad], "lr": lr}]
-
-    def schedule(self, opt, warmup: int, total: int):
-        from transformers import get_cosine_schedule_with_warmup
-
-        return get_cosine_schedule_with_warmup(opt, warmup, total)
-
-    def loss(self, model, batch: dict):
-        from specheads.train.steps import train_loss
-
-        t = self.t
-        return train_loss(t.kind, model, t._with_hidden(batch), t.target, t.layers, t.head_layers, self.settings)
-
-    def eval_head(self, acc, model):
-        return model
-
-    def export(self, model, path: Path) -> None:
-        if hasattr(model, "save_pretrained"):
-            model.save_pretrained(path)
-
-    def finish(self, acc, model, out: Path) -> None:
-        """After the final export (main process only)."""
-
-
-class Medusa2(HeadOnly):
-    """Medusa-2 (train.lora): LoRA adapters on the target trained with the Medusa heads; online features only."""
-
-    def __init__(self, trainer: "Trainer", settings):
-        super().__init__(trainer, settings)
-        t = trainer
-        if t.kind != "medusa":
-            raise SpecheadsError(f"train.lora: Medusa-2 adapters need head.kind medusa, not {t.kind!r}")
-        if t.recipe.features.mode != "online" or "hidden" in t.collate_fn([t.train_ds[0]]):
-            raise SpecheadsError("train.lora: the features depend on the adapters; set features.mode=online")
-
-    def module(self) -> torch.nn.Module:
-        from specheads.train.lora import LoraSettings, Medusa2Model, add_adapters
-
-        cfg = self.t.cfg
-        peft_model = add_adapters(self.t.target, LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
-                                                              list(cfg.lora_targets)))
-        return Medusa2Model(peft_model, self.t.head)
-
-    def param_groups(self, module, lr: float) -> list[dict]:
-        from specheads.train.lora import param_groups
-
-        return param_groups(module, lr, self.t.cfg.lora_lr_ratio)
-
-    def schedule(self, opt, warmup: int, total: int):
-        sched = super().schedule(opt, warmup, total)
-        hold = self.t.cfg.lora_warmup_steps
-        if not hold:
-            return sched
-        # heads-only warm-up: the adapters' group stays at lr 0, then follows the same schedule
-        cos = sched.lr_lambdas[0]
-        return torch.optim.lr_scheduler.LambdaLR(opt, [cos, lambda s: 0.0 if s < hold else cos(s)])
-
-    def loss(self, model, batch: dict):
-        """The heads' loss on the adapted final state + lm_loss_weight x KL(original || adapted)."""
-        from specheads.train.losses import LossOutput, medusa_loss
-        from specheads.train.lora import kl_to_teacher
-
-        acc = self.t.accelerator
-        ids, amask, lmask = (batch[k].to(acc.device) for k in ("input_ids", "attention_mask", "loss_mask"))
-        teacher = acc.unwrap_model(model).teacher_logits(ids, amask)  # [B,T,V], no grad
-        head_logits, lm_logits = model(ids, amask)  # through the DDP wrapper: gradients sync
-        out = medusa_loss(head_logits, ids, lmask, decay=self.settings.decay)
-        kl = kl_to_teacher(lm_logits, teacher, lmask)
-        return LossOutput(out.loss + self.t.cfg.lm_loss_weight * kl, {**out.metrics, "kl": kl.detach()})
-
-    def eval_head(self, acc, model):
-        return acc.unwrap_model(model).head  # the adapted features (get_hidden), the same head
-
-    def export(self, model, path: Path) -> None:
-        from specheads.train.lora import save_adapters
-
-        model.head.save_pretrained(path)
-        save_adapters(model, path / "adapter")  # serve the head with the target + these adapters (or merged)
-
-    def finish(self, acc, model, out: Path) -> None:
-        if self.t.cfg.lora_merge:
-            from specheads.train.lora import save_merged_target
-
-            save_merged_target(model, out / "merged-target")
 
 
 @dataclass
@@ -331,7 +115,7 @@ class Trainer:
         self.head = head
         self.train_ds = train_ds
         self.val_ds = val_ds
-        self.collate_fn = collate_fn or pad_collate
+        self.collate_fn = collate_fn or collate
         self.kind = recipe.head.kind
         cfg_layers = getattr(getattr(head, "config", None), "feature_layers", None)
         self.head_layers = list(head_layers or cfg_layers or [target.num_layers])
@@ -344,8 +128,6 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------------------------------
     def train(self, resume: bool = False, stop_after: int | None = None) -> TrainResult:
         """Train to the end (or, for tests and preemption drills, return right after step `stop_after`)."""
-        from tqdm.auto import tqdm
-
         run = self._setup(resume)
         run.t0 = time.perf_counter()
         if run.state.step == 0 and self.recipe.eval.at_start:
@@ -404,8 +186,6 @@ class Trainer:
 
     def _epoch_batches(self, run: _Run):
         """The micro-batches of the current epoch not used yet (after a resume: `skip_first_batches`)."""
-        from accelerate import skip_first_batches
-
         epoch, in_epoch = divmod(run.state.step, run.steps_per_epoch)
         skip = in_epoch * self.cfg.grad_accum  # micro-batches of this epoch already used (the last step may be short)
         run.train_dl.set_epoch(epoch)
@@ -441,8 +221,6 @@ class Trainer:
     def _evaluate(self, run: _Run) -> None:
         """Held-out metrics, and the dev set's (prefixed dev_) when eval.dev_prompts is set; the best one by
         eval.select is exported to <output_dir>/best."""
-        from specheads.train.evaluate import eval_summary, evaluate
-
         acc, st, ecfg = run.acc, run.state, self.recipe.eval
         t = time.perf_counter()
         reduce = lambda x: acc.reduce(x.to(acc.device), "sum")  # noqa: E731
@@ -471,8 +249,6 @@ class Trainer:
     def _dev(self, acc) -> list[dict]:
         """This process's dev batches (train/devset.py): answers written once by the main process, features
         computed once per process."""
-        from specheads.train.devset import dev_answers, dev_batches
-
         if self._dev_cache is None:
             rows = dev_answers(self.recipe, self.target) if acc.is_main_process else None
             acc.wait_for_everyone()
@@ -488,8 +264,6 @@ class Trainer:
             self._save(run)
 
     def _save(self, run: _Run) -> Path:
-        from specheads.train import checkpoint
-
         self._last_loss(run)
         return checkpoint.save_checkpoint(run.acc, run.model, run.opt, run.sched, run.state, run.generators,
                                           self.output_dir, self.cfg.keep_last)
@@ -545,11 +319,6 @@ class Trainer:
     def _setup(self, resume: bool) -> _Run:
         """Everything before the first step: checks first (nothing is written before they pass), then the
         accelerator, the trainable module, optimizer, data, schedule and (resume) the newest checkpoint."""
-        from accelerate.utils import set_seed
-
-        from specheads.train import checkpoint
-        from specheads.train.steps import LossSettings
-
         cfg, out = self.cfg, self.output_dir
         ckpts = list_checkpoints(out)
         if ckpts and not resume:
@@ -559,19 +328,14 @@ class Trainer:
             raise SpecheadsError(f"--resume: no checkpoint under {out / CKPT_DIR}")
         self._resume_changes = self._check_run_folder(resume)
         cfg.check_loss_for(self.kind)
-        acc = self.accelerator = self._accelerator()
+        acc = self.accelerator = build_accelerator(cfg, out, self.recipe.seed)
         set_seed(self.recipe.seed)
         self.target.model.to(acc.device)
         if any(p.requires_grad for p in self.target.model.parameters()):
             raise SpecheadsError("target: parameters require grad; the target must be frozen (load_target does this)")
         # the noise has its own generator (one stream per process), so that no other draw shifts it
         noise = torch.Generator(device=acc.device).manual_seed(self.recipe.seed + acc.process_index)
-        settings = LossSettings(soft_labels=cfg.soft_labels, decay=cfg.loss_decay, noise=cfg.noise,
-                                w_reg=cfg.eagle_w_reg, w_ce=cfg.eagle_w_ce, block_gamma=cfg.block_gamma,
-                                block_w_ce=cfg.block_w_ce, block_w_l1=cfg.block_w_l1,
-                                confidence_alpha=cfg.confidence_alpha, max_anchors=cfg.max_anchors,
-                                block_full_vocab=cfg.block_full_vocab, loss=cfg.loss, lk_eta=cfg.lk_eta,
-                                generator=noise)
+        settings = LossSettings.from_config(cfg, generator=noise)
         self.parts = Medusa2(self, settings) if cfg.lora else HeadOnly(self, settings)
         module = self.parts.module()
         opt = self._optimizer(acc, module)
@@ -597,9 +361,6 @@ class Trainer:
     def _check_run_folder(self, resume: bool) -> dict | None:
         """Resume: the recipe against the run's recorded one (settings that change what the checkpoints mean are
         refused); returns the allowed changes, None without a record. A fresh run: no trained run's outputs here."""
-        from specheads.config import config_to_dict
-        from specheads.train import checkpoint
-
         if resume:
             return checkpoint.check_resume_settings(self.output_dir, config_to_dict(self.recipe))
         checkpoint.check_fresh_start(self.output_dir)
@@ -633,9 +394,6 @@ class Trainer:
 
     def _start_logging(self, run: _Run, module, resume: bool) -> None:
         """Resolved config (train_config.yaml), stale temporary folders removed, trackers started."""
-        from specheads.config import config_to_dict, format_config
-        from specheads.train import checkpoint
-
         acc, out = run.acc, self.output_dir
         if acc.is_main_process:
             log.info("resolved config:\n%s", format_config(self.recipe))
@@ -647,15 +405,12 @@ class Trainer:
                             "best/ is not written, the head is %s", out / "final")
         acc.wait_for_everyone()
         if self.cfg.tracker != "none":
-            acc.init_trackers("specheads", config=_flat(config_to_dict(self.recipe)),
+            acc.init_trackers("specheads", config=flat_config(config_to_dict(self.recipe)),
                               init_kwargs={"wandb": {"dir": str(out), "name": out.name}})
 
     def _record_config(self, run: _Run, resume: bool) -> None:
         """train_config.yaml: the first segment's recipe, written by a fresh run (an old resume history removed);
         a resumed segment keeps it and appends itself to train_config_history.yaml."""
-        from specheads.config import save_config
-        from specheads.train import checkpoint
-
         out, changes = self.output_dir, getattr(self, "_resume_changes", None)
         if resume and changes is not None:
             checkpoint.record_resume(out, run.state.step, self._resumed_from, changes)
@@ -666,55 +421,6 @@ class Trainer:
             log.info("removing %s (the resume history of an earlier run here)", stale)
             stale.unlink()
 
-    # -- accelerate ------------------------------------------------------------------------------------------------
-    def _accelerator(self):
-        from accelerate import Accelerator
-        from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
-
-        cfg = self.cfg
-        kwargs: dict[str, Any] = {}
-        handlers = []
-        if cfg.deepspeed:
-            from accelerate.utils import DeepSpeedPlugin
-
-            ds_path = Path(cfg.deepspeed)
-            if not ds_path.exists():
-                raise SpecheadsError(f"train.deepspeed: {ds_path} not found")
-            if "LOCAL_RANK" not in os.environ and "RANK" not in os.environ:  # DeepSpeed needs a process group
-                raise SpecheadsError(f"train.deepspeed: DeepSpeed runs under `accelerate launch` (e.g. `accelerate "
-                                     f"launch --config_file configs/accelerate/deepspeed-zero2.yaml -m specheads "
-                                     f"train --config ...`); this process was started without it")
-            kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=str(ds_path),
-                                                         gradient_accumulation_steps=cfg.grad_accum,
-                                                         gradient_clipping=cfg.max_grad_norm or None)
-        use_ds = bool(cfg.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-        if use_ds and not torch.cuda.is_available():
-            # DeepSpeed on CPU falls back to gloo, but accelerate then counts one process unless told the backend
-            # (only under DeepSpeed: the same handler breaks plain CPU runs).
-            handlers.append(InitProcessGroupKwargs(backend="gloo"))
-        # With our plugin (train.deepspeed) accelerate fills the JSON's "bf16": "auto" from mixed_precision; with a
-        # launcher config naming a DeepSpeed file, precision comes from that file alone.
-        mp = None if (use_ds and not cfg.deepspeed) else cfg.mixed_precision
-        return Accelerator(
-            gradient_accumulation_steps=cfg.grad_accum, mixed_precision=mp, log_with=self._tracker(),
-            project_config=ProjectConfiguration(project_dir=str(self.output_dir),
-                                                logging_dir=str(self.output_dir / "logs")),
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=self.recipe.seed),
-            kwargs_handlers=handlers or None, **kwargs)
-
-    def _tracker(self) -> str | None:
-        cfg = self.cfg
-        if cfg.tracker == "wandb":
-            _wandb_defaults(self.output_dir)
-            return "wandb"
-        if cfg.tracker == "tensorboard":
-            import importlib.util
-
-            if not (importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")):
-                raise SpecheadsError("train.tracker: tensorboard is not installed (pip install tensorboard), "
-                                     "or use wandb / none")
-            return "tensorboard"
-        return None
 
     def _with_hidden(self, batch: dict) -> dict:
         """Offline batches carry `hidden`; online ones get it from the frozen target now (no grad, target dtype)."""
@@ -726,86 +432,25 @@ class Trainer:
 
 def default_extract(target, input_ids, attention_mask, layers):
     """Online features: the same extraction the offline shards use (features.extract_features) -> [B,T,F,D]."""
-    from specheads.train.features import extract_features
-
     return extract_features(target, input_ids, attention_mask, layers)
-
-
-def eval_indices(n: int, max_samples: int | None, seed: int) -> list[int]:
-    """The held-out samples an evaluation scores: all n, or `max_samples` drawn at random with `seed` (ascending)."""
-    if max_samples is None or max_samples >= n:
-        return list(range(n))
-    g = torch.Generator().manual_seed(seed)
-    return sorted(torch.randperm(n, generator=g)[:max_samples].tolist())
-
-
-def _wandb_defaults(output_dir: Path) -> None:
-    """wandb without an API key fails; default to offline runs under the output folder (WANDB_MODE honoured)."""
-    os.environ.setdefault("WANDB_DIR", str(output_dir))
-    if "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY") and not _netrc_has_wandb():
-        os.environ["WANDB_MODE"] = "offline"
-        log.info("wandb: no API key, logging offline under %s/wandb (sync later with `wandb sync`)", output_dir)
-    Path(output_dir).mkdir(parents=True, exist_ok=True)
-
-
-def _netrc_has_wandb() -> bool:
-    p = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-    try:
-        return "api.wandb.ai" in p.read_text()
-    except OSError:
-        return False
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flat(v, key + "."))
-        elif isinstance(v, (list, tuple)):
-            out[key] = str(v)
-        else:
-            out[key] = v
-    return out
 
 
 # ------------------------------------------------------------------------------------------- from a recipe on disk
 
-def assistant_token_counts(tokens, vocab_size: int) -> torch.Tensor:
-    """[V] counts of loss-masked (assistant) tokens in a tokenised dataset: what the draft vocab is chosen from."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for batch in tokens.iter(batch_size=1024):
-        for ids, lm in zip(batch["input_ids"], batch["loss_mask"]):
-            ids_t = torch.as_tensor(ids, dtype=torch.long)
-            counts += torch.bincount(ids_t[torch.as_tensor(lm, dtype=torch.bool)], minlength=vocab_size)
-    return counts
-
-
 def load_training_data(recipe, target):
     """(train_ds, val_ds, collate, layers, extract_fn) from `specheads prepare`'s output under recipe.output_dir."""
-    from specheads.train.data import is_val
-    from specheads.train.features import FeatureDataset, collate, extract_features, target_dtype_name
-    from specheads.train.prepare import feature_layers_for
-
-    from specheads.train.prepare import features_dir
-
-    out = Path(recipe.output_dir)
     if recipe.features.mode == "offline":
         folder = features_dir(recipe)
         if not (folder / "manifest.json").exists():
             raise SpecheadsError(f"{folder}: no offline features; run `specheads prepare --config <recipe>` first "
                                  f"(or set features.mode=online)")
-        from specheads.train.prepare import check_split
-
         if not recipe.features.dir:  # its own features: their split is the one the recipe says (shared ones
             check_split(folder, recipe.data.val_fraction)  # carry the split of the recipe that extracted them)
         verify, dtype = recipe.features.verify, target_dtype_name(target)  # sidecars only of this lm_head dtype
         train_ds = FeatureDataset(folder, "train", verify, targets_dtype=dtype)
         val_ds = FeatureDataset(folder, "val", verify, targets_dtype=dtype)
         return train_ds, val_ds, collate, list(train_ds.layers), None
-    import datasets
-
-    tok_dir = out / "data" / "tokens"
+    tok_dir = tokens_dir(recipe)
     if not tok_dir.exists():
         raise SpecheadsError(f"{tok_dir}: no tokenised data; run `specheads prepare --config <recipe>` first")
     tokens = datasets.load_from_disk(str(tok_dir))
@@ -821,19 +466,12 @@ def load_training_data(recipe, target):
 def run_training(recipe, resume: bool = False, target=None) -> TrainResult:
     """What `specheads train` runs: load the target (frozen, recipe dtype), the prepared data, build (or resume) the
     head, train. Every process calls this (accelerate launch)."""
-    from accelerate.utils import set_seed
-
-    from specheads.heads.base import build_head
-    from specheads.target import load_target
-
     if target is None:
-        target = load_target(recipe.target.name, dtype=recipe.target.dtype,
+        target = specheads.target.load_target(recipe.target.name, dtype=recipe.target.dtype,
                              trust_remote_code=recipe.target.trust_remote_code)
     train_ds, val_ds, collate_fn, layers, extract_fn = load_training_data(recipe, target)
     counts = None
     if recipe.head.draft_vocab_size:  # chosen from the training split's assistant tokens (held-out rows excluded)
-        from specheads.train.features import FeatureDataset, masked_token_counts
-
         if isinstance(train_ds, FeatureDataset):
             counts = masked_token_counts(train_ds, target.vocab_size)
         else:
@@ -843,8 +481,7 @@ def run_training(recipe, resume: bool = False, target=None) -> TrainResult:
     trainer = Trainer(recipe, target, head, train_ds, val_ds, collate_fn=collate_fn, layers=layers,
                       extract_fn=extract_fn)
     result = trainer.train(resume=resume)
-    from specheads.train.evaluate import calibrate_run  # DSpark: confidence temperatures on the held-out split
-
+    # DSpark: confidence temperatures on the held-out split
     calibrate_run(recipe, target, val_ds, collate_fn, layers, extract_fn)
     return result
 
@@ -852,9 +489,6 @@ def run_training(recipe, resume: bool = False, target=None) -> TrainResult:
 def recalibrate_run(recipe, target=None) -> dict:
     """`specheads train --calibrate-only`: the confidence calibration of a trained DSpark run fitted again on its
     held-out split (best/ and final/ rewritten atomically, calibration.json); checkpoints and summary untouched."""
-    from specheads.target import load_target
-    from specheads.train.evaluate import calibrate_run
-
     if recipe.head.kind != "dspark" or not recipe.head.confidence_head:
         raise SpecheadsError("--calibrate-only: the recipe's head has no confidence head (head.kind dspark with "
                              "head.confidence_head true)")
@@ -868,7 +502,7 @@ def recalibrate_run(recipe, target=None) -> dict:
             raise SpecheadsError(f"--calibrate-only: {cfg} holds a {kind} head, not the recipe's dspark head; "
                                  f"give the recipe this run was trained with")
     if target is None:
-        target = load_target(recipe.target.name, dtype=recipe.target.dtype,
+        target = specheads.target.load_target(recipe.target.name, dtype=recipe.target.dtype,
                              trust_remote_code=recipe.target.trust_remote_code)
     _, val_ds, collate_fn, layers, extract_fn = load_training_data(recipe, target)
     report = calibrate_run(recipe, target, val_ds, collate_fn, layers, extract_fn)

@@ -1,0 +1,97 @@
+"""What differs between head-only training and Medusa-2, chosen once per run: the trainable module, its parameter
+groups, the schedule, the loss, the evaluated head and the export (`HeadOnly` or `Medusa2`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import get_cosine_schedule_with_warmup
+
+from specheads.train import steps
+from specheads.train.lora import (LoraSettings, Medusa2Model, add_adapters, kl_to_teacher, param_groups,
+                                  save_adapters, save_merged_target)
+from specheads.train.losses import LossOutput, medusa_loss
+from specheads.utils import SpecheadsError
+
+
+class HeadOnly:
+    """Head-only training (Medusa-1, EAGLE-1/2, EAGLE-3): the frozen target supplies the features, the head is the
+    trainable module and is exported with its own save_pretrained. `trainer`: the trainer.Trainer served."""
+
+    def __init__(self, trainer, settings):
+        self.t = trainer
+        self.settings = settings
+
+    def module(self) -> torch.nn.Module:
+        return self.t.head
+
+    def param_groups(self, module, lr: float) -> list[dict]:
+        return [{"params": [p for p in module.parameters() if p.requires_grad], "lr": lr}]
+
+    def schedule(self, opt, warmup: int, total: int):
+        return get_cosine_schedule_with_warmup(opt, warmup, total)
+
+    def loss(self, model, batch: dict):
+        t = self.t
+        return steps.train_loss(t.kind, model, t._with_hidden(batch), t.target, t.layers, t.head_layers, self.settings)
+
+    def eval_head(self, acc, model):
+        return model
+
+    def export(self, model, path: Path) -> None:
+        if hasattr(model, "save_pretrained"):
+            model.save_pretrained(path)
+
+    def finish(self, acc, model, out: Path) -> None:
+        """After the final export (main process only)."""
+
+
+class Medusa2(HeadOnly):
+    """Medusa-2 (train.lora): LoRA adapters on the target trained with the Medusa heads; online features only."""
+
+    def __init__(self, trainer, settings):
+        super().__init__(trainer, settings)
+        t = trainer
+        if t.kind != "medusa":
+            raise SpecheadsError(f"train.lora: Medusa-2 adapters need head.kind medusa, not {t.kind!r}")
+        if t.recipe.features.mode != "online" or "hidden" in t.collate_fn([t.train_ds[0]]):
+            raise SpecheadsError("train.lora: the features depend on the adapters; set features.mode=online")
+
+    def module(self) -> torch.nn.Module:
+        cfg = self.t.cfg
+        peft_model = add_adapters(self.t.target, LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
+                                                              list(cfg.lora_targets)))
+        return Medusa2Model(peft_model, self.t.head)
+
+    def param_groups(self, module, lr: float) -> list[dict]:
+        return param_groups(module, lr, self.t.cfg.lora_lr_ratio)
+
+    def schedule(self, opt, warmup: int, total: int):
+        sched = super().schedule(opt, warmup, total)
+        hold = self.t.cfg.lora_warmup_steps
+        if not hold:
+            return sched
+        # heads-only warm-up: the adapters' group stays at lr 0, then follows the same schedule
+        cos = sched.lr_lambdas[0]
+        return torch.optim.lr_scheduler.LambdaLR(opt, [cos, lambda s: 0.0 if s < hold else cos(s)])
+
+    def loss(self, model, batch: dict):
+        """The heads' loss on the adapted final state + lm_loss_weight x KL(original || adapted)."""
+        acc = self.t.accelerator
+        ids, amask, lmask = (batch[k].to(acc.device) for k in ("input_ids", "attention_mask", "loss_mask"))
+        teacher = acc.unwrap_model(model).teacher_logits(ids, amask)  # [B,T,V], no grad
+        head_logits, lm_logits = model(ids, amask)  # through the DDP wrapper: gradients sync
+        out = medusa_loss(head_logits, ids, lmask, decay=self.settings.decay)
+        kl = kl_to_teacher(lm_logits, teacher, lmask)
+        return LossOutput(out.loss + self.t.cfg.lm_loss_weight * kl, {**out.metrics, "kl": kl.detach()})
+
+    def eval_head(self, acc, model):
+        return acc.unwrap_model(model).head  # the adapted features (get_hidden), the same head
+
+    def export(self, model, path: Path) -> None:
+        model.head.save_pretrained(path)
+        save_adapters(model, path / "adapter")  # serve the head with the target + these adapters (or merged)
+
+    def finish(self, acc, model, out: Path) -> None:
+        if self.t.cfg.lora_merge:
+            save_merged_target(model, out / "merged-target")

@@ -1,0 +1,185 @@
+"""The offline features folder on disk: its manifest, shard and target-sidecar files, and the checks that tie
+each listed file to the manifest (size always, sha256 when asked).
+
+    manifest.json              format, plan_key, target, fingerprint, layers, hidden_size, dtype, counts, shards[]
+                               (+ "targets": {format, dtype} and per shard "targets": {file, bytes, sha256,
+                               shard_sha256} once the sidecars exist)
+    shard-00000.safetensors    input_ids [Ts] int32, loss_mask [Ts] uint8, offsets [n+1] int64, hidden [Ts,F,D] bf16
+    targets-00000.safetensors  the target sidecar: greedy [Ts] int32, lse [Ts] float32
+
+Every file is written through `commit_file` (temporary name, sha256 read back, fsync, rename) and only then listed
+in the manifest (itself replaced atomically): a killed run leaves only whole, listed files.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+from specheads.utils import SpecheadsError, as_write_error, remove_quietly
+
+FORMAT = "specheads-features/1"  # sidecars are optional keys: older readers ignore them, so the version stays
+TARGETS_FORMAT = "specheads-targets/1"
+MANIFEST = "manifest.json"
+
+
+def shard_name(k: int) -> str:
+    return f"shard-{k:05d}.safetensors"
+
+
+def targets_name(k: int) -> str:
+    return f"targets-{k:05d}.safetensors"
+
+
+def read_manifest(folder: Path) -> dict:
+    p = folder / MANIFEST
+    if not p.exists():
+        raise SpecheadsError(f"{folder}: no {MANIFEST} (run `specheads prepare` first)")
+    try:
+        m = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise SpecheadsError(f"{p}: not valid JSON ({e.msg})") from None
+    if m.get("format") != FORMAT:
+        raise SpecheadsError(f"{p}: format {m.get('format')!r}, expected {FORMAT!r}")
+    return m
+
+
+def check_features_folder(folder: str | os.PathLike, plan_key: str | None = None, target=None) -> dict | None:
+    """The manifest already in `folder` (None if there is none), refused when it holds other features: another
+    plan (data, target, layers) or, with `target`, another target. Reads only; call it before writing anything."""
+    mpath = Path(folder) / MANIFEST
+    if not mpath.exists():
+        return None
+    try:
+        manifest = json.loads(mpath.read_text())
+    except json.JSONDecodeError:
+        raise SpecheadsError(f"{mpath}: not valid JSON; remove {folder} to start over") from None
+    if target is not None and manifest.get("fingerprint") != target.fingerprint():
+        raise SpecheadsError(f"{folder}: holds features of target {manifest.get('target')!r}, not of {target.name!r} "
+                             f"(fingerprints differ); remove it or choose another output_dir")
+    if plan_key is not None and manifest.get("plan_key") != plan_key:
+        raise SpecheadsError(f"{folder}: holds features of other data, target or layers (plan_key "
+                             f"{manifest.get('plan_key')} != {plan_key}); remove it or choose another output_dir")
+    return manifest
+
+
+def check_shared_features(folder: str | os.PathLike, target, layers: Sequence[int]) -> dict:
+    """`features.dir` set to another recipe's folder: it must be complete, hold `layers` and come from this target.
+    Returns its manifest."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).exists():
+        raise SpecheadsError(f"features.dir {folder}: no {MANIFEST}; run `specheads prepare` on the recipe that "
+                             f"writes it first")
+    m = read_manifest(folder)
+    if not m.get("complete"):
+        raise SpecheadsError(f"features.dir {folder}: incomplete ({len(m['shards'])}/{m['planned_shards']} shards); "
+                             f"finish the `specheads prepare` that writes it")
+    missing = [i for i in layers if i not in m["layers"]]
+    if missing:
+        raise SpecheadsError(f"features.dir {folder}: holds layers {m['layers']}, this head needs {list(layers)} "
+                             f"(missing {missing})")
+    if m.get("fingerprint") != target.fingerprint():
+        raise SpecheadsError(f"features.dir {folder}: extracted from target {m.get('target')!r}, not from "
+                             f"{target.name!r} (fingerprints differ)")
+    return m
+
+
+def commit_file(write, final: Path) -> tuple[str, int]:
+    """`write(tmp)` to a temporary name beside `final`, sha256 it back (from the page cache: what is on disk, not in
+    memory), fsync, rename onto `final`; returns (sha256, bytes). Whatever fails, the temporary file is removed."""
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    try:
+        write(str(tmp))
+        digest, size = sha256_file(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
+    return digest, size
+
+
+def raise_write_error(e: BaseException, path: Path, kept: str):
+    """Re-raise `e`: as one WriteError naming `path` and what was kept when it is the OS refusing the write."""
+    err = as_write_error(e, path, kept)
+    if err is None:
+        raise e
+    raise err from None
+
+
+def sha256_file(path: Path) -> tuple[str, int]:
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):  # 16 MiB reads
+            h.update(chunk)
+            n += len(chunk)
+    return h.hexdigest(), n
+
+
+_VERIFIED: set[tuple[str, int, int]] = set()  # (path, size, mtime) of shards whose sha256 this process checked
+
+
+def check_shard(path: Path, entry: dict, full: bool = True) -> None:
+    """A listed shard is the file the manifest describes: its size always, its sha256 with `full` (once per file
+    and process). A mismatch is one SpecheadsError naming the file."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise SpecheadsError(f"{path}: listed in the manifest but missing; rerun `specheads prepare` to rewrite "
+                             f"it") from None
+    if st.st_size != entry["bytes"]:
+        raise SpecheadsError(f"{path}: {st.st_size} bytes, the manifest lists {entry['bytes']}; rerun `specheads "
+                             f"prepare` to rewrite it")
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if not full or key in _VERIFIED:
+        return
+    if sha256_file(path)[0] != entry["sha256"]:
+        raise SpecheadsError(f"{path}: sha256 differs from the manifest's (the file is damaged); rerun `specheads "
+                             f"prepare --verify` to rewrite it")
+    _VERIFIED.add(key)
+
+
+def sidecar_ok(folder: Path, entry: dict, verify: bool) -> bool:
+    """Shard `entry`'s sidecar is listed, belongs to this shard (its sha256) and has its size (and sha256)."""
+    t = entry.get("targets")
+    if not t or t.get("shard_sha256") != entry["sha256"]:
+        return False
+    p = folder / t["file"]
+    return p.exists() and p.stat().st_size == t["bytes"] and (not verify or sha256_file(p)[0] == t["sha256"])
+
+
+def sidecars_usable(manifest: dict, dtype: str | None = None) -> str | None:
+    """None when every listed shard has its sidecar (in `dtype`, if given), else why not (for the warning)."""
+    info = manifest.get("targets")
+    if not info:
+        return "no target sidecars"
+    if dtype is not None and info.get("dtype") != dtype:
+        return f"target sidecars computed in {info.get('dtype')}, the target runs in {dtype}"
+    missing = [s["file"] for s in manifest["shards"] if (s.get("targets") or {}).get("shard_sha256") != s["sha256"]]
+    if missing:
+        return f"{len(missing)} of {len(manifest['shards'])} shards without their target sidecar"
+    return None
+
+
+def verify_features(folder: str | os.PathLike) -> list[str]:
+    """Recompute every shard's (and listed target sidecar's) sha256; returns the files that do not match the
+    manifest (empty = all good)."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    bad = []
+    for s in manifest["shards"]:
+        try:
+            digest, _ = sha256_file(folder / s["file"])
+        except FileNotFoundError:
+            bad.append(s["file"])
+            continue
+        if digest != s["sha256"]:
+            bad.append(s["file"])
+        t = s.get("targets")
+        if t and t.get("shard_sha256") == s["sha256"] and not sidecar_ok(folder, s, verify=True):
+            bad.append(t["file"])
+    return bad
