@@ -1,5 +1,5 @@
-"""Batched speculative generation (infer/batch.py), the batch verify budget (infer/batchbudget.py) and the
-rows x tokens cost surface (infer/profile.py): every row's greedy output equals that row decoded alone (fp32), with
+"""Batched speculative generation (infer/engine/batch.py), the batch verify budget (infer/scheduling/batch_budget.py) and the
+rows x tokens cost surface (infer/scheduling/profile.py): every row's greedy output equals that row decoded alone (fp32), with
 rows of different lengths, rows finishing early and prompts joining; sampling draws each row from its own
 generator and keeps the target's distribution; hand-made packing, pruning and budget cases."""
 import time

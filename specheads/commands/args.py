@@ -57,6 +57,12 @@ def add_dtype(p: argparse.ArgumentParser) -> None:
                         "token; bf16 is faster on most CPUs, its batched verification rounds otherwise)")
 
 
+def add_plugin(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plugin", action="append", default=None, metavar="MODULE|FILE.py",
+                   help="import this Python module first (repeatable): its register_drafter calls add drafter kinds "
+                        "(generate --drafter NAME, bench method drafter:NAME); drafters/plugins.py")
+
+
 def add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu | cuda (default: where the target loads)")
 

@@ -17,6 +17,7 @@ from specheads.infer.bench.names import (HEAD_LOOKUP_TOKENS, check_method_names,
 from specheads.infer.bench.names import head_entries as parse_heads, split_head  # noqa: F401 (tests/test_os_errors.py)
 from specheads.infer.bench.prompts import load_prompts
 from specheads.infer.drafters import parse_tree
+from specheads.infer.drafters.plugins import load_plugins
 from specheads.infer.scheduling.autotree import calibration_ids
 from specheads.infer.verify import SamplingParams
 from specheads.utils import SpecheadsError
@@ -41,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "puts the head and a prompt-lookup chain under one per-step scheduler, greedy only; combo: "
                         "every --head and the lookup chain under one scheduler, greedy only; recycling: Token "
                         "Recycling (training-free); lookup+recycling / combo+recycling: it as one more "
-                        "scheduled source "
+                        "scheduled source; drafter:NAME: our loop with a registered training-free drafter (a "
+                        "--plugin's own included) "
                         "(default: vanilla,prompt-lookup plus head / draft-model when given)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; outputs checked against vanilla)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per turn (default 256)")
@@ -73,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads and llama-server's -t / -tb (default: torch's choice; llama.cpp: the cores "
                         "this process may run on; 1 is steadier on a machine shared with other jobs)")
     shared.add_device(p)
+    shared.add_plugin(p)
     p.add_argument("--batch-sizes", default=None, metavar="B,B,...",  # the batched sweep: commands/batchbench.py
                    help="batched sweep, e.g. 1,2,4,8,16: vanilla (HF generate, left-padded), plain, prompt-lookup and "
                         "each head at each batch size, +sched methods with the batch verify budget")
@@ -103,6 +106,7 @@ def method_options(args: argparse.Namespace) -> MethodOptions:
 
 
 def run(args: argparse.Namespace) -> int:
+    load_plugins(args.plugin)
     if args.batch_sizes:  # the batched sweep (infer/bench/batch.py)
         return batchbench.run(args, method_options(args))
     shared.check_max_new_tokens(args.max_new_tokens)

@@ -10,6 +10,7 @@ from specheads.commands import args as shared
 from specheads.heads.base import read_head_config
 from specheads.infer.bench.prompts import load_prompts
 from specheads.infer.drafters import build_drafter, check_lookup, parse_tree
+from specheads.infer.drafters.plugins import load_plugins
 from specheads.infer.engine.generate import generate
 from specheads.infer.resolve import HeadResolver
 from specheads.infer.scheduling.autotree import calibration_ids
@@ -21,9 +22,9 @@ def add_arguments(p) -> None:
     shared.add_target(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--head", help="head folder (medusa, eagle, eagle3, dspark; native layout)")
-    src.add_argument("--drafter", choices=["plain", "prompt-lookup", "draft-model", "recycling"], default=None,
-                     help="training-free drafter (default prompt-lookup when no --head; recycling: Token Recycling, "
-                          "--tree rank paths or default)")
+    src.add_argument("--drafter", default=None,
+                     help="training-free drafter: plain, prompt-lookup (default when no --head), draft-model, "
+                          "recycling (Token Recycling, --tree rank paths or default), or a --plugin's own kind")
     q = p.add_mutually_exclusive_group(required=True)
     q.add_argument("--prompt", help="prompt text (sent through the chat template unless --raw)")
     q.add_argument("--chat", action="store_true", help="interactive chat through the target's template")
@@ -50,6 +51,7 @@ def add_arguments(p) -> None:
                    help="Medusa typical acceptance: LOSSY (output no longer follows the target's distribution)")
     shared.add_dtype(p)
     shared.add_device(p)
+    shared.add_plugin(p)
     p.add_argument("--json", action="store_true", help="print the result and figures as one JSON object")
 
 
@@ -67,6 +69,7 @@ def drafter_source(args):
 
 def build(args):
     """Target and drafter from the flags; every flag is checked before the target loads where it can be."""
+    load_plugins(args.plugin)
     shared.check_max_new_tokens(args.max_new_tokens)
     SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     if args.tree == "auto" and not args.head:
@@ -131,7 +134,7 @@ def _report(res, args) -> None:
     print("    accepted per step: " + " ".join(f"{n}:{c}" for n, c in enumerate(s.accept_hist) if c), file=sys.stderr)
     print("    seconds: " + " ".join(f"{k} {v:.3f}" for k, v in t.items()) + f" prefill {s.prefill_s:.3f}",
           file=sys.stderr)
-    if s.scheduled_steps:  # the per-step scheduler's own prediction (infer/scheduler.py), and the sources alone
+    if s.scheduled_steps:  # the per-step scheduler's own prediction (infer/scheduling/step.py), and the sources alone
         line = (f"    scheduler: expected τ {s.expected_tau_sum / s.scheduled_steps:.2f}, expected speedup "
                 f"{s.expected_tau_sum / max(s.expected_cost_sum, 1e-9):.2f}x over {s.scheduled_steps} steps")
         if s.source_tokens:

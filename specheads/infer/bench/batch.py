@@ -6,7 +6,7 @@ turn (the order rotated chunk by chunk, after one untimed warm-up per method and
 generate runs them: a chunk's rows start together; ours drop a row when it finishes, HF computes it to the end.
 Methods:
 - `vanilla`: HF `model.generate` on the chunk, left-padded (attention mask), greedy or sampling;
-- `plain`: our batched loop (infer/batch.py) without drafting (its gap to vanilla is our loop's overhead);
+- `plain`: our batched loop (infer/engine/batch.py) without drafting (its gap to vanilla is our loop's overhead);
 - `prompt-lookup`: our loop with a prompt-lookup drafter per row (HF's assisted decoding takes batch 1 only);
 - `recycling`: our loop with a Token Recycling drafter per row (drafters.TokenRecyclingDrafter; each row's own
   table);

@@ -17,9 +17,10 @@ from typing import Any, Callable
 import torch
 
 from specheads.infer.bench.llamacpp.method import build_llamacpp_method
-from specheads.infer.bench.names import (HEAD_LOOKUP_TOKENS, LOOKUP_SUFFIX, OURS_TRAINING_FREE, PROMPT_LOOKUP_MAX_NGRAM,
-                                         PROMPT_LOOKUP_NUM_TOKENS, UNION_METHODS, check_method_names, expand_heads,
-                                         is_head_method, is_llamacpp_method, split_lookup)
+from specheads.infer.bench.names import (DRAFTER_PREFIX, HEAD_LOOKUP_TOKENS, LOOKUP_SUFFIX, OURS_TRAINING_FREE,
+                                         PROMPT_LOOKUP_MAX_NGRAM, PROMPT_LOOKUP_NUM_TOKENS, UNION_METHODS,
+                                         check_method_names, expand_heads, is_drafter_method, is_head_method,
+                                         is_llamacpp_method, split_lookup)
 from specheads.infer.bench.records import Method, RunRecord
 from specheads.infer.drafters import build_drafter, combine_drafters, parse_tree
 from specheads.infer.engine.generate import generate
@@ -222,6 +223,8 @@ def build_methods(names: list[str], target, options: MethodOptions, calib_ids: l
             m = factories[n]()
         elif n in OURS_TRAINING_FREE:
             m = build_ours_method(n, target, options.temperature)
+        elif is_drafter_method(n):
+            m = build_registered_method(n, target, options.temperature)
         elif is_head_method(n):
             base, merged = split_lookup(n)
             if base not in options.heads:
@@ -254,6 +257,15 @@ def build_ours_method(name: str, target, temperature: float) -> Method:
                                 max_ngram=PROMPT_LOOKUP_MAX_NGRAM)
     return OursGenerate(name, target, drafter, temperature,
                         {"implementation": f"specheads.infer.generate + {type(drafter).__name__}"})
+
+
+def build_registered_method(name: str, target, temperature: float) -> Method:
+    """`drafter:NAME`: our loop with the registered training-free drafter NAME at its default tree (a --plugin's
+    kind included): what a new drafter kind needs to be benchmarked beside the others."""
+    kind = name[len(DRAFTER_PREFIX):]
+    drafter = build_drafter(target, kind, parse_tree(None, kind))
+    return OursGenerate(name, target, drafter, temperature,
+                        {"implementation": f"specheads.infer.generate + {type(drafter).__name__}", "drafter": kind})
 
 
 def build_head_method(target, options: MethodOptions, resolver: HeadResolver, head_dir: str, name: str = "head",

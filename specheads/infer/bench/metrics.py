@@ -9,7 +9,7 @@
 - acceptance-length histogram: how many target forwards emitted 1, 2, 3, ... tokens (its mean is τ);
 - identical (greedy only): share of prompt turns whose output token ids equal vanilla's exactly;
 - expected speedup (scheduled methods: DSpark `--tree auto`, +lookup, combo): Σ expected τ / Σ expected step cost
-  in one-token target forwards, the per-step scheduler's own prediction (infer/scheduler.py), beside the measured
+  in one-token target forwards, the per-step scheduler's own prediction (infer/scheduling/step.py), beside the measured
   speedup; the oracle: per step the better of the sources alone (head alone, lookup alone), priced by the same
   cost model (`oracle_tau`, `oracle_speedup`).
 """

@@ -5,7 +5,8 @@ before any model loads.
 - single runs: `vanilla`, `prompt-lookup` (HF), `plain`, `prompt-lookup-ours`, `recycling`, `draft-model` (ours),
   `head` / `head:LABEL` (one per --head), either with `+lookup` (the head and a prompt-lookup chain under one
   per-step scheduler), the unions `combo`, `combo+recycling`, `lookup+recycling`, and the llama.cpp engines
-  `llama.cpp`, `llama.cpp:LABEL`, `llama.cpp-ngram`;
+  `llama.cpp`, `llama.cpp:LABEL`, `llama.cpp-ngram`, and `drafter:NAME` (our loop with any registered
+  training-free drafter kind, a --plugin's own included, at its default tree);
 - the batched sweep (`--batch-sizes`): `vanilla`, `plain`, `prompt-lookup`, `recycling`, `head` / `head:LABEL`, every
   drafting one also with `+sched` (the batch verify budget).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specheads.heads.base import read_head_config
+from specheads.infer.drafters.registry import DRAFTERS
 from specheads.utils import SpecheadsError
 
 KNOWN_METHODS = ("vanilla", "prompt-lookup", "head", "draft-model", "plain", "prompt-lookup-ours", "combo",
@@ -31,9 +33,10 @@ PROMPT_LOOKUP_MAX_NGRAM = 2  # HF default max_matching_ngram_size
 HEAD_LOOKUP_TOKENS = PROMPT_LOOKUP_NUM_TOKENS  # +lookup chain length by default: the same chain as HF prompt lookup
 
 LLAMACPP_PLAIN, LLAMACPP_NGRAM, LLAMACPP_PREFIX = "llama.cpp", "llama.cpp-ngram", "llama.cpp:"
+DRAFTER_PREFIX = "drafter:"  # drafter:NAME = our loop with the registered training-free drafter NAME
 
 BATCH_METHODS = ("vanilla", "plain", "prompt-lookup", "recycling")  # the sweep's methods besides the heads
-SCHED_SUFFIX = "+sched"  # a drafting method under the batch verify budget (batchbudget.BudgetScheduler)
+SCHED_SUFFIX = "+sched"  # a drafting method under the batch verify budget (scheduling/batch_budget.py BudgetScheduler)
 
 
 def split_lookup(name: str) -> tuple[str, bool]:
@@ -58,6 +61,12 @@ def is_llamacpp_method(name: str) -> bool:
                                                          and len(name) > len(LLAMACPP_PREFIX))
 
 
+def is_drafter_method(name: str) -> bool:
+    """drafter:NAME with NAME a registered training-free drafter kind (drafters/registry.py)."""
+    kind = DRAFTERS.get(name[len(DRAFTER_PREFIX):]) if name.startswith(DRAFTER_PREFIX) else None
+    return kind is not None and not kind.head
+
+
 def needs_heads(names: list[str]) -> bool:
     """Whether a single run's methods need --head."""
     return any(is_head_method(n) or n in HEADED_UNIONS for n in names)
@@ -65,12 +74,16 @@ def needs_heads(names: list[str]) -> bool:
 
 def check_method_names(names: list[str]) -> None:
     """One clear error for unknown --methods names (checked before the target loads)."""
-    unknown = [n for n in names if n not in KNOWN_METHODS and not is_head_method(n) and not is_llamacpp_method(n)]
+    unknown = [n for n in names if n not in KNOWN_METHODS and not is_head_method(n) and not is_llamacpp_method(n)
+               and not is_drafter_method(n)]
     if unknown:
+        free = [k for k, v in DRAFTERS.items() if not v.head]
         raise SpecheadsError(f"--methods: unknown method(s) {unknown}; choose from {list(KNOWN_METHODS)} "
                              f"or head:LABEL, with {LOOKUP_SUFFIX} after a head method to schedule a prompt-lookup "
                              "chain with it, "
-                             "or llama.cpp, llama.cpp:LABEL, llama.cpp-ngram")
+                             "or llama.cpp, llama.cpp:LABEL, llama.cpp-ngram, "
+                             f"or {DRAFTER_PREFIX}NAME for a registered drafter ({', '.join(free)}; --plugin adds "
+                             "your own)")
 
 
 def check_batch_methods(names: list[str]) -> None:

@@ -1,5 +1,5 @@
 """Scored drafters: proposals with per-node acceptance estimates (scheduler.Candidates), so the per-step scheduler
-(infer/scheduler.py) can choose what of them to verify, alone or merged with other sources (union.py)."""
+(infer/scheduling/step.py) can choose what of them to verify, alone or merged with other sources (union.py)."""
 from __future__ import annotations
 
 from specheads.infer.drafters.prompt_lookup import PromptLookupDrafter

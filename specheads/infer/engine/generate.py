@@ -42,7 +42,7 @@ class GenerationStats:
     timings: dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})  # seconds per phase
     tree_nodes: int = 0  # total tree nodes sent to the target (root included)
     stop_reason: str = ""  # eos | stop_string | max_new_tokens | context_window
-    # steps a scheduler chose (infer/scheduler.py): what it expected, in tokens and in one-token target forwards t(1)
+    # steps a scheduler chose (scheduling/step.py): what it expected, in tokens and in one-token target forwards t(1)
     scheduled_steps: int = 0
     expected_tau_sum: float = 0.0  # Σ expected tokens per step (1 + Σ p over the verified nodes)
     expected_cost_sum: float = 0.0  # Σ expected step cost, t(n)/t(1) + draft + loop, in t(1)
