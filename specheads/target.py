@@ -257,3 +257,35 @@ def tiny_target(vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 
     cfg._attn_implementation = "sdpa"
     model = LlamaForCausalLM(cfg).to(dtype).eval().requires_grad_(False)
     return Target(model=model, tokenizer=tokenizer, name=f"tiny-llama-{seed}")
+
+
+def full_attention_rope(rope_parameters: dict | None) -> dict | None:
+    """The RoPE parameters of the target's full-attention layers, what a draft layer attending the whole context
+    uses: `rope_parameters` as it is, or its "full_attention" entry when the config gives one per layer type
+    (Gemma 3: {"sliding_attention": {...}, "full_attention": {...}})."""
+    if not rope_parameters or not all(isinstance(v, dict) for v in rope_parameters.values()):
+        return rope_parameters
+    if "full_attention" in rope_parameters:
+        return dict(rope_parameters["full_attention"])
+    return dict(next(iter(rope_parameters.values())))
+
+
+def tiny_gemma3_target(vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 4, seed: int = 0,
+                       dtype: torch.dtype = torch.float32, tokenizer: Any = None, sliding_window: int = 8,
+                       **overrides) -> Target:
+    """A random-weight Gemma 3 target for fast tests: layers 0..L-2 sliding-window (window 8), the last full
+    attention, RoPE per layer type (theta 1e4 sliding, 1e6 full). D hidden=64, V vocab=256, head_dim 16."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+                           num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           sliding_window=sliding_window,
+                           layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"],
+                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+                           max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                           pad_token_id=0, **overrides)
+    cfg._attn_implementation = "sdpa"
+    model = Gemma3ForCausalLM(cfg).to(dtype).eval().requires_grad_(False)
+    return Target(model=model, tokenizer=tokenizer, name=f"tiny-gemma3-{seed}")

@@ -73,6 +73,7 @@ from torch import nn
 
 from specheads.heads.base import DraftHead, HeadConfig
 from specheads.heads.eagle import RotaryCache
+from specheads.target import full_attention_rope
 
 LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
               "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "rope_theta",
@@ -86,6 +87,8 @@ def block_layer_config(target_config: dict, num_layers: int, vocab_size: int):
 
     d = {k: target_config[k] for k in LAYER_KEYS if target_config.get(k) is not None}
     d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
+    if "rope_parameters" in d:  # the block attends the whole context: the full-attention layers' RoPE
+        d["rope_parameters"] = full_attention_rope(d["rope_parameters"])
     cfg = Qwen3Config(**d, num_hidden_layers=num_layers, vocab_size=vocab_size, tie_word_embeddings=False,
                       attention_bias=False, use_sliding_window=False, layer_types=["full_attention"] * num_layers)
     return cfg

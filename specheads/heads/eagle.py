@@ -20,6 +20,7 @@ Shapes: B batch, T sequence, N tree nodes, D hidden, V vocab, V' draft vocab, S 
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 from torch import nn
@@ -35,8 +36,8 @@ def decoder_config(target_config: dict, num_layers: int):
     model_type = d.pop("model_type")
     for k in ("transformers_version", "architectures", "_name_or_path", "auto_map"):
         d.pop(k, None)
-    if isinstance(d.get("layer_types"), list):
-        d["layer_types"] = d["layer_types"][:num_layers]
+    if isinstance(d.get("layer_types"), list):  # the head attends the whole context (tree masks): full layers
+        d["layer_types"] = ["full_attention"] * num_layers
     d.update(num_hidden_layers=num_layers, vocab_size=8, pad_token_id=None, tie_word_embeddings=False)
     cfg = AutoConfig.for_model(model_type, **d)
     cfg._attn_implementation = "sdpa"  # honours our 4D float masks; eager gives the same numbers, slower
@@ -64,11 +65,14 @@ class RotaryCache:
 
     def __init__(self, rotary: nn.Module):
         self.rotary = rotary.float()
+        # RoPE per layer type (Gemma 3) takes the layer type: the head's layers are full attention
+        self.args = ("full_attention",) if "layer_type" in inspect.signature(rotary.forward).parameters else ()
 
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor):
-        if self.rotary.inv_freq.device != x.device:
+        buf = next(self.rotary.buffers())
+        if buf.device != x.device:
             self.rotary.to(x.device)
-        return self.rotary(x, position_ids)
+        return self.rotary(x, position_ids, *self.args)
 
 
 class EagleHead(DraftHead):

@@ -8,16 +8,26 @@ The head fuses low, middle and high target layers and predicts tokens directly (
     o_t  = a_t + MLP(RMSNorm_post(a_t))                                     (the "midlayer", Llama layout)
     p(x_{t+2}) = softmax( W_lm · RMSNorm_final(o_t) )                       own lm_head over the draft vocab V'
 
+EAGLE-3.1 (speculators PR 610; speculators' Eagle3SpeculatorConfig `fc_norm` / `norm_output`), two switches, same
+loss, both off = EAGLE-3 above bit for bit (same state dict keys, same outputs):
+    fc_norm:     g_t = W_fc · [ RMSNorm_1(h_t^(l1)) ; RMSNorm_2(h_t^(l2)) ; RMSNorm_3(h_t^(l3)) ]
+                 one RMSNorm per feature layer (weights `fc_norm.{i}.weight`, eps = the target's rms_norm_eps),
+                 not one over the concatenation (speculators' separate `norm_before_fc`)
+    norm_output: the state fed to the next step is RMSNorm_final(o_t) instead of o_t (its logits are unchanged:
+                 p = softmax(W_lm · RMSNorm_final(o_t)) either way)
+
 Training-time test (TTT, paper §3.2): the head is unrolled n steps (default 7). Step 0 row t reads (g_t, x_{t+1});
-step i > 0 row t reads the head's own output o_t of step i-1 and the ground-truth token x_{t+1+i}, at position t+i,
-and predicts x_{t+2+i}. Its attention sees the step-0 keys of rows <= t plus the keys of row t at steps 1..i (its
-own chain), exactly what a chain of drafts below row t sees at inference (cache = prefix rows, plus its ancestors).
+step i > 0 row t reads the head's own output of step i-1 (o_t, or RMSNorm_final(o_t) with norm_output) and the
+ground-truth token x_{t+1+i}, at position t+i, and predicts x_{t+2+i}. Its attention sees the step-0 keys of
+rows <= t plus the keys of row t at steps 1..i (its own chain), exactly what a chain of drafts below row t sees at
+inference (cache = prefix rows, plus its ancestors).
 
 Layout matches SGLang's `LlamaForCausalLMEagle3` / the EAGLE-3 repo: `fc.weight`, `midlayer.{input_layernorm,
 hidden_norm,self_attn.{q,k,v,o}_proj,post_attention_layernorm,mlp.*}`, `norm.weight`, `lm_head.weight`, plus the
-draft-vocab buffers. In those files `d2t` holds OFFSETS (target id = i + d2t[i]); in memory and in our native folder
-it holds absolute target ids (heads/base.py); heads/export.py converts. The midlayer is always a Llama layer (what
-SGLang / vLLM / speculators build for EAGLE-3), sized from the target's config.
+draft-vocab buffers; with fc_norm also `fc_norm.{i}.weight`, i in the config order of the feature layers (as
+speculators names them). In those files `d2t` holds OFFSETS (target id = i + d2t[i]); in memory and in our native
+folder it holds absolute target ids (heads/base.py); heads/export/ converts. The midlayer is always a Llama layer
+(what SGLang / vLLM / speculators build for EAGLE-3), sized from the target's config.
 Shapes: B batch, T sequence, N tree nodes, D hidden, F feature layers, V vocab, V' draft vocab, S attended length.
 """
 from __future__ import annotations
@@ -26,10 +36,12 @@ import copy
 
 import torch
 from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from specheads.heads.base import (DraftHead, HeadConfig, build_draft_vocab, causal_mask_4d,  # noqa: F401 (re-export)
                                   last_row)
 from specheads.heads.eagle import RotaryCache, build_layers
+from specheads.target import full_attention_rope
 
 LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
               "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "rope_theta",
@@ -42,6 +54,8 @@ def eagle3_layer_config(target_config: dict, vocab_size: int):
 
     d = {k: target_config[k] for k in LLAMA_KEYS if target_config.get(k) is not None}
     d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
+    if "rope_parameters" in d:  # the midlayer attends the whole context: the full-attention layers' RoPE
+        d["rope_parameters"] = full_attention_rope(d["rope_parameters"])
     cfg = LlamaConfig(**d, num_hidden_layers=1, vocab_size=vocab_size, tie_word_embeddings=False,
                       attention_bias=False, mlp_bias=False)
     cfg._attn_implementation = "sdpa"
@@ -69,6 +83,10 @@ class Eagle3Head(DraftHead):
         self.norm = copy.deepcopy(mid.post_attention_layernorm)
         self._modules["lm_head"] = nn.Linear(D, config.out_vocab, bias=False)  # own projection (V', not frozen)
         self._rope = RotaryCache(rotary)
+        # EAGLE-3.1: one RMSNorm per feature layer (weight 1 at init, no RNG drawn: EAGLE-3's init is unchanged)
+        self.fc_norm = nn.ModuleList([LlamaRMSNorm(D, eps=self.layer_config.rms_norm_eps) for _ in range(F)]) \
+            if self.spec.fc_norm else None
+        self.norm_output = self.spec.norm_output
 
     @property
     def lm_head(self) -> nn.Linear:  # the head's own projection over V' (not the target's)
@@ -88,12 +106,16 @@ class Eagle3Head(DraftHead):
         return DynamicCache(config=self.layer_config)
 
     def project_features(self, features: torch.Tensor) -> torch.Tensor:
-        """features [..., F*D] (the feature layers concatenated in config order) -> [..., D]."""
-        return self.fc(features.to(self.head_dtype))
+        """features [..., F*D] (the feature layers concatenated in config order) -> [..., D]; with fc_norm each
+        layer's [..., D] block is normalised by its own RMSNorm first."""
+        x = features.to(self.head_dtype)
+        if self.fc_norm is not None:
+            x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1))], dim=-1)
+        return self.fc(x)
 
     def _step(self, hidden, tokens, position_ids, mask, cache, last_only: bool = False):
-        """One midlayer pass: hidden [B,N,D], tokens [B,N] -> (pre-norm hidden [B,N,D], logits [B,N,V'] or, with
-        last_only, [B,1,V'] of the last row only)."""
+        """One midlayer pass: hidden [B,N,D], tokens [B,N] -> (the state the next step reads [B,N,D]: pre-norm, or
+        post-norm with norm_output; logits [B,N,V'] or, with last_only, [B,1,V'] of the last row only)."""
         mid = self.midlayer
         hidden = hidden.to(self.head_dtype)
         x = torch.cat([mid.input_layernorm(self.embed(tokens)), mid.hidden_norm(hidden)], dim=-1)  # [B,N,2D]
@@ -101,6 +123,9 @@ class Eagle3Head(DraftHead):
         a, _ = mid.self_attn(hidden_states=x, attention_mask=mask, position_embeddings=pe, cache=cache)
         h = hidden + a
         h = h + mid.mlp(mid.post_attention_layernorm(h))
+        if self.norm_output:  # the post-norm state is both the next step's input and the logits' input
+            h = self.norm(h)
+            return h, self.lm_head(last_row(h) if last_only else h)
         return h, self.lm_head(self.norm(last_row(h) if last_only else h))
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -129,6 +154,7 @@ class Eagle3Head(DraftHead):
 
     def draft_forward(self, hidden, tokens, position_ids, attention_mask, cache, last_only: bool = False):
         """Inference: hidden [B,N,D] (project_features output for target rows, the head's own output below),
-        tokens [B,N], position_ids [B,N], attention_mask [B,1,N,S] float, cache -> (hidden [B,N,D] pre-norm,
+        tokens [B,N], position_ids [B,N], attention_mask [B,1,N,S] float, cache -> (hidden [B,N,D] for the next
+        step (pre-norm; post-norm with norm_output),
         logits [B,N,V'], or [B,1,V'] for the last row with last_only); appends N entries to `cache`."""
         return self._step(hidden, tokens, position_ids, attention_mask.to(self.head_dtype), cache, last_only)
