@@ -11,7 +11,7 @@ Methods:
 - `recycling`: our loop with a Token Recycling drafter per row (drafters.TokenRecyclingDrafter; each row's own
   table);
 - `head` / `head:LABEL`: our loop with each --head's drafter per row (the tree of --tree; auto = the batch-1 choice);
-- any of the last four with `+sched`: the per-row verify budget of batchbudget.BudgetScheduler on this machine's
+- any of the last four with `+sched`: the per-row verify budget of batch_budget.BudgetScheduler on this machine's
   rows x tokens cost surface (profile.load_or_profile_batch), which can always fall back to plain decoding.
 Figures (pure functions over the runs, tested on hand-made runs): tokens/s = new tokens / wall time of the calls
 (prefill included), τ = new tokens / row forwards (vanilla 1.00), speedup = tokens/s over vanilla's at the same B

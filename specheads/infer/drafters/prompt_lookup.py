@@ -24,7 +24,7 @@ class PromptLookupDrafter(Drafter):
 
     def find(self, ids: list[int], k: int) -> tuple[list[int], int]:
         """(up to k continuation tokens, match length: context tokens before the continuation equal to the
-        context's last ones, counted up to scheduler.MATCH_CAP); ([], 0) without a match."""
+        context's last ones, counted up to acceptance.MATCH_CAP); ([], 0) without a match."""
         t = torch.tensor(ids)
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
             if n <= 0 or k <= 0:

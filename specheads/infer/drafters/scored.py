@@ -1,4 +1,4 @@
-"""Scored drafters: proposals with per-node acceptance estimates (scheduler.Candidates), so the per-step scheduler
+"""Scored drafters: proposals with per-node acceptance estimates (acceptance.Candidates), so the per-step scheduler
 (infer/scheduling/step.py) can choose what of them to verify, alone or merged with other sources (union.py)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from specheads.infer.verify import Accepted
 
 
 class ScoredDrafter(Drafter):
-    """A drafter whose proposal carries per-node acceptance estimates (scheduler.Candidates), so a scheduler can
+    """A drafter whose proposal carries per-node acceptance estimates (acceptance.Candidates), so a scheduler can
     choose what of it to verify, alone or merged with other sources (ScheduledUnionDrafter)."""
 
     report: StepReport | None = None
@@ -75,7 +75,7 @@ class ScoredTreeDrafter(ScoredDrafter):
 
 class ScoredLookupDrafter(ScoredDrafter):
     """Prompt lookup's chain with per-token estimates: P(accepted | parent accepted) by match length and depth
-    (scheduler.LookupRates), learned per request from each step's greedy outcome."""
+    (acceptance.LookupRates), learned per request from each step's greedy outcome."""
     name = "lookup"
 
     def __init__(self, num_tokens: int = 10, max_ngram: int = 3):
