@@ -52,6 +52,9 @@ class HeadSpec:
     bias: bool | None = None  # fc / ResBlock bias; None = the kind's paper default (Medusa True, EAGLE True, EAGLE-3 False)
     medusa_lm_head: Literal["shared", "per_head"] = "shared"  # shared frozen target lm_head, or per head (Medusa-1 repo)
     ttt_steps: int = 7  # EAGLE-3 training-time-test unroll (EAGLE-3 repo default length 7)
+    # EAGLE-3.1 (speculators' Eagle3SpeculatorConfig keys of the same names; heads/eagle3.py): both false = EAGLE-3.
+    fc_norm: bool = False  # an RMSNorm on each captured target state before fc (one per feature layer)
+    norm_output: bool = False  # the head's post-norm state feeds its next step (EAGLE-3: the pre-norm state)
     # DSpark / DFlash block drafter (heads/dspark.py; docs/training.md "DSpark"). DFlash = markov_rank 0 and
     # confidence_head false: the same head without its two small heads.
     block_size: int = 7  # K slots per block incl. the anchor (DeepSpec dspark_qwen3_4b: 7; speculators' default 8)
@@ -77,6 +80,9 @@ class HeadSpec:
             self._check_block()
         elif self.anchor_features:
             raise SpecheadsError(f"head.anchor_features: a DSpark block-drafter switch; head.kind is {self.kind!r}")
+        for name in ("fc_norm", "norm_output"):
+            if getattr(self, name) and self.kind != "eagle3":
+                raise SpecheadsError(f"head.{name}: an EAGLE-3 (EAGLE-3.1) switch; head.kind is {self.kind!r}")
 
     def _check_block(self) -> None:
         if self.block_size < (1 if self.sample_from_anchor else 2):

@@ -48,6 +48,14 @@ LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_ke
               "rope_scaling", "initializer_range")
 
 
+EAGLE31_SWITCHES = ("fc_norm", "norm_output")  # HeadSpec fields, named as speculators' config keys
+
+
+def eagle31_switches(spec) -> list[str]:
+    """The EAGLE-3.1 switches a HeadSpec turns on (empty: plain EAGLE-3)."""
+    return [name for name in EAGLE31_SWITCHES if getattr(spec, name)]
+
+
 def eagle3_layer_config(target_config: dict, vocab_size: int):
     """A one-layer LlamaConfig with the target's sizes (what EAGLE-3 consumers build)."""
     from transformers import LlamaConfig
@@ -155,6 +163,6 @@ class Eagle3Head(DraftHead):
     def draft_forward(self, hidden, tokens, position_ids, attention_mask, cache, last_only: bool = False):
         """Inference: hidden [B,N,D] (project_features output for target rows, the head's own output below),
         tokens [B,N], position_ids [B,N], attention_mask [B,1,N,S] float, cache -> (hidden [B,N,D] for the next
-        step (pre-norm; post-norm with norm_output),
-        logits [B,N,V'], or [B,1,V'] for the last row with last_only); appends N entries to `cache`."""
+        step: pre-norm, post-norm with norm_output; logits [B,N,V'], or [B,1,V'] for the last row with last_only);
+        appends N entries to `cache`."""
         return self._step(hidden, tokens, position_ids, attention_mask.to(self.head_dtype), cache, last_only)

@@ -41,7 +41,9 @@ DSpark / DFlash heads (the speculators dspark layout, then the keys below) are r
 - Qwen3 layers with q/k norms (src/models/dflash.cpp:234-235), NeoX RoPE (src/llama-model.cpp:3179-3185), the
   context's keys/values from RMSNorm(fc(features)) without the input norm (:606-640), as ours; confidence
   sigmoid(conf_proj [h_k ; W1[x_prev]] + b) on the final-normed hidden (:368-381, :797-800).
-Refused: gated / rnn Markov heads, a confidence head without the Markov input, feature layer L, activations
+Refused: EAGLE-3.1 heads (head.fc_norm / head.norm_output: the converter maps no `fc_norm.*` tensor, and
+src/models/eagle3.cpp has only the one `norm_before_fc` norm and feeds its pre-norm state to the next step, :286),
+gated / rnn Markov heads, a confidence head without the Markov input, feature layer L, activations
 other than SiLU (no hidden_act is written), RoPE scaling the converter does not write, and the anchor-features
 variant. The per-slot confidence temperatures have no slot in the GGUF (gguf_export.json lists them).
 """
@@ -64,6 +66,7 @@ import torch
 from safetensors import safe_open
 
 from specheads.heads.base import CONFIG_NAME, WEIGHTS_NAME, HeadConfig, read_head_config, read_safetensors
+from specheads.heads.eagle3 import eagle31_switches
 from specheads.heads.export import check_block_exportable, export_head
 from specheads.target import resolve_target_path, target_fingerprint
 from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json, cache_root, read_json
@@ -266,6 +269,12 @@ def _eagle3_check_head(cfg: HeadConfig, head_dir: Path) -> None:
                              "llama.cpp feeds the pre-norm state for that id, so the draft would read other features")
     if cfg.head_spec.resolved_bias():
         raise SpecheadsError(f"--format gguf: {head_dir} has an fc bias; llama.cpp's EAGLE-3 fc has none")
+    on = eagle31_switches(cfg.head_spec)
+    if on:
+        raise SpecheadsError(f"--format gguf: {head_dir} is an EAGLE-3.1 head ({', '.join('head.' + n for n in on)}); "
+                             "llama.cpp's EAGLE-3 has no per-layer fc norms (its converter maps no fc_norm.* tensor, "
+                             "src/models/eagle3.cpp has only the one norm_before_fc) and feeds its pre-norm state "
+                             "to the next step (src/models/eagle3.cpp:286)")
 
 
 def _eagle3_converter_config(cfg: HeadConfig, config: dict) -> dict:

@@ -6,14 +6,16 @@ EAGLE-3 repo's model (SafeAILab/EAGLE eagle/model/cnets.py).
 Llama config + draft_vocab_size; aux layer ids both top level (`eagle_aux_hidden_state_layer_ids`, our
 hidden-states index: vLLM and llama.cpp) and nested (`eagle_config`, ours minus one: SGLang); fc.weight,
 midlayer.*, norm.weight, lm_head.weight, d2t (offsets), t2d. The fc and layer helpers here serve the speculators
-EAGLE-3 layout too (export/speculators.py).
+EAGLE-3 layout too (export/speculators.py), EAGLE-3.1's `fc_norm` / `norm_output` included; this layout refuses
+EAGLE-3.1 heads (refuse_eagle31: none of its consumers builds them at the commits read) and reads the two keys
+where a folder carries them (top level, as speculators and later vLLM name them).
 """
 from __future__ import annotations
 
 import torch
 
 from specheads.heads.base import HeadConfig, HeadSpec
-from specheads.heads.eagle3 import eagle3_layer_config
+from specheads.heads.eagle3 import EAGLE31_SWITCHES, eagle31_switches, eagle3_layer_config
 from specheads.heads.export.common import (
     absolute_d2t, check_dims, check_keys, d2t_offsets, drop_zero_attention_biases, legacy_rope_keys, t2d_of,
     zero_attention_biases,
@@ -36,20 +38,68 @@ def _vocab_maps(cfg: HeadConfig, sd: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(cfg.vocab_size, dtype=torch.int64), torch.ones(cfg.vocab_size, dtype=torch.bool)
 
 
+def _ascending(cfg: HeadConfig) -> list[int]:
+    """Positions of the feature layers in config order, sorted by layer id (the consumers' order)."""
+    ids = list(cfg.feature_layers)
+    return sorted(range(len(ids)), key=lambda j: ids[j])
+
+
 def ascending_fc(cfg: HeadConfig, sd: dict) -> tuple[list[int], torch.Tensor]:
     """Consumers concatenate the aux states in layer order; our fc [D, F*D] (F feature layers) reads them in
     config order. Returns (ids ascending, fc.weight with its column blocks in that order): the same function of the
     same states."""
-    ids, w = list(cfg.feature_layers), sd["fc.weight"]
-    order = sorted(range(len(ids)), key=lambda j: ids[j])
-    D = cfg.hidden_size
-    return [ids[j] for j in order], torch.cat([w[:, j * D:(j + 1) * D] for j in order], dim=1)
+    order, w, D = _ascending(cfg), sd["fc.weight"], cfg.hidden_size
+    return [cfg.feature_layers[j] for j in order], torch.cat([w[:, j * D:(j + 1) * D] for j in order], dim=1)
 
 
-def write_eagle3(cfg: HeadConfig, sd: dict, expected: list[str], **_) -> tuple[dict, dict, list[str]]:
+def ascending_fc_norm(cfg: HeadConfig, sd: dict) -> dict:
+    """EAGLE-3.1's per-layer norms `fc_norm.{i}.weight` [D] renumbered in the consumers' ascending layer order (as
+    ascending_fc reorders fc's blocks); empty without fc_norm."""
+    if not cfg.head_spec.fc_norm:
+        return {}
+    return {f"fc_norm.{i}.weight": sd[f"fc_norm.{j}.weight"] for i, j in enumerate(_ascending(cfg))}
+
+
+def eagle31_config(cfg: HeadConfig) -> dict:
+    """The EAGLE-3.1 keys of speculators' Eagle3SpeculatorConfig, only those turned on (a plain EAGLE-3 export
+    stays as it was)."""
+    return {name: True for name in eagle31_switches(cfg.head_spec)}
+
+
+def eagle31_problems(fmt: str, consumer: str, cfg: HeadConfig) -> list[str]:
+    """Why `consumer` of `fmt` cannot read an EAGLE-3.1 head (empty for plain EAGLE-3, and for speculators itself,
+    whose Eagle3DraftModel builds both switches): the engines' loaders at the commits read build plain EAGLE-3."""
+    on = eagle31_switches(cfg.head_spec)
+    if not on or (fmt, consumer) == ("speculators", "speculators"):
+        return []
+    why = {"vllm": "vLLM at the commits read passes neither key on (speculators/algos.py cfb173ab update_eagle3) "
+                   "and builds neither (llama_eagle3.py 583507d)" if fmt == "speculators" else
+                   "vLLM's llama_eagle3.py (583507d) builds neither switch",
+           "sglang": "SGLang's llama_eagle3.py (d737979) skips fc_norm.* and feeds its pre-norm state back",
+           "llama.cpp": "llama.cpp's converter and eagle3 graph (0c1e570) have neither"}
+    return [f"this head is EAGLE-3.1 ({', '.join('head.' + n for n in on)}): "
+            + why.get(consumer, "its model is plain EAGLE-3")]
+
+
+def refuse_eagle31(cfg: HeadConfig, fmt: str, where: str) -> None:
+    """The eagle3 layout's consumers build plain EAGLE-3 at the commits read (docs/exports.md): one error naming
+    the switches and why, before anything is written."""
+    on = eagle31_switches(cfg.head_spec)
+    if on:
+        raise SpecheadsError(
+            f"--format {fmt}: {where} is an EAGLE-3.1 head ({', '.join('head.' + n for n in on)}), which no {fmt} "
+            "consumer reads: SGLang's LlamaForCausalLMEagle3 (d737979) skips unknown weights such as fc_norm.* and "
+            "feeds its pre-norm state to the next step, vLLM's Eagle3LlamaForCausalLM (583507d) builds neither "
+            "switch, llama.cpp's converter maps neither; export --format speculators (speculators reads both) or "
+            "keep the native folder")
+
+
+def write_eagle3(cfg: HeadConfig, sd: dict, expected: list[str], where: str = "the head",
+                 **_) -> tuple[dict, dict, list[str]]:
     """SGLang (llama_eagle3.py: fc bias and o_proj bias from `bias`, aux ids nested, ours minus one), vLLM and
     llama.cpp (top-level aux ids, ours), the EAGLE-3 repo (hardcoded layers). No target_hidden_size: the EAGLE-3
-    repo loads the target's embedding only without it (cnets.py)."""
+    repo loads the target's embedding only without it (cnets.py). EAGLE-3.1 heads are refused (refuse_eagle31)."""
+    refuse_eagle31(cfg, "eagle3", where)
     b = cfg.head_spec.resolved_bias()
     ids, fc = ascending_fc(cfg, sd)
     config = eagle3_llama_dict(cfg)
@@ -89,8 +139,9 @@ def read_eagle3_layer(config: dict, layer: dict, sd: dict, target, where: str, w
     ids = _eagle3_ids(config, target.num_layers, where)
     sd = drop_zero_attention_biases(sd, w)
     dv = int(config.get("draft_vocab_size") or target.vocab_size)
+    switches = {name: bool(config.get(name, False)) for name in EAGLE31_SWITCHES}  # speculators' keys, EAGLE-3.1
     spec = HeadSpec(kind="eagle3", feature_layers=ids, bias="fc.bias" in sd,
-                    draft_vocab_size=dv if dv < target.vocab_size else None)
+                    draft_vocab_size=dv if dv < target.vocab_size else None, **switches)
     check_keys(sd, ["fc.weight", "norm.weight", "lm_head.weight"], w)
     tensors = {k: v for k, v in sd.items() if k not in ("d2t", "t2d")}
     if dv < target.vocab_size:

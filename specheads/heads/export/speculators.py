@@ -4,8 +4,11 @@ and vLLM, which serves it through its speculators-config path (vllm/transformers
 update_eagle3, then vllm/model_executor/models/llama_eagle3.py).
 
 speculators_model_type eagle3, transformer_layer_config, speculators_config {verifier, proposal_methods};
-fc.weight, layers.0.*, norm.weight, lm_head.weight [, d2t, t2d when V' < V]. A speculators folder of a dspark /
-dflash head is read by export/dspark.py.
+fc.weight, layers.0.*, norm.weight, lm_head.weight [, d2t, t2d when V' < V]. EAGLE-3.1 heads add the config keys
+`fc_norm` / `norm_output` (true; absent when off, speculators' default false) and the tensors `fc_norm.{i}.weight`,
+i in ascending layer order (models/eagle3/core.py: one RMSNorm per aux state, chunked from the concatenation; the
+post-norm state fed to the next TTT step). A speculators folder of a dspark / dflash head is read by
+export/dspark.py.
 """
 from __future__ import annotations
 
@@ -14,7 +17,9 @@ import torch
 from specheads.heads.base import HeadConfig, HeadSpec
 from specheads.heads.export.common import SPECULATIVE_TOKENS, d2t_offsets, need
 from specheads.heads.export.dspark import BLOCK_TYPES, import_block_tensors
-from specheads.heads.export.eagle3 import ascending_fc, eagle3_llama_dict, read_eagle3_layer
+from specheads.heads.export.eagle3 import (
+    ascending_fc, ascending_fc_norm, eagle3_llama_dict, eagle31_config, read_eagle3_layer,
+)
 from specheads.utils import SpecheadsError
 
 
@@ -33,11 +38,14 @@ def write_speculators(cfg: HeadConfig, sd: dict, expected: list[str], verifier: 
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier,
                          "architectures": cfg.target_config.get("architectures") or ["LlamaForCausalLM"]}},
+        **eagle31_config(cfg),  # EAGLE-3.1: fc_norm / norm_output true where the head has them
     }
     tensors = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v
                for k, v in sd.items() if k not in ("d2t", "t2d")}
     tensors["fc.weight"] = fc
-    required = ["fc.weight", "norm.weight", "lm_head.weight"] + \
+    norms = ascending_fc_norm(cfg, sd)  # speculators' fc_norm ModuleList chunks the aux states in layer order
+    tensors.update(norms)
+    required = ["fc.weight", "norm.weight", "lm_head.weight"] + list(norms) + \
         ["layers.0." + k[len("midlayer."):] for k in expected if k.startswith("midlayer.")]
     if cfg.draft_vocab_size:  # speculators registers d2t/t2d only when V' < V
         tensors.update(d2t=d2t_offsets(sd["d2t"]), t2d=sd["t2d"].to(torch.bool))
