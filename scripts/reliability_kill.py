@@ -385,13 +385,9 @@ KILLS = {k.name: k for k in [
          _absent("out")),
     Kill("export killed while writing over an earlier export", "export", "/.out.tmp-",
          _glob(".out.tmp-*/.config.json.tmp*"), _earlier_export_kept),
-    Kill("export killed while recording its source", "export", "/out/.export_info.json.tmp",
-         _glob("out/.export_info.json.tmp*")),
+    Kill("export killed while recording its source", "export", "/.export_info.json.tmp",
+         _glob(".out.tmp-*/.export_info.json.tmp*"), _absent("out")),
 ]}
-# A known defect the kill shows (tests/test_kill9.py marks it xfail strict; the sweep marks its row open).
-OPEN = {"export killed while recording its source":
-        "export_info.json is written after the export folder is renamed into place (commands/export.py run): a kill "
-        "in between leaves an export the rerun does not recognise (exit 2, 'pass --force')",
-        "prepare killed while writing its manifest":
-        "atomic_write_text's temporary file (.manifest.json.tmp-XXXXXXXX, utils.py) carries no pid and no later "
-        "run removes it: never read, but left in features/ for good"}
+# Known defects a kill shows, by kill name: why (tests/test_kill9.py marks each xfail strict; the sweep marks its
+# row open). None today.
+OPEN: dict[str, str] = {}

@@ -115,8 +115,12 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = True) -> Iterator[Pat
 
     The temporary name carries the writer's pid (`.<name>.tmp-<pid>-<random>`): leftovers of a killed writer (its
     pid gone) are removed the next time `final` is written. Callers that replace a folder the user named check
-    first with `refuse_replacing`."""
+    first with `refuse_replacing`. A `final` that is itself an empty temporary folder of this process (an outer
+    atomic_dir, e.g. an export staged with its record) is written in place: the outer rename publishes it."""
     final = Path(final)
+    if _staged_here(final):
+        yield final
+        return
     existed, tmp = final.exists(), None
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -140,6 +144,12 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = True) -> Iterator[Pat
         if err is None:
             raise
         raise err from None
+
+
+def _staged_here(folder: Path) -> bool:
+    """An empty `.<name>.tmp-<this pid>-*` folder: made by an outer atomic_dir of this process."""
+    return (folder.name.startswith(".") and f".tmp-{os.getpid()}-" in folder.name and folder.is_dir()
+            and not any(folder.iterdir()))
 
 
 def _remove_stale(final: Path) -> None:
@@ -208,13 +218,15 @@ def refuse_replacing(out: str | os.PathLike, sources: list[str | os.PathLike], i
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to a temporary file beside `path`, fsync, rename: `path` is whole or as it was. An OS refusal
-    (full disk, read-only, ...) is one WriteError naming `path`; the temporary file is removed."""
+    """Write `text` to a temporary file beside `path` (`.<name>.tmp-<pid>-<random>`), fsync, rename: `path` is whole
+    or as it was; a killed writer's temporary file is removed by the next write of `path`. An OS refusal (full disk,
+    read-only, ...) is one WriteError naming `path`; the temporary file is removed."""
     path = Path(path)
     existed, tmp = path.exists(), None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+        _remove_stale(path)  # a killed writer's temporary file (its pid gone)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent)
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()

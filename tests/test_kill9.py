@@ -58,11 +58,9 @@ def test_export_killed_while_writing_over_an_earlier_export_keeps_it_and_reruns(
     _check(["export killed while writing over an earlier export"], base, tmp_path, earlier=True)
 
 
-@pytest.mark.xfail(strict=True, reason=kill9.OPEN["export killed while recording its source"])
 def test_export_killed_while_recording_its_source_reruns(base, tmp_path):
     _check(["export killed while recording its source"], base, tmp_path)
 
 
-@pytest.mark.xfail(strict=True, reason=kill9.OPEN["prepare killed while writing its manifest"])
 def test_prepare_killed_while_writing_its_manifest_leaves_no_temporary(base, tmp_path):
     _check(["prepare killed while writing its manifest"], base, tmp_path)

@@ -17,7 +17,7 @@ import argparse
 import logging
 
 from specheads.heads.export_guards import GGUF_FILES, OWN_FILES, written_format  # noqa: F401 (their old home)
-from specheads.utils import SpecheadsError
+from specheads.utils import SpecheadsError, atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +80,16 @@ def run(args: argparse.Namespace) -> int:
         check_out(args.out, fmt, source, args.force, reads)  # again, now that no other export can write there
         from specheads.heads.export_guards import write_export_info
 
-        rc = _export(args)
-        write_export_info(args.out, source, fmt)  # what a later export may replace without --force: this source's
+        # the export and its record (what a later export may replace without --force) appear in one rename: a
+        # kill leaves --out as it was, and the rerun of the same command is taken
+        with atomic_dir(args.out) as staged:
+            rc = _export(args, staged)
+            write_export_info(staged, source, fmt)
     return rc
 
 
-def _export(args: argparse.Namespace) -> int:
+def _export(args: argparse.Namespace, out) -> int:
+    """Write the export (or the import) into `out`, the staged folder that becomes --out."""
     from specheads.heads.export import export_head, import_head
     from specheads.heads.export_guards import verify_head, warn_other_target
     from specheads.target import load_target
@@ -95,7 +99,7 @@ def _export(args: argparse.Namespace) -> int:
     if args.head and args.format == "gguf":  # the converter reads folders: no target is loaded here
         from specheads.heads.gguf import export_gguf
 
-        export_gguf(args.head, args.out, target=args.target, with_target=args.target_gguf, outtype=args.gguf_type)
+        export_gguf(args.head, out, target=args.target, with_target=args.target_gguf, outtype=args.gguf_type)
         print(f"exported {args.head} as gguf -> {args.out}")
         return 0
     target = load_target(args.target, dtype=args.dtype) if args.target else None
@@ -104,12 +108,12 @@ def _export(args: argparse.Namespace) -> int:
             raise SpecheadsError("--import: needs --target (the head is checked against it and bound to it)")
         warn_other_target(args.import_dir, args.target)
         head = import_head(args.import_dir, target, fmt=args.from_format)
-        head.save_pretrained(args.out)
+        head.save_pretrained(out)
         print(f"imported {args.import_dir} as a {head.kind} head -> {args.out}")
         return 0
     if args.speculative_tokens < 1:
         raise SpecheadsError(f"--speculative-tokens {args.speculative_tokens}: must be >= 1")
-    export_head(args.head, args.format, args.out, target=target, verifier_name_or_path=args.verifier,
+    export_head(args.head, args.format, out, target=target, verifier_name_or_path=args.verifier,
                 speculative_tokens=args.speculative_tokens, consumers=args.consumer)
     print(f"exported {args.head} as {args.format} -> {args.out}")
     return 0
