@@ -74,10 +74,10 @@ def main(argv=None) -> int:
     from specheads.heads.base import load_head
     from specheads.infer.head_eval import answer_batch, target_answers
     from specheads.train.heldout import heldout_recipe
-    from specheads.infer.prompts import load_prompts
+    from specheads.infer.bench.prompts import load_prompts
     from specheads.target import load_target
     from specheads.train.devset import dev_answers
-    from specheads.train.features import collate
+    from specheads.train.dataset import collate
     from specheads.train.trainer import load_training_data
     from specheads.utils import atomic_write_json
 

@@ -47,7 +47,8 @@ def main() -> int:
 
     from specheads import load_target
     from specheads.train.data import load_conversations, tokenize_conversations
-    from specheads.train.features import FeatureConfig, extract_features, resolve_layers, write_features
+    from specheads.train.features import FeatureConfig, extract_features, write_features
+    from specheads.train.layout import resolve_layers
     from specheads.train.regenerate import generate_batch
 
     target = load_target(args.target, dtype=args.dtype)

@@ -12,7 +12,7 @@ target's logits over all 49,152 columns every step (no sidecar: online mode, old
 draft vocabulary's 8,192 (greedy token and logsumexp read from the batch); DSpark's default loss reads only the
 draft vocabulary either way, its exact-acceptance option (train.block_full_vocab) is where the sidecar matters.
 Printed per path: the median optimizer step (forward, backward, AdamW), tokens/s = tokens per step / that median,
-the ratio to the full path, and for EAGLE-3 the target-logits part alone (`steps.target_rows`, timed right after each
+the ratio to the full path, and for EAGLE-3 the target-logits part alone (`teacher.target_rows`, timed right after each
 step); also the sidecar pass itself (what `specheads prepare` pays once per token, loss rows only).
 
     .venv/bin/python scripts/bench_train.py --compare-targets --rounds 8 --json bench_targets.json
@@ -96,8 +96,8 @@ SHAPES = {  # the recipes' head and loss settings (configs/eagle3-smollm2-regen6
 def shape_batch(target, a, layers):
     """One offline batch [B,T] of real text: features in bf16 (as stored), the first `prompt_fraction` of each
     sequence outside the loss (the regen data: 505k answer tokens of 739k), and its sidecar fields."""
-    from specheads.train.features import extract_features, greedy_and_lse, lm_head_logits
-    from specheads.train.steps import need_rows
+    from specheads.train.features import extract_features
+    from specheads.train.teacher import greedy_and_lse, lm_head_logits, need_rows
 
     B, T = a.batch_size, a.seq_len
     ids = batch_of_ids(target.tokenizer, B, T)
@@ -116,7 +116,9 @@ def shape_batch(target, a, layers):
 
 def timed_step(kind, model, opt, acc, batch, target, layers, settings) -> tuple[float, float | None]:
     """(seconds of one optimizer step, seconds of its target-logits part measured alone, EAGLE-3 only)."""
-    from specheads.train.steps import split_features, target_rows, train_loss
+    from specheads.train.kinds.base import split_features
+    from specheads.train.steps import train_loss
+    from specheads.train.teacher import target_rows
 
     inner = acc.unwrap_model(model)
     t0 = time.perf_counter()

@@ -153,7 +153,7 @@ def drafter_makers(target) -> dict:
 
 def exactness(device: str, dtype: torch.dtype, n_prompts: int, new_tokens: int) -> dict:
     """Per drafter: share of prompts whose greedy tokens equal HF generate's, τ, and errors (e.g. no drafter)."""
-    from specheads.infer.generate import generate
+    from specheads.infer.engine.generate import generate
 
     target = exact_target(device, dtype)
     ps = prompts(target.vocab_size, n_prompts)

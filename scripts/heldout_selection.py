@@ -18,7 +18,8 @@ def main(argv=None) -> int:
     from specheads.train.heldout import heldout_recipe
     from specheads.target import load_target
     from specheads.train.evaluate import evaluate
-    from specheads.train.trainer import eval_indices, load_training_data
+    from specheads.train.dataset import eval_indices
+    from specheads.train.trainer import load_training_data
     from specheads.utils import atomic_write_json
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -15,9 +15,10 @@ from safetensors.torch import load_file, save_file
 
 from specheads.heads import HeadSpec, build_head, load_head
 from specheads.heads.export import export_head, import_head
-from specheads.train.evaluate import BlockEvalAccumulator, ece, fit_platt, fit_sequential_temperatures, null_ece
+from specheads.train.calibrate import fit_platt, fit_sequential_temperatures, null_ece
+from specheads.train.confidence import BlockEvalAccumulator, ece
 from specheads.train.losses import acceptance_rate, block_position_weights, dspark_loss
-from specheads.train.steps import block_valid, sample_anchors
+from specheads.train.kinds.block import block_targets, block_valid, sample_anchors
 from specheads.utils import SpecheadsError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,8 +182,6 @@ def test_sample_anchors_reproducible_and_on_assistant_rows():
 
 
 def test_block_targets_read_row_p_plus_j(tiny):
-    from specheads.train.steps import block_targets
-
     head = _head(tiny, draft_vocab_size=100)
     h = torch.randn(2, 12, D, generator=torch.Generator().manual_seed(2))
     anchors = torch.tensor([[2, 7], [4, 0]])

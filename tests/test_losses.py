@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specheads.train.losses import (LK_EPS, LOSS_TERMS, DistillLoss, TargetRows, distill_loss, eagle3_loss,
-                                    eagle_loss, medusa_loss, parse_loss, resolve_loss, shift_rows, simulated_tau,
-                                    soft_ce, step_correct, step_mask)
+from specheads.train.losses import (LK_EPS, LOSS_TERMS, DistillLoss, distill_loss, eagle3_loss, eagle_loss,
+                                    medusa_loss, parse_loss, resolve_loss, shift_rows, simulated_tau, soft_ce,
+                                    step_correct, step_mask)
+from specheads.train.teacher import TargetRows
 from test_dspark import _greedy_samples
 
 B, T, V, K, D = 2, 10, 17, 3, 8

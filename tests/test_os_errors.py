@@ -254,14 +254,14 @@ def test_targets_that_would_run_code_are_refused(tmp_path):
 
 
 def test_head_values_holding_equals(tiny, tmp_path):
-    from specheads.commands.bench import parse_heads, split_head
+    from specheads.infer.bench.names import head_entries, split_head
     from specheads.commands.generate import drafter_source
 
     folder = _head(tiny, tmp_path / "a=b" / "head")
     assert split_head(str(folder)) == ("", str(folder))  # the whole text is a folder: used whole
     assert split_head(f"mine={folder}") == ("mine", str(folder))
-    assert parse_heads([str(folder)]) == {"head": str(folder)}
-    assert parse_heads([f"x={folder}", str(folder)]) == {"head:x": str(folder), "head:eagle3": str(folder)}
+    assert head_entries([str(folder)]) == {"head": str(folder)}
+    assert head_entries([f"x={folder}", str(folder)]) == {"head:x": str(folder), "head:eagle3": str(folder)}
     with pytest.raises(SpecheadsError, match="a folder whose own path holds '=' is used whole"):
         split_head(str(tmp_path / "c=d" / "head"))
     assert drafter_source(argparse.Namespace(head=str(folder)))[0] == "eagle3"

@@ -195,7 +195,8 @@ def test_head_weights_checksum_is_checked_on_load(tiny, tmp_path):
 # --------------------------------------------------------------------------------------------- feature shards
 
 def test_damaged_feature_shard_is_caught_on_read(tiny, tmp_path):
-    from specheads.train.features import FeatureConfig, FeatureDataset, write_features
+    from specheads.train.dataset import FeatureDataset
+    from specheads.train.features import FeatureConfig, write_features
 
     rows = [{"input_ids": list(range(3, 3 + 10 + i)), "loss_mask": [1] * (10 + i), "conversation_id": f"c{i}"}
             for i in range(6)]

@@ -10,7 +10,8 @@ import torch
 
 from test_train import make_head, make_recipe, state, token_samples
 
-from specheads.train.trainer import Trainer, list_checkpoints
+from specheads.train.checkpoint import list_checkpoints
+from specheads.train.trainer import Trainer
 from specheads.utils import SpecheadsError
 
 

@@ -154,7 +154,7 @@ def test_dev_set_refuses_a_benchmark_and_select_needs_it(tmp_path):
 
 
 def test_sharegpt_dev_is_balanced_and_excludes_training_ids():
-    from specheads.infer.prompts import MT_BENCH_CATEGORIES, load_sharegpt_dev, request_kind
+    from specheads.infer.bench.prompts import MT_BENCH_CATEGORIES, load_sharegpt_dev, request_kind
 
     assert request_kind("Write a poem about the sea") == "writing"
     assert request_kind("Fix this python function") == "coding"

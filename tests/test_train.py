@@ -7,7 +7,8 @@ import torch
 
 from specheads.config import load_config
 from specheads.recipe import Recipe
-from specheads.train.trainer import Trainer, list_checkpoints
+from specheads.train.checkpoint import list_checkpoints
+from specheads.train.trainer import Trainer
 from specheads.utils import SpecheadsError
 
 V = 256

@@ -14,7 +14,6 @@ from specheads.infer.bench import BenchSettings, MethodOptions, build_methods, m
 from specheads.infer.bench.methods import check_lookup_tokens
 from specheads.infer.bench.names import (HEAD_LOOKUP_TOKENS, check_method_names, default_methods, head_entries,
                                          needs_heads)
-from specheads.infer.bench.names import head_entries as parse_heads, split_head  # noqa: F401 (tests/test_os_errors.py)
 from specheads.infer.bench.prompts import load_prompts
 from specheads.infer.drafters import parse_tree
 from specheads.infer.drafters.plugins import load_plugins

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from specheads.infer.prompts import BenchPrompt, encode_turn
+from specheads.infer.bench.prompts import BenchPrompt, encode_turn
+from specheads.train.layout import resolve_layers
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,6 @@ def evaluate_head_on_prompts(target, head, prompts: list[BenchPrompt], max_new_t
     """Metrics of `head` on the target's answers to `prompts` (train/evaluate.py's, rounded to 4 places), with
     the rows counted."""
     from specheads.train.evaluate import EvalConfig, evaluate
-    from specheads.train.features import resolve_layers
 
     kind = head.config.kind
     layers = resolve_layers(target.num_layers, head.config.feature_layers, kind)

@@ -195,11 +195,11 @@ def load_conversations(source: Any = "sharegpt", max_conversations: int | None =
     with_ids = any("token_ids" in m for ms in msgs for m in ms)  # messages then carry token_ids (None: text)
     msgs = [[dict(m, token_ids=m.get("token_ids")) for m in ms] for ms in msgs] if with_ids else msgs
     ds = datasets.Dataset.from_dict({"conversation_id": ids, "messages": msgs},
-                                    features=_conversation_features(with_ids))
+                                    features=conversation_features(with_ids))
     return ds, stats
 
 
-def _conversation_features(with_ids: bool = False):
+def conversation_features(with_ids: bool = False):
     """messages[{role, content}], plus token_ids (a regenerated answer's tokens, else None) when `with_ids`."""
     import datasets
 
@@ -225,7 +225,7 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def _special_tokens(tokenizer) -> list[str]:
+def special_tokens(tokenizer) -> list[str]:
     toks = set(getattr(tokenizer, "all_special_tokens", []) or [])
     for t in getattr(tokenizer, "added_tokens_decoder", {}).values():
         if getattr(t, "special", False):
@@ -239,7 +239,7 @@ def render_segments(tokenizer, messages: list[dict], specials: list[str] | None 
     An assistant message with `token_ids` (a regenerated answer) gives its content as those ids, not its text,
     then its end-of-turn token as text: the target's own tokens, which decode -> encode would change.
     Raises Malformed when the template does not render prefix-consistently for this conversation."""
-    specials = _special_tokens(tokenizer) if specials is None else specials
+    specials = special_tokens(tokenizer) if specials is None else specials
     segs: list[tuple[str | list[int], bool]] = []
     done = ""  # text covered so far
     for i, m in enumerate(messages):
@@ -280,7 +280,7 @@ def tokenize_conversations(conversations, tokenizer, max_length: int, batch_size
     cut) are dropped and counted."""
     import datasets
 
-    specials = _special_tokens(tokenizer)
+    specials = special_tokens(tokenizer)
     bad: list[str] = []
 
     def fn(batch):

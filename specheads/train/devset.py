@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from specheads.infer.bench.prompts import load_prompts, load_sharegpt_dev
 from specheads.train.layout import features_dir
 from specheads.utils import SpecheadsError, atomic_write_json
 
@@ -47,8 +48,6 @@ def training_conversation_ids(recipe) -> set[str]:
 
 
 def load_dev_prompts(recipe) -> list:
-    from specheads.infer.prompts import load_prompts, load_sharegpt_dev
-
     ecfg = recipe.eval
     if ecfg.dev_dataset in BENCHMARKS:
         raise SpecheadsError(f"eval.dev_dataset: {ecfg.dev_dataset!r} is a benchmark we report; the dev set must be "

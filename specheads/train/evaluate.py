@@ -27,10 +27,6 @@ from specheads.train.steps import draft_outputs
 from specheads.train.walk import RATIO_FIELDS, ratio_and_se, ratio_sums, walk_batch
 from specheads.utils import SpecheadsError, check_values
 
-# names other modules import from here
-from specheads.train.calibrate import fit_platt, fit_sequential_temperatures, null_ece  # noqa: F401
-from specheads.train.confidence import ece  # noqa: F401
-
 
 @dataclass
 class EvalConfig:

@@ -33,11 +33,6 @@ from specheads.train.shards import (FORMAT, MANIFEST, check_features_folder, com
                                     sha256_file, shard_name)
 from specheads.utils import SpecheadsError, atomic_write_json, check_values
 
-# names other packages import from here
-from specheads.train.dataset import FeatureDataset, collate  # noqa: F401
-from specheads.train.layout import resolve_layers  # noqa: F401
-from specheads.train.teacher import greedy_and_lse, lm_head_logits  # noqa: F401
-
 log = logging.getLogger(__name__)
 
 DISK_MARGIN = 1.05  # extra share of the estimate required free (safetensors headers, filesystem slack)

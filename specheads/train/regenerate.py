@@ -39,6 +39,9 @@ import torch
 
 from specheads.infer.engine.kvcache import buffered_cache, merge_caches, select_rows
 from specheads.target import chat_prompt_ids
+from specheads.train.data import (chat_tokenizer, conversation_features, load_conversations, render_segments,
+                                  special_tokens, tokenize_texts)
+from specheads.train.sources import Malformed
 from specheads.utils import SpecheadsError
 
 log = logging.getLogger(__name__)
@@ -227,12 +230,10 @@ class _Answers:
 
     def __init__(self, todo: list[dict], tok, f, max_length: int, max_new_tokens: int, max_turns: int | None,
                  sync_every: int, on_done):
-        from specheads.train.data import _special_tokens
-
         self.todo, self.tok, self.f = todo, tok, f
         self.max_length, self.max_new_tokens, self.max_turns = max_length, max_new_tokens, max_turns
         self.hist: list[list[dict]] = [[] for _ in todo]  # regenerated conversation so far
-        self.specials = _special_tokens(tok)  # for history_prompt_ids, found once
+        self.specials = special_tokens(tok)  # for history_prompt_ids, found once
         self.cursor = [0] * len(todo)  # next source message index to copy
         self.sync_every, self.unsynced, self.on_done = sync_every, 0, on_done
 
@@ -283,8 +284,6 @@ def history_prompt_ids(tok, hist: list[dict], specials: list[str]) -> list[int]:
     trains on (earlier answers as the ids the target generated), then the generation prompt, so the prompt equals
     the training tokens before this answer. The first turn is chat_prompt_ids; so is a template that cannot be split
     (tokenisation drops such a conversation anyway)."""
-    from specheads.train.data import Malformed, render_segments
-
     if not any(m["role"] == "assistant" for m in hist):
         return chat_prompt_ids(tok, hist)
     try:
@@ -303,8 +302,6 @@ def read_regenerated(path: str | os.PathLike, wanted: set[str], keep=None):
     written before they were stored) are re-encoded from their text at tokenisation; one log line counts them."""
     import datasets
 
-    from specheads.train.data import load_conversations
-
     regen, stats = load_conversations(str(path))
     regen = regen.filter(lambda c: c in wanted, input_columns="conversation_id", desc="select regenerated")
     answers = [m for ms in regen["messages"] for m in ms if m["role"] == "assistant"]
@@ -321,10 +318,8 @@ def read_regenerated(path: str | os.PathLike, wanted: set[str], keep=None):
 
 
 def _with_no_ids(convs):
-    from specheads.train.data import _conversation_features
-
     return convs.map(lambda ms: {"messages": [dict(m, token_ids=None) for m in ms]}, input_columns="messages",
-                     features=_conversation_features(with_ids=True), desc="align columns")
+                     features=conversation_features(with_ids=True), desc="align columns")
 
 
 def _first_prompt_chars(row: dict) -> int:
@@ -341,8 +336,6 @@ def regenerate(target, conversations, out_path: str | os.PathLike, max_length: i
     `conversations`: Dataset/list with conversation_id and messages. `max_turns`: keep only the first N exchanges
     (1 = single-turn samples). Returns stats (tokens generated, tokens/s)."""
     from tqdm.auto import tqdm
-
-    from specheads.train.data import chat_tokenizer
 
     tok = chat_tokenizer(target.tokenizer, None, target.name)  # one clear error when there is no template
     out_path = Path(out_path)
@@ -458,8 +451,6 @@ def text_tokens(cfg, target, texts, data_dir: Path, max_length: int, seed: int =
     keep the source). `regen_target()`: the target that regenerates (data.regen_dtype), called only when some
     window is not yet in the output. Returns (tokens Dataset, tokenize stats, summary fields of the regeneration)."""
     import datasets
-
-    from specheads.train.data import tokenize_texts
 
     tokens, stats = tokenize_texts(texts, target.tokenizer, max_length)
     if not cfg.regenerate:

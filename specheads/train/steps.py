@@ -18,10 +18,6 @@ from specheads.train.kinds.base import Drafts, split_features
 from specheads.train.losses import (BLOCK_GAMMA, BLOCK_W_CE, BLOCK_W_L1, CONFIDENCE_ALPHA, LK_ETA, DistillLoss,
                                     LossOutput, resolve_loss)
 
-# names other modules import from here
-from specheads.train.kinds.block import block_targets, block_valid, sample_anchors  # noqa: F401
-from specheads.train.teacher import need_rows, target_rows  # noqa: F401
-
 
 @dataclass
 class LossSettings:

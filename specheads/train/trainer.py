@@ -66,8 +66,7 @@ from specheads.utils import SpecheadsError, atomic_write_json
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TrainConfig", "TrainResult", "Trainer", "run_training", "list_checkpoints", "load_training_data",
-           "eval_indices"]
+__all__ = ["TrainResult", "Trainer", "run_training", "load_training_data"]
 
 
 @dataclass
