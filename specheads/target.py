@@ -278,14 +278,14 @@ def tiny_gemma3_target(vocab_size: int = 256, hidden_size: int = 64, num_layers:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(seed)
-    cfg = Gemma3TextConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
-                           num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                           sliding_window=sliding_window,
-                           layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"],
-                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
-                           max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                           pad_token_id=0, **overrides)
+    kw = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+              num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              sliding_window=sliding_window, layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"],
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+              max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+              architectures=["Gemma3ForCausalLM"])  # what a loaded checkpoint's config carries
+    cfg = Gemma3TextConfig(**{**kw, **overrides})
     cfg._attn_implementation = "sdpa"
     model = Gemma3ForCausalLM(cfg).to(dtype).eval().requires_grad_(False)
     return Target(model=model, tokenizer=tokenizer, name=f"tiny-gemma3-{seed}")

@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random Llama target (fast) and the real SmolLM2 through the converted cache (slow)."""
+"""Shared fixtures: a tiny random Llama target, a tiny sliding-window Gemma 3 (both fast), and the real SmolLM2
+through the converted cache (slow)."""
 from __future__ import annotations
 
 import os
@@ -37,3 +38,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def sliding():
+    """Random-weight 4-layer Gemma 3, hidden 64, vocab 256, fp32: layers 0-2 sliding-window (window 8), layer 3
+    full attention, RoPE per layer type. No tokenizer."""
+    from specheads.target import tiny_gemma3_target
+
+    return tiny_gemma3_target()
