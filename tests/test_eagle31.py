@@ -244,6 +244,10 @@ def test_formats_that_cannot_carry_it_refuse_in_one_line(tiny, tmp_path, switche
                           ("eagle3", "eagle-repo")]:
         assert eagle31_problems(fmt, consumer, cfg), (fmt, consumer)
     assert eagle31_problems("eagle3", "vllm", _head(tiny, feature_layers=[1, 2, 3]).config) == []
+    # a speculators export for its default consumers names vLLM's loader, which builds neither switch
+    with pytest.raises(SpecheadsError, match=r"--format speculators: .*\(vllm\): this head is EAGLE-3.1 .*--consumer"):
+        export_head(tmp_path / "h", "speculators", tmp_path / "s")
+    assert not (tmp_path / "s").exists()
 
 
 def test_recipe_turns_both_on():

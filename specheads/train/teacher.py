@@ -168,7 +168,7 @@ def target_greedy(target, h_last: torch.Tensor, batch: dict) -> torch.Tensor:
 
 def needed_rows(loss_mask: torch.Tensor, offsets: Sequence[int]) -> torch.Tensor:
     """[Ts] bool over a shard's concatenated samples: rows j whose next token j+1 is an assistant token of the same
-    sample, the only rows any loss or evaluation reads (steps.need_rows on a padded batch)."""
+    sample, the only rows any loss or evaluation reads (teacher.need_rows on a padded batch)."""
     need = torch.zeros(loss_mask.shape[0], dtype=torch.bool)
     need[:-1] = loss_mask[1:].bool()
     for end in offsets[1:]:

@@ -12,6 +12,7 @@ commit and path in docs/exports.md):
 from __future__ import annotations
 
 from specheads.heads.base import HeadConfig
+from specheads.heads.export.eagle3 import eagle31_problems
 from specheads.utils import SpecheadsError
 
 # (format, consumer) -> the loader, as error messages name it.
@@ -42,7 +43,8 @@ def consumer_problems(fmt: str, consumer: str, cfg: HeadConfig) -> list[str]:
                 f"{cfg.target_config.get('model_type')!r} layer"]
     if fmt not in ("eagle3", "speculators"):
         return []
-    out = []
+    # the engines' EAGLE-3 loaders build neither EAGLE-3.1 switch (the eagle3 format refuses such a head whole)
+    out = eagle31_problems(fmt, consumer, cfg) if fmt == "speculators" else []
     if spec.resolved_bias() and consumer != "sglang":
         out.append("its fc has no bias and this head was trained with one (head.bias true)")
     return out + _layer_problems(consumer, list(cfg.feature_layers), L)
