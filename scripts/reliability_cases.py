@@ -386,7 +386,7 @@ def _input_cases(h) -> list[dict[str, Any]]:
         {"area": "config", "risk": "traceback", "name": "binary file given as --config",
          "setup": lambda c: (c.tmp / "r.yaml").write_bytes(b"\xff\xfe\x00\x01"),
          "argv": ["train", "--config", "{tmp}/r.yaml"], "rc": 2, "expect": "not a text file"},
-        # exports and imports (heads/export.py, utils.refuse_replacing)
+        # exports and imports (heads/export/, utils.refuse_replacing)
         {"area": "export", "risk": "silent wrong result", "name": "eagle export of a tied target's head",
          "setup": eagle_head_of_tied_target, "argv": ["export", "--head", "{head}", "--format", "eagle", "--out",
                                                       "{tmp}/o"], "rc": 0, "expect": "exported",

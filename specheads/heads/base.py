@@ -7,7 +7,7 @@ embedding / lm_head / final norm are bound by reference at load time, never save
 Draft vocabulary (d2t / t2d). In memory and in the native folder, `d2t` is [V'] long holding the ABSOLUTE target id of
 each draft id (`d2t[i]` = target id), sorted ascending, and `t2d` is [V] bool (True where the target id is in the draft
 vocab). The EAGLE-3 repo, SGLang and speculators store `d2t` as OFFSETS (target id = i + d2t[i]; SGLang's
-llama_eagle3.py: "d2t stores diffs between draft id and target id"); heads/export.py converts at the border.
+llama_eagle3.py: "d2t stores diffs between draft id and target id"); heads/export/common.py converts at the border.
 Use `head.to_target_ids(ids)` rather than indexing by hand.
 """
 from __future__ import annotations
