@@ -228,12 +228,7 @@ CLI_KINDS = {**KINDS, "dspark": [*KINDS["dspark"], "head.draft_vocab_size=512"],
              "dflash": [*KINDS["dflash"], "head.draft_vocab_size=512"]}
 
 
-FULL_VOCAB_BUG = pytest.mark.xfail(raises=RuntimeError, reason=(
-    "train/kinds/block.py _block_drafts writes the bf16 target lm_head's logits into fp32 buffers (full "
-    "vocabulary, bf16 target): RuntimeError at the first evaluation, any architecture"))
-
-
-@pytest.mark.parametrize("kind", [*CLI_KINDS, pytest.param("dspark-full-vocab", marks=FULL_VOCAB_BUG)])
+@pytest.mark.parametrize("kind", [*CLI_KINDS, "dspark-full-vocab"])
 def test_prepare_and_train_from_a_recipe(target_folder, tmp_path, capsys, kind):
     """`specheads prepare` then `specheads train` on the saved folder, the target in bf16 (the recipe default):
     the issue's case, a DSpark head on a sliding-window target with RoPE per layer type, and every other kind."""

@@ -68,7 +68,7 @@ from safetensors import safe_open
 from specheads.heads.base import CONFIG_NAME, WEIGHTS_NAME, HeadConfig, read_head_config, read_safetensors
 from specheads.heads.eagle3 import eagle31_switches
 from specheads.heads.export import check_block_exportable, export_head
-from specheads.target import resolve_target_path, target_fingerprint
+from specheads.target import full_attention_rope, resolve_target_path, target_fingerprint
 from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json, cache_root, read_json
 
 log = logging.getLogger(__name__)
@@ -256,7 +256,8 @@ class DraftKind:
 
 def _rope_theta(cfg: HeadConfig) -> float:
     tc = cfg.target_config
-    return float((tc.get("rope_parameters") or {}).get("rope_theta", tc.get("rope_theta", 10000.0)))
+    rope = full_attention_rope(tc.get("rope_parameters")) or {}  # per-layer-type RoPE: the draft's full-attention
+    return float(rope.get("rope_theta", tc.get("rope_theta", 10000.0)))
 
 
 def _eagle3_check_head(cfg: HeadConfig, head_dir: Path) -> None:

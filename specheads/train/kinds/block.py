@@ -138,7 +138,7 @@ def _block_drafts(head, batch: dict, h_in: torch.Tensor, h_last: torch.Tensor, t
         bi, ai = v.nonzero(as_tuple=True)
         rows = a[bi, ai] - 1  # the block at p sits on row p-1
         for j in range(K):
-            steps[j][bi, rows] = lg[bi, ai, j]
+            steps[j][bi, rows] = lg[bi, ai, j].to(steps[j].dtype)  # a bf16 target's full-vocabulary logits
             if conf is not None:
                 conf[j, bi, rows] = cf[bi, ai, j].float()
     return steps, conf, targ
