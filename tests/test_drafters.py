@@ -107,46 +107,13 @@ def test_a_training_free_kind_plugs_in_by_registering(tiny, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The EAGLE drafter before it grew its draft rows as a DraftTree, verbatim but for the class name: the reference
-# the current one must equal token for token.
+# The EAGLE drafter's proposal as it was before its draft rows became a DraftTree (tree.tree_from_parents): the
+# reference the current one must equal token for token.
 # ---------------------------------------------------------------------------------------------------------------
-class ReferenceEagleDrafter(Drafter):
-    """EAGLE-1 / EAGLE-3 heads with the EAGLE-2 dynamic tree. The head keeps its own KV cache of TRUE rows: row t
-    pairs the target feature f_t with token x_{t+1} at position t. Each step only the newly accepted rows run
-    through the head (with their true target features); the draft rows added while building the tree are cropped
-    away afterwards. Draft-vocab ids map back with head.to_target_ids. Defaults depth 5 / top_k 8 /
-    total_tokens 48: a little smaller than EAGLE-2's 6 / 10 / 60, sized for CPU targets."""
-    name = "eagle"
+class ReferenceEagleDrafter(EagleDrafter):
+    """The EAGLE-2 dynamic tree with its draft rows kept by hand (node -> row index), the head's true-row cache and
+    its forward shared with EagleDrafter: only the tree building is the old one."""
 
-    def __init__(self, head, depth: int = 5, top_k: int = 8, total_tokens: int = 48):
-        self.head, self.depth, self.top_k, self.total_tokens = head, depth, top_k, total_tokens
-        self.feature_layers = list(head.config.feature_layers)
-        self.cache = None
-        self.rows = 0  # true rows in the head cache (positions 0 .. rows-1)
-        self.pending: torch.Tensor | None = None  # [P, F*D] features of cached positions not yet run through the head
-
-    def reset(self, prompt_ids, features) -> None:
-        self.cache = self.head.new_cache()
-        self.rows = 0
-        self.pending = features
-
-    def observe(self, tree, accepted, features) -> None:
-        self.pending = features if self.pending is None else torch.cat([self.pending, features])
-
-    def _run(self, hidden, tokens, positions, draft_mask, last_only: bool = False):
-        """Run n rows through the head: hidden [n, D], tokens [n] target ids, positions [n], draft_mask [n, R+n] bool
-        over the draft rows already cached plus these rows (True = attend); every true row is attended.
-        Returns (hidden out [n, D], log-probs [n, V'] or, with last_only, [1, V'] of the last row)."""
-        p = next(self.head.parameters())
-        n = tokens.numel()
-        allowed = torch.cat([torch.ones(n, self.rows, dtype=torch.bool), draft_mask], dim=1)  # [n, S]
-        mask = torch.zeros(allowed.shape, dtype=p.dtype).masked_fill_(~allowed, float("-inf"))[None, None]
-        h, logits = self.head.draft_forward(hidden[None].to(p.device, p.dtype), tokens[None].to(p.device),
-                                           positions[None].to(p.device), mask.to(p.device), self.cache,
-                                           last_only=last_only)
-        return h[0], torch.log_softmax(logits[0].float(), dim=-1)
-
-    @torch.no_grad()
     def propose(self, ctx: DraftContext) -> DraftTree:
         ids, root = ctx.ids, ctx.ids[-1]
         cached = len(ids) - 1  # target positions 0 .. cached-1 have true features
