@@ -1,6 +1,8 @@
 """The report scripts that write the README's result blocks."""
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,3 +113,30 @@ def test_prediction_table_reads_the_best_step_and_the_served_tau(tmp_path):
     assert (r["held_out"], r["dev"], r["served_tau"], r["held_out_per_position"]) == (1.5, 1.4, 1.35, 1.6)
     assert r["dev_error"] == pytest.approx(1.4 / 1.35 - 1) and r["holds"]  # +3.7%: within 5%
     assert "| h | 10 | 1.600 | 1.500 ± 0.020 | 1.400 | 1.350 (80 turns) | +3.7% | yes |" in (out.parent / "pred.md").read_text()
+
+
+def test_compare_bench_runs_finds_a_changed_output(tmp_path):
+    """scripts/compare_bench_runs.py: identical runs compare identical; one changed text and one changed τ are named."""
+    def write(d, text, tau):
+        (d / "single").mkdir(parents=True)
+        (d / "batch").mkdir()
+        rows = [{"method": m, "prompt_id": "1", "turn": 0, "text": t, "target_forwards": 3, "new_tokens": 4}
+                for m, t in (("vanilla", "a b"), ("head", text))]
+        (d / "single" / "outputs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (d / "single" / "results.json").write_text(json.dumps(
+            {"methods": {"vanilla": {"overall": {"tau": 1.0}}, "head": {"overall": {"tau": tau}}}}))
+        row = {"tau": tau, "target_forwards": 3, "row_forwards": 6, "new_tokens": 8, "identical": 1.0}
+        (d / "batch" / "results.json").write_text(json.dumps({"batch_sizes": {"4": {"head": row}}}))
+
+    write(tmp_path / "a", "a b", 1.5)
+    write(tmp_path / "b", "a b", 1.5)
+    write(tmp_path / "c", "a c", 1.25)
+    script = Path(__file__).resolve().parents[1] / "scripts" / "compare_bench_runs.py"
+    for other, same in (("b", True), ("c", False)):
+        out = tmp_path / f"{other}.json"
+        subprocess.run([sys.executable, str(script), str(tmp_path / "a"), str(tmp_path / other), str(out)], check=True,
+                       capture_output=True)
+        res = json.loads(out.read_text())
+        assert (res["single"]["identical_rows"] == 2) is same and (res["batch"]["identical"] == 1) is same
+        assert res["single"]["tau_differs"] == ({} if same else {"head": [1.5, 1.25]})
+        assert res["single"]["rows_differing"] == ([] if same else [["head", "1", 0]])
