@@ -11,10 +11,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Imports first, then (second process only) waits for the first one's lock before running the command.
+# Imports first (the whole train command: the first process holds its lock for about a second of training),
+# then (second process only) waits for the first one's lock before running the command.
 RUNNER = """
 import sys, time, pathlib
 from specheads import cli
+import specheads.commands.train, specheads.train.trainer  # what `train` imports, before the lock is looked at
 lock = pathlib.Path(sys.argv[1])
 if sys.argv[2] == "wait":
     (lock.parent / "ready").touch()  # imported: the test starts the first process now
