@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from specheads.config import load_config
 from specheads.heads import HeadSpec, build_head, load_head
@@ -26,6 +26,8 @@ from specheads.recipe import Recipe
 from specheads.target import tiny_target
 from specheads.train.trainer import Trainer
 from specheads.utils import SpecheadsError
+from test_export import run_speculators_load
+from test_heads import _chain_mask
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_PY = ROOT / ".venv-speculators" / "bin" / "python"
@@ -47,12 +49,6 @@ def _head(target, seed=3, **kw):
 def _inputs(seed=1, F=3):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(B, T, F * D, generator=g), torch.randint(0, V, (B, T), generator=g)
-
-
-def _chain_mask(cache_len: int, n: int) -> torch.Tensor:
-    m = torch.zeros(1, 1, n, cache_len + n)
-    m[..., cache_len:] = torch.zeros(n, n).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
-    return m
 
 
 def _rms(x, w, eps):
@@ -273,18 +269,12 @@ def test_speculators_package_loads_and_runs_the_eagle31_export(tmp_path):
     toks = torch.randint(0, V, (1, 12), generator=g)
     with torch.no_grad():
         logits = head(torch.cat([blocks[i] for i in layers], -1), toks, steps=3)
-    (tmp_path / "ref").mkdir()
-    save_file({"features": torch.cat([blocks[i] for i in sorted(layers)], -1), "tokens": toks,
-               **{f"logits_{i}": lg for i, lg in enumerate(logits)}}, str(tmp_path / "ref" / "inputs.safetensors"))
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HOME": os.environ.get("HOME", str(tmp_path))}
-    r = subprocess.run([str(SPEC_PY), str(ROOT / "tests" / "fixtures" / "speculators_load.py"), str(tmp_path / "s"),
-                        str(tmp_path / "ref")], capture_output=True, text=True, env=env, timeout=150)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = run_speculators_load(tmp_path / "s", torch.cat([blocks[i] for i in sorted(layers)], -1), toks, logits,
+                               tmp_path)
     assert out["ok"] and out["aux_ids"] == sorted(layers) and out["steps"] == 3
     assert out["checked"] == len(load_file(str(tmp_path / "s" / "model.safetensors")))
     assert max(out["max_abs_diff"]) < 1e-4, out["max_abs_diff"]
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)}
     probe = ("import json, sys; from speculators import SpeculatorModelConfig as C; c = C.from_pretrained(sys.argv[1]);"
              " print(json.dumps({'fc_norm': c.fc_norm, 'norm_output': c.norm_output,"
              " 'norm_before_fc': c.norm_before_fc}))")

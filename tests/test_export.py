@@ -662,17 +662,23 @@ def test_speculators_package_loads_and_runs_our_export(tmp_path, layers, L, draf
     toks = torch.randint(0, V, (1, 12), generator=g)
     with torch.no_grad():
         logits = head(ours, toks, steps=3)
-    (tmp_path / "ref").mkdir()
-    save_file({"features": theirs, "tokens": toks, **{f"logits_{i}": l for i, l in enumerate(logits)}},
-              str(tmp_path / "ref" / "inputs.safetensors"))
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HOME": os.environ.get("HOME", str(tmp_path))}
-    r = subprocess.run([str(SPEC_PY), str(ROOT / "tests" / "fixtures" / "speculators_load.py"), str(tmp_path / "s"),
-                        str(tmp_path / "ref")], capture_output=True, text=True, env=env, timeout=150)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = run_speculators_load(tmp_path / "s", theirs, toks, logits, tmp_path)
     diffs = out.pop("max_abs_diff")
     assert out == {"ok": True, "checked": len(load_file(str(tmp_path / "s" / "model.safetensors"))),
                    "draft_vocab_size": draft_vocab or V, "aux_ids": sorted(layers), "class": "Eagle3DraftModel",
                    "verifier": str(tmp_path / "verifier"), "steps": 3}
     assert max(diffs) < 1e-4, diffs
+
+
+def run_speculators_load(export_dir: Path, features, tokens, logits, tmp_path: Path) -> dict:
+    """Run tests/fixtures/speculators_load.py in .venv-speculators on an export and our inputs / per-step logits
+    (offline, its own environment); its JSON report."""
+    (tmp_path / "ref").mkdir()
+    save_file({"features": features, "tokens": tokens, **{f"logits_{i}": lg for i, lg in enumerate(logits)}},
+              str(tmp_path / "ref" / "inputs.safetensors"))
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HOME": os.environ.get("HOME", str(tmp_path))}
+    r = subprocess.run([str(SPEC_PY), str(ROOT / "tests" / "fixtures" / "speculators_load.py"), str(export_dir),
+                        str(tmp_path / "ref")], capture_output=True, text=True, env=env, timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
