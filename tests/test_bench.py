@@ -360,6 +360,37 @@ def test_several_heads_in_one_run(tiny, tmp_path, monkeypatch):
     assert "## Tree: head:eagle" in md and "## Tree: head:medusa" in md
 
 
+def test_per_head_trees_serve_each_head_its_own_tree(tiny, tmp_path):
+    """--tree LABEL=SPEC: one run serves an EAGLE head a fixed tree and a DSpark head its whole block; the unlabelled
+    value is every other head's; unknown labels and a second unlabelled tree are one line each."""
+    from specheads.heads.base import HeadSpec, build_head
+    from specheads.infer.bench.names import head_trees
+
+    tiny.tokenizer = ByteTok()
+    build_head(HeadSpec(kind="dspark", feature_layers=[1, 2, 3], block_size=4, markov_rank=16), tiny
+               ).save_pretrained(tmp_path / "dspark")
+    build_head(HeadSpec(kind="eagle"), tiny).save_pretrained(tmp_path / "eagle")
+    heads = head_entries([str(tmp_path / "dspark"), str(tmp_path / "eagle")])
+    trees = head_trees(["eagle=2,2,6", "dspark=3"], heads)
+    assert trees == {str(tmp_path / "eagle"): "2,2,6", str(tmp_path / "dspark"): "3"}
+    assert head_trees(["chain:2", "dspark=3"], heads)[str(tmp_path / "eagle")] == "chain:2"
+    assert head_trees(None, heads) == {str(tmp_path / "eagle"): "auto", str(tmp_path / "dspark"): "auto"}
+    with pytest.raises(SpecheadsError, match="'medusa' is not a --head label"):
+        head_trees(["medusa=2"], heads)
+    with pytest.raises(SpecheadsError, match="a second tree for every head"):
+        head_trees(["2,2,6", "3"], heads)
+    with pytest.raises(SpecheadsError, match="has a tree already"):
+        head_trees(["dspark=3", "dspark=4"], heads)
+    methods, extra = build_methods(["head:eagle", "head:dspark"], tiny, MethodOptions(heads=heads, tree=trees))
+    assert extra["trees"]["head:eagle"]["mode"] == "2,2,6" and extra["trees"]["head:eagle"]["total_tokens"] == 6
+    assert extra["trees"]["head:dspark"]["mode"] == "3" and extra["trees"]["head:dspark"]["family"] == "block"
+    prompts = [BenchPrompt(id="0", category="a", turns=["abcabcabc"], chat=False)]
+    res = run_bench(prompts, methods, BenchSettings("tiny", "x", "float32", max_new_tokens=8, warmup_tokens=2),
+                    tiny.tokenizer, out_dir=tmp_path / "out", extra=extra, progress=False)
+    for n in ("head:eagle", "head:dspark"):
+        assert res["methods"][n]["overall"]["identical"] == 1.0
+
+
 def test_head_lookup_merges_prompt_lookup_and_names_the_method(tiny, tmp_path):
     from specheads.heads.base import HeadSpec, build_head
 

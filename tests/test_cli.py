@@ -97,6 +97,8 @@ BENCH_BAD = [
     (["--tree", "2,4,8"], "medusa", "--tree 2,4,8: not a tree spec; a Medusa head takes"),
     (["--temperature", "nan"], "eagle3", "--temperature nan: must be a finite number"),
     (["--lookup", "0"], "eagle3", "--lookup 0: must be 1..64"),
+    (["--tree", "nope=2"], "eagle3", "--tree nope=2: 'nope' is not a --head label (labels: ['head'])"),
+    (["--tree", "head=2,4,8", "--tree", "medusa=3"], "medusa", "--tree medusa=3: 'medusa' is not a --head label"),
 ]
 
 

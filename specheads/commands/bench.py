@@ -13,7 +13,7 @@ from specheads.heads.base import read_head_config
 from specheads.infer.bench import BenchSettings, MethodOptions, build_methods, markdown_table, run_bench
 from specheads.infer.bench.methods import check_lookup_tokens
 from specheads.infer.bench.names import (HEAD_LOOKUP_TOKENS, check_method_names, default_methods, head_entries,
-                                         needs_heads)
+                                         head_trees, needs_heads)
 from specheads.infer.bench.prompts import load_prompts
 from specheads.infer.drafters import parse_tree
 from specheads.infer.drafters.plugins import load_plugins
@@ -50,8 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--both-turns", action="store_true",
                    help="MT-bench: also the second turn, conditioned on the method's own first answer (FastChat)")
     shared.add_dtype(p)
-    p.add_argument("--tree", default="auto",
-                   help="the heads' tree, as `specheads generate --tree`: auto (default: EAGLE / Medusa heads: profile "
+    p.add_argument("--tree", action="append", default=None, metavar="[LABEL=]SPEC",
+                   help="the heads' tree, as `specheads generate --tree`; LABEL=SPEC for the head head:LABEL only "
+                        "(repeat the flag: e.g. --tree eagle3=2,2,6 --tree dspark=7): auto (default: EAGLE / Medusa heads: profile "
                         "this machine, choose size and depth; DSpark heads: the per-step scheduler); EAGLE heads: "
                         "DEPTH,TOP_K,TOTAL (e.g. 4,4,16); Medusa heads: chain:K, JSON rank paths or default; DSpark "
                         "heads: K or chain:K draft tokens per step")
@@ -94,11 +95,12 @@ def method_options(args: argparse.Namespace) -> MethodOptions:
     if args.llamacpp_p_min is not None and not 0.0 <= args.llamacpp_p_min <= 1.0:
         raise SpecheadsError(f"--llamacpp-p-min {args.llamacpp_p_min}: expected a confidence in [0, 1]")
     heads = head_entries(args.head)
+    trees = head_trees(args.tree, heads)
     for head_dir in heads.values():
         config = read_head_config(Path(head_dir))
-        parse_tree(args.tree, config.kind, config)
+        parse_tree(trees[head_dir], config.kind, config)
     check_lookup_tokens(args.lookup, flag=shared.spelled(args, "lookup", "--lookup")[0])
-    return MethodOptions(temperature=args.temperature, heads=heads, tree=args.tree,
+    return MethodOptions(temperature=args.temperature, heads=heads, tree=trees,
                          refresh_profile=args.refresh_profile, lookup=args.lookup, draft_model=args.draft_model,
                          draft_tokens=args.draft_tokens, threads=args.threads, llamacpp_target=args.llamacpp_target,
                          llamacpp_draft_max=args.llamacpp_draft_max, llamacpp_p_min=args.llamacpp_p_min)

@@ -39,11 +39,12 @@ class ResolvedHead:
 
 
 class HeadResolver:
-    """One run's heads and trees. `tree`: the `--tree` text every head takes; `calib_ids`: the prompts (token ids)
+    """One run's heads and trees. `tree`: the `--tree` text every head takes, or {head folder: text}
+    (names.head_trees; a folder not in it takes auto); `calib_ids`: the prompts (token ids)
     of a tree head's `auto` probe, or a function returning them, called at the first probe; `refresh`: measure the
     cost profile again before the probe."""
 
-    def __init__(self, target, tree: str | None = "auto",
+    def __init__(self, target, tree: str | None | dict[str, str] = "auto",
                  calib_ids: list[list[int]] | Callable[[], list[list[int]]] = (), refresh: bool = False):
         self.target, self.tree, self.refresh = target, tree, refresh
         self._calib_ids = calib_ids
@@ -65,7 +66,8 @@ class HeadResolver:
         head = entry["head"]
         kind = head.config.kind
         family = drafter_kind(kind, head=True).family
-        spec = parse_tree(self.tree, kind, head)
+        text = self.tree.get(str(head_dir), "auto") if isinstance(self.tree, dict) else self.tree
+        spec = parse_tree(text, kind, head)
         if spec.mode == "auto" and family == "block" and block_auto == "block":
             spec = TreeSpec.tokens(head.num_drafts)
             tree = {**given_tree_record(kind, family, spec), "mode": "auto",

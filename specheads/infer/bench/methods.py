@@ -184,7 +184,8 @@ class MethodOptions:
 
     temperature: float = 0.0
     heads: dict[str, str] = field(default_factory=dict)  # method name -> head folder (names.head_entries)
-    tree: str = "auto"  # --tree for every head (treespec: auto, DEPTH,TOP_K,TOTAL, rank paths)
+    tree: str | dict[str, str] = "auto"  # --tree for every head (treespec: auto, DEPTH,TOP_K,TOTAL, rank paths),
+    # or {head folder: tree} (names.head_trees)
     refresh_profile: bool = False  # measure the cost profile again before `--tree auto`
     lookup: int = HEAD_LOOKUP_TOKENS  # tokens of the prompt-lookup chain the +lookup and combo methods merge in
     draft_model: str | None = None  # the draft-model method's model: a name, or truncated:N (the target's N layers)

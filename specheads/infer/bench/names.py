@@ -153,6 +153,33 @@ def head_entries(spec) -> dict[str, str]:
     return out
 
 
+def head_trees(values, heads: dict[str, str]) -> dict[str, str]:
+    """--tree values -> {head folder: tree text}. `SPEC` applies to every head; `LABEL=SPEC` to the head of method
+    head:LABEL only (an unlabelled --head is `head`), so one run can serve an EAGLE head a tree and a block head its
+    block. At most one unlabelled value (default auto) and one value per label."""
+    items = [values] if isinstance(values, str) else list(values or ["auto"])
+    labels = {name.split(":", 1)[1] if ":" in name else name: folder for name, folder in heads.items()}
+    default, per_label = None, {}
+    for value in items:
+        label, sep, spec = str(value).partition("=")
+        if not sep:
+            if default is not None:
+                raise SpecheadsError(f"--tree {value}: a second tree for every head (the first: {default}); give "
+                                     f"per-head trees as LABEL=SPEC")
+            default = value
+        elif label not in labels:
+            raise SpecheadsError(f"--tree {value}: {label!r} is not a --head label (labels: {sorted(labels)})")
+        elif label in per_label:
+            raise SpecheadsError(f"--tree {value}: head {label!r} has a tree already ({per_label[label]})")
+        else:
+            per_label[label] = spec.strip()
+    out = {folder: per_label.get(label, default or "auto") for label, folder in labels.items()}
+    for label, folder in labels.items():
+        if out[folder] != per_label.get(label, default or "auto"):
+            raise SpecheadsError(f"--tree: heads sharing the folder {folder} were given different trees")
+    return out
+
+
 def _kind_from_folder(path: str) -> str:
     try:
         return str(read_head_config(Path(path)).kind)
