@@ -38,7 +38,7 @@ def test_recipe_loads_and_names_its_command(path):
     assert path.stem.split("-")[0].startswith(("demo", "prepare") + names)
     if recipe.head.kind == "dspark" and path.stem.split("-")[0] == "dflash":
         assert recipe.head.markov_rank == 0 and not recipe.head.confidence_head
-    if recipe.train.lora:
+    if recipe.train.lora.enabled:
         assert recipe.head.kind == "medusa" and recipe.features.mode == "online"
     if recipe.train.deepspeed:
         assert (CONFIGS.parent / recipe.train.deepspeed).exists()
