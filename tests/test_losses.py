@@ -332,7 +332,7 @@ def test_train_config_validates_the_loss(tmp_path):
         load_config(Recipe, None, ["train.loss=tvd"])
     with pytest.raises(SpecheadsError, match=r"train\.block\.w_ce / train\.block\.w_l1"):  # DFlash's beside train.loss
         TrainConfig(loss="tv", block=BlockTrainConfig(w_ce=1.0, w_l1=0.0))
-    with pytest.raises(SpecheadsError, match=r"override 'train\.block\.w_l1=0'.*train\.block\.w_ce"):  # from a flag too
+    with pytest.raises(SpecheadsError, match=r"override 'train\.loss=tv'.*train\.block\.w_ce"):  # from flags too
         load_config(Recipe, None, ["train.loss=tv", "train.block.w_ce=1.0", "train.block.w_l1=0"])
     with pytest.raises(SpecheadsError, match=r"train\.medusa\.soft_labels"):
         TrainConfig(loss="tv").check_loss_for("medusa")
