@@ -316,7 +316,7 @@ def test_parse_loss_and_the_per_kind_table():
         with pytest.raises(ValueError, match=why):
             parse_loss(bad)
     assert str(resolve_loss("dspark")) == "soft_ce:0.1,l1:0.9"  # DeepSpec's composite when train.loss is unset
-    assert str(resolve_loss("dspark", block_w_ce=1.0, block_w_l1=0.0)) == "soft_ce:1,l1:0"  # DFlash recipe
+    assert str(resolve_loss("dspark", w_ce=1.0, w_l1=0.0)) == "soft_ce:1,l1:0"  # DFlash recipe
     assert str(resolve_loss("eagle3")) == str(resolve_loss("medusa")) == str(resolve_loss("eagle")) == "soft_ce:1"
     assert resolve_loss("eagle3", "lk_lambda", eta=2.0).eta == 2.0 and resolve_loss("eagle3", "lk_lambda").needs_lse
 

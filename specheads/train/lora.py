@@ -85,13 +85,13 @@ def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, lo
     return F.kl_div(s, t, log_target=True, reduction="batchmean")
 
 
-def param_groups(model: Medusa2Model, lr: float, lora_lr_ratio: float) -> list[dict]:
+def param_groups(model: Medusa2Model, lr: float, lr_ratio: float) -> list[dict]:
     heads = [p for p in model.head.parameters() if p.requires_grad]
     adapters = [p for n, p in model.peft.named_parameters() if p.requires_grad and "lora_" in n]
     if not adapters:
         raise SpecheadsError("train.lora.enabled: no LoRA parameters were created (check train.lora.targets)")
     return [{"params": heads, "lr": lr, "name": "heads"},
-            {"params": adapters, "lr": lr * lora_lr_ratio, "name": "adapters"}]
+            {"params": adapters, "lr": lr * lr_ratio, "name": "adapters"}]
 
 
 def save_adapters(model: Medusa2Model, out_dir: Path) -> None:

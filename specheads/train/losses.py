@@ -95,7 +95,7 @@ DEFAULT_LOSS = {
     "medusa": "soft_ce",  # train.medusa.soft_labels: soft CE against the target over V' (Medusa-2's self-distillation)
     "eagle": "soft_ce",  # EAGLE-1 paper: the classification term (weight train.eagle.w_ce) beside the regression
     "eagle3": "soft_ce",  # EAGLE-3 repo / SpecForge: soft CE over the draft vocabulary per TTT step
-    "dspark": "soft_ce:{block_w_ce},l1:{block_w_l1}",  # DeepSpec: 0.1 CE + 0.9 L1 (train.block.w_ce / w_l1)
+    "dspark": "soft_ce:{w_ce},l1:{w_l1}",  # DeepSpec: 0.1 CE + 0.9 L1 (train.block.w_ce / w_l1)
 }
 
 
@@ -142,12 +142,12 @@ class DistillLoss:
 
 
 @functools.lru_cache(maxsize=64)
-def resolve_loss(kind: str, loss: str | None = None, eta: float = LK_ETA, block_w_ce: float = BLOCK_W_CE,
-                 block_w_l1: float = BLOCK_W_L1) -> DistillLoss:
+def resolve_loss(kind: str, loss: str | None = None, eta: float = LK_ETA, w_ce: float = BLOCK_W_CE,
+                 w_l1: float = BLOCK_W_L1) -> DistillLoss:
     """train.loss, or the kind's default (DEFAULT_LOSS; dspark's from train.block.w_ce / w_l1)."""
     if loss is not None:
         return DistillLoss(parse_loss(loss), eta)
-    text = DEFAULT_LOSS[kind].format(block_w_ce=block_w_ce, block_w_l1=block_w_l1)
+    text = DEFAULT_LOSS[kind].format(w_ce=w_ce, w_l1=w_l1)
     return DistillLoss(parse_loss(text, allow_zero=True), eta)
 
 
