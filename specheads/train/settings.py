@@ -51,7 +51,7 @@ class LoraTrainConfig:
     r: int = 32  # LoRA rank (Medusa-2 repo scripts)
     alpha: int = 16  # LoRA scale numerator
     dropout: float = 0.05  # LoRA dropout
-    targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])  # attention
     lr_ratio: float = 0.25  # adapters' lr = lr x this (Medusa-2: heads at a higher lr than the backbone)
     warmup_steps: int = 0  # heads-only first stage: adapters at lr 0 for this many steps
     lm_loss_weight: float = 1.0  # weight of KL(original target || adapted target) on assistant tokens
