@@ -10,7 +10,7 @@ alternating path by path each round, on the recipes' shapes: EAGLE-3 -regen (V' 
 autocast) and DSpark (2 layers, block 7, Markov 256, confidence head, 48 anchors, V' 8192). "full" computes the
 target's logits over all 49,152 columns every step (no sidecar: online mode, older folders), "sidecar" only the
 draft vocabulary's 8,192 (greedy token and logsumexp read from the batch); DSpark's default loss reads only the
-draft vocabulary either way, its exact-acceptance option (train.block_full_vocab) is where the sidecar matters.
+draft vocabulary either way, its exact-acceptance option (train.block.full_vocab) is where the sidecar matters.
 Printed per path: the median optimizer step (forward, backward, AdamW), tokens/s = tokens per step / that median,
 the ratio to the full path, and for EAGLE-3 the target-logits part alone (`teacher.target_rows`, timed right after each
 step); also the sidecar pass itself (what `specheads prepare` pays once per token, loss rows only).
@@ -86,7 +86,7 @@ def per_kind(a, target) -> None:
 
 
 # ----------------------------------------------------------------------------------------- --compare-targets
-SHAPES = {  # the recipes' head and loss settings (configs/eagle3-smollm2-regen6k.yaml, configs/dspark-smollm2.yaml)
+SHAPES = {  # the recipes' head and train.block settings (configs/eagle3-smollm2-regen6k.yaml, configs/dspark-smollm2.yaml)
     "eagle3": ({"kind": "eagle3", "ttt_steps": 2, "draft_vocab_size": 8192}, {}),
     "dspark": ({"kind": "dspark", "num_layers": 2, "block_size": 7, "markov_rank": 256, "draft_vocab_size": 8192},
                {"max_anchors": 48}),
@@ -144,9 +144,10 @@ def compare_shape(shape: str, target, a) -> dict:
     from accelerate import Accelerator
 
     from specheads.heads.base import HeadSpec, build_head
+    from specheads.train.settings import BlockTrainConfig
     from specheads.train.steps import LossSettings
 
-    spec_kw, loss_kw = SHAPES[shape]
+    spec_kw, block_kw = SHAPES[shape]
     kind = spec_kw["kind"]
     counts = torch.ones(target.vocab_size, dtype=torch.long)
     counts[:spec_kw["draft_vocab_size"]] += 1  # any V' ids: timing only
@@ -155,11 +156,10 @@ def compare_shape(shape: str, target, a) -> dict:
     batch, side, sidecar_s, rows = shape_batch(target, a, layers)
     acc = Accelerator(mixed_precision="bf16" if a.autocast else "no", cpu=True)
     model, opt = acc.prepare(head, torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4))
-    paths = {"full": (batch, LossSettings(**loss_kw)), "sidecar": ({**batch, **side}, LossSettings(**loss_kw))}
+    plain, exact = (LossSettings(block=BlockTrainConfig(**block_kw, full_vocab=f)) for f in (False, True))
+    paths = {"full": (batch, plain), "sidecar": ({**batch, **side}, plain)}
     if kind == "dspark":  # the default reads only V' either way; the exact acceptance is where the sidecar counts
-        paths = {"default": (batch, LossSettings(**loss_kw)),
-                 "exact-full": (batch, LossSettings(block_full_vocab=True, **loss_kw)),
-                 "exact-sidecar": ({**batch, **side}, LossSettings(block_full_vocab=True, **loss_kw))}
+        paths = {"default": (batch, plain), "exact-full": (batch, exact), "exact-sidecar": ({**batch, **side}, exact)}
     secs: dict[str, list] = {p: [] for p in paths}
     for p, (b, st) in paths.items():  # one warm-up step per path
         timed_step(kind, model, opt, acc, b, target, layers, st)

@@ -70,8 +70,9 @@ def _loss(run: Path, kind: str | None) -> str | None:
 
     if kind not in DEFAULT_LOSS:
         return None
-    text = DEFAULT_LOSS[kind].format(block_w_ce=train.get("block_w_ce", BLOCK_W_CE),
-                                     block_w_l1=train.get("block_w_l1", BLOCK_W_L1))
+    block = train.get("block") or {}  # train.block.w_ce / w_l1 (runs written before the sections: block_w_ce / ...)
+    text = DEFAULT_LOSS[kind].format(w_ce=block.get("w_ce", train.get("block_w_ce", BLOCK_W_CE)),
+                                     w_l1=block.get("w_l1", train.get("block_w_l1", BLOCK_W_L1)))
     return f"{text} (default)"
 
 

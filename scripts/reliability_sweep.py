@@ -386,7 +386,7 @@ CASES: list[dict[str, Any]] = [
     {"area": "train", "name": "train.deepspeed file missing", "setup": _prepared,
      "argv": TRAIN + ["train.deepspeed={tmp}/ds.json"], "rc": 2, "expect": "train.deepspeed"},
     {"area": "train", "name": "Medusa-2 LoRA on an EAGLE-3 head", "setup": _prepared,
-     "argv": TRAIN + ["train.lora=true", "features.mode=online"], "rc": 2, "expect": "need head.kind medusa"},
+     "argv": TRAIN + ["train.lora.enabled=true", "features.mode=online"], "rc": 2, "expect": "need head.kind medusa"},
     {"area": "train", "name": "data.val_fraction=0 (no held-out split)", "setup": _prepared,
      "argv": TRAIN + ["data.val_fraction=0", "features.mode=online"], "rc": 0,
      "expect": "no held-out split: best/ not written"},

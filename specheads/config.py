@@ -5,12 +5,16 @@
 Unknown keys and bad values fail with the flag (`override 'train.lr=abc'`) or the file, and the key, named; values
 are checked against the field types and by each dataclass's `__post_init__`;
 `format_config(cfg)` prints the resolved config and `config_to_dict` is what gets written beside outputs.
-Nested dataclasses are sections. A YAML file may hold a top-level `command:` string (the command that runs it,
+Nested dataclasses are sections (`train.block.gamma=3`). A section that renamed keys lists them in a class attribute
+`RENAMED_KEYS = {old: new}` (keys relative to the section, `new` may be dotted): an old key in a file or an override
+is read as its new one, with one warning line naming old -> new; the same setting under both names is an error.
+A YAML file may hold a top-level `command:` string (the command that runs it,
 torchtune style); it is documentation and is ignored here.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import types
 import typing
@@ -21,6 +25,7 @@ import yaml
 
 from specheads.utils import SpecheadsError
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 DOC_KEYS = {"command", "description"}  # documentation keys allowed at the top level of a YAML recipe
 
@@ -178,6 +183,72 @@ def _set_dotted(data: dict, cls: type, key: str, raw: str, flag: str) -> None:
             cur_cls = tp
 
 
+def renamed_keys(cls: type, prefix: str = "") -> dict[str, str]:
+    """{old dotted key: new dotted key} over `cls` and its sections (their RENAMED_KEYS)."""
+    out = {f"{prefix}{old}": f"{prefix}{new}" for old, new in getattr(cls, "RENAMED_KEYS", {}).items()}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if _is_dc_type(hints[f.name]):
+            out.update(renamed_keys(hints[f.name], f"{prefix}{f.name}."))
+    return out
+
+
+def _both_names(old: str, new: str) -> SpecheadsError:
+    return SpecheadsError(f"{old} and {new}: the same setting under its old and its new name; keep only {new}")
+
+
+def _upgrade(cls: type, data: dict, where: str, renames: list[tuple[str, str]]) -> dict:
+    """A section's mapping with its old keys (cls.RENAMED_KEYS) moved to their new ones, sections recursively. An
+    old name that is also a section now (`lora`) is old only when its value is not a mapping."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    old_map = getattr(cls, "RENAMED_KEYS", {})
+    out, moved = {}, []
+    for k, v in data.items():
+        if k in old_map and not (k in fields and isinstance(v, dict)):
+            moved.append((k, v))
+        else:
+            out[k] = v
+    for k, v in moved:
+        old, new = (f"{where}.{k}" if where else k), (f"{where}.{old_map[k]}" if where else old_map[k])
+        *sections, last = old_map[k].split(".")
+        cur = out
+        for p in sections:
+            cur = cur.setdefault(p, {})
+            if not isinstance(cur, dict):
+                raise _both_names(old, new)
+        if last in cur:
+            raise _both_names(old, new)
+        cur[last] = v
+        renames.append((old, new))
+    hints = typing.get_type_hints(cls)
+    for k, v in out.items():
+        if k in fields and isinstance(v, dict) and _is_dc_type(hints[k]):
+            out[k] = _upgrade(hints[k], v, f"{where}.{k}" if where else k, renames)
+    return out
+
+
+def _field_type(cls: type, key: str) -> Any:
+    """The annotated type of dotted `key` in `cls`, or None when it names no field."""
+    tp: Any = cls
+    for p in key.split("."):
+        if not _is_dc_type(tp) or p not in {f.name for f in dataclasses.fields(tp)}:
+            return None
+        tp = typing.get_type_hints(tp)[p]
+    return tp
+
+
+def upgrade_flat(flat: dict[str, Any], renamed: dict[str, str], where: str) -> dict[str, Any]:
+    """A flat {dotted key: value} (flatten_config of a written recipe) with its old keys under their new names
+    (`renamed`: renamed_keys of the recipe class); `where` names the source in the both-names error."""
+    out = {k: v for k, v in flat.items() if k not in renamed}
+    for k, v in flat.items():
+        if k in renamed:
+            if renamed[k] in out:
+                raise SpecheadsError(f"{where}: {_both_names(k, renamed[k])}")
+            out[renamed[k]] = v
+    return out
+
+
 def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
     """Build `cls` from a YAML file (optional) and `key.sub=value` overrides (values parsed as YAML)."""
     data: dict = {}
@@ -205,14 +276,32 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
         if not isinstance(loaded, dict):
             raise SpecheadsError(f"{path}: expected a mapping at the top level")
         data = {k: v for k, v in loaded.items() if k not in DOC_KEYS}
-    data = _deepcopy(data)
+    renames: list[tuple[str, str]] = []
+    try:
+        data = _upgrade(cls, _deepcopy(data), "", renames)
+    except SpecheadsError as e:
+        raise SpecheadsError(f"{where}: {e}" if where else str(e)) from None
+    said = [f"{old} -> {new} ({where})" for old, new in renames]
     flags: dict[str, str] = {}  # dotted key -> the override that set it
+    spelled: dict[str, str] = {}  # dotted key -> how an override spelled it
+    renamed = renamed_keys(cls)
     for ov in overrides:
         if "=" not in ov:
             raise SpecheadsError(f"override {ov!r}: expected key.sub=value")
-        key, raw = ov.split("=", 1)
-        _set_dotted(data, cls, key.strip(), raw, f"override {ov!r}")
-        flags[key.strip()] = f"override {ov!r}"
+        given, raw = ov.split("=", 1)
+        given = given.strip()
+        key = given
+        if given in renamed and not (_is_dc_type(_field_type(cls, given)) and raw.lstrip().startswith("{")):
+            key = renamed[given]
+            said.append(f"{given} -> {key} (override {ov!r})")
+        if spelled.get(key, given) != given:
+            old = given if given != key else spelled[key]
+            raise SpecheadsError(f"override {ov!r}: {_both_names(old, key)}")
+        spelled[key] = given
+        _set_dotted(data, cls, key, raw, f"override {ov!r}")
+        flags[key] = f"override {ov!r}"
+    if said:
+        log.warning("old key names read under their new ones (write the new names): %s", ", ".join(said))
     try:
         return _from_dict(cls, data, "")
     except SpecheadsError as e:

@@ -1,4 +1,5 @@
 """The config system: YAML + dotted overrides, unknown keys fail with the file/flag and key named."""
+import logging
 from dataclasses import dataclass, field
 
 import pytest
@@ -102,3 +103,93 @@ def test_unreadable_config_files_name_the_file(tmp_path):
                                              r"constructor") as e:
         load_config(Outer, p)
     assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------ the recipe's train: sections and renamed keys
+def _renames(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "old key names" in r.getMessage()]
+
+
+def test_nested_section_override_and_yaml(tmp_path):
+    from specheads.recipe import Recipe
+
+    p = tmp_path / "r.yaml"
+    p.write_text("train:\n  lr: 1.0e-3\n  block:\n    gamma: 2.0\n    max_anchors: 16\n  lora:\n    r: 4\n")
+    r = load_config(Recipe, p, ["train.block.gamma=3", "train.lora.enabled=true", "train.eagle.w_ce=0.5"])
+    assert r.train.block.gamma == 3.0 and r.train.block.max_anchors == 16 and r.train.block.w_l1 == 0.9
+    assert r.train.lora.enabled is True and r.train.lora.r == 4 and r.train.eagle.w_ce == 0.5
+    assert r.train.lr == pytest.approx(1e-3)
+    assert config_to_dict(r)["train"]["block"]["gamma"] == 3.0  # what train_config.yaml holds
+
+
+def test_unknown_nested_key_names_it(tmp_path):
+    from specheads.recipe import Recipe
+
+    with pytest.raises(SpecheadsError, match=r"override 'train\.block\.gama=3': unknown key 'train\.block\.gama'; "
+                                             r"known keys here: \[.*'gamma'"):
+        load_config(Recipe, None, ["train.block.gama=3"])
+    p = tmp_path / "r.yaml"
+    p.write_text("train:\n  block:\n    gama: 3\n")
+    with pytest.raises(SpecheadsError, match=r"r\.yaml: train\.block: unknown key\(s\) \['gama'\]"):
+        load_config(Recipe, p)
+    with pytest.raises(SpecheadsError, match=r"override 'train\.block\.gamma=0'.*train\.block\.gamma: must be > 0"):
+        load_config(Recipe, None, ["train.block.gamma=0"])  # a section's own check names its dotted key
+
+
+def test_old_flat_keys_map_to_the_sections_with_one_warning(tmp_path, caplog):
+    from specheads.recipe import Recipe
+
+    p = tmp_path / "old.yaml"
+    p.write_text("train:\n  block_gamma: 2.0\n  max_anchors: 16\n  lora: true\n  lora_targets: [q_proj]\n"
+                 "  soft_labels: true\n")
+    with caplog.at_level(logging.WARNING, logger="specheads.config"):
+        r = load_config(Recipe, p, ["train.block_w_l1=0.5", "train.eagle_w_reg=2"])
+    assert (r.train.block.gamma, r.train.block.max_anchors, r.train.block.w_l1) == (2.0, 16, 0.5)
+    assert r.train.lora.enabled is True and r.train.lora.targets == ["q_proj"] and r.train.medusa.soft_labels
+    assert r.train.eagle.w_reg == 2.0
+    said = _renames(caplog)
+    assert len(said) == 1 and "\n" not in said[0]
+    for old, new in [("train.block_gamma", "train.block.gamma"), ("train.lora", "train.lora.enabled"),
+                     ("train.block_w_l1", "train.block.w_l1"), ("train.soft_labels", "train.medusa.soft_labels")]:
+        assert f"{old} -> {new}" in said[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specheads.config"):
+        load_config(Recipe, None, ["train.block.gamma=2"])
+    assert not _renames(caplog)  # the new names: no warning
+
+
+def test_old_key_on_the_command_line_overrides_the_file_new_key(tmp_path):
+    from specheads.recipe import Recipe
+
+    p = tmp_path / "r.yaml"
+    p.write_text("train:\n  block:\n    gamma: 2.0\n")
+    assert load_config(Recipe, p, ["train.block_gamma=5"]).train.block.gamma == 5.0
+    assert load_config(Recipe, None, ["train.lora={r: 8}"]).train.lora.r == 8  # `lora` as the section
+
+
+@pytest.mark.parametrize("yaml_text, overrides, where", [
+    ("train:\n  block_gamma: 2.0\n  block:\n    gamma: 3.0\n", [], r"r\.yaml"),
+    ("train:\n  lora_merge: true\n  lora:\n    merge: false\n", [], r"r\.yaml"),
+    ("", ["train.block_gamma=2", "train.block.gamma=3"], r"override 'train\.block\.gamma=3'"),
+    ("", ["train.lora.r=4", "train.lora_r=8"], r"override 'train\.lora_r=8'"),
+], ids=["yaml-block", "yaml-lora", "flags-old-first", "flags-new-first"])
+def test_one_setting_under_both_names_is_an_error(tmp_path, yaml_text, overrides, where):
+    from specheads.recipe import Recipe
+
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml_text)
+    with pytest.raises(SpecheadsError, match=where + r": train\.(block_gamma and train\.block\.gamma|lora_\w+ and "
+                                                     r"train\.lora\.\w+): the same setting under its old and its new"):
+        load_config(Recipe, p, overrides)
+
+
+def test_upgrade_flat_maps_a_written_recipe():
+    from specheads.config import renamed_keys, upgrade_flat
+    from specheads.recipe import Recipe
+
+    renamed = renamed_keys(Recipe)
+    assert renamed["train.block_gamma"] == "train.block.gamma" and renamed["train.lora"] == "train.lora.enabled"
+    assert upgrade_flat({"train.lora": True, "train.lr": 1.0}, renamed, "x") == {"train.lora.enabled": True,
+                                                                                 "train.lr": 1.0}
+    with pytest.raises(SpecheadsError, match=r"x: train\.lora_r and train\.lora\.r"):
+        upgrade_flat({"train.lora_r": 4, "train.lora.r": 8}, renamed, "x")

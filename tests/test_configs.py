@@ -38,7 +38,7 @@ def test_recipe_loads_and_names_its_command(path):
     assert path.stem.split("-")[0].startswith(("demo", "prepare") + names)
     if recipe.head.kind == "dspark" and path.stem.split("-")[0] == "dflash":
         assert recipe.head.markov_rank == 0 and not recipe.head.confidence_head
-    if recipe.train.lora:
+    if recipe.train.lora.enabled:
         assert recipe.head.kind == "medusa" and recipe.features.mode == "online"
     if recipe.train.deepspeed:
         assert (CONFIGS.parent / recipe.train.deepspeed).exists()
@@ -70,3 +70,23 @@ def test_deepspeed_json(path):
         assert cfg[key] == "auto", f"{path.name}: {key} should be 'auto' (accelerate fills it from the recipe)"
     assert cfg.get("zero_allow_untested_optimizer") is True  # the trainer hands DeepSpeed a torch AdamW
     assert "optimizer" not in cfg and "scheduler" not in cfg  # the trainer owns both
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_recipe_with_the_old_flat_train_keys_loads_the_same(path, tmp_path):
+    """The recipe rewritten with the flat train keys of earlier recipes (train.block_gamma, train.lora, ...) loads
+    to the same config, every section key under its old name."""
+    from specheads.train.settings import TrainConfig
+
+    data = yaml.safe_load(path.read_text())
+    train = data.get("train") or {}
+    flat = {k: v for k, v in train.items() if not isinstance(v, dict)}
+    for old, new in TrainConfig.RENAMED_KEYS.items():
+        section, key = new.split(".")
+        if key in (train.get(section) or {}):
+            flat[old] = train[section][key]
+    if train:
+        data["train"] = flat
+    old = tmp_path / path.name
+    old.write_text(yaml.safe_dump(data))
+    assert load_config(Recipe, old) == load_config(Recipe, path)

@@ -307,8 +307,8 @@ def test_training_run_tau_rises_and_target_stays_frozen(tmp_path, anchor_feature
     recipe = load_config(Recipe, None, [
         f"output_dir={tmp_path}", "seed=0", "head.kind=dspark", "head.feature_layers=[1,2,3]", "head.block_size=4",
         "head.markov_rank=16", "head.draft_vocab_size=64", "train.tracker=none", "train.batch_size=2",
-        "train.lr=1e-2", "train.block_w_ce=1.0", "train.warmup_steps=1", "train.max_steps=40",
-        "train.max_anchors=16", "eval.every_steps=0", "eval.max_samples=6", "eval.batch_size=2",
+        "train.lr=1e-2", "train.block.w_ce=1.0", "train.warmup_steps=1", "train.max_steps=40",
+        "train.block.max_anchors=16", "eval.every_steps=0", "eval.max_samples=6", "eval.batch_size=2",
         f"head.anchor_features={str(anchor_features).lower()}"])
     torch.manual_seed(0)
     head = build_head(recipe.head, target, token_counts=counts)
@@ -342,7 +342,7 @@ def test_resume_gives_same_weights(tiny, tmp_path):
         recipe = load_config(Recipe, None, [
             f"output_dir={out}", "seed=0", "head.kind=dspark", "head.feature_layers=[1,2,3]", "head.block_size=3",
             "head.markov_rank=8", "train.tracker=none", "train.batch_size=2", "train.lr=1e-2", "train.max_steps=6",
-            "train.save_every=2", "train.max_anchors=4", "eval.every_steps=0", "eval.at_start=false",
+            "train.save_every=2", "train.block.max_anchors=4", "eval.every_steps=0", "eval.at_start=false",
             "eval.max_samples=2"])
         torch.manual_seed(123 if resume else 0)
         head = build_head(recipe.head, tiny)
@@ -371,7 +371,7 @@ def test_run_training_calibrates_the_head_folders(tmp_path):
     recipe = load_config(Recipe, None, [
         f"output_dir={tmp_path}", "seed=0", "features.mode=online", "data.val_fraction=0.4", "head.kind=dspark",
         "head.feature_layers=[1,2,3]", "head.block_size=3", "head.markov_rank=8", "train.tracker=none",
-        "train.batch_size=2", "train.lr=1e-2", "train.max_steps=4", "train.max_anchors=8", "eval.every_steps=0",
+        "train.batch_size=2", "train.lr=1e-2", "train.max_steps=4", "train.block.max_anchors=8", "eval.every_steps=0",
         "eval.at_start=false", "eval.batch_size=2"])
     run_training(recipe, target=target)
     report = json.loads((tmp_path / "calibration.json").read_text())

@@ -331,6 +331,7 @@ def test_losses_and_eval_with_sidecars_equal_the_full_vocabulary_computation(tmp
     from specheads.target import tiny_target
     from specheads.train.evaluate import EvalConfig, evaluate
     from specheads.train.kinds import block
+    from specheads.train.settings import BlockTrainConfig, MedusaTrainConfig
     from specheads.train.steps import LossSettings, train_loss
 
     full_calls = []
@@ -352,7 +353,8 @@ def test_losses_and_eval_with_sidecars_equal_the_full_vocabulary_computation(tmp
         head = _head(kind, target, **spec)
         hl = head.config.feature_layers
         for loss in losses:
-            st = LossSettings(noise=0.0, soft_labels=True, loss=loss, block_full_vocab=True, max_anchors=4)
+            st = LossSettings(noise=0.0, loss=loss, medusa=MedusaTrainConfig(soft_labels=True),
+                              block=BlockTrainConfig(full_vocab=True, max_anchors=4))
             for a, b in zip(side, full):
                 torch.manual_seed(1)  # DSpark's anchors
                 full_calls.clear()

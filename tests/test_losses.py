@@ -316,7 +316,7 @@ def test_parse_loss_and_the_per_kind_table():
         with pytest.raises(ValueError, match=why):
             parse_loss(bad)
     assert str(resolve_loss("dspark")) == "soft_ce:0.1,l1:0.9"  # DeepSpec's composite when train.loss is unset
-    assert str(resolve_loss("dspark", block_w_ce=1.0, block_w_l1=0.0)) == "soft_ce:1,l1:0"  # DFlash recipe
+    assert str(resolve_loss("dspark", w_ce=1.0, w_l1=0.0)) == "soft_ce:1,l1:0"  # DFlash recipe
     assert str(resolve_loss("eagle3")) == str(resolve_loss("medusa")) == str(resolve_loss("eagle")) == "soft_ce:1"
     assert resolve_loss("eagle3", "lk_lambda", eta=2.0).eta == 2.0 and resolve_loss("eagle3", "lk_lambda").needs_lse
 
@@ -324,17 +324,22 @@ def test_parse_loss_and_the_per_kind_table():
 def test_train_config_validates_the_loss(tmp_path):
     from specheads.config import load_config
     from specheads.recipe import Recipe
-    from specheads.train.settings import TrainConfig
+    from specheads.train.settings import BlockTrainConfig, LoraTrainConfig, MedusaTrainConfig, TrainConfig
     from specheads.utils import SpecheadsError
 
     assert TrainConfig(loss="soft_ce:0.1,tv:0.9").loss == "soft_ce:0.1,tv:0.9"
     with pytest.raises(SpecheadsError, match=r"train.loss: 'tvd'.*not one of.*NAME:WEIGHT"):
         load_config(Recipe, None, ["train.loss=tvd"])
-    with pytest.raises(SpecheadsError, match="block_w_ce / block_w_l1"):  # DFlash's weights beside train.loss
-        TrainConfig(loss="tv", block_w_ce=1.0, block_w_l1=0.0)
-    with pytest.raises(SpecheadsError, match="soft_labels"):
+    with pytest.raises(SpecheadsError, match=r"train\.block\.w_ce / train\.block\.w_l1"):  # DFlash's beside train.loss
+        TrainConfig(loss="tv", block=BlockTrainConfig(w_ce=1.0, w_l1=0.0))
+    with pytest.raises(SpecheadsError, match=r"override 'train\.loss=tv'.*train\.block\.w_ce"):  # from flags too
+        load_config(Recipe, None, ["train.loss=tv", "train.block.w_ce=1.0", "train.block.w_l1=0"])
+    with pytest.raises(SpecheadsError, match=r"train\.medusa\.soft_labels"):
         TrainConfig(loss="tv").check_loss_for("medusa")
-    TrainConfig(loss="tv", soft_labels=True).check_loss_for("medusa")
+    TrainConfig(loss="tv", medusa=MedusaTrainConfig(soft_labels=True)).check_loss_for("medusa")
+    with pytest.raises(SpecheadsError, match=r"train\.lora\.enabled"):
+        TrainConfig(loss="tv", medusa=MedusaTrainConfig(soft_labels=True),
+                    lora=LoraTrainConfig(enabled=True)).check_loss_for("medusa")
     with pytest.raises(SpecheadsError, match="lk_eta"):
         TrainConfig(lk_eta=-1.0)
 

@@ -141,6 +141,51 @@ def test_cli_resume_with_another_batch_size_is_one_line(tiny, tmp_path, monkeypa
     assert len(err.splitlines()) == 1 and "train.batch_size 2 -> 3" in err
 
 
+def _as_old_flat_keys(run):
+    """Rewrite the run's train_config.yaml (and history) with the flat train keys runs wrote before the sections
+    (train.block_gamma, train.lora, train.lora_merge, ...)."""
+    from specheads.train.settings import TrainConfig
+
+    path = run / "train_config.yaml"
+    data = yaml.safe_load(path.read_text())
+    train = data["train"]
+    for old, new in TrainConfig.RENAMED_KEYS.items():
+        section, key = new.split(".")
+        train[f"_{old}"] = train[section][key]
+    for section in {new.split(".")[0] for new in TrainConfig.RENAMED_KEYS.values()}:
+        del train[section]
+    data["train"] = {k.lstrip("_"): v for k, v in train.items()}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert "block_gamma: 4.0" in path.read_text() and "lora: false" in path.read_text()
+
+
+def test_a_run_written_with_the_old_flat_keys_resumes_and_guards_the_new_names(tiny, tmp_path):
+    run = tmp_path / "run"
+    _stopped_run(tiny, run)
+    _as_old_flat_keys(run)
+    old = (run / "train_config.yaml").read_text()
+    for changed, key in [("train.block.gamma=3", "train.block.gamma 4.0 -> 3.0"),
+                         ("train.lora.lm_loss_weight=2", "train.lora.lm_loss_weight 1.0 -> 2.0"),
+                         ("train.medusa.soft_labels=true", "train.medusa.soft_labels False -> True")]:
+        r = make_recipe(run, *OVER, changed)
+        with pytest.raises(SpecheadsError) as e:
+            Trainer(r, tiny, make_head(r, tiny), token_samples(8), None).train(resume=True)
+        assert key in str(e.value) and "train_config.yaml" in str(e.value)
+    # train.lora.merge may change on resume, as train.lora_merge could; the history names it by its new name
+    r = make_recipe(run, *OVER, "train.max_steps=6", "train.lora.merge=false")
+    assert Trainer(r, tiny, make_head(r, tiny), token_samples(8), None).train(resume=True, stop_after=4).steps == 4
+    hist = yaml.safe_load((run / "train_config_history.yaml").read_text())
+    assert hist[0]["changed"] == {"train.max_steps": [4, 6]}  # the old keys compared equal under their new names
+    assert (run / "train_config.yaml").read_text() == old  # the record is kept as written
+    # an older history that recorded train.lora_merge is read under train.lora.merge
+    hist[0]["changed"]["train.lora_merge"] = [False, True]
+    (run / "train_config_history.yaml").write_text(yaml.safe_dump(hist))
+    r = make_recipe(run, *OVER, "train.max_steps=6", "train.lora.merge=true")
+    Trainer(r, tiny, make_head(r, tiny), token_samples(8), None).train(resume=True)
+    hist = yaml.safe_load((run / "train_config_history.yaml").read_text())
+    assert hist[-1]["changed"] == {}  # train.lora.merge is already true since the last segment
+
+
 # ------------------------------------------------------------------------------------------------------ prepare
 from test_prepare import _recipe, _sharegpt_file, _tree_state, tiny_chat  # noqa: E402,F401 (tiny_chat: fixture)
 

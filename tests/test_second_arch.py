@@ -29,9 +29,9 @@ KINDS = {
     "eagle": ["head.kind=eagle", "eval.eagle_steps=2"],
     "eagle3": ["head.kind=eagle3", "head.draft_vocab_size=64", "head.ttt_steps=2"],
     "dspark": ["head.kind=dspark", "head.block_size=4", "head.num_layers=1", "head.markov_rank=16",
-               "train.max_anchors=8"],
+               "train.block.max_anchors=8"],
     "dflash": ["head.kind=dspark", "head.block_size=4", "head.num_layers=1", "head.markov_rank=0",
-               "head.confidence_head=false", "head.sample_from_anchor=false", "train.max_anchors=8"],
+               "head.confidence_head=false", "head.sample_from_anchor=false", "train.block.max_anchors=8"],
 }
 # kind -> (format, None = written and read back | a pattern of the refusal)
 EXPORTS = {

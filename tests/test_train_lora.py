@@ -43,8 +43,8 @@ def test_medusa2_trains_adapters_and_heads_with_heads_only_warmup(tmp_path):
 
     target = tiny_target()
     save_tokens(tmp_path / "data" / "tokens", token_samples(12))
-    recipe = make_recipe(tmp_path, "features.mode=online", "train.lora=true", "train.lora_r=4",
-                         "train.lora_warmup_steps=2", "train.max_steps=4", "train.warmup_steps=0",
+    recipe = make_recipe(tmp_path, "features.mode=online", "train.lora.enabled=true", "train.lora.r=4",
+                         "train.lora.warmup_steps=2", "train.max_steps=4", "train.warmup_steps=0",
                          "data.val_fraction=0.25", "eval.at_start=false", "train.save_every=2")
     base = {n: p.detach().clone() for n, p in target.model.named_parameters()}
     # run the first 2 steps (heads only), then the rest (joint)
@@ -78,6 +78,6 @@ def test_lora_needs_medusa_online(tmp_path):
     from specheads.train.trainer import Trainer
 
     t = tiny_target()
-    recipe = make_recipe(tmp_path, "train.lora=true", "features.mode=online", "head.kind=eagle")
+    recipe = make_recipe(tmp_path, "train.lora.enabled=true", "features.mode=online", "head.kind=eagle")
     with pytest.raises(SpecheadsError, match="head.kind medusa"):
         Trainer(recipe, t, make_head(recipe, t), token_samples(4)).train()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from specheads.config import changed_settings, flatten_config
+from specheads.config import changed_settings, flatten_config, upgrade_flat
 from specheads.utils import (SpecheadsError, as_write_error, atomic_write_json, atomic_write_text, read_json,
                              remove_quietly, sha256_file)
 
@@ -92,7 +92,7 @@ FINISHED = ("best", "final", "train_summary.json")  # what a trained run leaves 
 # accumulation, lr and its schedule, optimizer, losses, LoRA, DeepSpeed) is refused on resume. A trailing "." names
 # a whole section.
 RESUMABLE = ("output_dir", "train.max_steps", "train.epochs", "train.save_every", "train.keep_last",
-             "train.log_every", "train.tracker", "train.num_workers", "train.mixed_precision", "train.lora_merge",
+             "train.log_every", "train.tracker", "train.num_workers", "train.mixed_precision", "train.lora.merge",
              "target.trust_remote_code", "features.verify", "eval.")
 
 
@@ -132,11 +132,13 @@ def read_history(output_dir: str | Path) -> list[dict]:
     return data
 
 
-def check_resume_settings(output_dir: str | Path, recipe_dict: dict) -> dict[str, list] | None:
+def check_resume_settings(output_dir: str | Path, recipe_dict: dict,
+                          renamed: dict[str, str] | None = None) -> dict[str, list] | None:
     """Before a resume: the recipe against the run's train_config.yaml. A setting that changes what the checkpoints
     mean is one SpecheadsError naming every such key with its old -> new value. Returns the settings that changed
     since the last segment ({key: [old, new]}, allowed ones only), or None when the run has no train_config.yaml
-    (nothing to compare: a warning)."""
+    (nothing to compare: a warning). `renamed` ({old dotted key: new}, config.renamed_keys of the recipe class) maps
+    the keys of a run written before a rename to their names now before comparing."""
     out = Path(output_dir)
     path = out / CONFIG_NAME
     if not path.exists():
@@ -146,7 +148,8 @@ def check_resume_settings(output_dir: str | Path, recipe_dict: dict) -> dict[str
     if not isinstance(recorded, dict):
         raise SpecheadsError(f"{path}: expected the run's recipe (a mapping); restore it, or start a new run in "
                              f"another output_dir")
-    first, now = flatten_config(recorded), flatten_config(recipe_dict)
+    renamed = renamed or {}
+    first, now = upgrade_flat(flatten_config(recorded), renamed, str(path)), flatten_config(recipe_dict)
     refused = {k: v for k, v in changed_settings(first, now).items() if not may_change_on_resume(k)}
     if refused:
         shown = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in refused.items())
@@ -154,7 +157,8 @@ def check_resume_settings(output_dir: str | Path, recipe_dict: dict) -> dict[str
                              f"values); resume with them, or start a new run in another output_dir")
     last = dict(first)
     for entry in read_history(out):
-        last.update({k: v[1] for k, v in (entry.get("changed") or {}).items() if isinstance(v, list) and len(v) == 2})
+        changed = upgrade_flat(entry.get("changed") or {}, renamed, str(out / HISTORY_NAME))
+        last.update({k: v[1] for k, v in changed.items() if isinstance(v, list) and len(v) == 2})
     return {k: [old, new] for k, (old, new) in changed_settings(last, now).items()}
 
 

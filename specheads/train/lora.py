@@ -5,9 +5,11 @@
 The LM part keeps the adapted target's own next-token distribution close to the original one (so serving with the
 adapted target stays close to the original model); the teacher is the same model under `disable_adapter()` and
 `no_grad` (no second copy in memory; its logits equal a separate base copy exactly). A heads-only warm-up stage
-(`lora_warmup_steps`: adapters at learning rate 0) comes first; heads train at `lr`, adapters at `lr x lora_lr_ratio`.
+(`train.lora.warmup_steps`: adapters at learning rate 0) comes first; heads train at `train.lr`, adapters at
+`train.lr x train.lora.lr_ratio`.
 Export: the head folder as usual plus the adapters (`<dir>/adapter`, peft safetensors) or, with
-`lora_merge: true` at the end, the merged target (`<output_dir>/final/target`, HF folder) the head must be served with.
+`train.lora.merge: true` at the end, the merged target (`<output_dir>/final/target`, HF folder) the head must be
+served with.
 
 Training is online only (the features depend on the adapters). Shapes: B batch, T sequence, K heads, V vocab.
 """
@@ -43,7 +45,7 @@ def add_adapters(target, s: LoraSettings):
     try:
         peft_model = get_peft_model(target.model, cfg)
     except ValueError as e:
-        raise SpecheadsError(f"train.lora_targets: {e}") from None
+        raise SpecheadsError(f"train.lora.targets: {e}") from None
     # LoRA weights in fp32 even on a bf16 target: they are master weights.
     for n, p in peft_model.named_parameters():
         if p.requires_grad:
@@ -83,13 +85,13 @@ def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, lo
     return F.kl_div(s, t, log_target=True, reduction="batchmean")
 
 
-def param_groups(model: Medusa2Model, lr: float, lora_lr_ratio: float) -> list[dict]:
+def param_groups(model: Medusa2Model, lr: float, lr_ratio: float) -> list[dict]:
     heads = [p for p in model.head.parameters() if p.requires_grad]
     adapters = [p for n, p in model.peft.named_parameters() if p.requires_grad and "lora_" in n]
     if not adapters:
-        raise SpecheadsError("train.lora: no LoRA parameters were created (check train.lora_targets)")
+        raise SpecheadsError("train.lora.enabled: no LoRA parameters were created (check train.lora.targets)")
     return [{"params": heads, "lr": lr, "name": "heads"},
-            {"params": adapters, "lr": lr * lora_lr_ratio, "name": "adapters"}]
+            {"params": adapters, "lr": lr * lr_ratio, "name": "adapters"}]
 
 
 def save_adapters(model: Medusa2Model, out_dir: Path) -> None:

@@ -20,7 +20,7 @@ inside V' and p' = p restricted to V' and renormalised (p'_v = p_v / m):
 Mixtures are weighted sums (`soft_ce:0.1,tv:0.9`). The divergences (soft_ce, kl, tv, l1) compare q with p', the
 target conditioned on the next token lying in V' (what a V'-draft can match; the mass outside V' is dropped); the LK
 losses use the exact p (its full-vocabulary log-normaliser `target_lse`), so α <= m: a token outside V' can never be
-accepted. Rows whose target argmax lies outside V' are masked for EAGLE-1/3 (and DSpark with train.block_full_vocab).
+accepted. Rows whose target argmax lies outside V' are masked for EAGLE-1/3 (and DSpark with train.block.full_vocab).
 
 Shapes: B batch, T sequence, K heads / TTT steps, D hidden, V target vocab, V' draft vocab, N rows.
 A row counts only when the token it predicts is inside the sequence and carries loss_mask == 1 (assistant token).
@@ -92,10 +92,10 @@ LOSS_SYNTAX = "NAME or NAME:WEIGHT,NAME:WEIGHT,... (e.g. tv, or soft_ce:0.1,tv:0
 
 # train.loss unset: each kind's own objective, from its paper / reference code
 DEFAULT_LOSS = {
-    "medusa": "soft_ce",  # train.soft_labels: soft CE against the target over V' (Medusa-2's self-distillation)
-    "eagle": "soft_ce",  # EAGLE-1 paper: the classification term (weight train.eagle_w_ce) beside the regression
+    "medusa": "soft_ce",  # train.medusa.soft_labels: soft CE against the target over V' (Medusa-2's self-distillation)
+    "eagle": "soft_ce",  # EAGLE-1 paper: the classification term (weight train.eagle.w_ce) beside the regression
     "eagle3": "soft_ce",  # EAGLE-3 repo / SpecForge: soft CE over the draft vocabulary per TTT step
-    "dspark": "soft_ce:{block_w_ce},l1:{block_w_l1}",  # DeepSpec: 0.1 CE + 0.9 L1 (train.block_w_ce / block_w_l1)
+    "dspark": "soft_ce:{w_ce},l1:{w_l1}",  # DeepSpec: 0.1 CE + 0.9 L1 (train.block.w_ce / w_l1)
 }
 
 
@@ -142,12 +142,12 @@ class DistillLoss:
 
 
 @functools.lru_cache(maxsize=64)
-def resolve_loss(kind: str, loss: str | None = None, eta: float = LK_ETA, block_w_ce: float = BLOCK_W_CE,
-                 block_w_l1: float = BLOCK_W_L1) -> DistillLoss:
-    """train.loss, or the kind's default (DEFAULT_LOSS; dspark's from train.block_w_ce / block_w_l1)."""
+def resolve_loss(kind: str, loss: str | None = None, eta: float = LK_ETA, w_ce: float = BLOCK_W_CE,
+                 w_l1: float = BLOCK_W_L1) -> DistillLoss:
+    """train.loss, or the kind's default (DEFAULT_LOSS; dspark's from train.block.w_ce / w_l1)."""
     if loss is not None:
         return DistillLoss(parse_loss(loss), eta)
-    text = DEFAULT_LOSS[kind].format(block_w_ce=block_w_ce, block_w_l1=block_w_l1)
+    text = DEFAULT_LOSS[kind].format(w_ce=w_ce, w_l1=w_l1)
     return DistillLoss(parse_loss(text, allow_zero=True), eta)
 
 

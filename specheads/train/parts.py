@@ -47,28 +47,28 @@ class HeadOnly:
 
 
 class Medusa2(HeadOnly):
-    """Medusa-2 (train.lora): LoRA adapters on the target trained with the Medusa heads; online features only."""
+    """Medusa-2 (train.lora.enabled): LoRA adapters on the target trained with the Medusa heads; online features
+    only."""
 
     def __init__(self, trainer, settings):
         super().__init__(trainer, settings)
         t = trainer
         if t.kind != "medusa":
-            raise SpecheadsError(f"train.lora: Medusa-2 adapters need head.kind medusa, not {t.kind!r}")
+            raise SpecheadsError(f"train.lora.enabled: Medusa-2 adapters need head.kind medusa, not {t.kind!r}")
         if t.recipe.features.mode != "online" or "hidden" in t.collate_fn([t.train_ds[0]]):
-            raise SpecheadsError("train.lora: the features depend on the adapters; set features.mode=online")
+            raise SpecheadsError("train.lora.enabled: the features depend on the adapters; set features.mode=online")
 
     def module(self) -> torch.nn.Module:
-        cfg = self.t.cfg
-        peft_model = add_adapters(self.t.target, LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
-                                                              list(cfg.lora_targets)))
+        lora = self.t.cfg.lora
+        peft_model = add_adapters(self.t.target, LoraSettings(lora.r, lora.alpha, lora.dropout, list(lora.targets)))
         return Medusa2Model(peft_model, self.t.head)
 
     def param_groups(self, module, lr: float) -> list[dict]:
-        return param_groups(module, lr, self.t.cfg.lora_lr_ratio)
+        return param_groups(module, lr, self.t.cfg.lora.lr_ratio)
 
     def schedule(self, opt, warmup: int, total: int):
         sched = super().schedule(opt, warmup, total)
-        hold = self.t.cfg.lora_warmup_steps
+        hold = self.t.cfg.lora.warmup_steps
         if not hold:
             return sched
         # heads-only warm-up: the adapters' group stays at lr 0, then follows the same schedule
@@ -76,14 +76,14 @@ class Medusa2(HeadOnly):
         return torch.optim.lr_scheduler.LambdaLR(opt, [cos, lambda s: 0.0 if s < hold else cos(s)])
 
     def loss(self, model, batch: dict):
-        """The heads' loss on the adapted final state + lm_loss_weight x KL(original || adapted)."""
+        """The heads' loss on the adapted final state + train.lora.lm_loss_weight x KL(original || adapted)."""
         acc = self.t.accelerator
         ids, amask, lmask = (batch[k].to(acc.device) for k in ("input_ids", "attention_mask", "loss_mask"))
         teacher = acc.unwrap_model(model).teacher_logits(ids, amask)  # [B,T,V], no grad
         head_logits, lm_logits = model(ids, amask)  # through the DDP wrapper: gradients sync
         out = medusa_loss(head_logits, ids, lmask, decay=self.settings.decay)
         kl = kl_to_teacher(lm_logits, teacher, lmask)
-        return LossOutput(out.loss + self.t.cfg.lm_loss_weight * kl, {**out.metrics, "kl": kl.detach()})
+        return LossOutput(out.loss + self.t.cfg.lora.lm_loss_weight * kl, {**out.metrics, "kl": kl.detach()})
 
     def eval_head(self, acc, model):
         return acc.unwrap_model(model).head  # the adapted features (get_hidden), the same head
@@ -93,5 +93,5 @@ class Medusa2(HeadOnly):
         save_adapters(model, path / "adapter")  # serve the head with the target + these adapters (or merged)
 
     def finish(self, acc, model, out: Path) -> None:
-        if self.t.cfg.lora_merge:
+        if self.t.cfg.lora.merge:
             save_merged_target(model, out / "merged-target")

@@ -1,15 +1,82 @@
-"""The recipe's `train:` section (`TrainConfig`): optimizer, schedule, loss weights per head kind, Medusa-2 LoRA."""
+"""The recipe's `train:` section (`TrainConfig`): optimizer, schedule and the shared loss settings at its top level,
+one sub-section per head kind's own settings (`train.eagle`, `train.medusa`, `train.block`) and Medusa-2's LoRA
+(`train.lora`). Old flat spellings (`train.block_gamma`) are still read (`TrainConfig.RENAMED_KEYS`, config.py)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from specheads.train.losses import BLOCK_W_CE, BLOCK_W_L1, LOSS_SYNTAX, parse_loss
 from specheads.utils import SpecheadsError, check_values
 
 
 @dataclass
+class EagleTrainConfig:
+    """train.eagle: EAGLE-1's loss weights."""
+    w_reg: float = 1.0  # EAGLE-1 SmoothL1 feature regression weight (paper)
+    w_ce: float = 0.1  # EAGLE-1 soft CE weight (paper)
+
+    def __post_init__(self) -> None:
+        check_values("train.eagle", self, {"w_reg": ">=0", "w_ce": ">=0"})
+
+
+@dataclass
+class MedusaTrainConfig:
+    """train.medusa: Medusa's labels."""
+    soft_labels: bool = False  # Medusa: soft CE against the target distribution instead of the data's tokens
+
+
+@dataclass
+class BlockTrainConfig:
+    """train.block: the block drafters' (DSpark / DFlash, head.kind dspark) loss and sampling."""
+    gamma: float = 4.0  # DSpark / DFlash: draft j weighted exp(-j / gamma) (DeepSpec loss_decay_gamma 4)
+    w_ce: float = 0.1  # DSpark / DFlash: soft CE against the target (DeepSpec ce_loss_alpha 0.1)
+    w_l1: float = 0.9  # DSpark / DFlash: ||q - p||_1 = 2 TV (DeepSpec l1_loss_alpha 0.9)
+    confidence_alpha: float = 1.0  # DSpark: confidence BCE weight (DeepSpec / speculators confidence_head_alpha)
+    max_anchors: int = 512  # DSpark / DFlash: blocks per sequence and step (DeepSpec num_anchors 512 at 4k tokens)
+    full_vocab: bool = False  # DSpark / DFlash: target over the full vocab (exact acceptance; ~2x the step
+    # without target sidecars, the V' columns' cost with them)
+
+    def __post_init__(self) -> None:
+        check_values("train.block", self, {"gamma": ">0", "w_ce": ">=0", "w_l1": ">=0", "confidence_alpha": ">=0",
+                                           "max_anchors": ">=1"})
+
+
+@dataclass
+class LoraTrainConfig:
+    """train.lora: Medusa-2 (head.kind medusa, features.mode online): LoRA on the target trained jointly with the
+    heads."""
+    enabled: bool = False  # off = Medusa-1 (frozen target)
+    r: int = 32  # LoRA rank (Medusa-2 repo scripts)
+    alpha: int = 16  # LoRA scale numerator
+    dropout: float = 0.05  # LoRA dropout
+    targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])  # attention
+    lr_ratio: float = 0.25  # adapters' lr = lr x this (Medusa-2: heads at a higher lr than the backbone)
+    warmup_steps: int = 0  # heads-only first stage: adapters at lr 0 for this many steps
+    lm_loss_weight: float = 1.0  # weight of KL(original target || adapted target) on assistant tokens
+    merge: bool = False  # at the end also write the merged target to <output_dir>/merged-target
+
+    def __post_init__(self) -> None:
+        check_values("train.lora", self, {"r": ">=1", "alpha": ">0", "dropout": "[0,1)", "lr_ratio": ">=0",
+                                          "warmup_steps": ">=0", "lm_loss_weight": ">=0"})
+        if not self.targets:
+            raise SpecheadsError("train.lora.targets: needs at least one module name")
+
+
+@dataclass
 class TrainConfig:
+    # old flat key -> its key now (relative to train:); config.load_config reads the old ones with a warning and
+    # checkpoint.check_resume_settings maps a run's saved train_config.yaml through it
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {
+        "eagle_w_reg": "eagle.w_reg", "eagle_w_ce": "eagle.w_ce", "soft_labels": "medusa.soft_labels",
+        "block_gamma": "block.gamma", "block_w_ce": "block.w_ce", "block_w_l1": "block.w_l1",
+        "confidence_alpha": "block.confidence_alpha", "max_anchors": "block.max_anchors",
+        "block_full_vocab": "block.full_vocab", "lora": "lora.enabled", "lora_r": "lora.r",
+        "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout", "lora_targets": "lora.targets",
+        "lora_lr_ratio": "lora.lr_ratio", "lora_warmup_steps": "lora.warmup_steps",
+        "lm_loss_weight": "lora.lm_loss_weight", "lora_merge": "lora.merge"}
+
     lr: float = 3e-4  # AdamW peak learning rate (EAGLE-3 repo: 1e-4 at batch 16 x 2048 tokens on GPUs)
     weight_decay: float = 0.0  # AdamW decoupled weight decay (EAGLE/Medusa repos: 0)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW (EAGLE repo)
@@ -25,46 +92,27 @@ class TrainConfig:
     mixed_precision: str = "no"  # no | bf16 (head forward under bf16 autocast; master weights fp32)
     tracker: str = "wandb"  # wandb | tensorboard | none (wandb offline under <output_dir> without an API key)
     deepspeed: str | None = None  # DeepSpeed JSON (configs/deepspeed/zero2.json); None = plain DDP / one process
-    soft_labels: bool = False  # Medusa: soft CE against the target distribution instead of the data's tokens
     loss_decay: float = 0.8  # weight 0.8^k per Medusa head / EAGLE-3 TTT step (papers)
     # EAGLE(-3): width w of the uniform noise U(-w/2, w/2) on input features. The EAGLE repo scales its 0.2 by
     # 512 / sequence length (AddUniformNoise); a fixed width here, equal to the repo's at 512 tokens.
     noise: float = 0.2
-    eagle_w_reg: float = 1.0  # EAGLE-1 SmoothL1 feature regression weight (paper)
-    eagle_w_ce: float = 0.1  # EAGLE-1 soft CE weight (paper)
-    block_gamma: float = 4.0  # DSpark / DFlash: draft j weighted exp(-j / gamma) (DeepSpec loss_decay_gamma 4)
-    block_w_ce: float = 0.1  # DSpark / DFlash: soft CE against the target (DeepSpec ce_loss_alpha 0.1)
-    block_w_l1: float = 0.9  # DSpark / DFlash: ||q - p||_1 = 2 TV (DeepSpec l1_loss_alpha 0.9)
-    confidence_alpha: float = 1.0  # DSpark: confidence BCE weight (DeepSpec / speculators confidence_head_alpha)
-    max_anchors: int = 512  # DSpark / DFlash: blocks per sequence and step (DeepSpec num_anchors 512 at 4k tokens)
-    block_full_vocab: bool = False  # DSpark / DFlash: target over the full vocab (exact acceptance; ~2x the step
-    # without target sidecars, the V' columns' cost with them)
     # The distillation objective (losses.py, docs/training.md "The loss family"): NAME or NAME:WEIGHT,... over
     # soft_ce | kl | tv | l1 | lk_alpha | lk_lambda, e.g. "tv" or "soft_ce:0.1,tv:0.9". None = the kind's own
-    # (losses.DEFAULT_LOSS: soft CE; DSpark / DFlash block_w_ce x CE + block_w_l1 x L1)
+    # (losses.DEFAULT_LOSS: soft CE; DSpark / DFlash block.w_ce x CE + block.w_l1 x L1)
     loss: str | None = None
     lk_eta: float = 3.0  # LK^λ: λ = exp(-lk_eta x mean acceptance) (arXiv 2602.23881's best; SpecForge --kl-decay)
     num_workers: int = 0  # DataLoader workers (0: features are already tensors; workers cost RAM per process)
-    # Medusa-2 (head.kind medusa, features.mode online): LoRA on the target trained jointly with the heads
-    lora: bool = False  # off = Medusa-1 (frozen target)
-    lora_r: int = 32  # LoRA rank (Medusa-2 repo scripts)
-    lora_alpha: int = 16  # LoRA scale numerator
-    lora_dropout: float = 0.05  # LoRA dropout
-    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    lora_lr_ratio: float = 0.25  # adapters' lr = lr x this (Medusa-2: heads at a higher lr than the backbone)
-    lora_warmup_steps: int = 0  # heads-only first stage: adapters at lr 0 for this many steps
-    lm_loss_weight: float = 1.0  # weight of KL(original target || adapted target) on assistant tokens
-    lora_merge: bool = False  # at the end also write the merged target to <output_dir>/merged-target
+    # each head kind's own settings (sections validated on their own; train.loss is checked against block below)
+    eagle: EagleTrainConfig = field(default_factory=EagleTrainConfig)
+    medusa: MedusaTrainConfig = field(default_factory=MedusaTrainConfig)
+    block: BlockTrainConfig = field(default_factory=BlockTrainConfig)
+    lora: LoraTrainConfig = field(default_factory=LoraTrainConfig)
 
     def __post_init__(self) -> None:
         check_values("train", self, {
             "batch_size": ">=1", "grad_accum": ">=1", "epochs": ">=1", "warmup_steps": ">=0", "save_every": ">=0",
             "keep_last": ">=1", "log_every": ">=1", "lr": ">0", "max_steps": ">=1|None", "weight_decay": ">=0",
-            "max_grad_norm": ">=0", "loss_decay": ">0", "noise": ">=0", "eagle_w_reg": ">=0", "eagle_w_ce": ">=0",
-            "num_workers": ">=0", "lora_r": ">=1", "lora_alpha": ">0", "lora_dropout": "[0,1)",
-            "lora_lr_ratio": ">=0", "lora_warmup_steps": ">=0", "lm_loss_weight": ">=0",
-            "block_gamma": ">0", "block_w_ce": ">=0", "block_w_l1": ">=0", "confidence_alpha": ">=0",
-            "max_anchors": ">=1", "lk_eta": ">=0"})
+            "max_grad_norm": ">=0", "loss_decay": ">0", "noise": ">=0", "num_workers": ">=0", "lk_eta": ">=0"})
         self._check_loss()
         if self.mixed_precision not in ("no", "bf16"):
             raise SpecheadsError(f"train.mixed_precision: {self.mixed_precision!r} is not one of ['no', 'bf16']")
@@ -72,29 +120,30 @@ class TrainConfig:
             raise SpecheadsError(f"train.tracker: {self.tracker!r} is not one of ['wandb', 'tensorboard', 'none']")
         if len(self.betas) != 2 or not all(math.isfinite(b) and 0 <= b < 1 for b in self.betas):
             raise SpecheadsError(f"train.betas: expected two numbers in [0, 1), got {self.betas!r}")
-        if not self.lora_targets:
-            raise SpecheadsError("train.lora_targets: needs at least one module name")
 
     def _check_loss(self) -> None:
-        """train.loss parses, and does not meet DSpark's own CE / L1 weights changed beside it."""
+        """train.loss parses, and does not meet DSpark's own CE / L1 weights (train.block) changed beside it."""
         if self.loss is None:
             return
         try:
             parse_loss(self.loss)
         except ValueError as e:
             raise SpecheadsError(f"train.loss: {self.loss!r}: {e}; write {LOSS_SYNTAX}") from None
-        if (self.block_w_ce, self.block_w_l1) != (BLOCK_W_CE, BLOCK_W_L1):
-            raise SpecheadsError(f"train.loss: replaces DSpark's CE / L1 weights, and train.block_w_ce / block_w_l1 "
-                                 f"are {self.block_w_ce} / {self.block_w_l1} beside it; set them back to "
+        w_ce, w_l1 = self.block.w_ce, self.block.w_l1
+        if (w_ce, w_l1) != (BLOCK_W_CE, BLOCK_W_L1):
+            raise SpecheadsError(f"train.loss: replaces DSpark's CE / L1 weights, and train.block.w_ce / "
+                                 f"train.block.w_l1 are {w_ce} / {w_l1} beside it; set them back to "
                                  f"{BLOCK_W_CE} / {BLOCK_W_L1} or write the mixture into train.loss "
-                                 f"(e.g. soft_ce:{self.block_w_ce},l1:{self.block_w_l1})")
+                                 f"(e.g. soft_ce:{w_ce},l1:{w_l1})")
 
     def check_loss_for(self, kind: str) -> None:
         """train.loss against the head kind: Medusa's hard labels (and Medusa-2) train CE on the data's tokens."""
         if self.loss is None or kind != "medusa":
             return
-        if self.lora or not self.soft_labels:
-            what = "Medusa-2 (train.lora) trains" if self.lora else "Medusa with train.soft_labels false trains"
+        lora = self.lora.enabled
+        if lora or not self.medusa.soft_labels:
+            what = ("Medusa-2 (train.lora.enabled) trains" if lora
+                    else "Medusa with train.medusa.soft_labels false trains")
             raise SpecheadsError(f"train.loss: {what} CE on the data's tokens, not a distillation loss; set "
-                                 f"train.soft_labels=true{' and train.lora=false' if self.lora else ''} or drop "
-                                 f"train.loss")
+                                 f"train.medusa.soft_labels=true{' and train.lora.enabled=false' if lora else ''} "
+                                 f"or drop train.loss")

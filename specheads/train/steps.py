@@ -9,31 +9,26 @@ Shapes: B batch, T sequence, F feature layers, D hidden, K heads / TTT steps, V 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specheads.train.kinds import head_kind
 from specheads.train.kinds.base import Drafts, split_features
-from specheads.train.losses import (BLOCK_GAMMA, BLOCK_W_CE, BLOCK_W_L1, CONFIDENCE_ALPHA, LK_ETA, DistillLoss,
-                                    LossOutput, resolve_loss)
+from specheads.train.losses import LK_ETA, DistillLoss, LossOutput, resolve_loss
+from specheads.train.settings import BlockTrainConfig, EagleTrainConfig, MedusaTrainConfig
 
 
 @dataclass
 class LossSettings:
-    soft_labels: bool = False  # Medusa: soft CE against the target instead of the data's tokens
     decay: float = 0.8  # 0.8^k per head / TTT step
     noise: float = 0.2  # EAGLE(-3): width w of the uniform noise U(-w/2, w/2) added to input features
-    w_reg: float = 1.0  # EAGLE-1 SmoothL1 weight
-    w_ce: float = 0.1  # EAGLE-1 soft CE weight
-    block_gamma: float = BLOCK_GAMMA  # DSpark / DFlash: draft j weighted exp(-j / gamma)
-    block_w_ce: float = BLOCK_W_CE  # DSpark / DFlash: soft CE weight
-    block_w_l1: float = BLOCK_W_L1  # DSpark / DFlash: ||q - p||_1 weight
-    confidence_alpha: float = CONFIDENCE_ALPHA  # DSpark: confidence BCE weight
-    max_anchors: int = 512  # DSpark / DFlash: blocks sampled per sequence (DeepSpec num_anchors 512 at 4k tokens)
-    block_full_vocab: bool = False  # DSpark / DFlash: the target over every column, not only the draft vocab's
     loss: str | None = None  # train.loss: the distillation family (losses.py); None = the kind's default
     lk_eta: float = LK_ETA  # LK^λ's η
+    # each kind's own settings: the recipe's train.eagle / train.medusa / train.block sections (settings.py)
+    eagle: EagleTrainConfig = field(default_factory=EagleTrainConfig)
+    medusa: MedusaTrainConfig = field(default_factory=MedusaTrainConfig)
+    block: BlockTrainConfig = field(default_factory=BlockTrainConfig)
     # the step's random draws (EAGLE feature noise, DSpark anchors): the trainer's own, saved in checkpoints;
     # None = torch's global RNG
     generator: torch.Generator | None = None
@@ -41,14 +36,12 @@ class LossSettings:
     @classmethod
     def from_config(cls, cfg, generator: torch.Generator | None = None) -> "LossSettings":
         """The settings of the recipe's train: section (settings.TrainConfig)."""
-        return cls(soft_labels=cfg.soft_labels, decay=cfg.loss_decay, noise=cfg.noise, w_reg=cfg.eagle_w_reg,
-                   w_ce=cfg.eagle_w_ce, block_gamma=cfg.block_gamma, block_w_ce=cfg.block_w_ce,
-                   block_w_l1=cfg.block_w_l1, confidence_alpha=cfg.confidence_alpha, max_anchors=cfg.max_anchors,
-                   block_full_vocab=cfg.block_full_vocab, loss=cfg.loss, lk_eta=cfg.lk_eta, generator=generator)
+        return cls(decay=cfg.loss_decay, noise=cfg.noise, loss=cfg.loss, lk_eta=cfg.lk_eta, eagle=cfg.eagle,
+                   medusa=cfg.medusa, block=cfg.block, generator=generator)
 
     def distill(self, kind: str) -> DistillLoss:
         """The resolved distillation loss of `kind` (losses.DEFAULT_LOSS when train.loss is unset)."""
-        return resolve_loss(kind, self.loss, self.lk_eta, self.block_w_ce, self.block_w_l1)
+        return resolve_loss(kind, self.loss, self.lk_eta, self.block.w_ce, self.block.w_l1)
 
 
 def train_loss(kind: str, head, batch: dict, target, layers: list[int], head_layers: list[int],

@@ -45,7 +45,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import specheads.target
-from specheads.config import config_to_dict, format_config, save_config
+from specheads.config import config_to_dict, format_config, renamed_keys, save_config
 from specheads.heads.base import build_head
 from specheads.train import checkpoint
 from specheads.train.accel import build_accelerator, flat_config
@@ -335,7 +335,7 @@ class Trainer:
         # the noise has its own generator (one stream per process), so that no other draw shifts it
         noise = torch.Generator(device=acc.device).manual_seed(self.recipe.seed + acc.process_index)
         settings = LossSettings.from_config(cfg, generator=noise)
-        self.parts = Medusa2(self, settings) if cfg.lora else HeadOnly(self, settings)
+        self.parts = Medusa2(self, settings) if cfg.lora.enabled else HeadOnly(self, settings)
         module = self.parts.module()
         opt = self._optimizer(acc, module)
         train_dl, val_dl = self._loaders()
@@ -361,7 +361,8 @@ class Trainer:
         """Resume: the recipe against the run's recorded one (settings that change what the checkpoints mean are
         refused); returns the allowed changes, None without a record. A fresh run: no trained run's outputs here."""
         if resume:
-            return checkpoint.check_resume_settings(self.output_dir, config_to_dict(self.recipe))
+            return checkpoint.check_resume_settings(self.output_dir, config_to_dict(self.recipe),
+                                                    renamed_keys(type(self.recipe)))
         checkpoint.check_fresh_start(self.output_dir)
         return None
 

@@ -1,8 +1,8 @@
 """DSpark / DFlash block drafters: one parallel block of K drafts per anchor, read off the target's context.
 
-Training samples at most `max_anchors` blocks per sequence (`sample_anchors`), teacher-forced (the previous tokens
-are the data's), against the target's distributions at rows p+j (`block_targets`); evaluation computes the block at
-every start row (`block_draft_outputs`) with the confidence head's logits beside it.
+Training samples at most `train.block.max_anchors` blocks per sequence (`sample_anchors`), teacher-forced (the
+previous tokens are the data's), against the target's distributions at rows p+j (`block_targets`); evaluation
+computes the block at every start row (`block_draft_outputs`) with the confidence head's logits beside it.
 Shapes: B batch, T sequence, A anchors, K drafts per block, D hidden, V vocab, V' draft vocab, R rows.
 """
 from __future__ import annotations
@@ -90,14 +90,14 @@ def loss(head, batch: dict, h_in: torch.Tensor, h_last: torch.Tensor, target, se
     ids, lmask = batch["input_ids"], batch["loss_mask"]
     inner = unwrap(head)
     K = inner.num_drafts
-    anchors, avalid = sample_anchors(lmask, settings.max_anchors, settings.generator)
+    anchors, avalid = sample_anchors(lmask, settings.block.max_anchors, settings.generator)
     logits, conf = head(h_in.float(), ids, anchors, batch["attention_mask"])  # [B,A,K',V'], [B,A,K']
     valid = block_valid(lmask, anchors, K) & avalid[..., None]
     side = (batch["target_greedy"], batch["target_lse"]) if has_sidecar(batch) else None
-    tgt, lse, ok = block_targets(inner, target, h_last, anchors, valid, settings.block_full_vocab, side)
+    tgt, lse, ok = block_targets(inner, target, h_last, anchors, valid, settings.block.full_vocab, side)
     keep = avalid  # [B,A]: padding blocks leave the loss entirely
     return dspark_loss(logits[keep], None if conf is None else conf[keep], tgt[keep], lse[keep], ok[keep],
-                       valid[keep], gamma=settings.block_gamma, alpha=settings.confidence_alpha,
+                       valid[keep], gamma=settings.block.gamma, alpha=settings.block.confidence_alpha,
                        loss=settings.distill("dspark"))
 
 

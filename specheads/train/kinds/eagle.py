@@ -15,7 +15,7 @@ def loss(head, batch: dict, h_in: torch.Tensor, h_last: torch.Tensor, target, se
     rows = target_rows(target, h_last, lmask, d2t, batch, need_greedy=d2t is not None, need_lse=dist.needs_lse)
     feats = noisy_features(h_in, settings)
     pred, logits = head(feats, shift_rows(ids, 1), batch["attention_mask"])
-    return eagle_loss(pred, logits, h_last, rows, lmask, w_reg=settings.w_reg, w_ce=settings.w_ce, d2t=d2t,
+    return eagle_loss(pred, logits, h_last, rows, lmask, w_reg=settings.eagle.w_reg, w_ce=settings.eagle.w_ce, d2t=d2t,
                       loss=dist)
 
 

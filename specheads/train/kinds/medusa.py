@@ -9,12 +9,12 @@ from specheads.train.teacher import target_greedy, target_rows
 
 
 def loss(head, batch: dict, h_in: torch.Tensor, h_last: torch.Tensor, target, settings) -> LossOutput:
-    """CE on the data's tokens, or with train.soft_labels the distillation loss against the target at the draft
+    """CE on the data's tokens, or with train.medusa.soft_labels the distillation loss against the target at the draft
     vocabulary's columns only (Medusa masks no row by the target's argmax)."""
     ids, lmask = batch["input_ids"], batch["loss_mask"]
     d2t, dist = draft_vocab(unwrap(head)), settings.distill("medusa")
     rows = target_rows(target, h_last, lmask, d2t, batch, need_greedy=False, need_lse=dist.needs_lse) \
-        if settings.soft_labels else None
+        if settings.medusa.soft_labels else None
     logits = head(h_in.float())  # [K,B,T,V']
     return medusa_loss(logits, ids, lmask, target_logits=None if rows is None else rows.logits,
                        decay=settings.decay, d2t=d2t, target_in_draft_vocab=True, loss=dist,
