@@ -115,6 +115,27 @@ def test_prediction_table_reads_the_best_step_and_the_served_tau(tmp_path):
     assert "| h | 10 | 1.600 | 1.500 ± 0.020 | 1.400 | 1.350 (80 turns) | +3.7% | yes |" in (out.parent / "pred.md").read_text()
 
 
+def test_tuning_table_reads_the_best_step_and_the_data(tmp_path):
+    """scripts/tuning_table.py: the best step's held-out and dev figures, the data of the features' own run."""
+    table = _script("tuning_table")
+    feats_run, run = tmp_path / "a", tmp_path / "b"
+    feats_run.mkdir()
+    run.mkdir()
+    (feats_run / "prepare_summary.json").write_text(json.dumps({"samples": 871}))
+    (run / "train_config.yaml").write_text(f"data:\n  regen_temperature: 0.7\nfeatures:\n  dir: {feats_run}/features\n")
+    hist = [{"step": 5, "dev_tau_tree_walk": 1.2},
+            {"step": 9, "top1_0": 0.3, "tau_chain_walk": 1.4, "tau_tree_walk": 1.6, "dev_top1_0": 0.25,
+             "dev_tau_chain_walk": 1.3, "dev_tau_chain_walk_se": 0.03, "dev_tau_tree_walk": 1.5,
+             "dev_tau_tree_walk_se": 0.04}]
+    (run / "train_summary.json").write_text(json.dumps({"kind": "eagle3", "steps": 10, "epochs": 2, "best_step": 9,
+                                                        "train_seconds": 12.5, "history": hist}))
+    assert table.main(["--row", "sampled", str(run), "--out", str(tmp_path / "t")]) == 0
+    r = json.loads((tmp_path / "t.json").read_text())["rows"][0]
+    assert (r["samples"], r["regen_temperature"], r["best_step"], r["dev_tau_tree_walk"]) == (871, 0.7, 9, 1.5)
+    assert ("| sampled | eagle3 | 871 | sampled T=0.7 | 9 of 10 (2) | 12.5 | 0.300 | 1.400 / 1.600 | 0.250 | "
+            "1.300 ± 0.030 | 1.500 ± 0.040 |") in (tmp_path / "t.md").read_text()
+
+
 def test_compare_bench_runs_finds_a_changed_output(tmp_path):
     """scripts/compare_bench_runs.py: identical runs compare identical; one changed text and one changed τ are named."""
     def write(d, text, tau):
