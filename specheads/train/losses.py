@@ -356,6 +356,30 @@ def simulated_tau(correct: torch.Tensor, start: torch.Tensor, depth: int | None 
 # --------------------------------------------------------------------------------------- DSpark / DFlash blocks
 
 
+BLOCK_WEIGHTINGS = ("exp", "dpace")  # train.block.weighting
+DPACE_ALPHA = 0.5  # speculators' dpace_alpha default
+
+
+@torch.no_grad()
+def dpace_weights(logits: torch.Tensor, target_logits: torch.Tensor, in_vocab: torch.Tensor, valid: torch.Tensor,
+                  alpha: float = DPACE_ALPHA) -> torch.Tensor:
+    """D-PACE per-draft weights [N,K'] (speculators losses/utils.py dpace_loss_decay; no gradient):
+
+        q_j = softmax(draft_j)[argmax target_j] = exp(-CE_j on the target's greedy token) (0 when that token is
+              outside the draft vocabulary: the draft can never propose it),
+        s_j = (1 - alpha) q_j + alpha at valid drafts, 1 elsewhere,   P_j = s_0 ... s_j,
+        w_j = valid_j · sum_{i >= j} P_i valid_i,
+    the drafter's own (smoothed) expected accepted run from draft j to the end of the block: a miss at an early
+    draft loses every later accepted token, so early drafts weigh more, and by how much follows the drafter's
+    confidence instead of a fixed exp(-j / gamma)."""
+    q = torch.softmax(logits.float(), dim=-1).gather(-1, target_logits.argmax(-1, keepdim=True)).squeeze(-1)
+    q = q * in_vocab.float()
+    m = valid.float()
+    s = torch.where(valid, (1.0 - alpha) * q + alpha, torch.ones_like(q))
+    prefix = torch.cumprod(s, dim=-1) * m
+    return prefix.flip(-1).cumsum(-1).flip(-1) * m
+
+
 def block_position_weights(num_drafts: int, gamma: float, device=None) -> torch.Tensor:
     """[K'] weight of draft j: exp(-j / gamma) (DeepSpec _build_loss_weight_mask; speculators' fixed-exp-decay with
     sample_from_anchor, where draft j is slot j; without it slot j+1, weighted exp(-j / gamma) alike)."""
@@ -380,10 +404,12 @@ def _wmean(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def dspark_loss(logits: torch.Tensor, conf_logits: torch.Tensor | None, target_logits: torch.Tensor,
                 target_lse: torch.Tensor, in_vocab: torch.Tensor, valid: torch.Tensor, gamma: float = BLOCK_GAMMA,
                 w_ce: float = BLOCK_W_CE, w_l1: float = BLOCK_W_L1, alpha: float = CONFIDENCE_ALPHA,
-                loss: DistillLoss | None = None) -> LossOutput:
+                loss: DistillLoss | None = None, weighting: str = "exp", dpace_alpha: float = DPACE_ALPHA
+                ) -> LossOutput:
     """DSpark / DFlash block loss over N blocks of K' drafts (DeepSpec deepspec/modeling/dspark/loss.py):
 
-        L = w_ce · CE + w_l1 · L1 + alpha · BCE, each a mean over drafts weighted by w_j = exp(-j / gamma),
+        L = w_ce · CE + w_l1 · L1 + alpha · BCE, each a mean over drafts weighted by w_j = exp(-j / gamma)
+        (`weighting` "exp") or by D-PACE's w_j (`weighting` "dpace", dpace_weights, recomputed every step),
         CE_j = soft CE of the draft against the target restricted to the draft vocab and renormalised,
         L1_j = ||q_j - p_j||_1 over that restricted target (2 TV),
         BCE_j = BCE(c_j, a_j) with a_j = acceptance_rate(...), detached: the confidence loss never reaches the
@@ -399,7 +425,10 @@ def dspark_loss(logits: torch.Tensor, conf_logits: torch.Tensor | None, target_l
     inside the sequence).
     """
     K = logits.shape[1]
-    w = block_position_weights(K, gamma, logits.device) * valid.float()  # [N,K']
+    if weighting == "dpace":
+        w = dpace_weights(logits.detach(), target_logits, in_vocab, valid, dpace_alpha)  # [N,K']
+    else:
+        w = block_position_weights(K, gamma, logits.device) * valid.float()  # [N,K']
     wd = w * in_vocab.float()
     loss = loss or DistillLoss(parse_loss(f"soft_ce:{w_ce},l1:{w_l1}", allow_zero=True))
     total, parts = distill_loss(logits, target_logits, loss, target_lse, weights=wd)

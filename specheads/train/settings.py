@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from specheads.train.losses import BLOCK_W_CE, BLOCK_W_L1, LOSS_SYNTAX, parse_loss
+from specheads.train.losses import BLOCK_W_CE, BLOCK_W_L1, BLOCK_WEIGHTINGS, LOSS_SYNTAX, parse_loss
 from specheads.utils import SpecheadsError, check_values
 
 
@@ -37,10 +37,18 @@ class BlockTrainConfig:
     max_anchors: int = 512  # DSpark / DFlash: blocks per sequence and step (DeepSpec num_anchors 512 at 4k tokens)
     full_vocab: bool = False  # DSpark / DFlash: target over the full vocab (exact acceptance; ~2x the step
     # without target sidecars, the V' columns' cost with them)
+    # Per-draft loss weight (losses.py "D-PACE"): exp = exp(-j / gamma) (DeepSpec); dpace = the drafter's own expected
+    # accepted run from draft j on (speculators' per_position_loss_weight dpace, its default for DFlash)
+    weighting: str = "exp"
+    dpace_alpha: float = 0.5  # D-PACE smoothing s_j = (1 - alpha) q_j + alpha, in (0, 1] (speculators' default 0.5)
 
     def __post_init__(self) -> None:
         check_values("train.block", self, {"gamma": ">0", "w_ce": ">=0", "w_l1": ">=0", "confidence_alpha": ">=0",
                                            "max_anchors": ">=1"})
+        if self.weighting not in BLOCK_WEIGHTINGS:
+            raise SpecheadsError(f"train.block.weighting: {self.weighting!r} is not one of {list(BLOCK_WEIGHTINGS)}")
+        if not 0.0 < self.dpace_alpha <= 1.0:
+            raise SpecheadsError(f"train.block.dpace_alpha: must be in (0, 1], got {self.dpace_alpha}")
 
 
 @dataclass
