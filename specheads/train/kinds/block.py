@@ -98,7 +98,8 @@ def loss(head, batch: dict, h_in: torch.Tensor, h_last: torch.Tensor, target, se
     keep = avalid  # [B,A]: padding blocks leave the loss entirely
     return dspark_loss(logits[keep], None if conf is None else conf[keep], tgt[keep], lse[keep], ok[keep],
                        valid[keep], gamma=settings.block.gamma, alpha=settings.block.confidence_alpha,
-                       loss=settings.distill("dspark"))
+                       loss=settings.distill("dspark"), weighting=settings.block.weighting,
+                       dpace_alpha=settings.block.dpace_alpha)
 
 
 @torch.no_grad()
