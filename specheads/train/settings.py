@@ -40,10 +40,14 @@ class BlockTrainConfig:
     weighting: str = "exp"  # position weights: exp = exp(-j / gamma) (DeepSpec); dpace = the drafter's own
     # confidence (speculators' D-PACE, its DFlash default; losses.dpace_position_weights)
     dpace_alpha: float = DPACE_ALPHA  # D-PACE smoothing α in (0, 1] (speculators dpace_alpha 0.5)
+    # Domino: loss = (1 - λ) final + λ base, λ = lambda_start (1 - step / (ratio x steps)), then 0 (SpecForge)
+    domino_lambda_start: float = 1.0  # λ at step 0 (SpecForge lambda_base_start 1.0)
+    domino_lambda_decay_ratio: float = 0.5  # fraction of the run over which λ reaches 0 (SpecForge 0.5)
 
     def __post_init__(self) -> None:
         check_values("train.block", self, {"gamma": ">0", "w_ce": ">=0", "w_l1": ">=0", "confidence_alpha": ">=0",
-                                           "max_anchors": ">=1", "dpace_alpha": "(0,1]"})
+                                           "max_anchors": ">=1", "dpace_alpha": "(0,1]",
+                                           "domino_lambda_start": "[0,1]", "domino_lambda_decay_ratio": "(0,1]"})
         if self.weighting not in BLOCK_WEIGHTINGS:
             raise SpecheadsError(f"train.block.weighting: must be one of {', '.join(BLOCK_WEIGHTINGS)}, "
                                  f"got {self.weighting!r}")

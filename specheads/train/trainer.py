@@ -154,6 +154,7 @@ class Trainer:
     def _train_step(self, run: _Run, batch: dict) -> bool:
         """One micro-batch: forward, backward, optimizer step when the accumulation is full. True after a step."""
         acc, cfg = run.acc, self.cfg
+        self.parts.settings.step, self.parts.settings.total_steps = run.state.step, run.total  # Domino's λ schedule
         with acc.accumulate(run.model):
             out = self.parts.loss(run.model, batch)
             self._check_finite(run, out.loss)

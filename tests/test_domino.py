@@ -1,0 +1,170 @@
+"""Domino heads (heads/domino.py) on the tiny target: the greedy block pass equals the teacher-forced forward,
+the correction leaves the first P drafts and a zero W_2 alone, the λ schedule by hand, train steps (TRL style) with
+exp and D-PACE weights, exact resume, greedy decoding identical to plain decoding, the export refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specheads.heads import HeadSpec, build_head
+from specheads.train.kinds.domino import base_weight
+from specheads.utils import SpecheadsError
+
+V, D = 256, 64
+BASE = {"kind": "domino", "feature_layers": [1, 2, 3], "block_size": 4, "markov_rank": 0, "confidence_head": False,
+        "num_layers": 2, "domino_gru_hidden": 24, "domino_emb_dim": 16, "mask_token_id": 5}
+
+
+def _head(tiny, seed=3, **kw):
+    spec = HeadSpec(**{**BASE, **kw})
+    head = build_head(spec, tiny, token_counts=torch.arange(V) if spec.draft_vocab_size else None)
+    torch.manual_seed(seed)
+    with torch.no_grad():  # far from init, so that the correction matters
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn_like(p))
+    return head
+
+
+def _inputs(T=24, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, T, 3 * D, generator=g), torch.randint(0, V, (1, T), generator=g)
+
+
+@pytest.mark.parametrize("kw", [{}, {"draft_vocab_size": 100, "domino_prefix_len": 0},
+                                {"confidence_head": True, "confidence_with_markov": False, "domino_prefix_len": 2}],
+                         ids=["plain", "draft-vocab-P0", "confidence-P2"])
+def test_greedy_block_equals_teacher_forced_forward(tiny, kw):
+    head = _head(tiny, **kw)
+    f, ids = _inputs()
+    p = 9
+    cache = head.new_cache()
+    head.extend_context(cache, f[0, :p])
+    logits, conf = head.draft_block(cache, ids[0, p])
+    K = head.num_drafts
+    drafted = head.to_target_ids(logits.argmax(-1))
+    forced = ids.clone()
+    forced[0, p + 1:p + 1 + K] = drafted  # the data continues with the drafts: teacher forcing = greedy chain
+    base, final, tc = head(f, forced, torch.tensor([[3, p]]))
+    torch.testing.assert_close(final[0, 1], logits, atol=1e-5, rtol=1e-5)
+    P = head.prefix_len
+    assert torch.equal(final[..., :P, :], base[..., :P, :])  # the first P drafts: base logits only
+    assert (final[..., P:, :] - base[..., P:, :]).abs().max() > 1e-3  # the correction moves the others
+    if conf is not None:
+        torch.testing.assert_close(torch.sigmoid(tc[0, 1]), conf, atol=1e-6, rtol=1e-5)
+
+
+def test_gru_reads_the_previous_tokens_causally(tiny):
+    """Changing the data's token x_{p+j} changes the corrected logits of drafts >= j only (and never the base)."""
+    head = _head(tiny, domino_prefix_len=0)
+    f, ids = _inputs()
+    p, j = 9, 2
+    other = ids.clone()
+    other[0, p + j] = (ids[0, p + j] + 1) % V
+    b1, f1, _ = head(f, ids, torch.tensor([[p]]))
+    b2, f2, _ = head(f, other, torch.tensor([[p]]))
+    assert torch.equal(b1, b2)  # the block reads only rows < p and the anchor
+    assert torch.equal(f1[0, 0, :j], f2[0, 0, :j])
+    assert (f1[0, 0, j:] - f2[0, 0, j:]).abs().amax(-1).min() > 0
+
+
+def test_zero_correction_is_dflash(tiny):
+    head = _head(tiny, domino_prefix_len=0)
+    with torch.no_grad():
+        head.embed_proj[2].weight.zero_()
+    f, ids = _inputs()
+    base, final, _ = head(f, ids, torch.tensor([[6, 9]]))
+    assert torch.equal(base, final)
+
+
+def test_base_weight_schedule_by_hand():
+    assert base_weight(0, 100, 1.0, 0.5) == 1.0
+    assert base_weight(25, 100, 1.0, 0.5) == pytest.approx(0.5)
+    assert base_weight(50, 100, 1.0, 0.5) == 0.0 and base_weight(99, 100, 1.0, 0.5) == 0.0
+    assert base_weight(10, 100, 0.4, 1.0) == pytest.approx(0.36)
+    assert base_weight(0, 1, 1.0, 0.5) == 1.0 and base_weight(1, 1, 1.0, 0.5) == 0.0  # decay over >= 1 step
+
+
+@pytest.mark.parametrize("bad,match", [({"markov_rank": 8}, "markov_rank"),
+                                       ({"sample_from_anchor": False}, "sample_from_anchor"),
+                                       ({"domino_prefix_len": 9}, "domino_prefix_len"),
+                                       ({"domino_gru_hidden": 0}, "domino_gru_hidden"),
+                                       ({"anchor_features": True}, "anchor_features")])
+def test_bad_specs_give_one_clear_error(bad, match):
+    with pytest.raises(SpecheadsError, match=f"head.{match}"):
+        HeadSpec(**{**BASE, **bad})
+
+
+def _recipe(out, steps=4, extra=()):
+    from specheads.config import load_config
+    from specheads.recipe import Recipe
+
+    return load_config(Recipe, None, [
+        f"output_dir={out}", "seed=0", "head.kind=domino", "head.feature_layers=[1,2,3]", "head.block_size=3",
+        "head.markov_rank=0", "head.confidence_head=false", "head.mask_token_id=5", "head.domino_gru_hidden=16",
+        "head.domino_emb_dim=8", "head.domino_prefix_len=0", "train.tracker=none", "train.batch_size=2",
+        "train.lr=1e-2", f"train.max_steps={steps}", "train.block.max_anchors=4", "eval.every_steps=0",
+        "eval.at_start=false", "eval.max_samples=2", *extra])
+
+
+@pytest.mark.parametrize("weighting", ["exp", "dpace"])
+def test_train_steps_move_every_trainable_parameter_and_not_the_target(tiny, tmp_path, weighting):
+    from specheads.heads import load_head
+    from specheads.train.trainer import Trainer
+    from tests.test_dspark import _greedy_samples
+
+    data, val = _greedy_samples(tiny, 6, T=24), _greedy_samples(tiny, 2, T=24, seed=1)
+    recipe = _recipe(tmp_path, extra=[f"train.block.weighting={weighting}"])
+    torch.manual_seed(0)
+    head = build_head(recipe.head, tiny)
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    target_before = {k: v.clone() for k, v in tiny.model.state_dict().items()}
+    Trainer(recipe, tiny, head, data, val).train()
+    after = head.state_dict()
+    trainable = {n for n, p in head.named_parameters() if p.requires_grad}
+    assert {"prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.2.weight"} <= trainable
+    assert {k for k in before if not torch.equal(before[k], after[k])} == trainable
+    assert all(torch.equal(v, tiny.model.state_dict()[k]) for k, v in target_before.items()), "target changed"
+    assert load_head(tmp_path / "final", tiny).kind == "domino"
+
+
+def test_resume_gives_same_weights(tiny, tmp_path):
+    from specheads.train.trainer import Trainer
+    from tests.test_dspark import _greedy_samples
+
+    data, val = _greedy_samples(tiny, 10, T=24), _greedy_samples(tiny, 2, T=24, seed=1)
+
+    def run(out, stop=None, resume=False):
+        recipe = _recipe(out, steps=6, extra=["train.save_every=2"])
+        torch.manual_seed(123 if resume else 0)
+        head = build_head(recipe.head, tiny)
+        Trainer(recipe, tiny, head, data, val).train(resume=resume, stop_after=stop)
+        return head.state_dict()
+
+    a = run(tmp_path / "a")
+    run(tmp_path / "b", stop=4)
+    b = run(tmp_path / "b", resume=True)
+    assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) == 0.0
+
+
+@pytest.mark.parametrize("fmt,match", [("speculators", "speculators 0.9.0 has no Domino"),
+                                       ("specforge", "Domino"), ("eagle3", "domino")])
+def test_exports_are_refused_with_one_line(tiny, tmp_path, fmt, match):
+    from specheads.heads.export import export_head
+
+    head = _head(tiny)
+    head.save_pretrained(tmp_path / "h")
+    with pytest.raises(SpecheadsError, match=match):
+        export_head(tmp_path / "h", fmt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_gguf_export_is_refused(tiny, tmp_path):
+    from specheads.heads.base import read_head_config
+    from specheads.heads.gguf import DRAFT_KINDS, _draft_kind
+
+    head = _head(tiny)
+    head.save_pretrained(tmp_path / "h")
+    assert "domino" not in DRAFT_KINDS
+    with pytest.raises(SpecheadsError, match="domino"):
+        _draft_kind(read_head_config(tmp_path / "h"), tmp_path / "h")
