@@ -168,3 +168,35 @@ def test_gguf_export_is_refused(tiny, tmp_path):
     assert "domino" not in DRAFT_KINDS
     with pytest.raises(SpecheadsError, match="domino"):
         _draft_kind(read_head_config(tmp_path / "h"), tmp_path / "h")
+
+
+def test_run_training_online_with_a_confidence_head_calibrates_it(tmp_path):
+    """`run_training` on online features (the target run per batch) with a confidence head: best/ and final/ are
+    Domino folders and their confidences are calibrated as DSpark's are."""
+    import json
+
+    import datasets
+
+    from specheads.config import load_config
+    from specheads.heads import load_head
+    from specheads.recipe import Recipe
+    from specheads.train.trainer import run_training
+    from tests.test_dspark import _greedy_samples, _sharp_target
+
+    target = _sharp_target()
+    rows = _greedy_samples(target, 14, T=24)
+    ds = datasets.Dataset.from_dict({"input_ids": [r["input_ids"].tolist() for r in rows],
+                                     "loss_mask": [r["loss_mask"].tolist() for r in rows],
+                                     "conversation_id": [f"c{i}" for i in range(len(rows))]})
+    ds.save_to_disk(str(tmp_path / "data" / "tokens"))
+    recipe = load_config(Recipe, None, [
+        f"output_dir={tmp_path}", "seed=0", "features.mode=online", "data.val_fraction=0.4", "head.kind=domino",
+        "head.feature_layers=[1,2,3]", "head.block_size=3", "head.markov_rank=0", "head.confidence_head=true",
+        "head.confidence_with_markov=false", "head.domino_gru_hidden=16", "head.domino_emb_dim=8",
+        "train.tracker=none", "train.batch_size=2", "train.lr=1e-2", "train.max_steps=4",
+        "train.block.max_anchors=8", "eval.every_steps=0", "eval.at_start=false", "eval.batch_size=2"])
+    run_training(recipe, target=target)
+    report = json.loads((tmp_path / "calibration.json").read_text())
+    assert set(report) == {"best", "final"} and report["final"]["rows"] > 0
+    head = load_head(tmp_path / "final", target)
+    assert head.kind == "domino" and head.conf_temperature.tolist() == pytest.approx(report["final"]["temperatures"])
