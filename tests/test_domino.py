@@ -200,3 +200,36 @@ def test_run_training_online_with_a_confidence_head_calibrates_it(tmp_path):
     assert set(report) == {"best", "final"} and report["final"]["rows"] > 0
     head = load_head(tmp_path / "final", target)
     assert head.kind == "domino" and head.conf_temperature.tolist() == pytest.approx(report["final"]["temperatures"])
+
+
+def test_cli_generate_and_bench_run_a_domino_head(tiny, tmp_path, capsys, monkeypatch):
+    """`specheads generate --head DIR` and bench's `head:domino` (from `--head domino=DIR`) run the head; bench's
+    greedy output is identical to plain decoding."""
+    import json
+
+    import specheads.infer.drafters.build as drafters_mod
+    import specheads.target
+    from specheads.cli import main
+    from specheads.infer.bench import BenchSettings, MethodOptions, build_methods, run_bench
+    from specheads.infer.bench.names import head_entries
+    from specheads.infer.bench.prompts import BenchPrompt
+    from specheads.infer.scheduling.step import Scheduler
+    from tests.test_bench import ByteTok
+
+    head = _head(tiny)
+    head.save_pretrained(tmp_path / "dm")
+    tiny.tokenizer = ByteTok()
+    monkeypatch.setattr(specheads.target, "load_target", lambda *a, **k: tiny)
+    monkeypatch.setattr(drafters_mod.Scheduler, "for_target",
+                        classmethod(lambda cls, target, refresh=False: Scheduler({1: 1.0, 8: 1.1}, 1e-3)))
+    assert main(["generate", "--head", str(tmp_path / "dm"), "--prompt", "hi", "--raw", "--json",
+                 "--max-new-tokens", "8"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["ids"]) == 8 and out["stats"]["scheduled_steps"] == out["stats"]["target_forwards"]
+    args = MethodOptions(heads=head_entries([f"domino={tmp_path / 'dm'}"]), tree="chain:3")
+    methods, extra = build_methods(["head:domino"], tiny, args)
+    assert [m.name for m in methods] == ["vanilla", "head:domino"]
+    prompts = [BenchPrompt(id="0", category="a", turns=["abcabcabc"], chat=False)]
+    res = run_bench(prompts, methods, BenchSettings("tiny", "x", "float32", max_new_tokens=8, warmup_tokens=2),
+                    tiny.tokenizer, out_dir=tmp_path / "out", extra=extra, progress=False)
+    assert res["methods"]["head:domino"]["overall"]["identical"] == 1.0
