@@ -233,3 +233,20 @@ def test_cli_generate_and_bench_run_a_domino_head(tiny, tmp_path, capsys, monkey
     res = run_bench(prompts, methods, BenchSettings("tiny", "x", "float32", max_new_tokens=8, warmup_tokens=2),
                     tiny.tokenizer, out_dir=tmp_path / "out", extra=extra, progress=False)
     assert res["methods"]["head:domino"]["overall"]["identical"] == 1.0
+
+
+def test_save_load_bit_exact_and_frozen_parts(tiny, tmp_path):
+    from specheads.heads import load_head
+
+    head = _head(tiny, draft_vocab_size=100)
+    head.save_pretrained(tmp_path / "h")
+    back = load_head(tmp_path / "h", tiny)
+    sd, sd2 = head.state_dict(), back.state_dict()
+    assert type(back).__name__ == "DominoHead" and sd.keys() == sd2.keys()
+    assert all(torch.equal(sd[k], sd2[k]) for k in sd)
+    assert {"prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.weight", "embed_proj.2.weight"} <= set(sd)
+    assert back.embed_proj[2].weight.shape[0] == 100  # W_2 spans the draft vocabulary
+    assert "embed_tokens.weight" not in sd and not back.lm_head.weight.requires_grad
+    f, ids = _inputs()
+    a = torch.tensor([[4, 9]])
+    assert all(torch.equal(x, y) for x, y in zip(head(f, ids, a)[:2], back(f, ids, a)[:2]))
