@@ -147,12 +147,15 @@ def test_resume_gives_same_weights(tiny, tmp_path):
     assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) == 0.0
 
 
-@pytest.mark.parametrize("fmt,match", [("speculators", "speculators 0.9.0 has no Domino"),
-                                       ("specforge", "Domino"), ("eagle3", "domino")])
-def test_exports_are_refused_with_one_line(tiny, tmp_path, fmt, match):
+@pytest.mark.parametrize("fmt,kw,match", [("speculators", {}, "speculators 0.9.0 has no Domino"),
+                                          ("eagle3", {}, "domino"),
+                                          ("specforge", {"draft_vocab_size": 100}, "full vocabulary"),
+                                          ("specforge", {"confidence_head": True, "confidence_with_markov": False},
+                                           "DominoDraftModel has none")])
+def test_exports_are_refused_with_one_line(tiny, tmp_path, fmt, kw, match):
     from specheads.heads.export import export_head
 
-    head = _head(tiny)
+    head = _head(tiny, **kw)
     head.save_pretrained(tmp_path / "h")
     with pytest.raises(SpecheadsError, match=match):
         export_head(tmp_path / "h", fmt, tmp_path / "out")
@@ -250,3 +253,34 @@ def test_save_load_bit_exact_and_frozen_parts(tiny, tmp_path):
     f, ids = _inputs()
     a = torch.tensor([[4, 9]])
     assert all(torch.equal(x, y) for x, y in zip(head(f, ids, a)[:2], back(f, ids, a)[:2]))
+
+
+def test_specforge_export_is_its_domino_layout_and_reads_back_bit_exact(tiny, tmp_path):
+    """The keys SpecForge's DominoDraftModel reads (configs/qwen3-8b-domino.json, _init_draft_head), its tensor
+    names and sizes, and the import back into the same head."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from specheads.heads.export import export_head, import_head
+
+    head = _head(tiny, domino_prefix_len=2)
+    head.save_pretrained(tmp_path / "h")
+    export_head(tmp_path / "h", "specforge", tmp_path / "sf")
+    cfg = json.loads((tmp_path / "sf" / "config.json").read_text())
+    assert cfg["architectures"] == ["DominoDraftModel"] and cfg["block_size"] == 4 and cfg["emb_dim"] == 16
+    dfc = cfg["dflash_config"]
+    assert dfc["projector_type"] == "domino" and dfc["shift_label"] is True
+    assert (dfc["gru_hidden_dim"], dfc["emb_dim"], dfc["pure_draft_prefix_len"]) == (24, 16, 2)
+    assert dfc["target_layer_ids"] == [0, 1, 2] and dfc["mask_token_id"] == 5
+    sd = load_file(str(tmp_path / "sf" / "model.safetensors"))
+    assert sd["prefix_gru.weight_ih_l0"].shape == (3 * 24, D) and sd["prefix_gru.weight_hh_l0"].shape == (3 * 24, 24)
+    assert sd["embed_proj.0.weight"].shape == (16, D + 24) and sd["embed_proj.2.weight"].shape == (V, 16)
+    again = import_head(tmp_path / "sf", tiny)
+    assert again.kind == "domino" and again.prefix_len == 2
+    a, b = head.state_dict(), again.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a if k not in ("conf_temperature", "conf_bias"))
+    bad = dict(cfg, dflash_config=dict(dfc, shift_label=False))
+    (tmp_path / "sf" / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(SpecheadsError, match="shift_label false"):
+        import_head(tmp_path / "sf", tiny)

@@ -44,7 +44,7 @@ EXPORTS = {
     "eagle3": [("native", None), ("eagle3", None), ("speculators", None)],
     "dspark": [("native", None), ("speculators", None), ("specforge", None)],
     "dflash": [("native", None), ("speculators", None), ("specforge", None)],
-    "domino": [("native", None), ("speculators", "speculators 0.9.0 has no Domino"), ("specforge", "Domino")],
+    "domino": [("native", None), ("speculators", "speculators 0.9.0 has no Domino"), ("specforge", None)],
 }
 FLAT = {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2, 32: 1.4}  # a hand-made cost profile: nothing measured
 
