@@ -119,3 +119,21 @@ def test_train_steps_with_dpace_on_the_tiny_target(tiny, tmp_path, kind):
     trainable = {n for n, p in head.named_parameters() if p.requires_grad}
     assert {k for k in before if not torch.equal(before[k], after[k])} == trainable
     assert all(torch.equal(v, tiny.model.state_dict()[k]) for k, v in target_before.items()), "target changed"
+
+
+def test_dpace_a_draft_outside_the_draft_vocab_counts_as_rejected():
+    """Draft 0's target token lies outside V' (in_vocab false): its own loss stays out, and the drafts after it
+    see s_0 = α (never accepted), as if the drafter were wrong there."""
+    V, a = 4, 0.5
+    target = _logits([[(1, BIG), (2, BIG)]], V) * 10
+    draft = _logits([[(1, BIG), (2, 0.0)]], V)  # sure and right on draft 0, uniform on draft 1
+    valid = torch.ones(1, 2, dtype=torch.bool)
+    in_vocab = torch.tensor([[False, True]])
+    from specheads.train.losses import DistillLoss, parse_loss
+
+    out = dspark_loss(draft + 0.0, None, target, target.logsumexp(-1), in_vocab, valid,
+                      loss=DistillLoss(parse_loss("soft_ce:1")), weighting="dpace", dpace_alpha=a)
+    # s_0 = α (q_0 = 0 outside V'), s_1 = (1-α)/V + α: P_1 = α s_1 = w_1; ℓ_1 = log V; one counted draft
+    assert out.loss.item() == pytest.approx(a * ((1 - a) / V + a) * math.log(V), rel=1e-4)
+    w = dpace_position_weights(torch.tensor([[0.0, 1.0]]), valid, a) * in_vocab.float()
+    assert torch.allclose(w, torch.tensor([[0.0, a]]))  # a sure draft 1 after it: P_1 = α

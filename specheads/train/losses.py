@@ -441,8 +441,10 @@ def dspark_loss(logits: torch.Tensor, conf_logits: torch.Tensor | None, target_l
     wd = w * in_vocab.float()
     loss = loss or DistillLoss(parse_loss(f"soft_ce:{w_ce},l1:{w_l1}", allow_zero=True))
     if weighting == "dpace":
-        wd = dpace_position_weights(_target_prob(logits, target_logits) * in_vocab.float(), valid & in_vocab,
-                                    dpace_alpha)
+        # a draft whose target token lies outside V' is never accepted: q = 0 lowers the drafts after it, and
+        # its own ℓ stays out (as with exp)
+        wd = dpace_position_weights(_target_prob(logits, target_logits) * in_vocab.float(), valid,
+                                    dpace_alpha) * in_vocab.float()
     elif weighting != "exp":
         raise ValueError(f"block weighting {weighting!r}: expected one of {BLOCK_WEIGHTINGS}")
     total, parts = distill_loss(logits, target_logits, loss, target_lse, weights=wd)
