@@ -17,7 +17,7 @@ from specheads.heads import HeadSpec, build_head, load_head
 from specheads.heads.export import export_head, import_head
 from specheads.train.calibrate import fit_platt, fit_sequential_temperatures, null_ece
 from specheads.train.confidence import BlockEvalAccumulator, ece
-from specheads.train.losses import acceptance_rate, block_position_weights, dpace_weights, dspark_loss
+from specheads.train.losses import acceptance_rate, block_position_weights, dspark_loss
 from specheads.train.kinds.block import block_targets, block_valid, sample_anchors
 from specheads.utils import SpecheadsError
 
@@ -293,29 +293,6 @@ def _greedy_samples(target, n, T=40, prompt=6, seed=0):
     lm = torch.zeros(T, dtype=torch.long)
     lm[prompt:] = 1
     return [{"input_ids": row[:T], "loss_mask": lm.clone()} for row in out]
-
-
-def test_dpace_weights_by_hand():
-    """D-PACE: w_j = the drafter's smoothed expected accepted run from draft j on (alpha 0.5)."""
-    tgt = torch.tensor([[[5.0, 0, 0, 0]] * 3])  # the target's greedy token is 0 at every draft
-    sure = torch.tensor([[[60.0, 0, 0, 0]] * 3])  # q_j = 1: s_j = 1, P = [1, 1, 1]
-    wrong = torch.tensor([[[0, 60.0, 0, 0]] * 3])  # q_j = 0: s_j = 0.5, P = [1/2, 1/4, 1/8]
-    ones = torch.ones(1, 3, dtype=torch.bool)
-    torch.testing.assert_close(dpace_weights(sure, tgt, ones, ones), torch.tensor([[3.0, 2.0, 1.0]]))
-    torch.testing.assert_close(dpace_weights(wrong, tgt, ones, ones), torch.tensor([[0.875, 0.375, 0.125]]))
-    last_invalid = torch.tensor([[True, True, False]])  # draft 2 past the answer: weight 0, it adds nothing before
-    torch.testing.assert_close(dpace_weights(wrong, tgt, ones, last_invalid), torch.tensor([[0.75, 0.25, 0.0]]))
-    # the target's token outside the draft vocabulary at draft 0: q_0 = 0 although the draft is sure of its column
-    torch.testing.assert_close(dpace_weights(sure, tgt, last_invalid.flip(-1), ones),
-                               torch.tensor([[1.5, 1.0, 0.5]]))  # s = [1/2, 1, 1]
-    torch.testing.assert_close(dpace_weights(wrong, tgt, ones, ones, alpha=1.0), torch.tensor([[3.0, 2.0, 1.0]]))
-    logits = torch.tensor([[[9.0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 9.0]]])
-    ce = -(torch.softmax(tgt, -1) * torch.log_softmax(logits, -1)).sum(-1)[0]
-    w = dpace_weights(logits, tgt, ones, ones)[0]
-    got = dspark_loss(logits, None, tgt, tgt.logsumexp(-1), ones, ones, w_ce=1.0, w_l1=0.0, weighting="dpace").loss
-    assert got.item() == pytest.approx(float((ce * w).sum() / w.sum()), rel=1e-5)  # the D-PACE-weighted mean
-    assert w[0] > w[1] > w[2] and got.item() != pytest.approx(dspark_loss(
-        logits, None, tgt, tgt.logsumexp(-1), ones, ones, w_ce=1.0, w_l1=0.0).loss.item(), rel=1e-3)
 
 
 @pytest.mark.parametrize("anchor_features,weighting", [(False, "exp"), (True, "exp"), (False, "dpace")],

@@ -74,6 +74,8 @@ def tiny_drafters(target):
                                  num_layers=1, draft_vocab_size=64), target, token_counts=torch.arange(256.0))
     dflash = build_head(HeadSpec(kind="dspark", feature_layers=[4], block_size=3, markov_rank=0,
                                  confidence_head=False, sample_from_anchor=False), target)
+    domino = build_head(HeadSpec(kind="domino", feature_layers=[1, 2, 3], block_size=4, markov_rank=0,
+                                 confidence_head=False, domino_gru_hidden=16, domino_emb_dim=8), target)
     eagle = EagleDrafter(build_head(HeadSpec(kind="eagle"), target), depth=2, top_k=2, total_tokens=4)
     return {
         "plain": NoDrafter(),
@@ -95,6 +97,7 @@ def tiny_drafters(target):
         "dspark": DSparkDrafter(dspark, scheduler=Scheduler(flat, 1e-3)),
         "dspark-chain": DSparkDrafter(dspark, num_tokens=3),
         "dflash": DSparkDrafter(dflash, scheduler=Scheduler(flat, 1e-3)),
+        "domino": DSparkDrafter(domino, scheduler=Scheduler(flat, 1e-3)),
         "dspark+lookup": combine_drafters(target, [DSparkDrafter(dspark, scheduler=Scheduler(flat, 1e-3))],
                                           lookup=5, lookup_ngram=2),
         "combo": combine_drafters(target, [DSparkDrafter(dspark, scheduler=Scheduler(flat, 1e-3)),

@@ -113,7 +113,7 @@ def test_end_to_end_draft_model_sampling():
     assert_same(counts, expected * n)
 
 
-@pytest.mark.parametrize("markov", ["vanilla", "rnn"])
+@pytest.mark.parametrize("markov", ["vanilla", "rnn", "domino"])
 def test_end_to_end_dspark_block_sampling(markov):
     """generate() with a DSpark block drafter (each draft drawn from its warped block distribution, the next draft's
     Markov bias reading the drawn token, q recorded; its own scheduler choosing the prefix) on an 8-token
@@ -126,8 +126,11 @@ def test_end_to_end_dspark_block_sampling(markov):
 
     target = tiny_target(vocab_size=V, hidden_size=32, num_layers=2, seed=0)
     torch.manual_seed(1)
-    head = build_head(HeadSpec(kind="dspark", feature_layers=[1, 2], block_size=3, markov_rank=4, num_layers=1,
-                               markov_head_type=markov), target).eval()
+    spec = HeadSpec(kind="domino", feature_layers=[1, 2], block_size=3, markov_rank=0, num_layers=1,
+                    confidence_head=False, domino_gru_hidden=8, domino_emb_dim=4, domino_prefix_len=0) \
+        if markov == "domino" else HeadSpec(kind="dspark", feature_layers=[1, 2], block_size=3, markov_rank=4,
+                                            num_layers=1, markov_head_type=markov)
+    head = build_head(spec, target).eval()  # domino: the GRU reads the drawn drafts as the Markov bias does
     with torch.no_grad():
         for p in head.parameters():
             if p.requires_grad:

@@ -32,6 +32,9 @@ KINDS = {
                "train.block.max_anchors=8"],
     "dflash": ["head.kind=dspark", "head.block_size=4", "head.num_layers=1", "head.markov_rank=0",
                "head.confidence_head=false", "head.sample_from_anchor=false", "train.block.max_anchors=8"],
+    "domino": ["head.kind=domino", "head.block_size=4", "head.num_layers=1", "head.markov_rank=0",
+               "head.confidence_head=false", "head.domino_gru_hidden=16", "head.domino_emb_dim=8",
+               "train.block.max_anchors=8", "train.block.weighting=dpace"],
 }
 # kind -> (format, None = written and read back | a pattern of the refusal)
 EXPORTS = {
@@ -41,6 +44,7 @@ EXPORTS = {
     "eagle3": [("native", None), ("eagle3", None), ("speculators", None)],
     "dspark": [("native", None), ("speculators", None), ("specforge", None)],
     "dflash": [("native", None), ("speculators", None), ("specforge", None)],
+    "domino": [("native", None), ("speculators", "speculators 0.9.0 has no Domino"), ("specforge", None)],
 }
 FLAT = {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2, 32: 1.4}  # a hand-made cost profile: nothing measured
 
@@ -65,7 +69,7 @@ def plain_greedy(target, prompt: list[int], n: int) -> list[int]:
 def drafter_of(target, head):
     if head.kind == "medusa":
         return MedusaDrafter(head)
-    if head.kind == "dspark":
+    if head.kind in ("dspark", "domino"):
         return DSparkDrafter(head, scheduler=Scheduler(FLAT, 1e-3))
     return EagleDrafter(head, depth=3, top_k=2, total_tokens=6)
 

@@ -32,7 +32,9 @@ HEAD_CLASSES: dict[str, tuple[str, str]] = {
     "eagle": ("specheads.heads.eagle", "EagleHead"),
     "eagle3": ("specheads.heads.eagle3", "Eagle3Head"),
     "dspark": ("specheads.heads.dspark", "DSparkHead"),
+    "domino": ("specheads.heads.domino", "DominoHead"),
 }
+BLOCK_KINDS = ("dspark", "domino")  # block drafters: the DSpark / DFlash backbone (heads/dspark.py)
 HEAD_KINDS = tuple(HEAD_CLASSES)
 FORMAT_VERSION = 1  # bump when config.json or the key layout of model.safetensors changes
 CONFIG_NAME = "config.json"
@@ -45,6 +47,7 @@ class HeadSpec:
     """The `head:` section of a recipe: what to build. Resolved against a target into a `HeadConfig`."""
 
     kind: str = "eagle3"  # medusa | eagle | eagle3 | dspark (DFlash: dspark with markov_rank 0, no confidence head)
+    # | domino
     num_heads: int = 4  # Medusa: K heads (Medusa paper default 4 in the repo's training script)
     num_layers: int = 1  # residual blocks per Medusa head; decoder layers for EAGLE (EAGLE-1/3 use 1)
     draft_vocab_size: int | None = None  # reduced draft vocabulary (EAGLE-3 d2t/t2d); None = target vocab
@@ -67,6 +70,10 @@ class HeadSpec:
     # The anchor slot also reads the fused target features of the last context row, E(x_p) + W_a c_{p-1} (as
     # EAGLE-3's row reads [E(x_{t+1}); g_t]); false = the reference DSpark / DFlash design, which every engine runs.
     anchor_features: bool = False
+    # Domino (heads/domino.py): the DFlash backbone + a GRU logit correction; SpecForge configs/qwen3-8b-domino.json
+    domino_gru_hidden: int = 1024  # G, the GRU state (SpecForge gru_hidden_dim 1024)
+    domino_emb_dim: int = 256  # E', the correction MLP's bottleneck (SpecForge emb_dim 256)
+    domino_prefix_len: int = 1  # P, the first drafts left uncorrected (SpecForge pure_draft_prefix_len 1)
 
     def __post_init__(self) -> None:
         if self.kind not in HEAD_KINDS:
@@ -76,8 +83,10 @@ class HeadSpec:
                 raise SpecheadsError(f"head.{name}: must be >= 1, got {getattr(self, name)}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise SpecheadsError(f"head.draft_vocab_size: must be >= 1 or null, got {self.draft_vocab_size}")
-        if self.kind == "dspark":
+        if self.kind in BLOCK_KINDS:
             self._check_block()
+            if self.kind == "domino":
+                self._check_domino()
         elif self.anchor_features:
             raise SpecheadsError(f"head.anchor_features: a DSpark block-drafter switch; head.kind is {self.kind!r}")
         for name in ("fc_norm", "norm_output"):
@@ -95,6 +104,22 @@ class HeadSpec:
                                  "confidence_head false for plain DFlash)")
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise SpecheadsError(f"head.mask_token_id: must be a token id >= 0 or null, got {self.mask_token_id}")
+
+    def _check_domino(self) -> None:
+        for name in ("domino_gru_hidden", "domino_emb_dim"):
+            if getattr(self, name) < 1:
+                raise SpecheadsError(f"head.{name}: must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.domino_prefix_len <= self.num_drafts:
+            raise SpecheadsError(f"head.domino_prefix_len: must be in 0..{self.num_drafts} (the drafts), got "
+                                 f"{self.domino_prefix_len}")
+        if self.markov_rank != 0:
+            raise SpecheadsError(f"head.markov_rank: Domino's GRU is its sequential stage; set head.markov_rank 0 "
+                                 f"(got {self.markov_rank})")
+        if not self.sample_from_anchor:
+            raise SpecheadsError("head.sample_from_anchor: Domino is built for SpecForge's shift_label true (slot j "
+                                 "predicts x_{p+1+j}): set it true")
+        if self.anchor_features:
+            raise SpecheadsError("head.anchor_features: not built for Domino")
 
     @property
     def num_drafts(self) -> int:
@@ -123,7 +148,7 @@ def default_feature_layers(kind: str, num_layers_of_target: int) -> list[int]:
             return [1, L // 2, L - 1]
         raise SpecheadsError(f"head.feature_layers: EAGLE-3 fuses 3 distinct target layers in 1..L-1 and this "
                              f"target has L = {L}; give head.feature_layers explicitly")
-    if kind == "dspark":
+    if kind in BLOCK_KINDS:
         return [2, L // 2, L - 3] if L >= 7 else default_feature_layers("eagle3", L)  # speculators' default
     raise SpecheadsError(f"head.kind: {kind!r} is not one of {list(HEAD_KINDS)}")
 
@@ -167,7 +192,7 @@ class HeadConfig:
         d = dataclasses.asdict(spec)
         d["feature_layers"] = layers
         d["draft_vocab_size"] = dv
-        if spec.kind == "dspark":
+        if spec.kind in BLOCK_KINDS:
             d["mask_token_id"] = _block_fits(spec, target)
         return cls(kind=spec.kind, target_name=target.name, hidden_size=target.hidden_size,
                    vocab_size=target.vocab_size, feature_layers=layers, fingerprint=target.fingerprint(),

@@ -370,6 +370,11 @@ class DSparkHead(DraftHead):
         anchors [B,A] positions p (1 <= p <= T-2; padding anchors are the caller's to mask), attention_mask [B,T]
         -> (logits [B,A,K',V'], confidence logits [B,A,K'] or None); draft j of the block at p predicts
         input_ids[p+1+j] and reads input_ids[p+j] as its previous token."""
+        return self.heads(*self.block_states(features, input_ids, anchors, attention_mask))
+
+    def block_states(self, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
+                     attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's teacher-forced blocks before the output heads -> (h [B,A,K,D], prev [B,A,K'] x_{p+j})."""
         B, T = input_ids.shape
         ctx = self.context_kv(features)
         allowed = torch.arange(T, device=anchors.device) < anchors[..., None]  # [B,A,T]: rows before the anchor
@@ -378,7 +383,7 @@ class DSparkHead(DraftHead):
         h = self.blocks(ctx, allowed, input_ids.gather(1, anchors), anchors)
         idx = (anchors[..., None] + torch.arange(self.num_drafts, device=anchors.device)).clamp(max=T - 1)
         prev = input_ids.gather(1, idx.flatten(1)).view(idx.shape)  # [B,A,K']: x_{p+j}
-        return self.heads(h, prev)
+        return h, prev
 
     # ----- inference -----
     def new_cache(self) -> BlockCache:

@@ -45,6 +45,8 @@ BLOCK_GAMMA = 4.0  # position weight exp(-j / gamma) (DeepSpec loss_decay_gamma 
 BLOCK_W_CE = 0.1  # soft CE against the target (DeepSpec ce_loss_alpha 0.1, there on hard labels)
 BLOCK_W_L1 = 0.9  # ||p_draft - p_target||_1 = 2 TV (DeepSpec l1_loss_alpha 0.9)
 CONFIDENCE_ALPHA = 1.0  # confidence BCE weight (DeepSpec / speculators confidence_head_alpha 1.0)
+BLOCK_WEIGHTINGS = ("exp", "dpace")  # block position weighting: exp(-j / gamma), or D-PACE (dpace_position_weights)
+DPACE_ALPHA = 0.5  # D-PACE confidence smoothing α in (0, 1] (speculators dpace_alpha default 0.5)
 
 @dataclass
 class LossOutput:
@@ -356,28 +358,24 @@ def simulated_tau(correct: torch.Tensor, start: torch.Tensor, depth: int | None 
 # --------------------------------------------------------------------------------------- DSpark / DFlash blocks
 
 
-BLOCK_WEIGHTINGS = ("exp", "dpace")  # train.block.weighting
-DPACE_ALPHA = 0.5  # speculators' dpace_alpha default
-
-
 @torch.no_grad()
-def dpace_weights(logits: torch.Tensor, target_logits: torch.Tensor, in_vocab: torch.Tensor, valid: torch.Tensor,
-                  alpha: float = DPACE_ALPHA) -> torch.Tensor:
-    """D-PACE per-draft weights [N,K'] (speculators losses/utils.py dpace_loss_decay; no gradient):
+def dpace_position_weights(q: torch.Tensor, valid: torch.Tensor, alpha: float = DPACE_ALPHA) -> torch.Tensor:
+    """D-PACE weights of a block's drafts from the drafter's own confidence (speculators losses/utils.py
+    `dpace_loss_decay`, the default per-position weight of its DFlash trainer):
 
-        q_j = softmax(draft_j)[argmax target_j] = exp(-CE_j on the target's greedy token) (0 when that token is
-              outside the draft vocabulary: the draft can never propose it),
-        s_j = (1 - alpha) q_j + alpha at valid drafts, 1 elsewhere,   P_j = s_0 ... s_j,
-        w_j = valid_j · sum_{i >= j} P_i valid_i,
-    the drafter's own (smoothed) expected accepted run from draft j to the end of the block: a miss at an early
-    draft loses every later accepted token, so early drafts weigh more, and by how much follows the drafter's
-    confidence instead of a fixed exp(-j / gamma)."""
-    q = torch.softmax(logits.float(), dim=-1).gather(-1, target_logits.argmax(-1, keepdim=True)).squeeze(-1)
-    q = q * in_vocab.float()
-    m = valid.float()
-    s = torch.where(valid, (1.0 - alpha) * q + alpha, torch.ones_like(q))
-    prefix = torch.cumprod(s, dim=-1) * m
-    return prefix.flip(-1).cumsum(-1).flip(-1) * m
+        s_j = (1 - α) q_j + α   (s_j = 1 where draft j does not count),   P_j = Π_{i<=j} s_i
+        w_j = valid_j · Σ_{i>=j} valid_i P_i
+
+    q [N,K'] the draft's probability of the target's token at draft j (speculators: exp(-CE) with CE against the
+    target's argmax), valid [N,K'] bool -> w [N,K'], no gradient (speculators computes it under no_grad). P_j
+    estimates the chance that drafts 0..j are all accepted, so w_j is the expected number of accepted drafts that
+    a correct draft j makes possible: early drafts weigh most, and a block the drafter already gets wrong early
+    hands little weight to its later drafts. α keeps P_j > 0 while the drafter is still poor (α = 1: w_j = the
+    number of counted drafts from j on)."""
+    v = valid.float()
+    s = torch.where(valid, (1.0 - alpha) * q.float() + alpha, torch.ones_like(v))
+    prefix = torch.cumprod(s, dim=-1)
+    return (prefix * v).flip(-1).cumsum(-1).flip(-1) * v
 
 
 def block_position_weights(num_drafts: int, gamma: float, device=None) -> torch.Tensor:
@@ -397,6 +395,13 @@ def acceptance_rate(logits: torch.Tensor, target_logits: torch.Tensor, target_ls
     return torch.minimum(q, p).sum(-1).clamp(0.0, 1.0)
 
 
+@torch.no_grad()
+def _target_prob(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """[N,K'] the draft's probability of the target's argmax token (over V'), detached."""
+    tok = target_logits.argmax(-1, keepdim=True)
+    return torch.softmax(logits.float(), dim=-1).gather(-1, tok).squeeze(-1)
+
+
 def _wmean(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x * w).sum() / w.sum().clamp_min(1e-6)  # an empty selection gives 0 and keeps the graph (DDP)
 
@@ -404,18 +409,25 @@ def _wmean(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def dspark_loss(logits: torch.Tensor, conf_logits: torch.Tensor | None, target_logits: torch.Tensor,
                 target_lse: torch.Tensor, in_vocab: torch.Tensor, valid: torch.Tensor, gamma: float = BLOCK_GAMMA,
                 w_ce: float = BLOCK_W_CE, w_l1: float = BLOCK_W_L1, alpha: float = CONFIDENCE_ALPHA,
-                loss: DistillLoss | None = None, weighting: str = "exp", dpace_alpha: float = DPACE_ALPHA
-                ) -> LossOutput:
+                loss: DistillLoss | None = None, weighting: str = "exp",
+                dpace_alpha: float = DPACE_ALPHA) -> LossOutput:
     """DSpark / DFlash block loss over N blocks of K' drafts (DeepSpec deepspec/modeling/dspark/loss.py):
 
-        L = w_ce · CE + w_l1 · L1 + alpha · BCE, each a mean over drafts weighted by w_j = exp(-j / gamma)
-        (`weighting` "exp") or by D-PACE's w_j (`weighting` "dpace", dpace_weights, recomputed every step),
+        L = w_ce · CE + w_l1 · L1 + alpha · BCE, each a mean over drafts weighted by w_j = exp(-j / gamma),
         CE_j = soft CE of the draft against the target restricted to the draft vocab and renormalised,
         L1_j = ||q_j - p_j||_1 over that restricted target (2 TV),
         BCE_j = BCE(c_j, a_j) with a_j = acceptance_rate(...), detached: the confidence loss never reaches the
         logits (it trains the confidence head and, through h_k, the backbone).
     `loss` (train.loss) replaces w_ce · CE + w_l1 · L1 by another member of the family, weighted the same way
     (its LK terms read target_lse: the exact acceptance with the full-vocabulary one).
+
+    weighting (train.block.weighting): "exp" as above, or "dpace": the distillation terms weighted by
+    w_j = dpace_position_weights(q, valid, dpace_alpha) with q_j = softmax(logits_j)[argmax of the target at
+    draft j] (detached; 0 where that argmax lies outside V') and, as speculators' loss_function reduces it,
+    summed and divided by the NUMBER of counted drafts, not by Σ w: L = Σ_j w_j ℓ_j / Σ_j 1. speculators asks
+    for its hard-label CE under D-PACE (q = exp(-CE)); here q is that same probability computed beside whatever
+    `loss` is, so D-PACE combines with every member of the family. The confidence BCE keeps exp(-j / gamma), as
+    speculators' DSpark loss does ("D-PACE expects token CE").
 
     logits [N,K',V'] (Markov-corrected), conf_logits [N,K'] or None, target_logits [N,K',V'] (target logits at
     the draft-vocab columns), target_lse [N,K'] (their logsumexp: over the full vocabulary, the acceptance is the
@@ -425,13 +437,20 @@ def dspark_loss(logits: torch.Tensor, conf_logits: torch.Tensor | None, target_l
     inside the sequence).
     """
     K = logits.shape[1]
-    if weighting == "dpace":
-        w = dpace_weights(logits.detach(), target_logits, in_vocab, valid, dpace_alpha)  # [N,K']
-    else:
-        w = block_position_weights(K, gamma, logits.device) * valid.float()  # [N,K']
+    w = block_position_weights(K, gamma, logits.device) * valid.float()  # [N,K']
     wd = w * in_vocab.float()
     loss = loss or DistillLoss(parse_loss(f"soft_ce:{w_ce},l1:{w_l1}", allow_zero=True))
+    if weighting == "dpace":
+        # a draft whose target token lies outside V' is never accepted: q = 0 lowers the drafts after it, and
+        # its own ℓ stays out (as with exp)
+        wd = dpace_position_weights(_target_prob(logits, target_logits) * in_vocab.float(), valid,
+                                    dpace_alpha) * in_vocab.float()
+    elif weighting != "exp":
+        raise ValueError(f"block weighting {weighting!r}: expected one of {BLOCK_WEIGHTINGS}")
     total, parts = distill_loss(logits, target_logits, loss, target_lse, weights=wd)
+    if weighting == "dpace":  # Σ w ℓ / Σ w (distill_loss's weighted mean) -> Σ w ℓ / the counted drafts
+        scale = wd.sum() / (valid & in_vocab).sum().clamp_min(1)
+        total, parts = total * scale, {k: v * scale for k, v in parts.items()}
     metrics: dict[str, float] = {k: float(v) for k, v in parts.items() if k != "accept"}
     acc_rate = acceptance_rate(logits.detach(), target_logits, target_lse)  # [N,K']
     if conf_logits is not None:

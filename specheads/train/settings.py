@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from specheads.train.losses import BLOCK_W_CE, BLOCK_W_L1, BLOCK_WEIGHTINGS, LOSS_SYNTAX, parse_loss
+from specheads.train.losses import BLOCK_W_CE, BLOCK_W_L1, BLOCK_WEIGHTINGS, DPACE_ALPHA, LOSS_SYNTAX, parse_loss
 from specheads.utils import SpecheadsError, check_values
 
 
@@ -29,7 +29,7 @@ class MedusaTrainConfig:
 
 @dataclass
 class BlockTrainConfig:
-    """train.block: the block drafters' (DSpark / DFlash, head.kind dspark) loss and sampling."""
+    """train.block: the block drafters' (DSpark / DFlash, head.kind dspark; Domino) loss and sampling."""
     gamma: float = 4.0  # DSpark / DFlash: draft j weighted exp(-j / gamma) (DeepSpec loss_decay_gamma 4)
     w_ce: float = 0.1  # DSpark / DFlash: soft CE against the target (DeepSpec ce_loss_alpha 0.1)
     w_l1: float = 0.9  # DSpark / DFlash: ||q - p||_1 = 2 TV (DeepSpec l1_loss_alpha 0.9)
@@ -37,18 +37,20 @@ class BlockTrainConfig:
     max_anchors: int = 512  # DSpark / DFlash: blocks per sequence and step (DeepSpec num_anchors 512 at 4k tokens)
     full_vocab: bool = False  # DSpark / DFlash: target over the full vocab (exact acceptance; ~2x the step
     # without target sidecars, the V' columns' cost with them)
-    # Per-draft loss weight (losses.py "D-PACE"): exp = exp(-j / gamma) (DeepSpec); dpace = the drafter's own expected
-    # accepted run from draft j on (speculators' per_position_loss_weight dpace, its default for DFlash)
-    weighting: str = "exp"
-    dpace_alpha: float = 0.5  # D-PACE smoothing s_j = (1 - alpha) q_j + alpha, in (0, 1] (speculators' default 0.5)
+    weighting: str = "exp"  # position weights: exp = exp(-j / gamma) (DeepSpec); dpace = the drafter's own
+    # confidence (speculators' D-PACE, its DFlash default; losses.dpace_position_weights)
+    dpace_alpha: float = DPACE_ALPHA  # D-PACE smoothing α in (0, 1] (speculators dpace_alpha 0.5)
+    # Domino: loss = (1 - λ) final + λ base, λ = lambda_start (1 - step / (ratio x steps)), then 0 (SpecForge)
+    domino_lambda_start: float = 1.0  # λ at step 0 (SpecForge lambda_base_start 1.0)
+    domino_lambda_decay_ratio: float = 0.5  # fraction of the run over which λ reaches 0 (SpecForge 0.5)
 
     def __post_init__(self) -> None:
         check_values("train.block", self, {"gamma": ">0", "w_ce": ">=0", "w_l1": ">=0", "confidence_alpha": ">=0",
-                                           "max_anchors": ">=1"})
+                                           "max_anchors": ">=1", "dpace_alpha": "(0,1]",
+                                           "domino_lambda_start": "[0,1]", "domino_lambda_decay_ratio": "(0,1]"})
         if self.weighting not in BLOCK_WEIGHTINGS:
-            raise SpecheadsError(f"train.block.weighting: {self.weighting!r} is not one of {list(BLOCK_WEIGHTINGS)}")
-        if not 0.0 < self.dpace_alpha <= 1.0:
-            raise SpecheadsError(f"train.block.dpace_alpha: must be in (0, 1], got {self.dpace_alpha}")
+            raise SpecheadsError(f"train.block.weighting: must be one of {', '.join(BLOCK_WEIGHTINGS)}, "
+                                 f"got {self.weighting!r}")
 
 
 @dataclass

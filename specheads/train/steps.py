@@ -32,6 +32,9 @@ class LossSettings:
     # the step's random draws (EAGLE feature noise, DSpark anchors): the trainer's own, saved in checkpoints;
     # None = torch's global RNG
     generator: torch.Generator | None = None
+    # the optimizer step the loss is for and the run's steps (trainer-set; Domino's base-loss weight schedule)
+    step: int = 0
+    total_steps: int = 1
 
     @classmethod
     def from_config(cls, cfg, generator: torch.Generator | None = None) -> "LossSettings":

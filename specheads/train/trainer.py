@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 
 import specheads.target
 from specheads.config import config_to_dict, format_config, renamed_keys, save_config
-from specheads.heads.base import build_head
+from specheads.heads.base import BLOCK_KINDS, build_head
 from specheads.train import checkpoint
 from specheads.train.accel import build_accelerator, flat_config
 from specheads.train.calibrate import calibrate_run
@@ -154,6 +154,7 @@ class Trainer:
     def _train_step(self, run: _Run, batch: dict) -> bool:
         """One micro-batch: forward, backward, optimizer step when the accumulation is full. True after a step."""
         acc, cfg = run.acc, self.cfg
+        self.parts.settings.step, self.parts.settings.total_steps = run.state.step, run.total  # Domino's λ schedule
         with acc.accumulate(run.model):
             out = self.parts.loss(run.model, batch)
             self._check_finite(run, out.loss)
@@ -489,17 +490,18 @@ def run_training(recipe, resume: bool = False, target=None) -> TrainResult:
 def recalibrate_run(recipe, target=None) -> dict:
     """`specheads train --calibrate-only`: the confidence calibration of a trained DSpark run fitted again on its
     held-out split (best/ and final/ rewritten atomically, calibration.json); checkpoints and summary untouched."""
-    if recipe.head.kind != "dspark" or not recipe.head.confidence_head:
-        raise SpecheadsError("--calibrate-only: the recipe's head has no confidence head (head.kind dspark with "
-                             "head.confidence_head true)")
+    if recipe.head.kind not in BLOCK_KINDS or not recipe.head.confidence_head:
+        raise SpecheadsError("--calibrate-only: the recipe's head has no confidence head (head.kind dspark or "
+                             "domino with head.confidence_head true)")
     out = Path(recipe.output_dir)
     if not any((out / n / "model.safetensors").exists() for n in ("best", "final")):
         raise SpecheadsError(f"--calibrate-only: {out} has no trained head (best/ or final/); train it first")
     for n in ("best", "final"):
         cfg = out / n / "config.json"
         kind = json.loads(cfg.read_text()).get("kind") if cfg.exists() else None
-        if kind is not None and kind != "dspark":
-            raise SpecheadsError(f"--calibrate-only: {cfg} holds a {kind} head, not the recipe's dspark head; "
+        if kind is not None and kind != recipe.head.kind:
+            raise SpecheadsError(f"--calibrate-only: {cfg} holds a {kind} head, not the recipe's "
+                                 f"{recipe.head.kind} head; "
                                  f"give the recipe this run was trained with")
     if target is None:
         target = specheads.target.load_target(recipe.target.name, dtype=recipe.target.dtype,

@@ -9,7 +9,10 @@
   specforge/modeling/draft/dflash.py, dspark.py) and SGLang's DFlash loader (python/sglang/srt/models/dflash.py):
   a flat Qwen3 config + block_size, num_target_layers, dflash_config {target_layer_ids (ours - 1),
   mask_token_id}, DSpark fields; the same tensors, full vocabulary only (SpecForge drafts through the target's
-  lm_head).
+  lm_head). A Domino head (heads/domino.py) is SpecForge's DominoDraftModel (specforge/modeling/draft/domino.py,
+  configs/qwen3-8b-domino.json): the DFlash config with architectures [DominoDraftModel], top-level emb_dim and
+  dflash_config {projector_type domino, emb_dim, gru_hidden_dim, pure_draft_prefix_len, shift_label true}, plus
+  its prefix_gru.weight_ih_l0 / weight_hh_l0 and embed_proj.0 / embed_proj.2 tensors (our names are its names).
 Our tensor names are speculators' (heads/dspark.py), so nothing is renamed; d2t is written as offsets.
 """
 from __future__ import annotations
@@ -19,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from specheads.heads.base import CONFIG_NAME, WEIGHTS_NAME, HeadConfig, HeadSpec, write_safetensors
-from specheads.heads.dspark import DSparkHead, block_layer_config
+from specheads.heads.base import CONFIG_NAME, WEIGHTS_NAME, HeadConfig, HeadSpec, head_class, write_safetensors
+from specheads.heads.dspark import block_layer_config
 from specheads.heads.export.common import (
     HUB_IDS, absolute_d2t, check_dims, check_keys, d2t_offsets, need, t2d_of,
 )
@@ -96,7 +99,21 @@ def _specforge_block_config(cfg: HeadConfig, where: str) -> dict:
     if kind == "dspark":
         config["model_type"] = "dspark"
         config.update(_block_head_fields(spec), dspark_config=_block_head_fields(spec))
+    if cfg.kind == "domino":
+        _domino_fields(config, spec, where)
     return config
+
+
+def _domino_fields(config: dict, spec: HeadSpec, where: str) -> None:
+    """SpecForge DominoDraftModel's keys (configs/qwen3-8b-domino.json; _init_draft_head reads them)."""
+    if spec.confidence_head:
+        raise SpecheadsError(f"--format specforge: {where} has a confidence head; SpecForge's DominoDraftModel has "
+                             "none (head.confidence_head false)")
+    config["architectures"] = ["DominoDraftModel"]
+    config["emb_dim"] = spec.domino_emb_dim
+    config["dflash_config"].update(projector_type="domino", emb_dim=spec.domino_emb_dim,
+                                   gru_hidden_dim=spec.domino_gru_hidden,
+                                   pure_draft_prefix_len=spec.domino_prefix_len, shift_label=True)
 
 
 def check_block_exportable(cfg: HeadConfig, flag: str, consumer: str, where: str) -> None:
@@ -115,7 +132,7 @@ def export_block_head(cfg: HeadConfig, sd: dict, fmt: str, out_dir, where: str, 
     """A dspark head in speculators' or SpecForge's layout: same tensor names as ours (heads/dspark.py), d2t as
     offsets; the calibration (temperatures and biases) has no slot in either format and stays in the native folder."""
     check_block_exportable(cfg, f"--format {fmt}", BLOCK_LOADERS[fmt], where)
-    check_keys(sd, list(DSparkHead(cfg).state_dict()), where)
+    check_keys(sd, list(head_class(cfg.kind)(cfg).state_dict()), where)
     tensors = {k: v for k, v in sd.items() if k not in ("d2t", "t2d", "conf_temperature", "conf_bias")}
     if fmt == "speculators":
         config = _speculators_block_config(cfg, verifier)
@@ -147,6 +164,8 @@ def _block_spec(fmt: str, config: dict, target, where: str) -> HeadSpec:
             heads = {"markov_rank": 0, "enable_confidence_head": False}
         mask, sfa = dfc.get("mask_token_id"), config.get("sample_from_anchor", config.get("model_type") == "dspark")
     check_dims(layer, target, where)
+    if fmt == "specforge" and dfc.get("projector_type") not in (None, "dflash"):
+        return _domino_spec(config, dfc, layer, ids, target, where)
     dv = int(config.get("draft_vocab_size") or target.vocab_size)
     rank, conf = int(heads.get("markov_rank", 256)), bool(heads.get("enable_confidence_head", True))
     return HeadSpec(kind="dspark", num_layers=int(need(layer, "num_hidden_layers", where)), feature_layers=ids,
@@ -157,10 +176,29 @@ def _block_spec(fmt: str, config: dict, target, where: str) -> HeadSpec:
                     sample_from_anchor=bool(sfa), mask_token_id=mask)
 
 
+def _domino_spec(config: dict, dfc: dict, layer: dict, ids: list[int], target, where: str) -> HeadSpec:
+    """A SpecForge DominoDraftModel config -> a domino HeadSpec (its shift_label false alignment is not built)."""
+    if dfc.get("projector_type") != "domino":
+        raise SpecheadsError(f"{where}: dflash_config.projector_type {dfc.get('projector_type')!r} is not one "
+                             "specheads reads (dflash, domino)")
+    if not dfc.get("shift_label", False):
+        raise SpecheadsError(f"{where}: a Domino head with shift_label false; specheads builds shift_label true "
+                             "only (heads/domino.py)")
+    return HeadSpec(kind="domino", num_layers=int(need(layer, "num_hidden_layers", where)), feature_layers=ids,
+                    block_size=int(need(config, "block_size", where)), markov_rank=0, confidence_head=False,
+                    confidence_with_markov=False, sample_from_anchor=True, mask_token_id=dfc.get("mask_token_id"),
+                    domino_gru_hidden=int(need(dfc, "gru_hidden_dim", where)),
+                    domino_emb_dim=int(need(dfc, "emb_dim", where)),
+                    domino_prefix_len=int(dfc.get("pure_draft_prefix_len", 0)))
+
+
 def import_block_tensors(fmt: str, config: dict, sd: dict, target, where: str, w: str) -> tuple[HeadSpec, dict]:
     """(HeadSpec, native state dict) of a speculators dspark / dflash or SpecForge DFlash / DSpark folder."""
     spec = _block_spec(fmt, config, target, where)
     check_keys(sd, ["fc.weight", "hidden_norm.weight", "norm.weight"], w)
+    if spec.kind == "domino":
+        check_keys(sd, ["prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.weight",
+                        "embed_proj.2.weight"], w)
     tensors = {k: v for k, v in sd.items() if k not in ("d2t", "t2d")}
     if spec.draft_vocab_size:
         check_keys(sd, ["d2t", "lm_head.weight"], w)

@@ -62,7 +62,10 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target=None
     cfg = read_head_config(head_dir)
     sd = read_safetensors(head_dir / WEIGHTS_NAME)
     where = str(head_dir / WEIGHTS_NAME)
-    if cfg.kind == "dspark" and fmt in BLOCK_FORMATS:
+    if cfg.kind == "domino" and fmt == "speculators":  # heads/domino.py; SpecForge's layout is written below
+        raise SpecheadsError("--format speculators: speculators 0.9.0 has no Domino model (its DFlash reads no "
+                             "prefix_gru / embed_proj); export specforge or native")
+    if cfg.kind in ("dspark", "domino") and fmt in BLOCK_FORMATS:
         return export_block_head(cfg, sd, fmt, out_dir, where, verifier_name_or_path)
     if fmt != "native" and KIND_OF_FORMAT[fmt] != cfg.kind:
         raise SpecheadsError(f"--format {fmt}: needs a {KIND_OF_FORMAT[fmt]} head, {head_dir} holds a {cfg.kind} head")

@@ -6,6 +6,7 @@ from specheads.infer.drafters.registry import (DRAFTERS, DrafterKind, check_look
 from specheads.infer.drafters.medusa import MedusaDrafter
 from specheads.infer.drafters.eagle import EagleDrafter
 from specheads.infer.drafters.dspark import DSparkDrafter
+import specheads.infer.drafters.domino  # noqa: F401  (registers the domino kind)
 from specheads.infer.drafters.prompt_lookup import PromptLookupDrafter
 from specheads.infer.drafters.draft_model import DraftModelDrafter, truncated_draft_model
 from specheads.infer.drafters.recycling import TokenRecyclingDrafter
