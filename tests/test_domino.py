@@ -9,6 +9,7 @@ import torch
 from specheads.heads import HeadSpec, build_head
 from specheads.train.kinds.domino import base_weight
 from specheads.utils import SpecheadsError
+from tests.test_dspark import _inputs  # the same random features and tokens as the DSpark tests
 
 V, D = 256, 64
 BASE = {"kind": "domino", "feature_layers": [1, 2, 3], "block_size": 4, "markov_rank": 0, "confidence_head": False,
@@ -24,11 +25,6 @@ def _head(tiny, seed=3, **kw):
             if p.requires_grad:
                 p.add_(0.1 * torch.randn_like(p))
     return head
-
-
-def _inputs(T=24, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(1, T, 3 * D, generator=g), torch.randint(0, V, (1, T), generator=g)
 
 
 @pytest.mark.parametrize("kw", [{}, {"draft_vocab_size": 100, "domino_prefix_len": 0},
