@@ -161,3 +161,30 @@ def test_compare_bench_runs_finds_a_changed_output(tmp_path):
         assert (res["single"]["identical_rows"] == 2) is same and (res["batch"]["identical"] == 1) is same
         assert res["single"]["tau_differs"] == ({} if same else {"head": [1.5, 1.25]})
         assert res["single"]["rows_differing"] == ([] if same else [["head", "1", 0]])
+
+
+def test_kinds_matched_prices_draft_cost_in_vanilla_forwards(tmp_path):
+    """scripts/kinds_matched.py: with every stage's output present nothing runs; the table joins each kind's training
+    summary with the one bench run, draft cost = draft seconds per step / vanilla seconds per token."""
+    km = _script("kinds_matched")
+    runs = tmp_path / "runs"
+    hist = [{"step": 40, "top1_0": 0.3, "tau_chain_walk": 1.4, "tau_tree_walk": 1.6, "dev_tau_tree_walk": 1.5,
+             "dev_tau_tree_walk_se": 0.04}]
+    for d, steps, secs in ((runs / "_timing" / "eagle3", 12, 6.0), (runs / "eagle3", 40, 20.0)):
+        d.mkdir(parents=True)
+        (d / "train_summary.json").write_text(json.dumps({"kind": "eagle3", "steps": steps, "epochs": 1000,
+                                                          "best_step": 40, "train_seconds": secs, "history": hist}))
+    (runs / "bench").mkdir()
+    over = lambda tau, sp, t, n, f: {"tau": tau, "speedup": sp, "identical": 1.0, "time_s": t,  # noqa: E731
+                                     "new_tokens": n, "target_forwards": f}
+    (runs / "bench" / "results.json").write_text(json.dumps({"num_prompts": 2, "settings": {"max_new_tokens": 8},
+        "methods": {"vanilla": {"overall": over(1.0, 1.0, 4.0, 100, 100)},
+                    "head:eagle3": {"overall": over(1.6, 1.2, 3.3, 100, 50),
+                                    "step_breakdown": {"seconds": {"draft": 0.5}}}}}))
+    out = tmp_path / "out"
+    assert km.main(["--runs", str(runs), "--kinds", "eagle3", "--out", str(out), "--budget-s", "20"]) == 0
+    r = json.loads((out / "results.json").read_text())["rows"][0]
+    assert r["seconds_per_step"] == 0.5 and r["steps"] == 40
+    assert r["draft_cost_forwards"] == pytest.approx((0.5 / 50) / (4.0 / 100))  # 0.25 of a vanilla token
+    assert "| eagle3 | 40 | 20.0 | 0.300 | 1.400 / 1.600 | 1.500 ± 0.040 | 0.25 | 1.60 | 1.20x |" in \
+        (out / "README.md").read_text()

@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Every head kind on the same features for the same wall time, then served side by side in one bench run
+(issue 30's table, docs/training.md "Every kind at matched wall time").
+
+    specheads prepare --config configs/prepare-kinds-smollm2.yaml
+    python scripts/kinds_matched.py --budget-s 180 --max-new-tokens 64 --out docs/results/kinds-matched
+
+Stages, each skipped when its output exists (a rerun resumes where it stopped):
+1. timing: each kind's recipe trains --timing-steps optimizer steps on the shared features (a throwaway run);
+   seconds per step = its train_seconds / steps (evaluation excluded, as train_summary.json counts it).
+2. training: each kind's recipe with train.max_steps = budget / (seconds per step), so every kind trains for about
+   --budget-s seconds with its own recipe (lr, precision, warm-up, loss) and a complete LR schedule; held-out and
+   serving-true dev evaluation at the end (the dev set's answers made once and shared by every run).
+3. one `specheads bench` of vanilla and every head on the same MT-bench first turns (methods rotated per prompt).
+4. the table: OUT/results.json and OUT/README.md. Draft cost in target-forward units = the head's draft seconds
+   per step / vanilla's seconds per new token, both from that one bench run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tuning_table import row as train_row  # noqa: E402  (scripts/tuning_table.py)
+
+# label, recipe, extra overrides, --tree for the bench (EAGLE-3's measured best CPU tree; a block of 7 = the
+# block recipes' block_size)
+KINDS = [
+    ("eagle3", "configs/eagle3-smollm2.yaml", [], "2,2,6"),
+    ("eagle31", "configs/eagle31-smollm2.yaml", [], "2,2,6"),
+    ("dspark", "configs/dspark-smollm2.yaml", [], "7"),
+    ("dspark-dpace", "configs/dspark-smollm2.yaml", ["train.block.weighting=dpace"], "7"),
+    ("dflash", "configs/dflash-smollm2.yaml", [], "7"),
+    ("domino", "configs/domino-smollm2.yaml", [], "7"),
+    ("peagle", "configs/peagle-smollm2.yaml", [], None),
+]
+
+
+def _common(args, out_dir: Path) -> list[str]:
+    return [f"features.dir={args.features}", f"output_dir={out_dir}", "train.tracker=none", "train.save_every=0",
+            "train.epochs=1000", "eval.every_steps=0", "eval.at_start=false"]
+
+
+def _train(args, recipe: str, overrides: list[str]) -> None:
+    cmd = [args.specheads, "train", "--config", recipe, *overrides]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def seconds_per_step(args, label: str, recipe: str, extra: list[str]) -> float:
+    out = Path(args.runs) / "_timing" / label
+    if not (out / "train_summary.json").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        _train(args, recipe, _common(args, out) + extra + [f"train.max_steps={args.timing_steps}",
+                                                           "eval.dev_prompts=0", "eval.max_samples=2",
+                                                           "eval.select=tau_tree"])
+    s = json.loads((out / "train_summary.json").read_text())
+    return s["train_seconds"] / s["steps"]
+
+
+def train_kind(args, label: str, recipe: str, extra: list[str], sps: float) -> Path:
+    out = Path(args.runs) / label
+    steps = max(1, round(args.budget_s / sps))
+    if not (out / "train_summary.json").exists():
+        shared = Path(args.runs) / "_dev" / "answers.json"  # the dev answers, made by the first run
+        if shared.exists() and not (out / "dev" / "answers.json").exists():
+            (out / "dev").mkdir(parents=True, exist_ok=True)
+            shutil.copy(shared, out / "dev" / "answers.json")
+        _train(args, recipe, _common(args, out) + extra + [
+            f"train.max_steps={steps}", f"train.warmup_steps={max(1, steps // 20)}",
+            f"eval.dev_prompts={args.dev_prompts}", f"eval.dev_max_new_tokens={args.dev_max_new_tokens}",
+            "eval.select=dev_tau_tree_walk"])
+        if not shared.exists() and (out / "dev" / "answers.json").exists():
+            shared.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(out / "dev" / "answers.json", shared)
+    return out
+
+
+def bench(args, kinds: list[tuple]) -> dict:
+    out = Path(args.runs) / "bench"
+    if not (out / "results.json").exists():
+        cmd = [args.specheads, "bench", "--target", "smollm2-135m", "--dataset", "mt-bench", "--limit",
+               str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--dtype", "bf16", "--out", str(out),
+               "--methods", ",".join(["vanilla"] + [f"head:{k[0]}" for k in kinds])]
+        for label, _, _, tree in kinds:
+            head = Path(args.runs) / label
+            cmd += ["--head", f"{label}={head / 'best' if (head / 'best').exists() else head / 'final'}"]
+            cmd += ["--tree", f"{label}={tree}"] if tree else []
+        print("+", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+    return json.loads((out / "results.json").read_text())
+
+
+def table_rows(args, kinds: list[tuple], sps: dict, res: dict) -> list[dict]:
+    van = res["methods"]["vanilla"]["overall"]
+    s_per_token = van["time_s"] / van["new_tokens"]
+    rows = []
+    for label, recipe, extra, tree in kinds:
+        r = train_row(label, str(Path(args.runs) / label))
+        m = res["methods"][f"head:{label}"]
+        o, br = m["overall"], m.get("step_breakdown", {})
+        steps = o["target_forwards"]
+        draft_s = (br.get("seconds") or {}).get("draft")
+        r.update({"recipe": recipe, "overrides": extra, "tree": tree, "seconds_per_step": round(sps[label], 3),
+                  "served_tau": o["tau"], "speedup": o["speedup"], "identical": o["identical"],
+                  "draft_ms_per_step": None if draft_s is None else 1e3 * draft_s / steps,
+                  "draft_cost_forwards": None if draft_s is None else draft_s / steps / s_per_token})
+        rows.append(r)
+    return rows
+
+
+def _f(v, nd=3) -> str:
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def markdown(args, rows: list[dict], res: dict) -> str:
+    s = res.get("settings", {})
+    lines = [f"Budget {args.budget_s:.0f} s of training per kind (timing runs of {args.timing_steps} steps set each "
+             f"kind's steps); bench: {res.get('num_prompts')} MT-bench first turns, {s.get('max_new_tokens')} new "
+             f"tokens, bf16, greedy, one run ({res.get('date')}).", "",
+             "| kind | steps | train s | held-out top-1 | held-out τ chain / tree | dev τ tree walk | draft cost "
+             "(target forwards) | served τ | speedup |", "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        se = r.get("dev_tau_tree_walk_se")
+        dev = _f(r["dev_tau_tree_walk"]) + (f" ± {se:.3f}" if se is not None else "")
+        lines.append(f"| {r['label']} | {r['steps']} | {r['train_seconds']} | {_f(r['held_out_top1_0'])} | "
+                     f"{_f(r['held_out_tau_chain_walk'])} / {_f(r['held_out_tau_tree_walk'])} | {dev} | "
+                     f"{_f(r['draft_cost_forwards'], 2)} | {r['served_tau']:.2f} | {r['speedup']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--budget-s", type=float, default=240.0, help="training seconds per kind")
+    ap.add_argument("--timing-steps", type=int, default=12)
+    ap.add_argument("--features", default="runs/kinds/features")
+    ap.add_argument("--runs", default="runs/kinds")
+    ap.add_argument("--kinds", default=None, help="comma-separated labels (default: every kind whose recipe exists)")
+    ap.add_argument("--dev-prompts", type=int, default=16)
+    ap.add_argument("--dev-max-new-tokens", type=int, default=128)
+    ap.add_argument("--limit", type=int, default=80, help="MT-bench first turns in the bench")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--specheads", default="specheads")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    want = None if args.kinds is None else set(args.kinds.split(","))
+    kinds = [k for k in KINDS if Path(k[1]).exists() and (want is None or k[0] in want)]
+    sps = {k[0]: seconds_per_step(args, *k[:3]) for k in kinds}
+    for k in kinds:
+        train_kind(args, *k[:3], sps[k[0]])
+    res = bench(args, kinds)
+    rows = table_rows(args, kinds, sps, res)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = " ".join(["python", "scripts/kinds_matched.py"] + (argv if argv is not None else sys.argv[1:]))
+    (out / "results.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1) + "\n")
+    (out / "README.md").write_text(f"# Every head kind at matched wall time\n\nCommand: `{cmd}`\n\n"
+                                   + markdown(args, rows, res))
+    print(markdown(args, rows, res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
