@@ -546,7 +546,7 @@ def test_batch_sweep_on_the_tiny_target(tiny, tmp_path, monkeypatch):
 
 def test_batch_sweep_takes_a_dspark_head_with_tree_auto(tiny, tmp_path, monkeypatch):
     """A DSpark head in the sweep with the default --tree auto: the whole block every step (no tree probe, which
-    only tree heads have), +sched cutting it per row; every row equals vanilla's (fp32 greedy)."""
+    only tree heads have), +sched cutting it per row (--pricing profile); every row equals vanilla's (fp32 greedy)."""
     from specheads.infer.bench import MethodOptions
     from specheads.infer.bench.batch import BatchBenchSettings, build_batch_methods, run_batch_bench
     from specheads.infer.scheduling import profile
@@ -557,9 +557,11 @@ def test_batch_sweep_takes_a_dspark_head_with_tree_auto(tiny, tmp_path, monkeypa
         target, refresh, rows=(1, 2), tokens=(1, 2), context=16, repeats=1))
     ps = [(f"p{i}", p) for i, p in enumerate(mixed_prompts(tiny.vocab_size, 6)[:3])]
     build_head(HeadSpec(kind="dspark", block_size=3), tiny).save_pretrained(tmp_path / "dspark")
-    methods, extra = build_batch_methods(["head", "head+sched"], tiny,
-                                         MethodOptions(heads={"head": str(tmp_path / "dspark")}, tree="auto"))
+    methods, extra = build_batch_methods(["head", "head+sched"], tiny, MethodOptions(
+        heads={"head": str(tmp_path / "dspark")}, tree="auto", pricing="profile"))
     assert extra["trees"]["head"]["mode"] == "auto" and "block of 3 drafts" in extra["trees"]["head"]["summary"]
+    # --pricing profile: the budget's drafting cost fixed at 0 (the cost surface alone), recorded
+    assert methods[2].make_scheduler().draft_cost == 0.0 and extra["methods_info"]["head+sched"]["pricing"] == "profile"
     settings = BatchBenchSettings("tiny", "hand-made", "float32", batch_sizes=[1, 2], max_new_tokens=8)
     res = run_batch_bench(ps, methods, settings, out_dir=tmp_path / "out", extra=extra, progress=False)
     for per in res["batch_sizes"].values():
