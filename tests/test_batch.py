@@ -10,6 +10,7 @@ import torch
 from specheads.heads.base import HeadSpec, build_head
 from specheads.infer.drafters import (Drafter, DraftModelDrafter, DSparkDrafter, EagleDrafter, MedusaDrafter, NoDrafter,
                                       PromptLookupDrafter, TokenRecyclingDrafter, combine_drafters)
+from specheads.infer.engine import batch as batch_mod
 from specheads.infer.engine.batch import generate_batch, pack_trees
 from specheads.infer.engine.generate import generate
 from specheads.infer.engine.kvcache import keep_accepted_rows, merge_caches, new_batch_cache
@@ -17,7 +18,7 @@ from specheads.infer.scheduling.batch_budget import (AcceptanceTracker, BudgetSc
                                                      choose_batch_budget, effective_survival)
 from specheads.infer.scheduling.step import Scheduler
 from specheads.infer.tree import DraftTree, chain_tree
-from specheads.infer.verify import Accepted
+from specheads.infer.verify import Accepted, greedy_batch_on_device, verify_greedy
 from specheads.target import tiny_target
 from specheads.utils import SpecheadsError
 
@@ -127,6 +128,31 @@ def test_rows_finish_early_stop_tokens_and_caps(tiny):
     reasons = [r.stats.stop_reason for r in res.rows]
     assert reasons[0] == "eos" and reasons[1] == "max_new_tokens" and reasons[2] == "context_window"
     assert res.rows[1].ids == [] and len(res.rows[3].ids) == 1 and res.stats.max_rows == 2
+
+
+def test_batched_device_verify_path_gives_the_same_rows(tiny, monkeypatch):
+    """The accelerator's verification (every greedy row in one greedy_batch_on_device call) forced on the CPU: the
+    same tokens, accepted lengths and forwards as the per-row host walk, with padded rows of different tree sizes
+    (oracle trees with siblings, prompt lookup's chains) and rows joining and leaving."""
+    ps = mixed_prompts(tiny.vocab_size, 5, seed=4)
+    makers = {"oracle-tree": lambda: OracleTreeDrafter(tiny.model, depth=4, seed=3),
+              "prompt-lookup": lambda: PromptLookupDrafter(num_tokens=4)}
+    host = {n: generate_batch(tiny, m, ps, 12, batch_size=3) for n, m in makers.items()}
+    calls = []
+
+    def on_device(verifies, trees, logits):  # what verify_rows does with logits off the host
+        assert all(v is verify_greedy for v in verifies)
+        calls.append(len(trees))
+        return greedy_batch_on_device(trees, logits)
+
+    monkeypatch.setattr(batch_mod, "verify_rows", on_device)
+    for name, make in makers.items():
+        dev = generate_batch(tiny, make, ps, 12, batch_size=3)
+        for a, b in zip(host[name].rows, dev.rows):
+            assert (a.ids, a.stats.accept_hist, a.stats.target_forwards) == \
+                   (b.ids, b.stats.accept_hist, b.stats.target_forwards), name
+        assert dev.stats.target_forwards == host[name].stats.target_forwards
+    assert len(calls) == sum(r.stats.target_forwards for r in host.values()) and max(calls) == 3
 
 
 def test_sampling_rows_equal_each_row_alone_with_its_seed(tiny):
@@ -520,7 +546,7 @@ def test_batch_sweep_on_the_tiny_target(tiny, tmp_path, monkeypatch):
 
 def test_batch_sweep_takes_a_dspark_head_with_tree_auto(tiny, tmp_path, monkeypatch):
     """A DSpark head in the sweep with the default --tree auto: the whole block every step (no tree probe, which
-    only tree heads have), +sched cutting it per row; every row equals vanilla's (fp32 greedy)."""
+    only tree heads have), +sched cutting it per row (--pricing profile); every row equals vanilla's (fp32 greedy)."""
     from specheads.infer.bench import MethodOptions
     from specheads.infer.bench.batch import BatchBenchSettings, build_batch_methods, run_batch_bench
     from specheads.infer.scheduling import profile
@@ -531,9 +557,11 @@ def test_batch_sweep_takes_a_dspark_head_with_tree_auto(tiny, tmp_path, monkeypa
         target, refresh, rows=(1, 2), tokens=(1, 2), context=16, repeats=1))
     ps = [(f"p{i}", p) for i, p in enumerate(mixed_prompts(tiny.vocab_size, 6)[:3])]
     build_head(HeadSpec(kind="dspark", block_size=3), tiny).save_pretrained(tmp_path / "dspark")
-    methods, extra = build_batch_methods(["head", "head+sched"], tiny,
-                                         MethodOptions(heads={"head": str(tmp_path / "dspark")}, tree="auto"))
+    methods, extra = build_batch_methods(["head", "head+sched"], tiny, MethodOptions(
+        heads={"head": str(tmp_path / "dspark")}, tree="auto", pricing="profile"))
     assert extra["trees"]["head"]["mode"] == "auto" and "block of 3 drafts" in extra["trees"]["head"]["summary"]
+    # --pricing profile: the budget's drafting cost fixed at 0 (the cost surface alone), recorded
+    assert methods[2].make_scheduler().draft_cost == 0.0 and extra["methods_info"]["head+sched"]["pricing"] == "profile"
     settings = BatchBenchSettings("tiny", "hand-made", "float32", batch_sizes=[1, 2], max_new_tokens=8)
     res = run_batch_bench(ps, methods, settings, out_dir=tmp_path / "out", extra=extra, progress=False)
     for per in res["batch_sizes"].values():

@@ -409,6 +409,9 @@ def test_head_lookup_merges_prompt_lookup_and_names_the_method(tiny, tmp_path):
     assert res["methods"]["head+lookup"]["overall"]["identical"] == 1.0
     assert res["methods"]["head"]["overall"]["identical"] == 1.0
     assert "lookup_tokens" not in extra["methods_info"]["head"]
+    assert extra["trees"]["head+lookup"]["scheduler"]["pricing"] == "measured"  # the default: the run's seconds
+    _, fixed = build_methods(["head+lookup"], tiny, dataclasses.replace(args, pricing="profile"))
+    assert fixed["trees"]["head+lookup"]["scheduler"]["pricing"] == "profile"  # --pricing reaches the scheduler
     with pytest.raises(SpecheadsError, match="--methods head:nope\\+lookup: no such head"):
         build_methods(["head:nope+lookup"], tiny, args)
     with pytest.raises(SpecheadsError, match="greedy only"):

@@ -144,6 +144,19 @@ def test_one_dtype_default_and_spelling():
             assert parser.parse_args([command] + required + ["--dtype", flag]).dtype == flag
 
 
+def test_one_pricing_flag_for_generate_and_bench():
+    """--pricing: one spelling and default (measured) in generate and bench; bench hands it to the methods."""
+    from specheads.commands.bench import method_options
+
+    parser = build_parser()
+    for command, required in (("bench", ["--out", "x"]), ("generate", ["--prompt", "hi"])):
+        assert parser.parse_args([command] + required).pricing == "measured"
+        assert parser.parse_args([command] + required + ["--pricing", "profile"]).pricing == "profile"
+    assert method_options(parser.parse_args(["bench", "--out", "x", "--pricing", "profile"])).pricing == "profile"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--out", "x", "--pricing", "wallclock"])
+
+
 def test_llamacpp_threads_default_to_the_cores_this_process_may_use():
     import os
 

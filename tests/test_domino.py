@@ -219,10 +219,13 @@ def test_cli_generate_and_bench_run_a_domino_head(tiny, tmp_path, capsys, monkey
     head.save_pretrained(tmp_path / "dm")
     tiny.tokenizer = ByteTok()
     monkeypatch.setattr(specheads.target, "load_target", lambda *a, **k: tiny)
+    made = []  # the schedulers' pricing (--pricing reaches the one generate builds)
     monkeypatch.setattr(drafters_mod.Scheduler, "for_target",
-                        classmethod(lambda cls, target, refresh=False: Scheduler({1: 1.0, 8: 1.1}, 1e-3)))
+                        classmethod(lambda cls, target, refresh=False, pricing="measured":
+                                    made.append(pricing) or Scheduler({1: 1.0, 8: 1.1}, 1e-3, pricing=pricing)))
     assert main(["generate", "--head", str(tmp_path / "dm"), "--prompt", "hi", "--raw", "--json",
-                 "--max-new-tokens", "8"]) == 0
+                 "--max-new-tokens", "8", "--pricing", "profile"]) == 0
+    assert made == ["profile"]
     out = json.loads(capsys.readouterr().out)
     assert len(out["ids"]) == 8 and out["stats"]["scheduled_steps"] == out["stats"]["target_forwards"]
     args = MethodOptions(heads=head_entries([f"domino={tmp_path / 'dm'}"]), tree="chain:3")

@@ -447,7 +447,8 @@ def test_cli_generate_takes_a_dspark_head(tiny, tmp_path, capsys, monkeypatch):
     tiny.tokenizer = Tok()
     monkeypatch.setattr(specheads.target, "load_target", lambda *a, **k: tiny)
     monkeypatch.setattr(drafters_mod.Scheduler, "for_target",
-                        classmethod(lambda cls, target, refresh=False: Scheduler({1: 1.0, 8: 1.1}, 1e-3)))
+                        classmethod(lambda cls, target, refresh=False, pricing="measured":
+                                    Scheduler({1: 1.0, 8: 1.1}, 1e-3, pricing=pricing)))
     for extra in ([], ["--lookup", "4"]):
         assert main(base + ["--max-new-tokens", "8"] + extra) == 0
         out = json.loads(capsys.readouterr().out)

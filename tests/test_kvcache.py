@@ -1,7 +1,8 @@
 """engine/kvcache.py, each edit against transformers' own cache: the same tokens run through the model into a fresh
 DynamicCache without our edits must give the same keys / values and the same logits of the next forward. On every
 architecture the suite's tiny targets use: Llama (tiny_target) and Gemma 3 with sliding-window layers (mixed with a
-full layer, and sliding only). The greedy verifier on the device path against a plain walk on random trees."""
+full layer, and sliding only). The greedy verifier on the device path (one tree, and a batch of padded trees) against
+a plain walk on random trees."""
 import pytest
 import torch
 
@@ -9,7 +10,8 @@ from specheads.infer.engine.kvcache import (buffered_cache, cache_columns, drop_
                                             keep_accepted_rows, merge_caches, new_batch_cache, prepare_cache,
                                             select_rows, tree_attention_mask)
 from specheads.infer.tree import DraftTree
-from specheads.infer.verify import greedy_on_device, verify_greedy
+from specheads.infer import verify as verify_mod
+from specheads.infer.verify import greedy_batch_on_device, greedy_on_device, verify_greedy, verify_rows
 from specheads.target import Target, tiny_target
 from specheads.utils import SpecheadsError
 
@@ -271,3 +273,54 @@ def test_device_greedy_equals_the_walk_on_random_trees(vocab):
             assert (acc.nodes, acc.bonus) == want, (fn.__name__, tree, logits)
         acc = greedy_on_device(tree, logits.to(torch.bfloat16))
         assert (acc.nodes, acc.bonus) == want
+
+
+def _onehot(rows: list[list[int]], n: int, vocab: int = 10) -> torch.Tensor:
+    """rows[r][i]: the target's argmax after node i of row r -> [B, n, vocab] logits; missing nodes (padding) put
+    their argmax on token 0."""
+    lg = torch.zeros(len(rows), n, vocab)
+    for r, row in enumerate(rows):
+        for i, tok in enumerate(row):
+            lg[r, i, tok] = 10.0
+    return lg
+
+
+def test_batched_device_greedy_by_hand():
+    """Three rows padded to 5 nodes: a branch taken second, equal sibling tokens (the walk takes the first even when
+    the second leads deeper), a root alone; each row's (nodes, bonus) written out."""
+    branch = DraftTree([1, 2, 3, 4, 5], [-1, 0, 0, 1, 2], [0, 1, 1, 2, 2])  # root -> a(2) -> c(4); root -> b(3) -> d(5)
+    twins = DraftTree([7, 5, 5, 6], [-1, 0, 0, 2], [0, 1, 1, 2])  # root -> 5; root -> 5 -> 6
+    root = DraftTree([9], [-1], [0])
+    logits = _onehot([[3, 4, 6, 0, 0], [5, 6, 6, 1], [4]], 5)
+    got = [(a.nodes, a.bonus) for a in greedy_batch_on_device([branch, twins, root], logits)]
+    assert got == [([0, 2], 6), ([0, 1], 6), ([0], 4)]
+    assert got == [(a.nodes, a.bonus) for a in (verify_greedy(t, logits[r, :len(t)])
+                                               for r, t in enumerate([branch, twins, root]))]
+
+
+@pytest.mark.parametrize("vocab", [3, 8])  # 3: siblings often repeat a token and logits tie
+def test_batched_device_greedy_equals_each_row_walk(vocab):
+    """greedy_batch_on_device (the accelerator path, run on CPU tensors) over B random trees of different sizes,
+    padded to N (sometimes wider than the largest), equals verify_greedy of each row alone, fp32 and bf16."""
+    g = torch.Generator().manual_seed(100 + vocab)
+    for trial in range(80):
+        B = int(torch.randint(1, 6, (1,), generator=g))
+        trees = [random_tree(g, int(torch.randint(1, 20, (1,), generator=g)), vocab) for _ in range(B)]
+        N = max(map(len, trees)) + int(torch.randint(0, 3, (1,), generator=g))
+        logits = torch.randint(0, 3, (B, N, vocab), generator=g).float()  # few values: ties
+        for r, t in enumerate(trees):
+            if (trial + r) % 3 == 0:  # a target that mostly agrees with this row's drafts (long paths)
+                logits[r, t.parents[1:], t.tokens[1:]] += 5
+        want = [(a.nodes, a.bonus) for a in (verify_greedy(t, logits[r, :len(t)]) for r, t in enumerate(trees))]
+        assert want == [reference_greedy(t, logits[r, :len(t)]) for r, t in enumerate(trees)]
+        for lg in (logits, logits.to(torch.bfloat16)):
+            assert [(a.nodes, a.bonus) for a in greedy_batch_on_device(trees, lg)] == want, (trial, trees)
+
+
+def test_verify_rows_on_the_host_walks_each_row(monkeypatch):
+    """Host logits: each row's own rule (verify_greedy's walk), never the batched tensor path."""
+    calls = []
+    monkeypatch.setattr(verify_mod, "greedy_batch_on_device", lambda *a: calls.append(a))
+    trees = [DraftTree([1, 2], [-1, 0], [0, 1]), DraftTree([3], [-1], [0])]
+    accs = verify_rows([verify_greedy, verify_greedy], trees, _onehot([[2, 7], [5]], 2))
+    assert [(a.nodes, a.bonus) for a in accs] == [([0, 1], 7), ([0], 5)] and not calls

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specheads.heads.base import HeadSpec, build_head
+from specheads.infer.bench.methods import MethodOptions
 from specheads.infer.drafters import (DSparkDrafter, PromptLookupDrafter, ScheduledUnionDrafter, ScoredDrafter,
                                       combine_drafters)
 from specheads.infer.engine.generate import generate
@@ -17,6 +18,8 @@ from specheads.infer.scheduling.acceptance import (Candidates, LookupRates, Rate
 from specheads.infer.scheduling.costs import interp_cost
 from specheads.infer.scheduling.step import MIN_CLOCK_STEPS, Scheduler, StepClock, StepReport, choose_nodes
 from specheads.infer.tree import DraftTree, chain_tree
+
+from specheads.utils import SpecheadsError
 
 from test_generate import hf_greedy
 
@@ -283,6 +286,83 @@ def test_union_rests_a_source_whose_pass_does_not_pay(tiny):
     assert slow.passes <= st.target_forwards // 2, (slow.passes, st.target_forwards)
     assert st.source_steps["slow"] == slow.passes and st.source_steps["lookup"] == st.scheduled_steps
     assert "lookup" not in union.resting
+
+
+def test_profile_pricing_reads_no_clock():
+    """pricing="profile": the profile's t(1), no drafting or loop cost, whatever the clock and the sources' seconds
+    say; an unknown mode is one clear error."""
+    clock = StepClock()
+    for _ in range(MIN_CLOCK_STEPS):
+        clock.add_step({"draft": 0.5, "target": 0.2, "other": 0.1}, nodes=2)
+    measured, profile = Scheduler(FLAT, t1=0.05), Scheduler(FLAT, t1=0.05, pricing="profile")
+    assert measured.fixed_cost(measured.prices(clock)) > 1 and measured.source_seconds([0.3, 0.1, 0.2]) == 0.2
+    for c, now in ((clock, 0.4), (StepClock(), 0.0), (None, 9.0)):
+        p = profile.prices(c, draft_now=now)
+        assert (p.t1, p.draft, p.other) == (0.05, 0.0, 0.0)
+        assert profile.fixed_cost(p) == 0.0 and profile.fixed_cost(p, draft_s=3.0) == 0.0
+        assert profile.cost_of(4, p, draft_s=3.0) == pytest.approx(1.15)
+    assert profile.source_seconds([0.3, 0.1, 0.2]) == 0.0 and profile.memory is None
+    assert profile.record()["pricing"] == "profile" and measured.record()["pricing"] == "measured"
+    with pytest.raises(SpecheadsError, match="pricing 'wall': expected one of measured, profile"):
+        Scheduler(FLAT, t1=0.05, pricing="wall")
+    with pytest.raises(SpecheadsError, match="--pricing 'x'"):
+        MethodOptions(pricing="x")
+
+
+class FakeClock:
+    """time.perf_counter that stands still except when a source's pass moves it on (its "seconds")."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Costly(ScoredDrafter):
+    """A never-right chain whose pass takes `delay` seconds of the fake clock."""
+    name = "costly"
+
+    def __init__(self, clock: FakeClock, delay: float):
+        self.clock, self.delay = clock, delay
+
+    def candidates(self, ctx):
+        self.clock.now += self.delay
+        return Candidates(chain_tree(ctx.ids[-1], [3, 3, 3]), [1.0, 0.05, 0.0025, 0.0001], self.name)
+
+
+@pytest.mark.parametrize("pricing", ["measured", "profile"])
+def test_profile_pricing_makes_the_same_choices_whatever_the_clock(tiny, monkeypatch, pricing):
+    """A union (a costly source and prompt lookup) and a scheduled DSpark head, each run twice under clock readings
+    that differ (the costly pass free, then 1 s of a 10 ms t(1)): measured pricing follows the clock (the costly
+    source rests, the step's fixed cost lengthens the prefixes); profile pricing verifies the same trees, with the same
+    sources proposing, both times."""
+    clock = FakeClock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    head, p = dspark_head(tiny), [5, 6, 7, 8, 9, 10] * 3
+
+    def trees(make, delay):
+        seen = []
+        drafter = make(delay)
+        inner = drafter.propose
+        drafter.propose = lambda ctx: seen.append(inner(ctx)) or seen[-1]
+        r = generate(tiny, drafter, p, max_new_tokens=24, ignore_eos=True)
+        assert r.ids == hf_greedy(tiny, p, 24) and any(len(t) > 1 for t in seen)  # drafts were verified
+        return [(t.tokens.tolist(), t.parents.tolist()) for t in seen], r.stats.source_steps  # (a rested source)
+
+    def union(delay):
+        return combine_drafters(tiny, [Costly(clock, delay)], lookup=6,
+                                scheduler=Scheduler(FLAT, 1e-2, pricing=pricing))
+
+    def dspark(delay):  # its draft phase: the fake clock moved on by `delay` in the model's forward
+        d = DSparkDrafter(head, scheduler=Scheduler(FLAT, 1e-2, pricing=pricing))
+        cand = d.candidates
+        d.candidates = lambda ctx: (setattr(clock, "now", clock.now + delay), cand(ctx))[1]
+        return d
+
+    for make in (union, dspark):
+        same = trees(make, 0.0) == trees(make, 1.0)
+        assert same == (pricing == "profile"), make.__name__
 
 
 def test_lookup_match_length():

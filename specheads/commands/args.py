@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from specheads.infer.scheduling.step import PRICINGS
 from specheads.target import DTYPES
 from specheads.utils import SpecheadsError
 
@@ -65,6 +66,14 @@ def add_plugin(p: argparse.ArgumentParser) -> None:
 
 def add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu | cuda (default: where the target loads)")
+
+
+def add_pricing(p: argparse.ArgumentParser) -> None:
+    """--pricing measured|profile: how the schedulers price a step (scheduling/step.py, batch_budget.py)."""
+    p.add_argument("--pricing", default="measured", choices=PRICINGS,
+                   help="scheduled methods (a block head's auto, +lookup, combo, +sched): measured (default) prices "
+                        "each step by this run's drafting and loop seconds; profile prices it by the cached cost "
+                        "profile alone (drafting unpriced), so two runs on one profile make the same choices")
 
 
 def add_lookup(p: argparse.ArgumentParser, default: int, what: str) -> None:

@@ -61,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       f"scheduler each step (default {HEAD_LOOKUP_TOKENS}, HF prompt lookup's candidate tokens per "
                       "step)")
     p.add_argument("--refresh-profile", action="store_true", help="re-measure the cached hardware profile")
+    shared.add_pricing(p)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the same for every method)")
     p.add_argument("--warmup-tokens", type=int, default=16, help="untimed warm-up tokens per method (default 16)")
     p.add_argument("--llamacpp-target", default=None, metavar="GGUF",
@@ -101,9 +102,10 @@ def method_options(args: argparse.Namespace) -> MethodOptions:
         parse_tree(trees[head_dir], config.kind, config)
     check_lookup_tokens(args.lookup, flag=shared.spelled(args, "lookup", "--lookup")[0])
     return MethodOptions(temperature=args.temperature, heads=heads, tree=trees,
-                         refresh_profile=args.refresh_profile, lookup=args.lookup, draft_model=args.draft_model,
-                         draft_tokens=args.draft_tokens, threads=args.threads, llamacpp_target=args.llamacpp_target,
-                         llamacpp_draft_max=args.llamacpp_draft_max, llamacpp_p_min=args.llamacpp_p_min)
+                         refresh_profile=args.refresh_profile, pricing=args.pricing, lookup=args.lookup,
+                         draft_model=args.draft_model, draft_tokens=args.draft_tokens, threads=args.threads,
+                         llamacpp_target=args.llamacpp_target, llamacpp_draft_max=args.llamacpp_draft_max,
+                         llamacpp_p_min=args.llamacpp_p_min)
 
 
 def run(args: argparse.Namespace) -> int:

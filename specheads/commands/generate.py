@@ -44,6 +44,7 @@ def add_arguments(p) -> None:
                         "(cached cost profile + a short acceptance probe, as bench does)")
     shared.add_lookup(p, 0, "with --head, greedy: also propose a prompt-lookup chain of up to N tokens, the head's "
                             "tree and the chain under one per-step scheduler (one verify budget; 0 = off)")
+    shared.add_pricing(p)
     shared.add_draft_model(p, f"--drafter draft-model: a separate small model with the same vocabulary, or "
                               f"truncated:N, the target's first N layers (1..layers-1; default "
                               f"truncated:{shared.DEFAULT_DRAFT_LAYERS})")
@@ -88,7 +89,8 @@ def build(args):
     r = resolver.resolve(args.head)
     if r.acceptance is not None:
         print(f"--tree auto: {r.tree['summary']} ({r.tree['reason']})", file=sys.stderr)
-    return target, build_drafter(target, r.head, r.spec, lookup=args.lookup, acceptance=r.acceptance)
+    return target, build_drafter(target, r.head, r.spec, lookup=args.lookup, acceptance=r.acceptance,
+                                 pricing=args.pricing)
 
 
 def run(args) -> int:

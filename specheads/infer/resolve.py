@@ -15,7 +15,7 @@ from specheads.infer.scheduling import autotree
 from specheads.infer.scheduling.costs import t1_seconds
 from specheads.infer.scheduling.profile import load_or_profile
 from specheads.infer.scheduling.step import RULE as SCHEDULER_RULE
-from specheads.infer.scheduling.step import Scheduler
+from specheads.infer.scheduling.step import Scheduler, check_pricing
 from specheads.infer.treespec import TreeSpec
 
 BLOCK_AUTO = ("scheduler", "block")  # what `--tree auto` means for a block head (ResolvedHead.spec)
@@ -42,11 +42,13 @@ class HeadResolver:
     """One run's heads and trees. `tree`: the `--tree` text every head takes, or {head folder: text}
     (names.head_trees; a folder not in it takes auto); `calib_ids`: the prompts (token ids)
     of a tree head's `auto` probe, or a function returning them, called at the first probe; `refresh`: measure the
-    cost profile again before the probe."""
+    cost profile again before the probe; `pricing`: the run's schedulers' (step.PRICINGS)."""
 
     def __init__(self, target, tree: str | None | dict[str, str] = "auto",
-                 calib_ids: list[list[int]] | Callable[[], list[list[int]]] = (), refresh: bool = False):
+                 calib_ids: list[list[int]] | Callable[[], list[list[int]]] = (), refresh: bool = False,
+                 pricing: str = "measured"):
         self.target, self.tree, self.refresh = target, tree, refresh
+        self.pricing = check_pricing(pricing)
         self._calib_ids = calib_ids
         self._heads: dict[str, dict[str, Any]] = {}  # head folder -> {"head", and once probed "spec", "tree"}
         self.costs: dict[str, Any] | None = None  # the cost profile this run's schedulers are priced by
@@ -95,7 +97,7 @@ class HeadResolver:
             prof = load_or_profile(self.target, refresh=self.refresh)
             self.costs = {"verify_relative": prof["verify"]["relative"], "t1_s": t1_seconds(prof),
                           **{k: prof.get(k) for k in ("path", "cached", "noisy", "measured_at")}}
-        return Scheduler(self.costs["verify_relative"], self.costs["t1_s"], profile=self.costs)
+        return Scheduler(self.costs["verify_relative"], self.costs["t1_s"], profile=self.costs, pricing=self.pricing)
 
 
 def given_tree_record(kind: str, family: str, spec: TreeSpec) -> dict[str, Any]:

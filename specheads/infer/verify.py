@@ -1,7 +1,9 @@
 """Verification of a draft tree against the target's logits at every node (one target forward).
 
 N tree nodes, V vocab. logits[i] is the target's next-token distribution after the path root..i.
-- verify_greedy: exact; the longest path whose tokens equal the target's argmax, plus the bonus argmax.
+- verify_greedy: exact; the longest path whose tokens equal the target's argmax, plus the bonus argmax
+  (greedy_on_device / greedy_batch_on_device: the same as tensor ops for logits on an accelerator; verify_rows: a
+  batched forward's rows, the greedy ones in one call).
 - verify_sampling: lossless; SpecInfer / Sequoia recursive rejection sampling over each node's children.
 - verify_typical_lossy: Medusa's typical acceptance; LOSSY (output distribution differs from the target's).
 Every function returns Accepted(nodes starting with 0, bonus token). None of them knows which drafter proposed.
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -93,36 +95,59 @@ def _to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _ancestors(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """[N, N] bool: a[i, j] = node j is node i or one of its ancestors, built where `parents` [N] lives (one
-    hop per depth, no host reads)."""
-    n = parents.numel()
+    """[..., N, N] bool: a[..., i, j] = node j is node i or one of its ancestors, built where `parents` [..., N]
+    lives (one hop per depth, no host reads; a leading B dim = one tree per row)."""
+    n = parents.shape[-1]
     cols = torch.arange(n, device=parents.device)
-    a = cols[:, None] == cols[None]
+    a = (cols[:, None] == cols[None]).expand(*parents.shape[:-1], n, n).clone()
     up = parents
     for _ in range(max_depth):
-        a |= up[:, None] == cols[None]  # up = -1 (above the root) matches no column
-        up = torch.where(up >= 0, parents[up.clamp(min=0)], up)
+        a |= up[..., :, None] == cols  # up = -1 (above the root) matches no column
+        up = torch.where(up >= 0, parents.gather(-1, up.clamp(min=0)), up)
     return a
 
 
 def greedy_on_device(tree: DraftTree, logits: torch.Tensor) -> Accepted:
-    """verify_greedy as tensor ops where the logits are (gpt-fast's vectorised acceptance): the target's argmax
-    after every node at once, the walk's path found by masks, one transfer of (last node, bonus) at the end.
-    The walk takes a node's first child (index order) equal to the target's token: node i is on its path iff every
-    node from the root to i equals the target's token after its parent and has no earlier sibling that does."""
-    dev, n = logits.device, len(tree)
-    best = logits.float().argmax(-1)  # [N] the target's greedy token after each node (first maximal index)
-    tpd = _to(torch.stack([tree.tokens, tree.parents, tree.depth]), dev)  # [3, N]
-    tokens, parents, depth = tpd[0], tpd[1], tpd[2]
-    match = tokens == best[parents.clamp(min=0)]  # [N] node i equals the target's token after its parent
-    match[0] = True  # the root is always kept
-    idx = torch.arange(n, device=dev)
-    earlier = (parents[:, None] == parents[None]) & (idx[None] < idx[:, None])  # [N, N] j is an earlier sibling of i
-    first = match & ~(earlier & match[None]).any(-1)  # the child the walk takes under its parent
-    on_path = ~(_ancestors(parents, tree.max_depth) & ~first[None]).any(-1)  # [N] one root-to-node chain
-    last = torch.where(on_path, depth, -1).argmax()  # its deepest node
-    last, bonus = torch.stack([last, best[last]]).tolist()  # the step's one device -> host transfer
-    return Accepted(tree.path(last), bonus)
+    """verify_greedy as tensor ops where the logits [N, V] are, one transfer per step (greedy_batch_on_device of
+    one row)."""
+    return greedy_batch_on_device([tree], logits[None])[0]
+
+
+def greedy_batch_on_device(trees: Sequence[DraftTree], logits: torch.Tensor) -> list[Accepted]:
+    """verify_greedy of every row of a batched forward as tensor ops where the logits [B, N, V] are (gpt-fast's
+    vectorised acceptance): row r's tree is nodes [0, len(trees[r])), the rest padding (never accepted); the
+    target's argmax after every node at once, each row's walk found by masks, ONE transfer of every row's (last
+    node, bonus) at the end. The walk takes a node's first child (index order) equal to the target's token: node i
+    is on its path iff every node from the root to i equals the target's token after its parent and has no earlier
+    sibling that does."""
+    dev, (B, N) = logits.device, logits.shape[:2]
+    best = logits.float().argmax(-1)  # [B, N] the target's greedy token after each node (first maximal index)
+    host = torch.full((3, B, N), -1, dtype=torch.long)  # tokens, parents, depth; padding: -1 (no token, no parent)
+    for r, tree in enumerate(trees):
+        n = len(tree)
+        host[0, r, :n], host[1, r, :n], host[2, r, :n] = tree.tokens, tree.parents, tree.depth
+    tokens, parents, depth = _to(host, dev)  # [B, N] each
+    match = tokens == best.gather(-1, parents.clamp(min=0))  # [B, N] node equals the target's token after its parent
+    match[:, 0] = True  # the root is always kept (padding's token -1 never matches)
+    idx = torch.arange(N, device=dev)
+    earlier = (parents[:, :, None] == parents[:, None]) & (idx[None] < idx[:, None])  # [B, N, N] j earlier sibling
+    first = match & ~(earlier & match[:, None]).any(-1)  # [B, N] the child the walk takes under its parent
+    deepest = max(tree.max_depth for tree in trees)
+    on_path = ~(_ancestors(parents, deepest) & ~first[:, None]).any(-1)  # [B, N] one root-to-node chain per row
+    last = torch.where(on_path, depth, -1).argmax(-1)  # [B] each row's deepest path node
+    bonus = best.gather(-1, last[:, None])[:, 0]  # [B]
+    last, bonus = torch.stack([last, bonus]).tolist()  # the step's one device -> host transfer, every row
+    return [Accepted(tree.path(i), b) for tree, i, b in zip(trees, last, bonus)]
+
+
+def verify_rows(verifies: Sequence[Callable[[DraftTree, torch.Tensor], Accepted]], trees: Sequence[DraftTree],
+                logits: torch.Tensor) -> list[Accepted]:
+    """Each row of a batched forward verified by its own rule (logits [B, N, V], row r's nodes [0, len(trees[r]))):
+    greedy rows with the logits off the host in one greedy_batch_on_device call (one host transfer for the batch);
+    on the host (verify_greedy's walk reads only its path's rows) or sampling, each row alone."""
+    if logits.device.type != "cpu" and all(v is verify_greedy for v in verifies):
+        return greedy_batch_on_device(trees, logits)
+    return [v(tree, logits[r, :len(tree)]) for r, (v, tree) in enumerate(zip(verifies, trees))]
 
 
 def _sample(p: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -305,7 +305,7 @@ def batch_markdown(results: dict[str, Any]) -> str:
 def build_batch_methods(names: list[str], target, options, calib_ids: list[list[int]] | None = None
                         ) -> tuple[list[BatchMethod], dict[str, Any]]:
     """The sweep's methods (vanilla first) from bench.methods.MethodOptions (temperature, heads, tree,
-    refresh_profile); extra results fields: each head's tree and why, and the cost surface the +sched methods
+    refresh_profile, pricing); extra results fields: each head's tree and why, and the cost surface the +sched methods
     spend."""
     check_batch_methods(names)
     names = ["vanilla"] + [n for n in names if n != "vanilla"]
@@ -313,7 +313,8 @@ def build_batch_methods(names: list[str], target, options, calib_ids: list[list[
     makers: dict[str, Callable] = {"plain": NoDrafter, "prompt-lookup": lambda: build_drafter(
         target, "prompt-lookup", TreeSpec.tokens(PROMPT_LOOKUP_NUM_TOKENS), max_ngram=PROMPT_LOOKUP_MAX_NGRAM),
         "recycling": lambda: build_drafter(target, "recycling")}
-    resolver = HeadResolver(target, options.tree, calib_ids or [], refresh=options.refresh_profile)
+    resolver = HeadResolver(target, options.tree, calib_ids or [], refresh=options.refresh_profile,
+                            pricing=options.pricing)
     cost = None
     methods: list[BatchMethod] = []
     for n in expand_heads(names, options.heads, split_sched):
@@ -327,9 +328,11 @@ def build_batch_methods(names: list[str], target, options, calib_ids: list[list[
         make_sched = None
         if sched:
             cost = cost or _cost_surface(target, options.refresh_profile, extra)
-            make_sched = _scheduler_factory(cost)
+            make_sched = _scheduler_factory(cost, draft_cost=None if options.pricing == "measured" else 0.0)
         info = {"implementation": "specheads.infer.engine.batch.generate_batch", "budget": "BudgetScheduler" if sched
                 else "whole trees"}
+        if sched:
+            info["pricing"] = options.pricing
         methods.append(OursBatch(n, target, makers[base], options.temperature, info, make_sched))
         extra["methods_info"][n] = info
     return methods, extra
@@ -351,14 +354,15 @@ def _cost_surface(target, refresh: bool, extra: dict):
     return batch_cost_fn(prof)
 
 
-def _scheduler_factory(cost) -> Callable:
+def _scheduler_factory(cost, draft_cost: float | None = None) -> Callable:
     """A fresh BudgetScheduler per chunk sharing one tracker's pooled rates and one exploration clock (the method
     learns its drafter's acceptance across chunks, and a chunk starts resting while explorations find nothing;
-    per-row rates start over with each chunk's rows)."""
+    per-row rates start over with each chunk's rows). draft_cost: None = measured; 0 = --pricing profile (the cost
+    surface alone: no in-run seconds)."""
     tracker, clock = AcceptanceTracker(), ExploreClock()
 
     def make():
         tracker.rows.clear()
-        return BudgetScheduler(cost, tracker=tracker, clock=clock)
+        return BudgetScheduler(cost, tracker=tracker, clock=clock, draft_cost=draft_cost)
 
     return make

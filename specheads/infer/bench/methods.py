@@ -26,6 +26,7 @@ from specheads.infer.drafters import build_drafter, combine_drafters, parse_tree
 from specheads.infer.engine.generate import generate
 from specheads.infer.resolve import HeadResolver
 from specheads.infer.scheduling.step import RULE as SCHEDULER_RULE
+from specheads.infer.scheduling.step import check_pricing
 from specheads.infer.treespec import MAX_TREE_DEPTH, TreeSpec
 from specheads.utils import SpecheadsError
 
@@ -194,9 +195,11 @@ class MethodOptions:
     llamacpp_target: str | None = None  # llama.cpp methods: the target GGUF (None = the target converted, cached)
     llamacpp_draft_max: int | None = None  # llama.cpp:LABEL: --spec-draft-n-max (None = llama.cpp's default, 3)
     llamacpp_p_min: float | None = None  # llama.cpp:LABEL, DSpark: --spec-draft-p-min (None = chosen on calib prompts)
+    pricing: str = "measured"  # the schedulers' (step.PRICINGS): the run's seconds, or the cost profile alone
 
     def __post_init__(self) -> None:
         check_lookup_tokens(self.lookup)
+        check_pricing(self.pricing, "--pricing")
 
 
 def check_lookup_tokens(n: int, flag: str = "--lookup") -> None:
@@ -216,7 +219,8 @@ def build_methods(names: list[str], target, options: MethodOptions, calib_ids: l
                              "(use --temperature 0)")
     factories = hf_methods(target, options.temperature)
     # one load and one probe per head folder, one cost profile for every scheduler of the run
-    resolver = HeadResolver(target, options.tree, calib_ids or [], refresh=options.refresh_profile)
+    resolver = HeadResolver(target, options.tree, calib_ids or [], refresh=options.refresh_profile,
+                            pricing=options.pricing)
     methods: list[Method] = []
     extra: dict[str, Any] = {"methods_info": {}}
     for n in expand_heads(names, options.heads, split_lookup):

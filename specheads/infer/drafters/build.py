@@ -11,15 +11,15 @@ from specheads.infer.treespec import TreeSpec, check_tree_spec
 
 def build_drafter(target, head_or_name, spec: TreeSpec | str | None = None, *, lookup: int = 0,
                   lookup_ngram: int = 3, acceptance: dict | None = None, scheduler: Scheduler | None = None,
-                  **options) -> Drafter:
+                  pricing: str = "measured", **options) -> Drafter:
     """The one drafter constructor. head_or_name: a loaded DraftHead (its kind picks the drafter) or a training-free
     drafter name (plain, prompt-lookup, draft-model, recycling). spec: a TreeSpec, `--tree` text, or None (the
     drafter's default); a tree head's `auto` is resolved first by autotree.choose_tree_for_head, a block head's
     `auto` is its per-step scheduler. lookup > 0 puts the drafter and a prompt-lookup chain of up to that many
     tokens under one per-step scheduler (greedy only; combine_drafters; acceptance: the `--tree auto` probe's
     {"acc", "counts"} as the tree head's prior). scheduler: the per-step scheduler (None = priced by the target's
-    cached cost profile, made when needed). options go to the drafter's builder (prompt-lookup: max_ngram;
-    draft-model: draft_target, draft_layers)."""
+    cached cost profile, made when needed, with `pricing`: step.PRICINGS). options go to the drafter's builder
+    (prompt-lookup: max_ngram; draft-model: draft_target, draft_layers)."""
     head = None if isinstance(head_or_name, str) else head_or_name
     name = head.config.kind if head is not None else head_or_name
     kind = drafter_kind(name, head=head is not None)
@@ -30,8 +30,9 @@ def build_drafter(target, head_or_name, spec: TreeSpec | str | None = None, *, l
     if spec.mode == "auto" and kind.family != "block":
         raise ValueError("build_drafter: resolve --tree auto with autotree.choose_tree_for_head first")
     check_lookup(lookup)
-    if kind.family == "block":  # scheduled per step: one scheduler for the head and any lookup merged in
-        scheduler = scheduler or (Scheduler.for_target(target) if spec.mode == "auto" or lookup else None)
+    if scheduler is None and (lookup or (kind.family == "block" and spec.mode == "auto")):
+        scheduler = Scheduler.for_target(target, pricing=pricing)  # one for the head and any lookup merged in
+    if kind.family == "block":  # scheduled per step (its `auto`)
         options["scheduler"] = scheduler
     drafter = kind.build(target, head, spec, **options)
     if lookup:

@@ -24,7 +24,8 @@ class ScheduledUnionDrafter(Drafter):
     A source whose pass does not pay rests: when the mean expected tokens its own nodes added to the verified set
     over its last REST_WINDOW steps, g_s, is below d_s * E / C (its measured pass d_s in t(1) units times the step's
     expected tokens per unit of cost), it proposes nothing for `explore_every` - 1 steps, then drafts again (lazy
-    caches make a rested head's catch-up one pass); explore_every=1: no source ever rests."""
+    caches make a rested head's catch-up one pass); explore_every=1, or the scheduler's pricing="profile" (d_s = 0):
+    no source ever rests."""
     REST_WINDOW = 8  # steps of a source's gains behind a decision to rest it (at least half of them seen)
 
     def __init__(self, sources: list[ScoredDrafter], scheduler: Scheduler, explore_every: int = 16):
@@ -89,8 +90,7 @@ class ScheduledUnionDrafter(Drafter):
         for name, where in zip(cands, maps):
             gain = sum(p[i] for i in set(where) if i in kept and i and owners[i] == 1)
             self.gains[name].append(gain)
-            seen = self.seconds[name]
-            d = sorted(seen)[len(seen) // 2] / prices.t1 if seen else 0.0  # its pass, in t(1) units
+            d = self.scheduler.source_seconds(self.seconds[name]) / prices.t1  # its pass, in t(1) units
             g = self.gains[name]
             if len(g) * 2 >= self.REST_WINDOW and sum(g) / len(g) < d * rate:
                 self.resting[name], self.gains[name] = 1, deque(maxlen=self.REST_WINDOW)
@@ -120,7 +120,7 @@ class ScheduledUnionDrafter(Drafter):
             if cand is None:
                 continue
             s.learn(cand, truth)
-            own = sorted(self.seconds[name])[len(self.seconds[name]) // 2]
+            own = self.scheduler.source_seconds(self.seconds[name])
             tree = s.alone(cand, self.scheduler, prices, own)
             n, censored = accepted_along(tree, truth)
             self.report.sources[name] = n + 1

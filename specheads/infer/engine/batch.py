@@ -10,7 +10,9 @@ row's entries never move for another row's sake. One step:
   2. the trees are packed (`pack_trees`): tokens [B,N], positions [B,N], ONE 4D float mask [B,1,N,S+N]
      (a node sees its row's cached columns, its ancestors and itself; a padding node sees only itself);
   3. ONE target forward appends N columns to every row;
-  4. each row is verified alone by the same verify_greedy / verify_sampling as `generate` (never the drafter);
+  4. each row is verified by the same rules as `generate` (never the drafter; verify.verify_rows): greedy rows
+     with the logits on an accelerator all at once (greedy_batch_on_device: one host transfer per step), on the
+     host or sampling each row alone (verify_greedy / verify_sampling);
   5. `kvcache.keep_accepted_rows`: each row's accepted nodes move down to columns [length_r, length_r + A_r) (one
      gather per layer for the whole batch), then the cache is cut to its longest row;
   6. drafters observe, tokens are emitted and cut at stops; finished rows leave the batch (one copy of the cache)
@@ -34,7 +36,7 @@ from specheads.infer.engine.kvcache import (cache_columns, keep_accepted_rows, m
                                             select_rows)
 from specheads.infer.engine.protocol import DraftContext, Drafter
 from specheads.infer.tree import DraftTree
-from specheads.infer.verify import VERIFICATIONS, Accepted, SamplingParams, verifier
+from specheads.infer.verify import VERIFICATIONS, Accepted, SamplingParams, verifier, verify_rows
 from specheads.utils import SpecheadsError
 
 
@@ -235,9 +237,10 @@ class BatchGenerator:
         with phase_timer(tm, "target"):  # ONE forward over every row's nodes
             logits, feats = self._forward(tokens, pos, mask, self.cache, self.layers)  # [B,N,V], [B,N,F*D] | None
         with phase_timer(tm, "verify"):
-            # each row alone, as `generate` does: greedy = the longest path equal to the target's argmax plus the
-            # bonus argmax; sampling = recursive rejection with the row's own generator. Never sees the drafter
-            accs = [row.req.verify(tree, logits[r, :len(tree)]) for r, (row, tree) in enumerate(zip(rows, trees))]
+            # by the same rules as `generate`: greedy = the longest path equal to the target's argmax plus the bonus
+            # argmax (logits off the host: every row in one call, one host transfer); sampling = recursive rejection
+            # with the row's own generator, each row alone. Never sees the drafter
+            accs = verify_rows([row.req.verify for row in rows], trees, logits)
         with phase_timer(tm, "cache"):  # each row keeps its prefix + root + accepted nodes, left-aligned
             keep_accepted_rows(self.cache, cols, lengths, [acc.nodes for acc in accs])
         with phase_timer(tm, "draft"):  # each drafter sees its outcome and its accepted nodes' true features

@@ -25,6 +25,10 @@ What is measured (nothing assumed):
 - p: per source (acceptance.py), `Rates` learned from outcomes with a prior (lookup: by match length and depth, per
   request; EAGLE / Medusa trees: by depth and rank, the `--tree auto` probe's matrix as prior; DSpark: its
   calibrated confidences).
+Pricing (`Scheduler(pricing=)`, `--pricing`): "measured" (the default) prices t(1) and d from the run's own seconds as
+above; "profile" prices every step from the cost profile alone: t(1) = the profile's, d = 0 (the drafters' and the
+loop's seconds unpriced, each source's pass included), so the choices depend on the candidates and the cached curve
+only and two runs on one profile choose alike whatever the machine's load.
 Several sources (a head and prompt lookup, or several heads) are merged as a trie (acceptance.merge_candidates: a
 node proposed twice keeps the larger estimate, never above its parent's) and one S is chosen across them: one verify
 budget per step.
@@ -38,6 +42,7 @@ from typing import Any, Sequence
 from specheads.infer.scheduling.acceptance import Candidates
 from specheads.infer.scheduling.costs import interp_cost, median, relative_costs, t1_seconds
 from specheads.infer.scheduling.profile import load_or_profile
+from specheads.utils import SpecheadsError
 
 WINDOW_STEPS = 32  # steps the running medians look back over: recent enough to follow a machine whose load changes,
 # long enough that one slow step (a collection, another job's burst) does not move them
@@ -47,6 +52,15 @@ RULE = ("per step, verify the ancestor-closed set S of candidate nodes maximisin
         ", p_i = estimated acceptance of node i, t(n)/t(1) = this machine's verification-cost profile, d = the "
         "drafters' and the loop's measured seconds per step / t(1) now (running medians); S = {} (plain decoding) "
         "when nothing pays (DSpark Algorithm 1, batch 1)")
+PRICINGS = ("measured", "profile")  # measured: t(1) and d from the run's seconds; profile: the cost profile alone
+PROFILE_PRICES = "the profile's t(1), drafting and the loop unpriced (pricing=profile: no in-run seconds)"
+
+
+def check_pricing(pricing: str, flag: str = "pricing") -> str:
+    """The scheduler's pricing mode, one of PRICINGS."""
+    if pricing not in PRICINGS:
+        raise SpecheadsError(f"{flag} {pricing!r}: expected one of {', '.join(PRICINGS)}")
+    return pricing
 
 
 # --------------------------------------------------------------------------------------------------- the value rule
@@ -130,24 +144,34 @@ class StepReport:
 
 class Scheduler:
     """The rule of the module docstring, priced on this machine. One per drafter (it remembers the last request's
-    medians); `for_target` reads the cached cost profile (measured once if missing)."""
+    medians); `for_target` reads the cached cost profile (measured once if missing). pricing: "measured" (t(1) and
+    d from the run's seconds) or "profile" (the profile alone: the same choices on every run)."""
 
     def __init__(self, verify_costs: dict[int, float], t1: float, profile: dict[str, Any] | None = None,
-                 max_nodes: int | None = None):
+                 max_nodes: int | None = None, pricing: str = "measured"):
         self.verify_costs = {int(k): float(v) for k, v in verify_costs.items()}
         self.t1_profile = float(t1)
         self.profile = profile
         self.max_nodes = max_nodes
+        self.pricing = check_pricing(pricing)
         self.memory: tuple[float, float, float] | None = None  # the last medians a request measured
 
     @classmethod
-    def for_target(cls, target, refresh: bool = False) -> "Scheduler":
+    def for_target(cls, target, refresh: bool = False, pricing: str = "measured") -> "Scheduler":
         prof = load_or_profile(target, refresh=refresh)
-        return cls(relative_costs(prof), t1_seconds(prof), profile=prof)
+        return cls(relative_costs(prof), t1_seconds(prof), profile=prof, pricing=pricing)
+
+    @property
+    def measured(self) -> bool:
+        """True when steps are priced by the run's own seconds (pricing="measured")."""
+        return self.pricing == "measured"
 
     def prices(self, clock: StepClock | None, draft_now: float = 0.0) -> Prices:
         """This step's prices: the request's running medians, else the previous request's, else the profile's t(1)
-        with the seconds this step's drafting has taken so far."""
+        with the seconds this step's drafting has taken so far; pricing="profile": the profile's t(1) and no
+        drafting or loop cost, the clock unread."""
+        if not self.measured:
+            return Prices(self.t1_profile, 0.0, 0.0, PROFILE_PRICES)
         if clock is not None and len(clock) >= MIN_CLOCK_STEPS:
             self.memory = clock.medians(self.verify_costs)
             if self.memory[0] > 0:
@@ -156,8 +180,16 @@ class Scheduler:
             return Prices(*self.memory, "the previous request's medians")
         return Prices(self.t1_profile, draft_now, 0.0, "the profile's t(1) and this step's draft so far")
 
+    def source_seconds(self, seen: Sequence[float]) -> float:
+        """One source's pass per step (a union's sources): the median of its measured seconds `seen`; 0 under
+        pricing="profile" (drafting unpriced)."""
+        return median(list(seen)) if self.measured else 0.0
+
     def fixed_cost(self, prices: Prices, draft_s: float | None = None) -> float:
-        """d: the drafter's (or, draft_s, one source's) and the loop's seconds per step, in t(1) units."""
+        """d: the drafter's (or, draft_s, one source's) and the loop's seconds per step, in t(1) units (0 under
+        pricing="profile")."""
+        if not self.measured:
+            return 0.0
         return ((prices.draft if draft_s is None else draft_s) + prices.other) / prices.t1
 
     def choose(self, cand: Candidates, prices: Prices, draft_s: float | None = None) -> Choice:
@@ -171,9 +203,11 @@ class Scheduler:
     def record(self) -> dict[str, Any]:
         """results.json's account of the scheduler's inputs."""
         prof = self.profile or {}
+        measured = ("running median of the drafter's seconds per step (propose + observe) and of the loop's other "
+                    "seconds per step, over t(1) now = running median of the target forward's seconds / t(n)/t(1) "
+                    "of its tree (StepClock, fed by the generator)")
         return {"rule": RULE, "verify_relative": {str(k): v for k, v in sorted(self.verify_costs.items())},
-                "t1_profile_s": self.t1_profile, "window_steps": WINDOW_STEPS, "min_clock_steps": MIN_CLOCK_STEPS,
+                "t1_profile_s": self.t1_profile, "pricing": self.pricing, "window_steps": WINDOW_STEPS,
+                "min_clock_steps": MIN_CLOCK_STEPS,
                 "profile": {k: prof.get(k) for k in ("path", "cached", "noisy", "measured_at")} if prof else None,
-                "draft_cost": "running median of the drafter's seconds per step (propose + observe) and of the "
-                              "loop's other seconds per step, over t(1) now = running median of the target "
-                              "forward's seconds / t(n)/t(1) of its tree (StepClock, fed by the generator)"}
+                "draft_cost": measured if self.measured else PROFILE_PRICES}
