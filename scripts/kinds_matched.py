@@ -12,7 +12,7 @@ Stages, each skipped when its output exists (a rerun resumes where it stopped):
    --budget-s seconds with its own recipe (lr, precision, warm-up, loss) and a complete LR schedule; held-out and
    serving-true dev evaluation at the end (the dev set's answers made once and shared by every run).
 3. one `specheads bench` of vanilla and every head on the same MT-bench first turns (methods rotated per prompt).
-4. the table: OUT/results.json and OUT/README.md. Draft cost in target-forward units = the head's draft seconds
+4. the table: OUT/kinds.json and OUT/kinds.md, the bench beside it as OUT/bench.json and OUT/bench.md. Draft cost in target-forward units = the head's draft seconds
    per step / vanilla's seconds per new token, both from that one bench run.
 """
 from __future__ import annotations
@@ -157,9 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = " ".join(["python", "scripts/kinds_matched.py"] + (argv if argv is not None else sys.argv[1:]))
-    (out / "results.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1) + "\n")
-    (out / "README.md").write_text(f"# Every head kind at matched wall time\n\nCommand: `{cmd}`\n\n"
-                                   + markdown(args, rows, res))
+    (out / "kinds.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1) + "\n")
+    (out / "kinds.md").write_text(f"# Every head kind at matched wall time\n\nCommand: `{cmd}`\n\n"
+                                  + markdown(args, rows, res))
+    bench_dir = Path(args.runs) / "bench"  # the bench run beside the table (its own tables and settings)
+    for src, dst in (("results.json", "bench.json"), ("results.md", "bench.md")):
+        if (bench_dir / src).exists():
+            shutil.copy(bench_dir / src, out / dst)
     print(markdown(args, rows, res))
     return 0
 

@@ -183,8 +183,9 @@ def test_kinds_matched_prices_draft_cost_in_vanilla_forwards(tmp_path):
                                     "step_breakdown": {"seconds": {"draft": 0.5}}}}}))
     out = tmp_path / "out"
     assert km.main(["--runs", str(runs), "--kinds", "eagle3", "--out", str(out), "--budget-s", "20"]) == 0
-    r = json.loads((out / "results.json").read_text())["rows"][0]
+    r = json.loads((out / "kinds.json").read_text())["rows"][0]
     assert r["seconds_per_step"] == 0.5 and r["steps"] == 40
     assert r["draft_cost_forwards"] == pytest.approx((0.5 / 50) / (4.0 / 100))  # 0.25 of a vanilla token
     assert "| eagle3 | 40 | 20.0 | 0.300 | 1.400 / 1.600 | 1.500 ± 0.040 | 0.25 | 1.60 | 1.20x |" in \
-        (out / "README.md").read_text()
+        (out / "kinds.md").read_text()
+    assert json.loads((out / "bench.json").read_text())["num_prompts"] == 2
