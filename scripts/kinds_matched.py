@@ -42,7 +42,7 @@ KINDS = [
 
 def _common(args, out_dir: Path) -> list[str]:
     return [f"features.dir={args.features}", f"output_dir={out_dir}", "train.tracker=none", "train.save_every=0",
-            "train.epochs=1000", "eval.every_steps=0", "eval.at_start=false"]
+            "eval.every_steps=0", "eval.at_start=false"]  # train.max_steps (set below) overrides the epochs
 
 
 def _train(args, recipe: str, overrides: list[str]) -> None:
