@@ -9,7 +9,7 @@ import torch
 
 from specheads.heads.base import HeadSpec, build_head
 from specheads.infer.drafters import (Drafter, DraftModelDrafter, DSparkDrafter, EagleDrafter, MedusaDrafter, NoDrafter,
-                                      PromptLookupDrafter, TokenRecyclingDrafter, combine_drafters)
+                                      PEagleDrafter, PromptLookupDrafter, TokenRecyclingDrafter, combine_drafters)
 from specheads.infer.engine import batch as batch_mod
 from specheads.infer.engine.batch import generate_batch, pack_trees
 from specheads.infer.engine.generate import generate
@@ -65,9 +65,12 @@ def row_makers(target):
     eagle3 = build_head(HeadSpec(kind="eagle3", draft_vocab_size=64), target, token_counts=torch.arange(256.0))
     dspark = build_head(HeadSpec(kind="dspark", block_size=3, draft_vocab_size=64), target,
                         token_counts=torch.arange(256.0))
+    peagle = build_head(HeadSpec(kind="peagle", num_layers=2, num_depths=3, draft_vocab_size=64), target,
+                        token_counts=torch.arange(256.0))
     small = tiny_target(seed=1)
     return {
         "dspark": lambda: DSparkDrafter(dspark),
+        "peagle": lambda: PEagleDrafter(peagle),
         "recycling": lambda: TokenRecyclingDrafter(target.vocab_size),
         "plain": NoDrafter,
         "prompt-lookup": lambda: PromptLookupDrafter(num_tokens=5),

@@ -33,7 +33,7 @@ def test_every_config_file_is_covered():
 def test_recipe_loads_and_names_its_command(path):
     assert first_line(path).startswith("command: specheads "), f"{path.name}: first line must be `command: ...`"
     recipe = load_config(Recipe, path)
-    assert recipe.head.kind in ("medusa", "eagle", "eagle3", "dspark", "domino")
+    assert recipe.head.kind in ("medusa", "eagle", "eagle3", "dspark", "domino", "peagle")
     names = {"dspark": ("dspark", "dflash")}.get(recipe.head.kind, (recipe.head.kind,))  # DFlash = dspark minus heads
     assert path.stem.split("-")[0].startswith(("demo", "prepare") + names)
     if recipe.head.kind == "dspark" and path.stem.split("-")[0] == "dflash":

@@ -7,8 +7,8 @@ import torch
 
 from specheads.heads.base import HeadSpec, build_head, load_head
 from specheads.infer.drafters import (DraftContext, Drafter, DraftModelDrafter, DSparkDrafter, EagleDrafter,
-                                      MedusaDrafter, NoDrafter, PromptLookupDrafter, TokenRecyclingDrafter,
-                                      build_drafter, combine_drafters, truncated_draft_model)
+                                      MedusaDrafter, NoDrafter, PEagleDrafter, PromptLookupDrafter,
+                                      TokenRecyclingDrafter, build_drafter, combine_drafters, truncated_draft_model)
 from specheads.infer.engine.generate import SpeculativeGenerator, generate
 from specheads.infer.tree import DraftTree
 from specheads.target import tiny_target
@@ -76,6 +76,8 @@ def tiny_drafters(target):
                                  confidence_head=False, sample_from_anchor=False), target)
     domino = build_head(HeadSpec(kind="domino", feature_layers=[1, 2, 3], block_size=4, markov_rank=0,
                                  confidence_head=False, domino_gru_hidden=16, domino_emb_dim=8), target)
+    peagle = build_head(HeadSpec(kind="peagle", feature_layers=[1, 2, 3], num_layers=2, num_depths=4,
+                                 draft_vocab_size=64), target, token_counts=torch.arange(256.0))
     eagle = EagleDrafter(build_head(HeadSpec(kind="eagle"), target), depth=2, top_k=2, total_tokens=4)
     return {
         "plain": NoDrafter(),
@@ -98,6 +100,8 @@ def tiny_drafters(target):
         "dspark-chain": DSparkDrafter(dspark, num_tokens=3),
         "dflash": DSparkDrafter(dflash, scheduler=Scheduler(flat, 1e-3)),
         "domino": DSparkDrafter(domino, scheduler=Scheduler(flat, 1e-3)),
+        "peagle": PEagleDrafter(peagle, scheduler=Scheduler(flat, 1e-3)),
+        "peagle-chain": PEagleDrafter(peagle, num_tokens=3),
         "dspark+lookup": combine_drafters(target, [DSparkDrafter(dspark, scheduler=Scheduler(flat, 1e-3))],
                                           lookup=5, lookup_ngram=2),
         "combo": combine_drafters(target, [DSparkDrafter(dspark, scheduler=Scheduler(flat, 1e-3)),

@@ -83,7 +83,7 @@ def test_build_draft_vocab():
         build_draft_vocab(counts, 9)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "peagle"])
 def test_frozen_parts_not_in_state_or_parameters(tiny, kind):
     head = build_head(HeadSpec(kind=kind, draft_vocab_size=64), tiny)
     frozen = {tiny.embed_tokens.weight.data_ptr(), tiny.lm_head.weight.data_ptr(),
@@ -209,10 +209,11 @@ def test_eagle3_lm_head_init_and_to_target_ids(tiny):
     assert head.t2d.sum() == 16 and bool(head.t2d[V - 1]) and not bool(head.t2d[0])
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "peagle"])
 def test_save_load_bit_exact(tiny, tmp_path, kind):
-    head = build_head(HeadSpec(kind=kind, draft_vocab_size=64 if kind == "eagle3" else None), tiny,
-                      token_counts=torch.arange(V) if kind == "eagle3" else None)
+    dv = kind in ("eagle3", "peagle")
+    head = build_head(HeadSpec(kind=kind, draft_vocab_size=64 if dv else None), tiny,
+                      token_counts=torch.arange(V) if dv else None)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p))
@@ -293,18 +294,20 @@ def test_bf16_head_and_target(tmp_path):
     assert isinstance(DraftHead.from_pretrained(tmp_path / "h", t16), DraftHead)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "peagle"])
 def test_gradients_reach_every_head_parameter_and_no_target_weight(tiny, kind):
-    head = build_head(HeadSpec(kind=kind, feature_layers=[1, 2, 3] if kind == "eagle3" else None), tiny)
-    F = 3 if kind == "eagle3" else 1
+    fused = kind in ("eagle3", "peagle")
+    head = build_head(HeadSpec(kind=kind, feature_layers=[1, 2, 3] if fused else None, num_layers=2 if
+                               kind == "peagle" else 1), tiny)
+    F = 3 if fused else 1
     f, x = _inputs(F=F)
     if kind == "medusa":
         loss = head(f).logsumexp(-1).sum()
     elif kind == "eagle":
         ph, lg = head(f, x)
         loss = lg.logsumexp(-1).sum() + ph.square().sum()
-    else:
-        loss = sum(s.logsumexp(-1).sum() for s in head(f, x, steps=2))
+    else:  # EAGLE-3's TTT steps; P-EAGLE's depths (mask_hidden reached through depths >= 1)
+        loss = sum(s.logsumexp(-1).sum() for s in (head(f, x) if kind == "peagle" else head(f, x, steps=2)))
     loss.backward()
     missing = [n for n, p in head.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     # Medusa blocks start at W = 0, b = 0: SiLU'(0) = 0.5, so their grads are non-zero too

@@ -113,13 +113,14 @@ def test_end_to_end_draft_model_sampling():
     assert_same(counts, expected * n)
 
 
-@pytest.mark.parametrize("markov", ["vanilla", "rnn", "domino"])
+@pytest.mark.parametrize("markov", ["vanilla", "rnn", "domino", "peagle"])
 def test_end_to_end_dspark_block_sampling(markov):
     """generate() with a DSpark block drafter (each draft drawn from its warped block distribution, the next draft's
     Markov bias reading the drawn token, q recorded; its own scheduler choosing the prefix) on an 8-token
-    vocabulary: first two new tokens vs the exact target distribution."""
+    vocabulary: first two new tokens vs the exact target distribution. P-EAGLE rides the same block drafter (its
+    drafts read no drawn token)."""
     from specheads.heads.base import HeadSpec, build_head
-    from specheads.infer.drafters import DSparkDrafter
+    from specheads.infer.drafters import DSparkDrafter, PEagleDrafter
     from specheads.infer.generate import SpeculativeGenerator
     from specheads.infer.scheduling.step import Scheduler
     from specheads.target import tiny_target
@@ -128,7 +129,8 @@ def test_end_to_end_dspark_block_sampling(markov):
     torch.manual_seed(1)
     spec = HeadSpec(kind="domino", feature_layers=[1, 2], block_size=3, markov_rank=0, num_layers=1,
                     confidence_head=False, domino_gru_hidden=8, domino_emb_dim=4, domino_prefix_len=0) \
-        if markov == "domino" else HeadSpec(kind="dspark", feature_layers=[1, 2], block_size=3, markov_rank=4,
+        if markov == "domino" else HeadSpec(kind="peagle", feature_layers=[1, 2], num_layers=2, num_depths=3) \
+        if markov == "peagle" else HeadSpec(kind="dspark", feature_layers=[1, 2], block_size=3, markov_rank=4,
                                             num_layers=1, markov_head_type=markov)
     head = build_head(spec, target).eval()  # domino: the GRU reads the drawn drafts as the Markov bias does
     with torch.no_grad():
@@ -145,6 +147,7 @@ def test_end_to_end_dspark_block_sampling(markov):
     n = 600
     counts = torch.zeros(V * V)
     drafter = DSparkDrafter(head, num_tokens=2) if markov == "vanilla" else \
+        PEagleDrafter(head, scheduler=Scheduler({1: 1.0, 2: 1.01, 4: 1.02}, 1.0)) if markov == "peagle" else \
         DSparkDrafter(head, scheduler=Scheduler({1: 1.0, 2: 1.01, 4: 1.02}, 1.0))  # t(1) 1 s: drafting is free
     gen = SpeculativeGenerator(target, drafter)
     drafted = 0

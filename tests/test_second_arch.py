@@ -13,7 +13,7 @@ import torch
 from specheads.config import load_config
 from specheads.heads.base import build_head, load_head
 from specheads.heads.export import export_head, import_head
-from specheads.infer.drafters import DSparkDrafter, EagleDrafter, MedusaDrafter, combine_drafters
+from specheads.infer.drafters import DSparkDrafter, EagleDrafter, MedusaDrafter, PEagleDrafter, combine_drafters
 from specheads.infer.engine.generate import generate
 from specheads.infer.scheduling.step import Scheduler
 from specheads.recipe import Recipe
@@ -35,6 +35,7 @@ KINDS = {
     "domino": ["head.kind=domino", "head.block_size=4", "head.num_layers=1", "head.markov_rank=0",
                "head.confidence_head=false", "head.domino_gru_hidden=16", "head.domino_emb_dim=8",
                "train.block.max_anchors=8", "train.block.weighting=dpace"],
+    "peagle": ["head.kind=peagle", "head.num_layers=2", "head.num_depths=3", "head.draft_vocab_size=64"],
 }
 # kind -> (format, None = written and read back | a pattern of the refusal)
 EXPORTS = {
@@ -45,6 +46,7 @@ EXPORTS = {
     "dspark": [("native", None), ("speculators", None), ("specforge", None)],
     "dflash": [("native", None), ("speculators", None), ("specforge", None)],
     "domino": [("native", None), ("speculators", "speculators 0.9.0 has no Domino"), ("specforge", None)],
+    "peagle": [("native", None), ("speculators", None), ("eagle3", "needs a eagle3 head")],
 }
 FLAT = {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2, 32: 1.4}  # a hand-made cost profile: nothing measured
 
@@ -71,6 +73,8 @@ def drafter_of(target, head):
         return MedusaDrafter(head)
     if head.kind in ("dspark", "domino"):
         return DSparkDrafter(head, scheduler=Scheduler(FLAT, 1e-3))
+    if head.kind == "peagle":
+        return PEagleDrafter(head, scheduler=Scheduler(FLAT, 1e-3))
     return EagleDrafter(head, depth=3, top_k=2, total_tokens=6)
 
 
@@ -197,7 +201,7 @@ def test_exported_layer_configs_carry_the_full_attention_rope(trained, tmp_path,
             assert config["speculators_config"]["verifier"]["architectures"] == ["Gemma3ForCausalLM"]
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "peagle"])
 def test_gguf_refuses_the_kinds_llamacpp_cannot_draft_with(trained, tmp_path, kind):
     from specheads.heads.gguf import export_gguf
 

@@ -128,7 +128,7 @@ def test_train_config_rejects_bad_values(tmp_path):
         make_recipe(tmp_path, "train.learning_rate=1")
 
 
-@pytest.mark.parametrize("case", ["eagle", "eagle-draft-vocab", "eagle3", "medusa", "domino"])
+@pytest.mark.parametrize("case", ["eagle", "eagle-draft-vocab", "eagle3", "medusa", "domino", "peagle"])
 def test_other_kinds_train_and_evaluate(tiny, tmp_path, case):
     kind = case.split("-")[0]
     extra = {"eagle3": ["head.draft_vocab_size=64", "head.ttt_steps=2"], "eagle": ["eval.eagle_steps=2"],
@@ -136,7 +136,8 @@ def test_other_kinds_train_and_evaluate(tiny, tmp_path, case):
              "medusa": ["head.draft_vocab_size=64"],  # Medusa over a draft vocab: labels mapped / masked
              "domino": ["head.block_size=3", "head.markov_rank=0", "head.confidence_head=false",
                         "head.feature_layers=[1,2,3]", "head.domino_gru_hidden=8", "head.domino_emb_dim=8",
-                        "head.draft_vocab_size=64", "train.block.max_anchors=4"]}[case]
+                        "head.draft_vocab_size=64", "train.block.max_anchors=4"],
+             "peagle": ["head.num_layers=2", "head.num_depths=3", "head.draft_vocab_size=64"]}[case]
     recipe = make_recipe(tmp_path, f"head.kind={kind}", "train.max_steps=2", "eval.at_start=false", *extra)
     head = make_head(recipe, tiny)
     before = state(head)

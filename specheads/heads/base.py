@@ -33,6 +33,7 @@ HEAD_CLASSES: dict[str, tuple[str, str]] = {
     "eagle3": ("specheads.heads.eagle3", "Eagle3Head"),
     "dspark": ("specheads.heads.dspark", "DSparkHead"),
     "domino": ("specheads.heads.domino", "DominoHead"),
+    "peagle": ("specheads.heads.peagle", "PEagleHead"),
 }
 BLOCK_KINDS = ("dspark", "domino")  # block drafters: the DSpark / DFlash backbone (heads/dspark.py)
 HEAD_KINDS = tuple(HEAD_CLASSES)
@@ -47,12 +48,12 @@ class HeadSpec:
     """The `head:` section of a recipe: what to build. Resolved against a target into a `HeadConfig`."""
 
     kind: str = "eagle3"  # medusa | eagle | eagle3 | dspark (DFlash: dspark with markov_rank 0, no confidence head)
-    # | domino
+    # | domino | peagle
     num_heads: int = 4  # Medusa: K heads (Medusa paper default 4 in the repo's training script)
-    num_layers: int = 1  # residual blocks per Medusa head; decoder layers for EAGLE (EAGLE-1/3 use 1)
+    num_layers: int = 1  # residual blocks per Medusa head; decoder layers for EAGLE (EAGLE-1/3 use 1) and P-EAGLE
     draft_vocab_size: int | None = None  # reduced draft vocabulary (EAGLE-3 d2t/t2d); None = target vocab
     feature_layers: list[int] | None = None  # None = the kind's default (docs/architecture.md)
-    bias: bool | None = None  # fc / ResBlock bias; None = the kind's paper default (Medusa True, EAGLE True, EAGLE-3 False)
+    bias: bool | None = None  # fc / ResBlock bias; None = the kind default (Medusa, EAGLE: on; EAGLE-3, P-EAGLE: off)
     medusa_lm_head: Literal["shared", "per_head"] = "shared"  # shared frozen target lm_head, or per head (Medusa-1 repo)
     ttt_steps: int = 7  # EAGLE-3 training-time-test unroll (EAGLE-3 repo default length 7)
     # EAGLE-3.1 (speculators' Eagle3SpeculatorConfig keys of the same names; heads/eagle3.py): both false = EAGLE-3.
@@ -66,7 +67,8 @@ class HeadSpec:
     confidence_head: bool = True  # per-draft acceptance predictor c_k (DeepSpec / speculators: on)
     confidence_with_markov: bool = True  # c_k reads [h_k ; W1[x_{k-1}]] (needs markov_rank > 0), else h_k only
     sample_from_anchor: bool = True  # slot 0 (the anchor) drafts too: K drafts (DSpark); false: K-1 (DFlash)
-    mask_token_id: int | None = None  # token embedded at the block's mask slots; None = tokenizer mask/pad/eos/unk
+    mask_token_id: int | None = None  # token embedded at the block's mask slots (P-EAGLE: at depths >= 1); None =
+    # the tokenizer's mask / pad / eos / unk token
     # The anchor slot also reads the fused target features of the last context row, E(x_p) + W_a c_{p-1} (as
     # EAGLE-3's row reads [E(x_{t+1}); g_t]); false = the reference DSpark / DFlash design, which every engine runs.
     anchor_features: bool = False
@@ -74,11 +76,13 @@ class HeadSpec:
     domino_gru_hidden: int = 1024  # G, the GRU state (SpecForge gru_hidden_dim 1024)
     domino_emb_dim: int = 256  # E', the correction MLP's bottleneck (SpecForge emb_dim 256)
     domino_prefix_len: int = 1  # P, the first drafts left uncorrected (SpecForge pure_draft_prefix_len 1)
+    # P-EAGLE (heads/peagle.py): K parallel depths = drafts per head pass (speculators PEagleArgs num_depths 8)
+    num_depths: int = 8
 
     def __post_init__(self) -> None:
         if self.kind not in HEAD_KINDS:
             raise SpecheadsError(f"head.kind: {self.kind!r} is not one of {list(HEAD_KINDS)}")
-        for name in ("num_heads", "num_layers", "ttt_steps", "block_size"):
+        for name in ("num_heads", "num_layers", "ttt_steps", "block_size", "num_depths"):
             if getattr(self, name) < 1:
                 raise SpecheadsError(f"head.{name}: must be >= 1, got {getattr(self, name)}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
@@ -89,6 +93,8 @@ class HeadSpec:
                 self._check_domino()
         elif self.anchor_features:
             raise SpecheadsError(f"head.anchor_features: a DSpark block-drafter switch; head.kind is {self.kind!r}")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise SpecheadsError(f"head.mask_token_id: must be a token id >= 0 or null, got {self.mask_token_id}")
         for name in ("fc_norm", "norm_output"):
             if getattr(self, name) and self.kind != "eagle3":
                 raise SpecheadsError(f"head.{name}: an EAGLE-3 (EAGLE-3.1) switch; head.kind is {self.kind!r}")
@@ -102,8 +108,6 @@ class HeadSpec:
         if self.confidence_head and self.confidence_with_markov and self.markov_rank == 0:
             raise SpecheadsError("head.confidence_with_markov: needs head.markov_rank > 0 (set it false, or "
                                  "confidence_head false for plain DFlash)")
-        if self.mask_token_id is not None and self.mask_token_id < 0:
-            raise SpecheadsError(f"head.mask_token_id: must be a token id >= 0 or null, got {self.mask_token_id}")
 
     def _check_domino(self) -> None:
         for name in ("domino_gru_hidden", "domino_emb_dim"):
@@ -123,11 +127,14 @@ class HeadSpec:
 
     @property
     def num_drafts(self) -> int:
-        """Drafted tokens per block (DSpark / DFlash): the K slots, less the anchor slot unless it samples."""
+        """Drafted tokens per head pass: P-EAGLE's K depths; DSpark / DFlash: the K slots, less the anchor slot
+        unless it samples."""
+        if self.kind == "peagle":
+            return self.num_depths
         return self.block_size - (0 if self.sample_from_anchor else 1)
 
     def resolved_bias(self) -> bool:
-        return self.bias if self.bias is not None else self.kind != "eagle3"
+        return self.bias if self.bias is not None else self.kind not in ("eagle3", "peagle")
 
 
 def default_feature_layers(kind: str, num_layers_of_target: int) -> list[int]:
@@ -141,7 +148,7 @@ def default_feature_layers(kind: str, num_layers_of_target: int) -> list[int]:
     L = int(num_layers_of_target)
     if kind in ("medusa", "eagle"):
         return [L]
-    if kind == "eagle3":
+    if kind in ("eagle3", "peagle"):
         if L >= 7:
             return [2, L // 2, L - 3]
         if L >= 4:
@@ -194,6 +201,8 @@ class HeadConfig:
         d["draft_vocab_size"] = dv
         if spec.kind in BLOCK_KINDS:
             d["mask_token_id"] = _block_fits(spec, target)
+        elif spec.kind == "peagle":
+            d["mask_token_id"] = _mask_token(spec, target)
         return cls(kind=spec.kind, target_name=target.name, hidden_size=target.hidden_size,
                    vocab_size=target.vocab_size, feature_layers=layers, fingerprint=target.fingerprint(),
                    draft_vocab_size=dv, spec=d, target_config=target.text_config.to_dict())
@@ -261,6 +270,12 @@ def _block_fits(spec: HeadSpec, target) -> int:
     if target.max_positions is not None and spec.block_size + 1 >= target.max_positions:
         raise SpecheadsError(f"head.block_size: {spec.block_size} does not fit the {target.max_positions} positions "
                              f"of {target.name}")
+    return _mask_token(spec, target)
+
+
+def _mask_token(spec: HeadSpec, target) -> int:
+    """The mask token id: explicit, else the tokenizer's mask, pad, eos or unk token (speculators'
+    resolve_mask_token_id falls back the same way), 0 without a tokenizer; within the target vocab."""
     mid = spec.mask_token_id
     tok = getattr(target, "tokenizer", None)
     for name in ("mask_token_id", "pad_token_id", "eos_token_id", "unk_token_id"):

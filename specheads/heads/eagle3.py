@@ -56,15 +56,15 @@ def eagle31_switches(spec) -> list[str]:
     return [name for name in EAGLE31_SWITCHES if getattr(spec, name)]
 
 
-def eagle3_layer_config(target_config: dict, vocab_size: int):
-    """A one-layer LlamaConfig with the target's sizes (what EAGLE-3 consumers build)."""
+def eagle3_layer_config(target_config: dict, vocab_size: int, num_layers: int = 1):
+    """A LlamaConfig with the target's sizes (what EAGLE-3 consumers build: one layer; P-EAGLE stacks more)."""
     from transformers import LlamaConfig
 
     d = {k: target_config[k] for k in LLAMA_KEYS if target_config.get(k) is not None}
     d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
     if "rope_parameters" in d:  # the midlayer attends the whole context: the full-attention layers' RoPE
         d["rope_parameters"] = full_attention_rope(d["rope_parameters"])
-    cfg = LlamaConfig(**d, num_hidden_layers=1, vocab_size=vocab_size, tie_word_embeddings=False,
+    cfg = LlamaConfig(**d, num_hidden_layers=num_layers, vocab_size=vocab_size, tie_word_embeddings=False,
                       attention_bias=False, mlp_bias=False)
     cfg._attn_implementation = "sdpa"
     return cfg

@@ -400,10 +400,16 @@ DRAFT_KINDS: dict[str, DraftKind] = {
 
 
 # ----------------------------------------------------------------------------------------------- the export
+# kinds llama.cpp cannot draft with, and why (the refusal names it)
+NOT_DRAFTED = {"peagle": "the pinned converter (llama.cpp 0c1e570) maps no P-EAGLE model: its EAGLE-3 graph "
+                         "drafts one token per pass and has no mask_hidden / mask-token rows"}
+
+
 def _draft_kind(cfg: HeadConfig, head_dir: Path) -> DraftKind:
     if cfg.kind not in DRAFT_KINDS:
+        why = f" ({NOT_DRAFTED[cfg.kind]})" if cfg.kind in NOT_DRAFTED else ""
         raise SpecheadsError(f"--format gguf: {head_dir} holds a {cfg.kind} head; llama.cpp drafts with "
-                             f"{sorted(DRAFT_KINDS)} heads")
+                             f"{sorted(DRAFT_KINDS)} heads{why}")
     return DRAFT_KINDS[cfg.kind]
 
 

@@ -98,6 +98,7 @@ DEFAULT_LOSS = {
     "eagle": "soft_ce",  # EAGLE-1 paper: the classification term (weight train.eagle.w_ce) beside the regression
     "eagle3": "soft_ce",  # EAGLE-3 repo / SpecForge: soft CE over the draft vocabulary per TTT step
     "dspark": "soft_ce:{w_ce},l1:{w_l1}",  # DeepSpec: 0.1 CE + 0.9 L1 (train.block.w_ce / w_l1)
+    "peagle": "kl",  # speculators' P-EAGLE compute_metrics: kl_div over every sampled row
 }
 
 

@@ -1,5 +1,6 @@
 """The recipe's `train:` section (`TrainConfig`): optimizer, schedule and the shared loss settings at its top level,
-one sub-section per head kind's own settings (`train.eagle`, `train.medusa`, `train.block`) and Medusa-2's LoRA
+one sub-section per head kind's own settings (`train.eagle`, `train.medusa`, `train.block`, `train.peagle`) and
+Medusa-2's LoRA
 (`train.lora`). Old flat spellings (`train.block_gamma`) are still read (`TrainConfig.RENAMED_KEYS`, config.py)."""
 from __future__ import annotations
 
@@ -51,6 +52,20 @@ class BlockTrainConfig:
         if self.weighting not in BLOCK_WEIGHTINGS:
             raise SpecheadsError(f"train.block.weighting: must be one of {', '.join(BLOCK_WEIGHTINGS)}, "
                                  f"got {self.weighting!r}")
+
+
+@dataclass
+class PEagleTrainConfig:
+    """train.peagle: P-EAGLE's COD sampling (train/kinds/peagle.py): depth d keeps about max(r^d, r_min) of the
+    valid rows."""
+    cod_ratio: float = 0.7  # r (speculators PEagleArgs down_sample_ratio 0.7)
+    cod_ratio_min: float = 0.2  # r_min, the floor (speculators down_sample_ratio_min 0.2)
+
+    def __post_init__(self) -> None:
+        check_values("train.peagle", self, {"cod_ratio": "(0,1]", "cod_ratio_min": "[0,1)"})
+        if self.cod_ratio_min > self.cod_ratio:
+            raise SpecheadsError(f"train.peagle.cod_ratio_min: {self.cod_ratio_min} is above train.peagle.cod_ratio "
+                                 f"{self.cod_ratio} (the floor of r^d must not exceed r)")
 
 
 @dataclass
@@ -116,6 +131,7 @@ class TrainConfig:
     eagle: EagleTrainConfig = field(default_factory=EagleTrainConfig)
     medusa: MedusaTrainConfig = field(default_factory=MedusaTrainConfig)
     block: BlockTrainConfig = field(default_factory=BlockTrainConfig)
+    peagle: PEagleTrainConfig = field(default_factory=PEagleTrainConfig)
     lora: LoraTrainConfig = field(default_factory=LoraTrainConfig)
 
     def __post_init__(self) -> None:

@@ -16,7 +16,7 @@ import torch
 from specheads.train.kinds import head_kind
 from specheads.train.kinds.base import Drafts, split_features
 from specheads.train.losses import LK_ETA, DistillLoss, LossOutput, resolve_loss
-from specheads.train.settings import BlockTrainConfig, EagleTrainConfig, MedusaTrainConfig
+from specheads.train.settings import BlockTrainConfig, EagleTrainConfig, MedusaTrainConfig, PEagleTrainConfig
 
 
 @dataclass
@@ -25,12 +25,13 @@ class LossSettings:
     noise: float = 0.2  # EAGLE(-3): width w of the uniform noise U(-w/2, w/2) added to input features
     loss: str | None = None  # train.loss: the distillation family (losses.py); None = the kind's default
     lk_eta: float = LK_ETA  # LK^λ's η
-    # each kind's own settings: the recipe's train.eagle / train.medusa / train.block sections (settings.py)
+    # each kind's own settings: the recipe's train.eagle / medusa / block / peagle sections (settings.py)
     eagle: EagleTrainConfig = field(default_factory=EagleTrainConfig)
     medusa: MedusaTrainConfig = field(default_factory=MedusaTrainConfig)
     block: BlockTrainConfig = field(default_factory=BlockTrainConfig)
-    # the step's random draws (EAGLE feature noise, DSpark anchors): the trainer's own, saved in checkpoints;
-    # None = torch's global RNG
+    peagle: PEagleTrainConfig = field(default_factory=PEagleTrainConfig)
+    # the step's random draws (EAGLE feature noise, DSpark anchors, P-EAGLE's COD): the trainer's own, saved in
+    # checkpoints; None = torch's global RNG
     generator: torch.Generator | None = None
     # the optimizer step the loss is for and the run's steps (trainer-set; Domino's base-loss weight schedule)
     step: int = 0
@@ -40,7 +41,7 @@ class LossSettings:
     def from_config(cls, cfg, generator: torch.Generator | None = None) -> "LossSettings":
         """The settings of the recipe's train: section (settings.TrainConfig)."""
         return cls(decay=cfg.loss_decay, noise=cfg.noise, loss=cfg.loss, lk_eta=cfg.lk_eta, eagle=cfg.eagle,
-                   medusa=cfg.medusa, block=cfg.block, generator=generator)
+                   medusa=cfg.medusa, block=cfg.block, peagle=cfg.peagle, generator=generator)
 
     def distill(self, kind: str) -> DistillLoss:
         """The resolved distillation loss of `kind` (losses.DEFAULT_LOSS when train.loss is unset)."""

@@ -33,6 +33,7 @@ FORMATS = ("native", "eagle", "eagle-vllm", "eagle3", "speculators", "medusa-vll
            "gguf")  # gguf: heads/gguf.py
 KIND_OF_FORMAT = {"eagle": "eagle", "eagle-vllm": "eagle", "eagle3": "eagle3", "speculators": "eagle3",
                   "medusa-vllm": "medusa", "specforge": "dspark"}
+OTHER_KINDS = {"speculators": ("peagle",)}  # more kinds a format's writer takes (export/peagle.py)
 BLOCK_FORMATS = ("speculators", "specforge")  # the formats a dspark head exports to (speculators: dspark / dflash)
 _SKIP_ON_IMPORT = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")  # target's, not ours
 
@@ -67,8 +68,9 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target=None
                              "prefix_gru / embed_proj); export specforge or native")
     if cfg.kind in ("dspark", "domino") and fmt in BLOCK_FORMATS:
         return export_block_head(cfg, sd, fmt, out_dir, where, verifier_name_or_path)
-    if fmt != "native" and KIND_OF_FORMAT[fmt] != cfg.kind:
-        raise SpecheadsError(f"--format {fmt}: needs a {KIND_OF_FORMAT[fmt]} head, {head_dir} holds a {cfg.kind} head")
+    if fmt != "native" and cfg.kind not in (KIND_OF_FORMAT[fmt], *OTHER_KINDS.get(fmt, ())):
+        needs = " or ".join((KIND_OF_FORMAT[fmt], *OTHER_KINDS.get(fmt, ())))
+        raise SpecheadsError(f"--format {fmt}: needs a {needs} head, {head_dir} holds a {cfg.kind} head")
     # Every key our own head would have must be present (a truncated export is worse than none).
     expected = list(head_class(cfg.kind)(cfg).state_dict())  # built on CPU: small next to the checkpoint itself
     check_keys(sd, expected, where)

@@ -8,7 +8,7 @@ fc.weight, layers.0.*, norm.weight, lm_head.weight [, d2t, t2d when V' < V]. EAG
 `fc_norm` / `norm_output` (true; absent when off, speculators' default false) and the tensors `fc_norm.{i}.weight`,
 i in ascending layer order (models/eagle3/core.py: one RMSNorm per aux state, chunked from the concatenation; the
 post-norm state fed to the next TTT step). A speculators folder of a dspark / dflash head is read by
-export/dspark.py.
+export/dspark.py; P-EAGLE heads (speculators_model_type peagle) are written and read by export/peagle.py.
 """
 from __future__ import annotations
 
@@ -20,11 +20,14 @@ from specheads.heads.export.dspark import BLOCK_TYPES, import_block_tensors
 from specheads.heads.export.eagle3 import (
     ascending_fc, ascending_fc_norm, eagle3_llama_dict, eagle31_config, read_eagle3_layer,
 )
+from specheads.heads.export.peagle import read_peagle, write_peagle
 from specheads.utils import SpecheadsError
 
 
 def write_speculators(cfg: HeadConfig, sd: dict, expected: list[str], verifier: str = "",
                       speculative_tokens: int = SPECULATIVE_TOKENS, **_) -> tuple[dict, dict, list[str]]:
+    if cfg.kind == "peagle":  # its drafts per pass are head.num_depths
+        return write_peagle(cfg, sd, expected, verifier=verifier)
     layer = eagle3_llama_dict(cfg)
     layer.pop("architectures", None)
     ids, fc = ascending_fc(cfg, sd)
@@ -58,9 +61,11 @@ def read_speculators(config: dict, sd: dict, target, where: str, w: str) -> tupl
     our midlayer.)."""
     if config.get("speculators_model_type") in BLOCK_TYPES:
         return import_block_tensors("speculators", config, sd, target, where, w)
+    if config.get("speculators_model_type") == "peagle":
+        return read_peagle(config, sd, target, where, w)
     if config["speculators_model_type"] != "eagle3":
         raise SpecheadsError(f"{where}: speculators_model_type {config['speculators_model_type']!r}: only "
-                             "eagle3 speculators are imported")
+                             "eagle3, peagle, dspark and dflash speculators are imported")
     layer = need(config, "transformer_layer_config", where)
     sd = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in sd.items()}
     if any(k.startswith("layers.") for k in sd):

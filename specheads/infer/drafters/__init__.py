@@ -7,6 +7,7 @@ from specheads.infer.drafters.medusa import MedusaDrafter
 from specheads.infer.drafters.eagle import EagleDrafter
 from specheads.infer.drafters.dspark import DSparkDrafter
 import specheads.infer.drafters.domino  # noqa: F401  (registers the domino kind)
+from specheads.infer.drafters.peagle import PEagleDrafter
 from specheads.infer.drafters.prompt_lookup import PromptLookupDrafter
 from specheads.infer.drafters.draft_model import DraftModelDrafter, truncated_draft_model
 from specheads.infer.drafters.recycling import TokenRecyclingDrafter
@@ -18,7 +19,7 @@ from specheads.infer.drafters.build import build_drafter
 from specheads.infer.engine.protocol import DraftContext, Drafter
 
 __all__ = ["DRAFTERS", "DraftContext", "DraftModelDrafter", "Drafter", "DrafterKind", "DSparkDrafter", "EagleDrafter",
-           "MedusaDrafter", "NoDrafter", "PromptLookupDrafter", "ScheduledUnionDrafter", "ScoredDrafter",
+           "MedusaDrafter", "NoDrafter", "PEagleDrafter", "PromptLookupDrafter", "ScheduledUnionDrafter", "ScoredDrafter",
            "ScoredLookupDrafter", "ScoredTreeDrafter", "TokenRecyclingDrafter", "build_drafter", "check_lookup",
            "combine_drafters", "drafter_kind", "emitted_tokens", "parse_tree", "register_drafter", "scored",
            "tree_limits", "truncated_draft_model"]

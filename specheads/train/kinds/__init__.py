@@ -4,12 +4,12 @@ Adding a kind: a module defining `KIND = HeadKind(name, loss, drafts)` (kinds/ba
 """
 from __future__ import annotations
 
-from specheads.train.kinds import block, domino, eagle, eagle3, medusa
+from specheads.train.kinds import block, domino, eagle, eagle3, medusa, peagle
 from specheads.train.kinds.base import HeadKind
 from specheads.utils import SpecheadsError
 
 KINDS: dict[str, HeadKind] = {k.name: k for k in (medusa.KIND, eagle.KIND, eagle3.KIND, block.KIND,
-                                                 domino.KIND)}
+                                                 domino.KIND, peagle.KIND)}
 
 
 def head_kind(name: str) -> HeadKind:

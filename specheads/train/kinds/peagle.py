@@ -1,0 +1,119 @@
+"""P-EAGLE (heads/peagle.py): every depth of the drafter trained in one forward, the chains sampled with COD
+(conditional drop; speculators models/peagle/data.py generate_cod_sample_indices, its PEagleArgs
+down_sample_ratio 0.7 / down_sample_ratio_min 0.2 = our train.peagle.cod_ratio / cod_ratio_min).
+
+COD, per sequence, with n the rows whose depth-0 prediction counts (loss_mask[t+2] = 1, "valid" rows) and the pool
+P_1 = those rows as positions p (a chain (a, d) sits at position p = a + d):
+
+    keep_d = floor( max(0, n - d) · max(r^d, r_min) )                    d = 1 .. K-1; stop at keep_d = 0
+    S_d    = keep_d positions drawn uniformly from P_d (all of P_d when it holds fewer), ascending; anchors S_d - d
+             (P_1 only positions p >= 1: an anchor row must exist)
+    P_{d+1} = { p + 1 : p in S_d, row p + 1 valid }                        so every chain (a, d) has its (a, d-1)
+
+Depth 0 runs on every row (later depths attend it). The loss is speculators' compute_metrics: one mean of the
+distillation loss (train.loss; default KL, speculators' kl_div) over every counted row of every depth pooled, each
+row against the target's distribution of the token it predicts (chain (a, d) predicts x_{a+2+d}: the target's
+row a+1+d); with a draft vocabulary, rows whose target argmax lies outside it are left out (as EAGLE-3).
+The alignment is ours (docs/architecture.md "One alignment"); speculators' shifted batch counts a row by its input
+token's mask instead of its predicted token's, one position apart.
+Evaluation drafts every depth at every row (no COD): K steps [B,T,V'], step d at row t predicts x_{t+2+d}.
+"""
+from __future__ import annotations
+
+import torch
+
+from specheads.train.kinds.base import Drafts, HeadKind, draft_vocab, noisy_features, unwrap
+from specheads.train.losses import LossOutput, distill_loss, shift_rows, step_mask
+from specheads.train.teacher import target_greedy, target_rows
+
+
+def cod_keep(n: int, d: int, ratio: float, ratio_min: float) -> int:
+    """keep_d: the chains COD keeps at depth d of a sequence with n valid rows (before the pool bound)."""
+    return int(max(0, n - d) * max(ratio ** d, ratio_min))
+
+
+def cod_chains(loss_mask: torch.Tensor, num_depths: int, ratio: float, ratio_min: float,
+               generator: torch.Generator | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """loss_mask [B,T] -> per depth d = 1, 2, ... (anchors [B,M_d] long ascending, valid [B,M_d] bool; padding
+    anchors 0 and invalid), M_d the most kept of a row; depths no row keeps are left off. Draws come from
+    `generator` (on its own device) or torch's global RNG."""
+    valid0 = step_mask(loss_mask, 0).cpu()  # [B,T] rows whose x_{t+2} counts
+    B, T = valid0.shape
+    dev = generator.device if generator is not None else torch.device("cpu")
+    kept: list[list[torch.Tensor]] = [[] for _ in range(num_depths - 1)]
+    for b in range(B):
+        ok = valid0[b]
+        pool = ok.nonzero().flatten()
+        n = int(pool.numel())
+        for d in range(1, num_depths):
+            pool = pool[pool >= d]
+            size = cod_keep(n, d, ratio, ratio_min)
+            if size <= 0 or not pool.numel():
+                break
+            if pool.numel() > size:
+                draw = torch.randperm(int(pool.numel()), generator=generator, device=dev)[:size].cpu()
+                pool = pool[draw].sort().values
+            kept[d - 1].append(pool - d)
+            nxt = pool + 1
+            nxt = nxt[nxt < T]
+            pool = nxt[ok[nxt]]
+    out = []
+    for rows in kept:
+        M = max((int(r.numel()) for r in rows), default=0)
+        if M == 0:
+            break
+        anchors = torch.zeros(B, M, dtype=torch.long)
+        valid = torch.zeros(B, M, dtype=torch.bool)
+        for b, r in enumerate(rows):  # rows of sequences that stopped earlier stay padding
+            anchors[b, :r.numel()], valid[b, :r.numel()] = r, True
+        out.append((anchors.to(loss_mask.device), valid.to(loss_mask.device)))
+    return out
+
+
+def peagle_loss(logits: list[torch.Tensor], chains, rows, loss_mask: torch.Tensor, d2t, loss) -> LossOutput:
+    """The pooled loss over depth 0 (logits[0] [B,T,V'], rows t with loss_mask[t+2]) and the sampled chains
+    (logits[d] [B,M_d,V'] for chains[d-1]); rows: teacher.TargetRows; per-depth accuracy metrics acc_d."""
+    picked, metrics = [], {}
+    for d, lg in enumerate(logits):
+        if d == 0:
+            m = step_mask(loss_mask, 0)
+            bi, ti = m.nonzero(as_tuple=True)
+            j, trow = ti, ti + 1
+        else:
+            anchors, valid = chains[d - 1]
+            bi, j = valid.nonzero(as_tuple=True)
+            trow = anchors[bi, j] + 1 + d
+        if d2t is not None:  # the target's greedy token outside V': left out
+            keep = rows.in_vocab[bi, trow]
+            bi, j, trow = bi[keep], j[keep], trow[keep]
+        tk, lse = rows.at(bi, trow)
+        lk = lg[bi, j]
+        picked.append((lk, tk, lse))
+        if lk.shape[0]:
+            metrics[f"acc_{d}"] = (lk.argmax(-1) == tk.argmax(-1)).float().mean().detach()
+    lse = None if picked[0][2] is None else torch.cat([p[2] for p in picked])
+    total, parts = distill_loss(torch.cat([p[0] for p in picked]), torch.cat([p[1] for p in picked]), loss, lse)
+    metrics.update(parts)
+    return LossOutput(total, metrics)
+
+
+def loss(head, batch: dict, h_in: torch.Tensor, h_last: torch.Tensor, target, settings) -> LossOutput:
+    """COD-sampled chains, one forward over every depth, the pooled distillation loss."""
+    ids, lmask = batch["input_ids"], batch["loss_mask"]
+    inner = unwrap(head)
+    d2t, dist, cfg = draft_vocab(inner), settings.distill("peagle"), settings.peagle
+    rows = target_rows(target, h_last, lmask, d2t, batch, need_greedy=d2t is not None, need_lse=dist.needs_lse)
+    chains = cod_chains(lmask, inner.num_drafts, cfg.cod_ratio, cfg.cod_ratio_min, settings.generator)
+    out = head(noisy_features(h_in, settings), shift_rows(ids, 1), batch["attention_mask"], chains)
+    return peagle_loss(list(out), chains, rows, lmask, d2t, dist)
+
+
+@torch.no_grad()
+def drafts(head, batch: dict, h_in: torch.Tensor, h_last: torch.Tensor, target, eagle_steps: int) -> Drafts:
+    """Every depth at every row (the K drafts one pass gives at inference), teacher-forced on the features."""
+    targ = target_greedy(target, h_last, batch)
+    steps = head(h_in.float(), shift_rows(batch["input_ids"], 1), batch["attention_mask"])
+    return Drafts(list(steps), draft_vocab(unwrap(head)), targ)
+
+
+KIND = HeadKind("peagle", loss, drafts)
