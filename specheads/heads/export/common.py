@@ -101,3 +101,12 @@ def drop_zero_attention_biases(sd: dict, w: str) -> dict:
             continue
         out[k] = v
     return out
+
+
+def speculators_section(algorithm: str, speculative_tokens: int, verifier: str, target_config: dict) -> dict:
+    """speculators' `speculators_config` block (greedy proposals of `speculative_tokens`, the verifier it names)."""
+    return {"algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens)}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier,
+                         "architectures": target_config.get("architectures") or ["LlamaForCausalLM"]}}

@@ -25,7 +25,7 @@ import torch
 from specheads.heads.base import CONFIG_NAME, WEIGHTS_NAME, HeadConfig, HeadSpec, head_class, write_safetensors
 from specheads.heads.dspark import block_layer_config
 from specheads.heads.export.common import (
-    HUB_IDS, absolute_d2t, check_dims, check_keys, d2t_offsets, need, t2d_of,
+    HUB_IDS, absolute_d2t, check_dims, check_keys, d2t_offsets, need, speculators_section, t2d_of,
 )
 from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json
 
@@ -67,11 +67,9 @@ def _speculators_block_config(cfg: HeadConfig, verifier: str | None) -> dict:
         "draft_vocab_size": cfg.out_vocab, "block_size": spec.block_size, "target_hidden_size": None,
         "aux_hidden_state_layer_ids": list(cfg.feature_layers), "mask_token_id": spec.mask_token_id,
         "sliding_window_non_causal": False, "sample_from_anchor": spec.sample_from_anchor,
-        "speculators_config": {
-            "algorithm": kind, "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": spec.num_drafts}],
-            "verifier": {"name_or_path": verifier or HUB_IDS.get(cfg.target_name, cfg.target_name),
-                         "architectures": cfg.target_config.get("architectures") or ["LlamaForCausalLM"]}},
+        "speculators_config": speculators_section(kind, spec.num_drafts,
+                                                  verifier or HUB_IDS.get(cfg.target_name, cfg.target_name),
+                                                  cfg.target_config),
     }
     if kind == "dspark":
         config.update(_block_head_fields(spec))

@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from specheads.heads.base import HeadConfig, HeadSpec
-from specheads.heads.export.common import d2t_offsets, need
+from specheads.heads.export.common import d2t_offsets, need, speculators_section
 from specheads.heads.export.eagle3 import _ascending, ascending_fc, eagle3_llama_dict, read_eagle3_layer
 from specheads.utils import SpecheadsError
 
@@ -41,12 +41,7 @@ def write_peagle(cfg: HeadConfig, sd: dict, expected: list[str], verifier: str =
         "transformer_layer_config": layer, "draft_vocab_size": cfg.out_vocab, "norm_before_residual": False,
         "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": ids,
         "mask_token_id": int(spec.mask_token_id), "embed_requires_grad": False,
-        "speculators_config": {
-            "algorithm": "peagle",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(spec.num_depths)}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier,
-                         "architectures": cfg.target_config.get("architectures") or ["LlamaForCausalLM"]}},
+        "speculators_config": speculators_section("peagle", spec.num_depths, verifier, cfg.target_config),
     }
     tensors = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v
                for k, v in sd.items() if k not in ("d2t", "t2d")}

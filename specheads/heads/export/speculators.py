@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from specheads.heads.base import HeadConfig, HeadSpec
-from specheads.heads.export.common import SPECULATIVE_TOKENS, d2t_offsets, need
+from specheads.heads.export.common import SPECULATIVE_TOKENS, d2t_offsets, need, speculators_section
 from specheads.heads.export.dspark import BLOCK_TYPES, import_block_tensors
 from specheads.heads.export.eagle3 import (
     ascending_fc, ascending_fc_norm, eagle3_llama_dict, eagle31_config, read_eagle3_layer,
@@ -35,12 +35,7 @@ def write_speculators(cfg: HeadConfig, sd: dict, expected: list[str], verifier: 
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
         "transformer_layer_config": layer, "draft_vocab_size": cfg.out_vocab, "norm_before_residual": False,
         "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": ids,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens)}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier,
-                         "architectures": cfg.target_config.get("architectures") or ["LlamaForCausalLM"]}},
+        "speculators_config": speculators_section("eagle3", speculative_tokens, verifier, cfg.target_config),
         **eagle31_config(cfg),  # EAGLE-3.1: fc_norm / norm_output true where the head has them
     }
     tensors = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v
