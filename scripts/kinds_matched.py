@@ -36,7 +36,8 @@ KINDS = [
     ("dspark-dpace", "configs/dspark-smollm2.yaml", ["train.block.weighting=dpace"], "7"),
     ("dflash", "configs/dflash-smollm2.yaml", [], "7"),
     ("domino", "configs/domino-smollm2.yaml", [], "7"),
-    ("peagle", "configs/peagle-smollm2.yaml", [], None),
+    ("peagle", "configs/peagle-smollm2.yaml", [], "7"),
+    ("peagle-dpace", "configs/peagle-smollm2.yaml", ["train.block.weighting=dpace"], "7"),
 ]
 
 

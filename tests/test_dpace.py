@@ -96,8 +96,8 @@ def test_train_steps_with_dpace_on_the_tiny_target(tiny, tmp_path, kind):
     from specheads.config import load_config
     from specheads.heads import build_head
     from specheads.recipe import Recipe
-    from specheads.train.trainer import Trainer
     from tests.test_dspark import _greedy_samples
+    from tests.trained import train_checked
 
     data, val = _greedy_samples(tiny, 6, T=24), _greedy_samples(tiny, 2, T=24, seed=1)
     extra = ["head.markov_rank=8"] if kind == "dspark" else ["head.markov_rank=0", "head.confidence_head=false",
@@ -112,13 +112,7 @@ def test_train_steps_with_dpace_on_the_tiny_target(tiny, tmp_path, kind):
     assert recipe.train.block.weighting == "dpace"
     torch.manual_seed(0)
     head = build_head(recipe.head, tiny)
-    before = {k: v.clone() for k, v in head.state_dict().items()}
-    target_before = {k: v.clone() for k, v in tiny.model.state_dict().items()}
-    Trainer(recipe, tiny, head, data, val).train()
-    after = head.state_dict()
-    trainable = {n for n, p in head.named_parameters() if p.requires_grad}
-    assert {k for k in before if not torch.equal(before[k], after[k])} == trainable
-    assert all(torch.equal(v, tiny.model.state_dict()[k]) for k, v in target_before.items()), "target changed"
+    train_checked(recipe, tiny, head, data, val)
 
 
 def test_dpace_a_draft_outside_the_draft_vocab_counts_as_rejected():

@@ -1,7 +1,8 @@
 """P-EAGLE heads on the tiny target: COD keep counts by hand, the mask vector read at depths >= 1 only, one head
 pass drafting all K tokens (equal to the teacher-forced forward), a training step that moves the head and not the
 target, fp32 greedy output equal to plain decoding (single and batched), the speculators export loaded and run by
-the real package, exports refused with one line, bad settings."""
+the real package, exports refused with one line, bad settings; D-PACE over the chains (weights by hand, the
+reduction, a training step)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from specheads.heads import HeadSpec, build_head, load_head
 from specheads.heads.export import export_head, import_head
 from specheads.infer.drafters import PEagleDrafter
-from specheads.train.kinds.peagle import cod_chains, cod_keep, peagle_loss
+from specheads.train.kinds.peagle import chain_dpace_weights, cod_chains, cod_keep, peagle_loss
 from specheads.utils import SpecheadsError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,6 +144,50 @@ def test_pooled_loss_by_hand(tiny):
     assert set(out.metrics) >= {"acc_0", "acc_1"}
 
 
+def test_chain_dpace_weights_by_hand():
+    """Anchor 0 drafts depths 0, 1, 2 with q = 0.5, 0.5, 1; anchor 1 only depth 0 (COD dropped its chain). α = 0.5:
+    s = 0.75, 0.75, 1 -> P = 0.75, 0.5625, 0.5625 -> w = Σ_{i>=j} P_i = 1.875, 1.125, 0.5625; anchor 1 alone: 1."""
+    q = [torch.tensor([0.5, 1.0]), torch.tensor([0.5]), torch.tensor([1.0])]
+    where = [(torch.tensor([0, 0]), torch.tensor([0, 1])), (torch.tensor([0]), torch.tensor([0])),
+             (torch.tensor([0]), torch.tensor([0]))]
+    w = chain_dpace_weights(q, where, (1, 4), alpha=0.5)
+    assert torch.allclose(w[0], torch.tensor([1.875, 1.0])) and torch.allclose(w[1], torch.tensor([1.125]))
+    assert torch.allclose(w[2], torch.tensor([0.5625]))
+
+
+def test_pooled_loss_dpace_reduction_by_hand():
+    """weighting=dpace: Σ_rows w ℓ / the number of rows, w from each anchor's chain of confidences (anchor 1 has
+    depths 0 and 1, the other rows depth 0 alone), q the draft's probability of the target's argmax."""
+    from specheads.train.losses import dpace_position_weights, resolve_loss
+    from specheads.train.teacher import TargetRows
+
+    g = torch.Generator().manual_seed(1)
+    T, a = 8, 0.5
+    lm = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])  # rows 1..5 count at depth 0
+    logits = [torch.randn(1, T, V, generator=g), torch.randn(1, 1, V, generator=g)]
+    chains = [(torch.tensor([[1]]), torch.tensor([[True]]))]  # chain (1, 1): target row 3
+    tgt = torch.randn(1, T, V, generator=g)
+    out = peagle_loss(logits, chains, TargetRows.from_full(tgt, None), lm, None, resolve_loss("peagle"),
+                      weighting="dpace", dpace_alpha=a)
+
+    def kl(q, p):
+        return float((p.softmax(-1) * (p.log_softmax(-1) - q.log_softmax(-1))).sum())
+
+    def conf(q, p):
+        return float(q.softmax(-1)[p.argmax()])
+
+    terms = []
+    for t in range(1, 6):
+        qs = [conf(logits[0][0, t], tgt[0, t + 1])] + ([conf(logits[1][0, 0], tgt[0, 3])] if t == 1 else [])
+        w = dpace_position_weights(torch.tensor([qs]), torch.ones(1, len(qs), dtype=torch.bool), a)[0]
+        terms.append(float(w[0]) * kl(logits[0][0, t], tgt[0, t + 1]))
+        if t == 1:
+            terms.append(float(w[1]) * kl(logits[1][0, 0], tgt[0, 3]))
+    assert out.loss.item() == pytest.approx(sum(terms) / 6, rel=1e-5)
+    with pytest.raises(ValueError, match="block weighting"):
+        peagle_loss(logits, chains, TargetRows.from_full(tgt, None), lm, None, resolve_loss("peagle"), weighting="x")
+
+
 def _recipe(out, steps=3, extra=()):
     from specheads.config import load_config
     from specheads.recipe import Recipe
@@ -154,22 +199,19 @@ def _recipe(out, steps=3, extra=()):
         "eval.every_steps=0", "eval.at_start=false", "eval.max_samples=2", *extra])
 
 
-def test_train_steps_move_every_trainable_parameter_and_not_the_target(tiny, tmp_path):
-    from specheads.train.trainer import Trainer
+@pytest.mark.parametrize("weighting", ["exp", "dpace"])
+def test_train_steps_move_every_trainable_parameter_and_not_the_target(tiny, tmp_path, weighting):
     from tests.test_dspark import _greedy_samples
+    from tests.trained import train_checked
 
     data, val = _greedy_samples(tiny, 6, T=24), _greedy_samples(tiny, 2, T=24, seed=1)
-    recipe = _recipe(tmp_path)
+    recipe = _recipe(tmp_path, extra=[f"train.block.weighting={weighting}"])
+    assert recipe.train.block.weighting == weighting
     torch.manual_seed(0)
     head = build_head(recipe.head, tiny)
-    before = {k: v.clone() for k, v in head.state_dict().items()}
-    target_before = {k: v.clone() for k, v in tiny.model.state_dict().items()}
-    Trainer(recipe, tiny, head, data, val).train()
+    _, changed = train_checked(recipe, tiny, head, data, val)
+    assert {"mask_hidden", "layers.1.mlp.down_proj.weight", "midlayer.self_attn.q_proj.weight"} <= changed
     after = head.state_dict()
-    trainable = {n for n, p in head.named_parameters() if p.requires_grad}
-    assert {"mask_hidden", "layers.1.mlp.down_proj.weight", "midlayer.self_attn.q_proj.weight"} <= trainable
-    assert {k for k in before if not torch.equal(before[k], after[k])} == trainable
-    assert all(torch.equal(v, tiny.model.state_dict()[k]) for k, v in target_before.items()), "target changed"
     loaded = load_head(tmp_path / "final", tiny)
     assert loaded.kind == "peagle" and all(torch.equal(v, after[k]) for k, v in loaded.state_dict().items())
 

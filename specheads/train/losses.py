@@ -397,7 +397,7 @@ def acceptance_rate(logits: torch.Tensor, target_logits: torch.Tensor, target_ls
 
 
 @torch.no_grad()
-def _target_prob(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+def target_token_prob(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
     """[N,K'] the draft's probability of the target's argmax token (over V'), detached."""
     tok = target_logits.argmax(-1, keepdim=True)
     return torch.softmax(logits.float(), dim=-1).gather(-1, tok).squeeze(-1)
@@ -444,7 +444,7 @@ def dspark_loss(logits: torch.Tensor, conf_logits: torch.Tensor | None, target_l
     if weighting == "dpace":
         # a draft whose target token lies outside V' is never accepted: q = 0 lowers the drafts after it, and
         # its own ℓ stays out (as with exp)
-        wd = dpace_position_weights(_target_prob(logits, target_logits) * in_vocab.float(), valid,
+        wd = dpace_position_weights(target_token_prob(logits, target_logits) * in_vocab.float(), valid,
                                     dpace_alpha) * in_vocab.float()
     elif weighting != "exp":
         raise ValueError(f"block weighting {weighting!r}: expected one of {BLOCK_WEIGHTINGS}")

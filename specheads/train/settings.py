@@ -30,7 +30,8 @@ class MedusaTrainConfig:
 
 @dataclass
 class BlockTrainConfig:
-    """train.block: the block drafters' (DSpark / DFlash, head.kind dspark; Domino) loss and sampling."""
+    """train.block: the block drafters' (DSpark / DFlash, head.kind dspark; Domino; P-EAGLE reads weighting and
+    dpace_alpha) loss and sampling."""
     gamma: float = 4.0  # DSpark / DFlash: draft j weighted exp(-j / gamma) (DeepSpec loss_decay_gamma 4)
     w_ce: float = 0.1  # DSpark / DFlash: soft CE against the target (DeepSpec ce_loss_alpha 0.1)
     w_l1: float = 0.9  # DSpark / DFlash: ||q - p||_1 = 2 TV (DeepSpec l1_loss_alpha 0.9)
@@ -38,8 +39,9 @@ class BlockTrainConfig:
     max_anchors: int = 512  # DSpark / DFlash: blocks per sequence and step (DeepSpec num_anchors 512 at 4k tokens)
     full_vocab: bool = False  # DSpark / DFlash: target over the full vocab (exact acceptance; ~2x the step
     # without target sidecars, the V' columns' cost with them)
-    weighting: str = "exp"  # position weights: exp = exp(-j / gamma) (DeepSpec); dpace = the drafter's own
-    # confidence (speculators' D-PACE, its DFlash default; losses.dpace_position_weights)
+    weighting: str = "exp"  # position weights: exp = exp(-j / gamma) (DeepSpec; P-EAGLE: its pooled mean, no
+    # decay); dpace = the drafter's own confidence (speculators' D-PACE, its DFlash default;
+    # losses.dpace_position_weights; P-EAGLE: over each anchor's chain, kinds/peagle.chain_dpace_weights)
     dpace_alpha: float = DPACE_ALPHA  # D-PACE smoothing α in (0, 1] (speculators dpace_alpha 0.5)
     # Domino: loss = (1 - λ) final + λ base, λ = lambda_start (1 - step / (ratio x steps)), then 0 (SpecForge)
     domino_lambda_start: float = 1.0  # λ at step 0 (SpecForge lambda_base_start 1.0)

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from specheads.train.kinds.base import Drafts, HeadKind, draft_vocab, noisy_features, unwrap
-from specheads.train.losses import LossOutput, distill_loss, shift_rows, step_mask
+from specheads.train.losses import (BLOCK_WEIGHTINGS, DPACE_ALPHA, LossOutput, distill_loss, dpace_position_weights,
+                                    shift_rows, step_mask, target_token_prob)
 from specheads.train.teacher import target_greedy, target_rows
 
 
@@ -70,29 +71,64 @@ def cod_chains(loss_mask: torch.Tensor, num_depths: int, ratio: float, ratio_min
     return out
 
 
-def peagle_loss(logits: list[torch.Tensor], chains, rows, loss_mask: torch.Tensor, d2t, loss) -> LossOutput:
+def _depth_rows(d: int, loss_mask: torch.Tensor, chains):
+    """The rows depth d's logits hold: (b, j) into logits[d], the chain's anchor a and the target row it predicts
+    (chain (a, d) predicts x_{a+2+d}: the target's row a+1+d). Depth 0 is the chain (t, 0) of every valid row t."""
+    if d == 0:
+        bi, ti = step_mask(loss_mask, 0).nonzero(as_tuple=True)
+        return bi, ti, ti, ti + 1
+    anchors, valid = chains[d - 1]
+    bi, j = valid.nonzero(as_tuple=True)
+    a = anchors[bi, j]
+    return bi, j, a, a + 1 + d
+
+
+def chain_dpace_weights(q: list[torch.Tensor], where: list[tuple], shape: tuple[int, int],
+                        alpha: float) -> list[torch.Tensor]:
+    """D-PACE over P-EAGLE's chains: each anchor's drafts at depths 0..K-1 form one block (the K drafts one pass
+    gives at inference), so draft (a, d) is weighted as a block drafter's draft d (losses.dpace_position_weights)
+    with the depths COD left out counting as not drafted. q[d] [N_d] the draft's probability of the target's token
+    (0 where it lies outside V'), where[d] = (b, a) of those rows, shape (B, T) -> per depth the weights [N_d]."""
+    K = len(q)
+    Q = torch.zeros(*shape, K, device=q[0].device)
+    V = torch.zeros(*shape, K, dtype=torch.bool, device=q[0].device)
+    for d, (qd, (bi, a)) in enumerate(zip(q, where)):
+        Q[bi, a, d], V[bi, a, d] = qd.float(), True
+    w = dpace_position_weights(Q.view(-1, K), V.view(-1, K), alpha).view(*shape, K)
+    return [w[bi, a, d] for d, (bi, a) in enumerate(where)]
+
+
+def peagle_loss(logits: list[torch.Tensor], chains, rows, loss_mask: torch.Tensor, d2t, loss,
+                weighting: str = "exp", dpace_alpha: float = DPACE_ALPHA) -> LossOutput:
     """The pooled loss over depth 0 (logits[0] [B,T,V'], rows t with loss_mask[t+2]) and the sampled chains
-    (logits[d] [B,M_d,V'] for chains[d-1]); rows: teacher.TargetRows; per-depth accuracy metrics acc_d."""
-    picked, metrics = [], {}
+    (logits[d] [B,M_d,V'] for chains[d-1]); rows: teacher.TargetRows; per-depth accuracy metrics acc_d.
+    weighting (train.block.weighting): "exp" = speculators' pooled mean (P-EAGLE has no position decay; gamma is
+    unread), "dpace" = each row's ℓ weighted by chain_dpace_weights and, as dspark_loss reduces D-PACE, summed
+    over the number of counted rows: Σ w ℓ / Σ 1."""
+    picked, metrics, q, where = [], {}, [], []
     for d, lg in enumerate(logits):
-        if d == 0:
-            m = step_mask(loss_mask, 0)
-            bi, ti = m.nonzero(as_tuple=True)
-            j, trow = ti, ti + 1
-        else:
-            anchors, valid = chains[d - 1]
-            bi, j = valid.nonzero(as_tuple=True)
-            trow = anchors[bi, j] + 1 + d
-        if d2t is not None:  # the target's greedy token outside V': left out
-            keep = rows.in_vocab[bi, trow]
-            bi, j, trow = bi[keep], j[keep], trow[keep]
+        bi, j, a, trow = _depth_rows(d, loss_mask, chains)
         tk, lse = rows.at(bi, trow)
         lk = lg[bi, j]
-        picked.append((lk, tk, lse))
-        if lk.shape[0]:
-            metrics[f"acc_{d}"] = (lk.argmax(-1) == tk.argmax(-1)).float().mean().detach()
+        keep = rows.in_vocab[bi, trow] if d2t is not None else torch.ones_like(bi, dtype=torch.bool)
+        if weighting == "dpace":  # a target token outside V' is never accepted: q = 0 there
+            q.append(target_token_prob(lk, tk) * keep.float())
+            where.append((bi, a))
+        picked.append((lk[keep], tk[keep], None if lse is None else lse[keep], keep))
+        if keep.any():
+            metrics[f"acc_{d}"] = (lk[keep].argmax(-1) == tk[keep].argmax(-1)).float().mean().detach()
     lse = None if picked[0][2] is None else torch.cat([p[2] for p in picked])
-    total, parts = distill_loss(torch.cat([p[0] for p in picked]), torch.cat([p[1] for p in picked]), loss, lse)
+    weights = None
+    if weighting == "dpace":
+        ws = chain_dpace_weights(q, where, tuple(loss_mask.shape), dpace_alpha)
+        weights = torch.cat([w[p[3]] for w, p in zip(ws, picked)])
+    elif weighting != "exp":
+        raise ValueError(f"block weighting {weighting!r}: expected one of {BLOCK_WEIGHTINGS}")
+    total, parts = distill_loss(torch.cat([p[0] for p in picked]), torch.cat([p[1] for p in picked]), loss, lse,
+                                weights=weights)
+    if weights is not None:  # Σ w ℓ / Σ w (distill_loss's weighted mean) -> Σ w ℓ / the counted rows
+        scale = weights.sum() / max(1, weights.numel())
+        total, parts = total * scale, {k: v * scale for k, v in parts.items()}
     metrics.update(parts)
     return LossOutput(total, metrics)
 
@@ -105,7 +141,8 @@ def loss(head, batch: dict, h_in: torch.Tensor, h_last: torch.Tensor, target, se
     rows = target_rows(target, h_last, lmask, d2t, batch, need_greedy=d2t is not None, need_lse=dist.needs_lse)
     chains = cod_chains(lmask, inner.num_drafts, cfg.cod_ratio, cfg.cod_ratio_min, settings.generator)
     out = head(noisy_features(h_in, settings), shift_rows(ids, 1), batch["attention_mask"], chains)
-    return peagle_loss(list(out), chains, rows, lmask, d2t, dist)
+    return peagle_loss(list(out), chains, rows, lmask, d2t, dist, settings.block.weighting,
+                       settings.block.dpace_alpha)
 
 
 @torch.no_grad()
