@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from specheads.train.kinds.base import Drafts, HeadKind, draft_vocab, noisy_features, unwrap
+from specheads.train.kinds import eagle3
+from specheads.train.kinds.base import HeadKind, draft_vocab, noisy_features, unwrap
 from specheads.train.losses import (BLOCK_WEIGHTINGS, DPACE_ALPHA, LossOutput, distill_loss, dpace_position_weights,
                                     shift_rows, step_mask, target_token_prob)
-from specheads.train.teacher import target_greedy, target_rows
+from specheads.train.teacher import target_rows
 
 
 def cod_keep(n: int, d: int, ratio: float, ratio_min: float) -> int:
@@ -145,12 +146,6 @@ def loss(head, batch: dict, h_in: torch.Tensor, h_last: torch.Tensor, target, se
                        settings.block.dpace_alpha)
 
 
-@torch.no_grad()
-def drafts(head, batch: dict, h_in: torch.Tensor, h_last: torch.Tensor, target, eagle_steps: int) -> Drafts:
-    """Every depth at every row (the K drafts one pass gives at inference), teacher-forced on the features."""
-    targ = target_greedy(target, h_last, batch)
-    steps = head(h_in.float(), shift_rows(batch["input_ids"], 1), batch["attention_mask"])
-    return Drafts(list(steps), draft_vocab(unwrap(head)), targ)
-
-
-KIND = HeadKind("peagle", loss, drafts)
+# evaluation: every depth at every row (the K drafts one pass gives at inference), teacher-forced on the features,
+# the same call as EAGLE-3's TTT steps (the head's forward without chains)
+KIND = HeadKind("peagle", loss, eagle3.drafts)
