@@ -121,16 +121,20 @@ class Eagle3Head(DraftHead):
             x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1))], dim=-1)
         return self.fc(x)
 
+    def _midlayer(self, hidden, tokens, pe, mask, cache) -> torch.Tensor:
+        """The midlayer (decoder layer 0) over [E(x_{t+1}) ; g_t]: hidden [B,N,D], tokens [B,N], pe the rotary
+        (cos, sin) of their positions -> its pre-norm output [B,N,D] (the residual stream starts at g)."""
+        mid = self.midlayer
+        x = torch.cat([mid.input_layernorm(self.embed(tokens)), mid.hidden_norm(hidden)], dim=-1)  # [B,N,2D]
+        a, _ = mid.self_attn(hidden_states=x, attention_mask=mask, position_embeddings=pe, cache=cache)
+        h = hidden + a
+        return h + mid.mlp(mid.post_attention_layernorm(h))
+
     def _step(self, hidden, tokens, position_ids, mask, cache, last_only: bool = False):
         """One midlayer pass: hidden [B,N,D], tokens [B,N] -> (the state the next step reads [B,N,D]: pre-norm, or
         post-norm with norm_output; logits [B,N,V'] or, with last_only, [B,1,V'] of the last row only)."""
-        mid = self.midlayer
         hidden = hidden.to(self.head_dtype)
-        x = torch.cat([mid.input_layernorm(self.embed(tokens)), mid.hidden_norm(hidden)], dim=-1)  # [B,N,2D]
-        pe = self._rope(hidden, position_ids)
-        a, _ = mid.self_attn(hidden_states=x, attention_mask=mask, position_embeddings=pe, cache=cache)
-        h = hidden + a
-        h = h + mid.mlp(mid.post_attention_layernorm(h))
+        h = self._midlayer(hidden, tokens, self._rope(hidden, position_ids), mask, cache)
         if self.norm_output:  # the post-norm state is both the next step's input and the logits' input
             h = self.norm(h)
             return h, self.lm_head(last_row(h) if last_only else h)

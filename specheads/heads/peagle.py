@@ -81,14 +81,9 @@ class PEagleHead(Eagle3Head):
     def _rows(self, feats, tokens, position_ids, mask, kv) -> torch.Tensor:
         """One pass of N rows: feats [B,N,F·D] (mask_hidden at mask rows), tokens [B,N] target ids (the mask token
         at mask rows), position_ids [B,N], mask [B,1,N,S] float, kv (gets N entries per layer) -> logits [B,N,V']."""
-        mid = self.midlayer
         g = self.project_features(feats)  # [B,N,D]
-        x = torch.cat([mid.input_layernorm(self.embed(tokens)), mid.hidden_norm(g)], dim=-1)  # [B,N,2D]
-        pe = self._rope(g, position_ids)
-        mask = mask.to(self.head_dtype)
-        a, _ = mid.self_attn(hidden_states=x, attention_mask=mask, position_embeddings=pe, cache=kv)
-        h = g + a
-        h = h + mid.mlp(mid.post_attention_layernorm(h))
+        mask, pe = mask.to(self.head_dtype), self._rope(g, position_ids)
+        h = self._midlayer(g, tokens, pe, mask, kv)
         for layer in self.layers.values():
             h = layer(h, attention_mask=mask, position_embeddings=pe, cache=kv)
         return self.lm_head(self.norm(h))

@@ -403,6 +403,13 @@ def target_token_prob(logits: torch.Tensor, target_logits: torch.Tensor) -> torc
     return torch.softmax(logits.float(), dim=-1).gather(-1, tok).squeeze(-1)
 
 
+def per_counted(total: torch.Tensor, parts: dict, weights: torch.Tensor, count) -> tuple[torch.Tensor, dict]:
+    """distill_loss's weighted mean Σ w ℓ / Σ w -> D-PACE's reduction Σ w ℓ / `count` (the counted drafts, as
+    speculators' loss_function divides), for the loss and each of its parts."""
+    scale = weights.sum() / torch.as_tensor(count, device=weights.device).clamp_min(1)
+    return total * scale, {k: v * scale for k, v in parts.items()}
+
+
 def _wmean(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x * w).sum() / w.sum().clamp_min(1e-6)  # an empty selection gives 0 and keeps the graph (DDP)
 
@@ -450,8 +457,7 @@ def dspark_loss(logits: torch.Tensor, conf_logits: torch.Tensor | None, target_l
         raise ValueError(f"block weighting {weighting!r}: expected one of {BLOCK_WEIGHTINGS}")
     total, parts = distill_loss(logits, target_logits, loss, target_lse, weights=wd)
     if weighting == "dpace":  # Σ w ℓ / Σ w (distill_loss's weighted mean) -> Σ w ℓ / the counted drafts
-        scale = wd.sum() / (valid & in_vocab).sum().clamp_min(1)
-        total, parts = total * scale, {k: v * scale for k, v in parts.items()}
+        total, parts = per_counted(total, parts, wd, (valid & in_vocab).sum())
     metrics: dict[str, float] = {k: float(v) for k, v in parts.items() if k != "accept"}
     acc_rate = acceptance_rate(logits.detach(), target_logits, target_lse)  # [N,K']
     if conf_logits is not None:

@@ -110,3 +110,26 @@ def speculators_section(algorithm: str, speculative_tokens: int, verifier: str, 
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier,
                          "architectures": target_config.get("architectures") or ["LlamaForCausalLM"]}}
+
+
+def speculators_name(key: str) -> str:
+    """Our tensor name -> speculators' (our EAGLE-3 midlayer is its decoder layer 0)."""
+    return "layers.0." + key[len("midlayer."):] if key.startswith("midlayer.") else key
+
+
+def native_name(key: str) -> str:
+    """speculators' tensor name -> ours (speculators_name's inverse)."""
+    return "midlayer." + key[len("layers.0."):] if key.startswith("layers.0.") else key
+
+
+def speculators_tensors(cfg, sd: dict, expected: list[str], fc: torch.Tensor) -> tuple[dict, list[str]]:
+    """The tensors an EAGLE-3-family speculators export shares (fc in the engines' layer order, the decoder
+    layers renamed, norm, lm_head, d2t offsets and t2d when V' < V) -> (tensors, the names its loader needs)."""
+    tensors = {speculators_name(k): v for k, v in sd.items() if k not in ("d2t", "t2d")}
+    tensors["fc.weight"] = fc
+    required = ["fc.weight", "norm.weight", "lm_head.weight"] + \
+        [speculators_name(k) for k in expected if k.startswith(("midlayer.", "layers."))]
+    if cfg.draft_vocab_size:  # speculators registers d2t/t2d only when V' < V
+        tensors.update(d2t=d2t_offsets(sd["d2t"]), t2d=sd["t2d"].to(torch.bool))
+        required += ["d2t", "t2d"]
+    return tensors, required

@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from specheads.heads.base import HeadConfig, HeadSpec
-from specheads.heads.export.common import d2t_offsets, need, speculators_section
+from specheads.heads.export.common import native_name, need, speculators_section, speculators_tensors
 from specheads.heads.export.eagle3 import _ascending, ascending_fc, eagle3_llama_dict, read_eagle3_layer
 from specheads.utils import SpecheadsError
 
@@ -43,17 +43,9 @@ def write_peagle(cfg: HeadConfig, sd: dict, expected: list[str], verifier: str =
         "mask_token_id": int(spec.mask_token_id), "embed_requires_grad": False,
         "speculators_config": speculators_section("peagle", spec.num_depths, verifier, cfg.target_config),
     }
-    tensors = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v
-               for k, v in sd.items() if k not in ("d2t", "t2d")}
-    tensors["fc.weight"] = fc
+    tensors, required = speculators_tensors(cfg, sd, expected, fc)
     tensors["mask_hidden"] = ascending_mask_hidden(cfg, sd)
-    required = ["fc.weight", "norm.weight", "lm_head.weight", "mask_hidden"] + \
-        ["layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k for k in expected
-         if k.startswith(("midlayer.", "layers."))]
-    if cfg.draft_vocab_size:  # speculators registers d2t/t2d only when V' < V
-        tensors.update(d2t=d2t_offsets(sd["d2t"]), t2d=sd["t2d"].to(torch.bool))
-        required += ["d2t", "t2d"]
-    return config, tensors, required
+    return config, tensors, required + ["mask_hidden"]
 
 
 def read_peagle(config: dict, sd: dict, target, where: str, w: str) -> tuple[HeadSpec, dict]:
@@ -64,8 +56,7 @@ def read_peagle(config: dict, sd: dict, target, where: str, w: str) -> tuple[Hea
     if "mask_hidden" not in sd:
         raise SpecheadsError(f"{w}: missing key 'mask_hidden' (a P-EAGLE export carries its learned mask state)")
     rest = {k: v for k, v in sd.items() if k.startswith("layers.") and not k.startswith("layers.0.")}
-    first = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in sd.items()
-             if k not in rest and k != "mask_hidden"}
+    first = {native_name(k): v for k, v in sd.items() if k not in rest and k != "mask_hidden"}
     spec, tensors = read_eagle3_layer(config, {**layer, "num_hidden_layers": 1}, first, target, where, w)
     methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
     depths = int(methods[0].get("speculative_tokens", HeadSpec.num_depths))

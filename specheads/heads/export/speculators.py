@@ -12,10 +12,10 @@ export/dspark.py; P-EAGLE heads (speculators_model_type peagle) are written and 
 """
 from __future__ import annotations
 
-import torch
-
 from specheads.heads.base import HeadConfig, HeadSpec
-from specheads.heads.export.common import SPECULATIVE_TOKENS, d2t_offsets, need, speculators_section
+from specheads.heads.export.common import (
+    SPECULATIVE_TOKENS, native_name, need, speculators_section, speculators_tensors,
+)
 from specheads.heads.export.dspark import BLOCK_TYPES, import_block_tensors
 from specheads.heads.export.eagle3 import (
     ascending_fc, ascending_fc_norm, eagle3_llama_dict, eagle31_config, read_eagle3_layer,
@@ -38,16 +38,10 @@ def write_speculators(cfg: HeadConfig, sd: dict, expected: list[str], verifier: 
         "speculators_config": speculators_section("eagle3", speculative_tokens, verifier, cfg.target_config),
         **eagle31_config(cfg),  # EAGLE-3.1: fc_norm / norm_output true where the head has them
     }
-    tensors = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v
-               for k, v in sd.items() if k not in ("d2t", "t2d")}
-    tensors["fc.weight"] = fc
+    tensors, required = speculators_tensors(cfg, sd, expected, fc)
     norms = ascending_fc_norm(cfg, sd)  # speculators' fc_norm ModuleList chunks the aux states in layer order
     tensors.update(norms)
-    required = ["fc.weight", "norm.weight", "lm_head.weight"] + list(norms) + \
-        ["layers.0." + k[len("midlayer."):] for k in expected if k.startswith("midlayer.")]
-    if cfg.draft_vocab_size:  # speculators registers d2t/t2d only when V' < V
-        tensors.update(d2t=d2t_offsets(sd["d2t"]), t2d=sd["t2d"].to(torch.bool))
-        required += ["d2t", "t2d"]
+    required += list(norms)
     return config, tensors, required
 
 
@@ -62,7 +56,7 @@ def read_speculators(config: dict, sd: dict, target, where: str, w: str) -> tupl
         raise SpecheadsError(f"{where}: speculators_model_type {config['speculators_model_type']!r}: only "
                              "eagle3, peagle, dspark and dflash speculators are imported")
     layer = need(config, "transformer_layer_config", where)
-    sd = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in sd.items()}
+    sd = {native_name(k): v for k, v in sd.items()}
     if any(k.startswith("layers.") for k in sd):
         raise SpecheadsError(f"{w}: more than one decoder layer; specheads EAGLE-3 heads have one")
     return read_eagle3_layer(config, layer, sd, target, where, w)

@@ -25,7 +25,7 @@ import torch
 from specheads.train.kinds import eagle3
 from specheads.train.kinds.base import HeadKind, draft_vocab, noisy_features, unwrap
 from specheads.train.losses import (BLOCK_WEIGHTINGS, DPACE_ALPHA, LossOutput, distill_loss, dpace_position_weights,
-                                    shift_rows, step_mask, target_token_prob)
+                                    per_counted, shift_rows, step_mask, target_token_prob)
 from specheads.train.teacher import target_rows
 
 
@@ -127,9 +127,8 @@ def peagle_loss(logits: list[torch.Tensor], chains, rows, loss_mask: torch.Tenso
         raise ValueError(f"block weighting {weighting!r}: expected one of {BLOCK_WEIGHTINGS}")
     total, parts = distill_loss(torch.cat([p[0] for p in picked]), torch.cat([p[1] for p in picked]), loss, lse,
                                 weights=weights)
-    if weights is not None:  # Σ w ℓ / Σ w (distill_loss's weighted mean) -> Σ w ℓ / the counted rows
-        scale = weights.sum() / max(1, weights.numel())
-        total, parts = total * scale, {k: v * scale for k, v in parts.items()}
+    if weights is not None:  # D-PACE: Σ w ℓ / the counted rows
+        total, parts = per_counted(total, parts, weights, weights.numel())
     metrics.update(parts)
     return LossOutput(total, metrics)
 
