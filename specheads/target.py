@@ -41,6 +41,7 @@ class Target:
     model: nn.Module  # *ForCausalLM, eval mode, requires_grad False
     tokenizer: Any
     name: str  # what the user asked for (alias, path or hub id); recorded in head configs
+    engine: str = "auto"  # the decoding forward (infer/engine/runner.py): auto | owned | hf
 
     @property
     def config(self):

@@ -276,11 +276,17 @@ def test_union_rests_a_source_whose_pass_does_not_pay(tiny):
     # t(1) = 10 ms: the slow source's 20 ms pass costs 2 forwards, more than its never-right chain returns, while
     # prompt lookup's sub-millisecond pass stays far below its gain even on a loaded machine (with t(1) = 1 ms a
     # lookup pass slowed to ~1 ms by other work rested it on some steps)
+    # the HF forward: the tiny target's owned forward takes ~0.3 ms, about a lookup pass, and then resting lookup
+    # on some steps is the right call by the same rule
+    tiny.engine = "hf"
     flat = Scheduler({1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1}, 1e-2)
     slow = Slow(delay=0.02)
     union = combine_drafters(tiny, [slow], lookup=6, scheduler=flat)
     p = [5, 6, 7, 8, 9, 10] * 3
-    r = generate(tiny, union, p, max_new_tokens=40, ignore_eos=True)
+    try:
+        r = generate(tiny, union, p, max_new_tokens=40, ignore_eos=True)
+    finally:
+        tiny.engine = "auto"
     assert r.ids == hf_greedy(tiny, p, 40)
     st = r.stats
     assert slow.passes <= st.target_forwards // 2, (slow.passes, st.target_forwards)

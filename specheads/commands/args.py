@@ -58,6 +58,13 @@ def add_dtype(p: argparse.ArgumentParser) -> None:
                         "token; bf16 is faster on most CPUs, its batched verification rounds otherwise)")
 
 
+def add_engine(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", default="auto", choices=("auto", "owned", "hf"),
+                   help="the target's decoding forward: owned = our Llama-family forward over a static KV cache "
+                        "(bf16 on AVX512-BF16 CPUs: compiled kernels), hf = transformers' forward; auto (default) = "
+                        "owned where the architecture is supported (infer/engine/runner.py); a log line says which")
+
+
 def add_plugin(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plugin", action="append", default=None, metavar="MODULE|FILE.py",
                    help="import this Python module first (repeatable): its register_drafter calls add drafter kinds "

@@ -17,6 +17,7 @@ from specheads.infer.bench.names import (HEAD_LOOKUP_TOKENS, check_method_names,
 from specheads.infer.bench.prompts import load_prompts
 from specheads.infer.drafters import parse_tree
 from specheads.infer.drafters.plugins import load_plugins
+from specheads.infer.engine.runner import runner_for
 from specheads.infer.scheduling.autotree import calibration_ids
 from specheads.infer.verify import SamplingParams
 from specheads.utils import SpecheadsError
@@ -50,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--both-turns", action="store_true",
                    help="MT-bench: also the second turn, conditioned on the method's own first answer (FastChat)")
     shared.add_dtype(p)
+    shared.add_engine(p)
     p.add_argument("--tree", action="append", default=None, metavar="[LABEL=]SPEC",
                    help="the heads' tree, as `specheads generate --tree`; LABEL=SPEC for the head head:LABEL only "
                         "(repeat the flag: e.g. --tree eagle3=2,2,6 --tree dspark=7): auto (default: EAGLE / Medusa heads: profile "
@@ -124,10 +126,11 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.dataset, args.limit, args.both_turns)
     dtype = shared.dtype_name(args.dtype)
     target = specheads.target.load_target(args.target, dtype=dtype, device=args.device)
+    target.engine = args.engine
     methods, extra = build_methods(names, target, options, calib_ids=calibration_ids(target.tokenizer, prompts))
     settings = BenchSettings(target=args.target, dataset=args.dataset, dtype=dtype, temperature=args.temperature,
                              max_new_tokens=args.max_new_tokens, limit=args.limit, both_turns=args.both_turns,
-                             seed=args.seed, warmup_tokens=args.warmup_tokens)
+                             seed=args.seed, warmup_tokens=args.warmup_tokens, engine=runner_for(target).name)
     results = run_bench(prompts, methods, settings, target.tokenizer, out_dir=args.out, extra=extra)
     print(markdown_table(results))
     print(f"wrote {args.out}/results.json, results.md, {', '.join(results.get('plots', []))}")

@@ -51,6 +51,7 @@ def add_arguments(p) -> None:
     p.add_argument("--typical-acceptance", action="store_true",
                    help="Medusa typical acceptance: LOSSY (output no longer follows the target's distribution)")
     shared.add_dtype(p)
+    shared.add_engine(p)
     shared.add_device(p)
     shared.add_plugin(p)
     p.add_argument("--json", action="store_true", help="print the result and figures as one JSON object")
@@ -82,6 +83,7 @@ def build(args):
     spec = parse_tree(args.tree, name, config)
     options = shared.draft_model_options(args) if name == "draft-model" else {}
     target = specheads.target.load_target(args.target, dtype=shared.dtype_name(args.dtype), device=args.device)
+    target.engine = args.engine
     if not args.head:
         return target, build_drafter(target, name, spec, lookup=args.lookup, **options)
     # a tree head's auto: probed on a few MT-bench questions spread over its categories

@@ -24,6 +24,7 @@ class TokenRecyclingDrafter(Drafter):
     Verification never depends on it: the tree's tokens are deterministic guesses checked exactly (greedy) or as
     one-hot drafts (sampling). Shapes: N tree nodes, V vocab."""
     name = "recycling"
+    reads_logits = True
 
     def __init__(self, vocab_size: int, choices: list[list[int]] | None = None, k: int = 8):
         choices = [list(c) for c in (choices or DEFAULT_MEDUSA_CHOICES)]

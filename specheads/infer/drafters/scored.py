@@ -57,6 +57,10 @@ class ScoredTreeDrafter(ScoredDrafter):
     def observe(self, tree, accepted, features) -> None:
         self.inner.observe(tree, accepted, features)
 
+    @property
+    def reads_logits(self) -> bool:
+        return self.inner.reads_logits
+
     def recycle(self, tokens, logits) -> None:
         self.inner.recycle(tokens, logits)
 

@@ -97,6 +97,10 @@ class ScheduledUnionDrafter(Drafter):
             else:
                 self.resting.pop(name, None)
 
+    @property
+    def reads_logits(self) -> bool:
+        return any(s.reads_logits for s in self.sources)
+
     def recycle(self, tokens, logits) -> None:
         for s in self.sources:
             s.recycle(tokens, logits)

@@ -183,7 +183,8 @@ class BatchGenerator:
             for r, row in enumerate(new):
                 ids[r, :lens[r]] = torch.tensor(row.ids[:-1])
             pos = torch.arange(max(lens)).repeat(len(new), 1)
-            logits, feats = self._forward(ids, pos, None, fresh, layers)
+            reads = any(row.drafter.reads_logits for row in new)  # else no prompt logits: B x T x V floats
+            logits, feats = self._forward(ids, pos, None, fresh, layers, all_logits=reads)
         for r, row in enumerate(new):
             row.drafter.reset(torch.tensor(row.ids), None if feats is None else feats[r, :lens[r]])
             if logits is not None and lens[r]:  # the prompt's own candidates (Token Recycling)
@@ -211,16 +212,18 @@ class BatchGenerator:
         (one,) = layers
         return None if one is None else list(one)
 
-    def _forward(self, tokens: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache, layers):
-        """One target forward over [B, n] tokens -> (logits [B, n, V], features [B, n, F*D] | None)."""
+    def _forward(self, tokens: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache, layers,
+                 all_logits: bool = True):
+        """One target forward over [B, n] tokens -> (logits [B, n, V] | None when not all_logits, features
+        [B, n, F*D] | None)."""
         dev = self.target.device
         out = self.target.model(input_ids=tokens.to(dev), attention_mask=None if mask is None else mask.to(dev),
-                                position_ids=pos.to(dev),
+                                position_ids=pos.to(dev), logits_to_keep=0 if all_logits else 1,
                                 cache=cache, use_cache=True, output_hidden_states=layers is not None)
         feats = None
         if layers is not None:
             feats = torch.cat([out.hidden_states[i] for i in layers], dim=-1)  # [B, n, F*D]
-        return out.logits, feats
+        return (out.logits if all_logits else None), feats
 
     def _step(self) -> list[_Row]:
         """One speculative step of every live row in ONE target forward; returns the rows that finished."""

@@ -17,8 +17,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from specheads.infer.drafters.plain import NoDrafter
-from specheads.infer.engine.kvcache import keep_accepted, prepare_cache, tree_attention_mask
 from specheads.infer.engine.protocol import DraftContext, Drafter
+from specheads.infer.engine.runner import runner_for
 from specheads.infer.scheduling.step import StepClock, StepReport
 from specheads.infer.tree import DraftTree
 from specheads.infer.verify import VERIFICATIONS, Accepted, SamplingParams, verifier
@@ -175,7 +175,7 @@ class SpeculativeGenerator:
         req = self._request(len(ids), max_new_tokens, SamplingParams(float(temperature), float(top_p), int(top_k or 0)),
                             eos_token_ids, stop_strings, seed, ignore_eos)
         stats = GenerationStats()
-        cache = self._prefill(ids, stats)
+        cache = self._prefill(ids, stats, max_new_tokens)
         new: list[int] = []
         t_gen = time.perf_counter()
         while not stats.stop_reason:
@@ -199,16 +199,15 @@ class SpeculativeGenerator:
                                                 max_depth=room - 1, clock=req.clock))
             tree = tree.truncate_depth(room - 1) if tree.max_depth > room - 1 else tree
         with phase_timer(tm, "tree"):  # each node sees the cached prefix, its ancestors and itself
-            mask = tree_attention_mask(tree, cache, cache_len, target.dtype, target.device)  # [1,1,N,cache_len+N]
-            pos = tree.position_ids(cache_len, device=target.device)  # [1, N]
+            plan = cache.tree_inputs(tree)  # positions cache_len + depth, the tree's mask
         with phase_timer(tm, "target"):  # ONE forward over all N nodes
-            logits, feats = self._forward(tree.tokens, mask, pos, cache)  # [N, V], [N, F*D] | None
+            logits, feats = cache.forward(tree.tokens, plan, drafter.feature_layers)  # [N, V], [N, F*D] | None
         with phase_timer(tm, "verify"):
             # greedy: the longest path equal to the target's argmax, plus the bonus argmax; sampling: recursive
             # rejection (accept child x w.p. min(1, p(x)/q(x)), else go on with the residual). Never sees the drafter
             acc = req.verify(tree, logits)
         with phase_timer(tm, "cache"):  # keep prefix + root + accepted nodes
-            keep_accepted(cache, len(tree), acc.nodes)
+            cache.keep(len(tree), acc.nodes)
         with phase_timer(tm, "draft"):  # the drafter sees the outcome and the accepted nodes' true features
             drafter.recycle(tree.tokens, logits)
             drafter.observe(tree, acc, None if feats is None else feats[acc.nodes])
@@ -233,33 +232,24 @@ class SpeculativeGenerator:
         return Request(max_new_tokens, stops, stop_strings, window, sampling, generator,
                        verifier(self.verification, sampling, generator))
 
-    def _prefill(self, ids: list[int], stats: GenerationStats):
-        """Cache every prompt token but the last (the first root); the drafter gets the cached positions' features."""
-        from transformers import DynamicCache
-
+    def _prefill(self, ids: list[int], stats: GenerationStats, max_new_tokens: int):
+        """Cache every prompt token but the last (the first root); the drafter gets the cached positions' features.
+        Logits are computed only when the drafter reads the prompt's own (Token Recycling): a 262k vocabulary
+        makes them prompt x V x 4 bytes. -> the target runner (engine/runner.py) holding the cache."""
         t = time.perf_counter()
-        cache = DynamicCache(config=self.target.model.config)
-        prepare_cache(cache)
+        runner = runner_for(self.target)
+        runner.reset(len(ids) + max_new_tokens + 64)  # + room for one step's tree (the cache grows if it must)
         feats = logits = None
         if len(ids) > 1:
-            pos = torch.arange(len(ids) - 1, device=self.target.device)[None]
-            logits, feats = self._forward(torch.tensor(ids[:-1]), None, pos, cache)
+            prompt = torch.tensor(ids[:-1])
+            logits, feats = runner.forward(prompt, None, self.drafter.feature_layers,
+                                           "all" if self.drafter.reads_logits else "none")
+            runner.keep(len(ids) - 1, range(len(ids) - 1))
         self.drafter.reset(torch.tensor(ids), feats)
         if logits is not None:  # the prompt's own candidates (Token Recycling)
             self.drafter.recycle(torch.tensor(ids[:-1]), logits)
         stats.prefill_s = time.perf_counter() - t
-        return cache
-
-    def _forward(self, tokens: torch.Tensor, mask, pos, cache):
-        """One target forward of n tokens -> (logits [n, V], the drafter's features [n, F*D] | None)."""
-        layers = self.drafter.feature_layers
-        out = self.target.model(input_ids=tokens[None].to(self.target.device), attention_mask=mask, position_ids=pos,
-                                cache=cache, use_cache=True, output_hidden_states=layers is not None)
-        feats = None
-        if layers is not None:
-            hs = out.hidden_states  # tuple of L+1 [1, n, D]; hs[L] is post-norm (the lm_head input)
-            feats = torch.cat([hs[l][0] for l in layers], dim=-1)  # [n, F*D]
-        return out.logits[0], feats
+        return runner
 
     def _result(self, new: list[int], stats: GenerationStats, t_start: float, t_gen: float) -> GenerationResult:
         now = time.perf_counter()

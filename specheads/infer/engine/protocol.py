@@ -1,6 +1,7 @@
 """The drafter interface the generation loop speaks: a drafter proposes a DraftTree, then observes what the target
 accepted. Verification never asks which drafter proposed.
 
+  reads_logits: bool                 recycle() wants the prompt's logits (else the prefill computes none)
   feature_layers: list[int] | None   target hidden-state layers the drafter needs (docs/architecture.md
                                      "Feature layers"); None = none, the target then skips output_hidden_states
   reset(prompt_ids [T], features [T-1, F*D] | None)   features of the cached prompt positions (all but the root)
@@ -36,6 +37,7 @@ class Drafter:
     """The base drafter drafts nothing: the root alone, i.e. plain decoding."""
     feature_layers: list[int] | None = None
     name = "none"
+    reads_logits = False  # True: `recycle` reads the prompt's logits too (the prefill then computes all V columns)
 
     def reset(self, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None:
         pass

@@ -18,9 +18,10 @@ import time
 from typing import Any, Sequence
 
 import torch
-from transformers import DynamicCache
 
 from specheads.infer.engine.kvcache import new_batch_cache
+from specheads.infer.engine.runner import runner_for
+from specheads.infer.tree import chain_tree
 from specheads.infer.scheduling.costs import cost_drop, isotonic, monotone_surface, surface_drop
 from specheads.runinfo import environment
 from specheads.utils import atomic_write_json, cache_root, read_json
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32)  # tree nodes (root included) timed per verification forward; CPU trees are small
 PROFILE_CONTEXT = 384  # cached tokens during profiling: mid-range of a chat turn (~256-512 tokens)
 PROFILE_REPEATS = 5  # timed forwards per size (the fastest kept: noise from other processes only adds time)
-PROFILE_VERSION = 4  # bump when the measurement changes: cached profiles of older versions are re-measured
+PROFILE_VERSION = 5  # bump when the measurement changes: cached profiles of older versions are re-measured
 PROFILE_ATTEMPTS = 3  # measurements tried until one is clean (see profile_noise); a busy machine gets a warning
 MAX_T1_SPREAD = 1.5  # median / fastest one-token forward above this = another process shared the cores (an idle
 # 2-core machine gives 1.04-1.18, two busy loops beside the profile 4.5)
@@ -43,13 +44,26 @@ def machine_key(target, dtype: torch.dtype | str) -> str:
     dev = str(target.device)
     fp = target.fingerprint()
     raw = "|".join([env["cpu"] or platform.machine(), str(env["gpu"]), str(torch.get_num_threads()), dev,
-                    str(dtype), torch.__version__, str(fp), str(target.num_layers), str(target.hidden_size)])
+                    str(dtype), torch.__version__, str(fp), str(target.num_layers), str(target.hidden_size),
+                    runner_for(target).name])  # the owned and the HF forward have curves of their own
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
 def profile_path(target, dtype) -> "os.PathLike":
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(target.name))[-60:]
     return cache_root() / "profiles" / f"{safe}-{str(dtype).replace('torch.', '')}-{machine_key(target, dtype)}.json"
+
+
+def _time_tree(runner, tree) -> float:
+    """Seconds of one tree forward through the decoding loop's runner; the cache is left as it was."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    runner.forward(tree.tokens, runner.tree_inputs(tree))
+    sync()
+    dt = time.perf_counter() - t
+    runner.keep(len(tree), [])  # nothing kept: back to the profiled context
+    return dt
 
 
 def _time_forward(model, ids, mask, pos, cache) -> float:
@@ -73,23 +87,19 @@ def measure_verify_cost(target, sizes: Sequence[int] = PROFILE_SIZES, context: i
     """Cost of one target forward of n tree nodes (a chain mask) over `context` cached tokens, relative to one
     token: {"relative": {n: t(n)/t(1)}, "relative_raw", "seconds": {n: fastest s}, ...}. Each t(n) is paired with
     a t(1) timed just before it (ratios of side-by-side figures survive a busy machine)."""
-    model = target.model
-    dev, dtype = target.device, target.dtype
     g = torch.Generator().manual_seed(seed)
     vocab = target.vocab_size
     context = _clip_context(target, context, sizes)
-    cache = DynamicCache(config=model.config)
-    prefix = torch.randint(0, vocab, (1, context), generator=g).to(dev)
-    model(input_ids=prefix, position_ids=torch.arange(context, device=dev)[None], cache=cache, use_cache=True)
+    runner = runner_for(target)  # the forward the decoding loop runs (owned or HF)
+    runner.reset(context + max(sizes))
+    prefix = torch.randint(0, vocab, (context,), generator=g)
+    runner.forward(prefix, None, logit_rows="none")
+    runner.keep(context, range(context))
     inputs = {}
     for n in sizes:
-        allowed = torch.ones(n, context + n, dtype=torch.bool, device=dev)
-        allowed[:, context:] = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-        mask = torch.zeros(1, 1, n, context + n, dtype=dtype, device=dev).masked_fill(~allowed[None, None], float("-inf"))
-        ids = torch.randint(0, vocab, (1, n), generator=g).to(dev)
-        pos = torch.arange(context, context + n, device=dev)[None]
-        inputs[n] = (ids, mask, pos)
-        _time_forward(model, ids, mask, pos, cache)  # warm-up per shape
+        ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+        inputs[n] = chain_tree(ids[0], ids[1:])
+        _time_tree(runner, inputs[n])  # warm-up per shape
     # side by side: each t(n) is timed right after a t(1), and the ratio of the pair is kept, so that a slow spell
     # of the machine (other jobs) hits both members of a pair alike; relative = median of the paired ratios
     one = min(sizes)
@@ -97,8 +107,8 @@ def measure_verify_cost(target, sizes: Sequence[int] = PROFILE_SIZES, context: i
     ratios: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(repeats):
         for n in sizes:
-            t_one = _time_forward(model, *inputs[one], cache)
-            t_n = _time_forward(model, *inputs[n], cache) if n != one else t_one
+            t_one = _time_tree(runner, inputs[one])
+            t_n = _time_tree(runner, inputs[n]) if n != one else t_one
             times[one].append(t_one)
             if n != one:
                 times[n].append(t_n)

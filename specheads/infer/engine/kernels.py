@@ -1,0 +1,310 @@
+"""A bf16 matrix-vector kernel for the owned forward on CPUs with AVX512-BF16 (AMD Zen 4+, Intel Cooper Lake+).
+
+Decoding reads every weight once per step for a handful of token rows (one token; a tree of up to ~32 nodes), so a
+step is bound by how fast the weights stream from memory. PyTorch's bf16 `F.linear` reaches 8-12 GB/s for one row on
+2 cores (oneDNN's pointwise path at best; measured by scripts/bench_kernels.py); this kernel streams each weight row
+front to back once for all token rows with AVX512 `vdpbf16ps` dot products in fp32, split over torch's threads by
+output rows: 21 GB/s on one core and 36 GB/s on two for the SmolLM2 weights (scripts/bench_kernels.py).
+
+    y[m, n] = bf16( sum_k x[m, k] * w[n, k] )    accumulated in fp32, rounded to nearest even once
+
+Each y[m, n] is summed in the same order whatever the number of token rows M or threads, so a token verified in a
+tree gets bit for bit the logits it gets decoded alone (bf16 batch invariance; fp32 targets use PyTorch's kernels).
+The C++ is compiled once by torch.utils.cpp_extension into $SPECHEADS_CACHE/kernels (about 20-40 s, a log line
+says so) and reused; without a compiler, ninja or AVX512-BF16, `bf16_linear()` returns None and the forward uses
+`F.linear`. SPECHEADS_KERNELS=off turns it off.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from specheads.utils import cache_root
+
+log = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+
+// MT token rows against one weight row w [K]: per output four fp32 accumulator chains over k (k mod 128 in
+// 32-lane groups; the tail joins the first), added as (a0 + a1) + (a2 + a3), then reduced across lanes. The order
+// is the same for every MT, so an output does not depend on how many token rows share the call. A whole weight
+// row is read front to back, which the hardware prefetcher streams at the memory's speed (interleaving 4-8 rows
+// reached half of it), and each 64-byte load of it serves all MT token rows.
+template <int MT>
+static inline void dot_rows(const uint16_t* w, const uint16_t* x, int64_t K, float* out) {
+  __m512 a[MT][4];
+  for (int i = 0; i < MT; ++i)
+    for (int c = 0; c < 4; ++c) a[i][c] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 128 <= K; k += 128)
+    for (int c = 0; c < 4; ++c) {
+      __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + 32 * c);
+      for (int i = 0; i < MT; ++i)
+        a[i][c] = _mm512_dpbf16_ps(a[i][c], wv, (__m512bh)_mm512_loadu_si512(x + i * K + k + 32 * c));
+    }
+  for (; k < K; k += 32) {
+    __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+    for (int i = 0; i < MT; ++i) a[i][0] = _mm512_dpbf16_ps(a[i][0], wv, (__m512bh)_mm512_loadu_si512(x + i * K + k));
+  }
+  for (int i = 0; i < MT; ++i)
+    out[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[i][0], a[i][1]), _mm512_add_ps(a[i][2], a[i][3])));
+}
+
+// y [M, N] = x [M, K] . w [N, K]^T in bf16, fp32 accumulation; K % 32 == 0 (checked in Python). Threads split the
+// weight rows; each row is streamed once from memory and then read from L1 for the other token rows.
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    float out[4];
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint16_t* wr = wp + n * K;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) {
+        dot_rows<4>(wr, xp + m * K, K, out);
+        for (int i = 0; i < 4; ++i) yp[(m + i) * N + n] = at::BFloat16(out[i]);
+      }
+      for (; m + 2 <= M; m += 2) {
+        dot_rows<2>(wr, xp + m * K, K, out);
+        for (int i = 0; i < 2; ++i) yp[(m + i) * N + n] = at::BFloat16(out[i]);
+      }
+      if (m < M) {
+        dot_rows<1>(wr, xp + m * K, K, out);
+        yp[m * N + n] = at::BFloat16(out[0]);
+      }
+    }
+  });
+  return y;
+}
+"""
+
+_FUSED = r"""
+// The small ops of a bf16 decoder layer, one call each instead of 5-10 PyTorch ops (each ~2-5 us of dispatch on a
+// CPU; 30 layers x ~40 ops were a third of a decode step). Rounding to bf16 happens where HF's bf16 forward rounds.
+static inline float bf(float v) { return static_cast<float>(at::BFloat16(v)); }
+
+// HF LlamaRMSNorm in bf16: w * bf16(x * rsqrt(mean(x^2) + eps)), the statistics in fp32.
+static void rms_rows(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* out, int64_t n, int64_t D,
+                     double eps) {
+  for (int64_t i = 0; i < n; ++i) {
+    const at::BFloat16* r = x + i * D;
+    float ss = 0.f;
+    for (int64_t d = 0; d < D; ++d) { float v = static_cast<float>(r[d]); ss += v * v; }
+    const float inv = 1.f / std::sqrt(ss / D + static_cast<float>(eps));
+    for (int64_t d = 0; d < D; ++d)
+      out[i * D + d] = at::BFloat16(static_cast<float>(w[d]) * bf(static_cast<float>(r[d]) * inv));
+  }
+}
+
+torch::Tensor rms_bf16(torch::Tensor x, torch::Tensor w, double eps) {
+  auto out = torch::empty_like(x);
+  rms_rows(x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), x.size(0),
+           x.size(1), eps);
+  return out;
+}
+
+// x += y (in place, bf16), then the RMSNorm of the new x: the residual add and the next norm in one call.
+torch::Tensor add_rms_bf16(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps) {
+  at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < x.numel(); ++i) xp[i] = at::BFloat16(static_cast<float>(xp[i]) + static_cast<float>(yp[i]));
+  return rms_bf16(x, w, eps);
+}
+
+// gu [n, 2I] = [gate | up] -> bf16(bf16(silu(gate)) * up)
+torch::Tensor silu_mul_bf16(torch::Tensor gu) {
+  const int64_t n = gu.size(0), I = gu.size(1) / 2;
+  auto out = torch::empty({n, I}, gu.options());
+  const at::BFloat16* g = gu.data_ptr<at::BFloat16>();
+  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < I; ++j) {
+      const float a = static_cast<float>(g[i * 2 * I + j]);
+      o[i * I + j] = at::BFloat16(bf(a / (1.f + std::exp(-a))) * static_cast<float>(g[i * 2 * I + I + j]));
+    }
+  return out;
+}
+
+// qkv [n, (H + 2G) hd] bf16, cos / sin [n, hd] bf16: RoPE on q and k as HF computes it in bf16
+// (bf16(bf16(x cos) + bf16(rotate_half(x) sin))); k and v are written as fp32 into the caches kc / vc [G, C, hd] at
+// columns start..start+n; returns q [H, n, hd] fp32 for the attention.
+torch::Tensor rope_write_bf16(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor kc,
+                              torch::Tensor vc, int64_t start, int64_t H, int64_t G) {
+  const int64_t n = qkv.size(0), hd = cos.size(1), half = hd / 2, C = kc.size(1), W = qkv.size(1);
+  auto q = torch::empty({H, n, hd}, kc.options());
+  const at::BFloat16* x = qkv.data_ptr<at::BFloat16>();
+  const at::BFloat16* c = cos.data_ptr<at::BFloat16>();
+  const at::BFloat16* s = sin.data_ptr<at::BFloat16>();
+  float* qp = q.data_ptr<float>();
+  float* kp = kc.data_ptr<float>();
+  float* vp = vc.data_ptr<float>();
+  for (int64_t t = 0; t < n; ++t) {
+    const at::BFloat16* row = x + t * W;
+    for (int64_t h = 0; h < H + G; ++h) {
+      const at::BFloat16* v = row + h * hd;
+      float* dst = h < H ? qp + (h * n + t) * hd : kp + ((h - H) * C + start + t) * hd;
+      for (int64_t d = 0; d < hd; ++d) {
+        const float xv = static_cast<float>(v[d]);
+        const float rv = d < half ? -static_cast<float>(v[d + half]) : static_cast<float>(v[d - half]);
+        const float cs = static_cast<float>(c[t * hd + d]), sn = static_cast<float>(s[t * hd + d]);
+        dst[d] = bf(bf(xv * cs) + bf(rv * sn));
+      }
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < hd; ++d)
+        vp[(g * C + start + t) * hd + d] = static_cast<float>(row[(H + G + g) * hd + d]);
+  }
+  return q;
+}
+
+// e^x in 16 lanes (Cephes' polynomial after x = k ln2 + r, |r| <= ln2 / 2; relative error ~2e-7); -inf -> 0.
+static inline __m512 exp512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.3f);
+  const __mmask16 dead = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_maskz_scalef_ps(~dead, y, k);
+}
+
+// Attention of q [H, n, hd] fp32 over the cache columns [0, end) of kc / vc [G, C, hd] fp32 (query head h reads
+// key / value head h / (H / G)); allowed [n, end] bool (none: every column) -> [n, H hd] bf16; hd % 16 == 0.
+// Softmax in fp32 with the row maximum subtracted. PyTorch's CPU attention costs ~80 us a layer for one query row
+// over 300 keys; this one streams each key and value once per head for all query rows, in 16-lane vectors.
+torch::Tensor attend_bf16(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, int64_t end,
+                          c10::optional<torch::Tensor> allowed, double scale) {
+  const int64_t H = q.size(0), n = q.size(1), hd = q.size(2), G = kc.size(0), C = kc.size(1), rep = H / G;
+  const int64_t L = hd / 16;
+  auto out = torch::empty({n, H * hd}, q.options().dtype(torch::kBFloat16));
+  const float* qp = q.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  const bool* ap = allowed.has_value() ? allowed->data_ptr<bool>() : nullptr;
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  std::vector<float> p(n * end), accb(n * hd), mx(n), sum(n);
+  for (int64_t h = 0; h < H; ++h) {  // keys and values are streamed once per head for all n query rows
+    const float* K = kp + (h / rep) * C * hd;
+    const float* V = vp + (h / rep) * C * hd;
+    const float* Q = qp + h * n * hd;
+    for (int64_t t = 0; t < n; ++t) mx[t] = -INFINITY, sum[t] = 0.f;
+    for (int64_t j = 0; j < end; ++j)
+      for (int64_t t = 0; t < n; ++t) {
+        float& s = p[t * end + j];
+        if (ap && !ap[t * end + j]) { s = -INFINITY; continue; }
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t l = 0; l < L; ++l)
+          a = _mm512_fmadd_ps(_mm512_loadu_ps(Q + t * hd + 16 * l), _mm512_loadu_ps(K + j * hd + 16 * l), a);
+        s = _mm512_reduce_add_ps(a) * static_cast<float>(scale);
+        mx[t] = std::max(mx[t], s);
+      }
+    for (int64_t t = 0; t < n; ++t) {  // p = exp(s - max) in place, 16 lanes at a time; masked columns give 0
+      float* row = p.data() + t * end;
+      const __m512 m = _mm512_set1_ps(mx[t]);
+      __m512 tot = _mm512_setzero_ps();
+      int64_t j = 0;
+      for (; j + 16 <= end; j += 16) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(row + j), m));
+        _mm512_storeu_ps(row + j, e);
+        tot = _mm512_add_ps(tot, e);
+      }
+      sum[t] = _mm512_reduce_add_ps(tot);
+      for (; j < end; ++j) row[j] = row[j] == -INFINITY ? 0.f : std::exp(row[j] - mx[t]), sum[t] += row[j];
+    }
+    std::fill(accb.begin(), accb.end(), 0.f);
+    for (int64_t j = 0; j < end; ++j) {
+      const float* vj = V + j * hd;
+      for (int64_t t = 0; t < n; ++t) {
+        const __m512 ev = _mm512_set1_ps(p[t * end + j]);
+        float* acc = accb.data() + t * hd;
+        for (int64_t l = 0; l < L; ++l)
+          _mm512_storeu_ps(acc + 16 * l, _mm512_fmadd_ps(ev, _mm512_loadu_ps(vj + 16 * l), _mm512_loadu_ps(acc + 16 * l)));
+      }
+    }
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t d = 0; d < hd; ++d) op[t * H * hd + h * hd + d] = at::BFloat16(accb[t * hd + d] / sum[t]);
+  }
+  return out;
+}
+
+"""
+
+_FUSED_DECL = """torch::Tensor rms_bf16(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor add_rms_bf16(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
+torch::Tensor silu_mul_bf16(torch::Tensor gu);
+torch::Tensor rope_write_bf16(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor kc,
+                              torch::Tensor vc, int64_t start, int64_t H, int64_t G);
+torch::Tensor attend_bf16(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, int64_t end,
+                          c10::optional<torch::Tensor> allowed, double scale);
+"""
+FUSED = ("rms_bf16", "add_rms_bf16", "silu_mul_bf16", "rope_write_bf16", "attend_bf16")
+
+_CPP_DECL = "torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w);"
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags and " avx512bw" in flags
+
+
+@functools.lru_cache(maxsize=None)
+def _module():
+    """The compiled extension, or None (no AVX512-BF16, no compiler / ninja, or SPECHEADS_KERNELS=off)."""
+    if os.environ.get("SPECHEADS_KERNELS", "auto").lower() in ("off", "0", "no"):
+        return None
+    if not _cpu_has_avx512_bf16():
+        log.info("bf16 kernel: this CPU has no AVX512-BF16; the owned forward uses PyTorch's bf16 linear")
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        build = cache_root() / "kernels" / f"bf16-v10-torch{torch.__version__.replace('+', '_')}"
+        build.mkdir(parents=True, exist_ok=True)
+        if not any(build.glob("*.so")):
+            log.info("bf16 kernel: compiling once into %s (20-40 s)", build)
+        return cpp_extension.load_inline(
+            name="specheads_bf16_v10", cpp_sources=[_CPP_DECL + _FUSED_DECL + _SOURCE + _FUSED],
+            functions=["linear_bf16", *FUSED],
+            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],  # at::parallel_for is OpenMP pragmas in a header: without it, one thread
+            build_directory=str(build), verbose=False)
+    except Exception as e:  # no compiler, no ninja, headers missing: the forward still runs on PyTorch's kernels
+        log.warning("bf16 kernel: could not be built (%s); the owned forward uses PyTorch's bf16 linear",
+                    str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+        return None
+
+
+def bf16_ops():
+    """The compiled module (`linear_bf16(x [M, K], w [N, K]) -> [M, N]` and the fused layer ops in FUSED), or None
+    where it cannot run."""
+    return _module()
+
+
+MAX_ROWS = 16  # token rows up to which the kernel beats PyTorch's bf16 linear (a tree; a prefill goes to oneDNN)
+
+
+def usable(w: torch.Tensor) -> bool:
+    """Whether the kernel takes weight `w`: bf16, on the CPU, contiguous rows, K a multiple of 32."""
+    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous() and w.shape[-1] % 32 == 0

@@ -1,0 +1,177 @@
+"""The owned forward (infer/engine/owned.py) and its runner: the same numbers as the HF forward on every family it
+claims (fp32: logits and hidden states to rounding noise, over a cache and a tree), greedy output identical to HF
+generate, a clear refusal or fallback elsewhere, and the prefill computing logits only for a drafter that reads them.
+The compiled bf16 kernels (infer/engine/kernels.py) are checked against PyTorch where this CPU has AVX512-BF16."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specheads.infer.drafters import build_drafter
+from specheads.infer.engine import kernels
+from specheads.infer.engine.generate import generate
+from specheads.infer.engine.owned import owned_reason
+from specheads.infer.engine.runner import HFRunner, OwnedRunner, runner_for
+from specheads.infer.engine.protocol import Drafter
+from specheads.infer.tree import tree_from_parents
+from specheads.target import Target, tiny_gemma3_target, tiny_target
+from specheads.utils import SpecheadsError
+
+
+def tiny_family(kind: str, dtype=torch.float32) -> Target:
+    """A random 3-layer target of one owned family (qwen2: q/k/v biases; qwen3: per-head q/k norms)."""
+    if kind == "llama":
+        return tiny_target(num_layers=3, dtype=dtype, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5,
+                           "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 64})
+    import transformers
+
+    cfg_cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+               "mistral": transformers.MistralConfig}[kind]
+    model_cls = {"qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+                 "mistral": transformers.MistralForCausalLM}[kind]
+    torch.manual_seed(0)
+    cfg = cfg_cls(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+                  sliding_window=None, use_sliding_window=False)
+    cfg._attn_implementation = "sdpa"
+    model = model_cls(cfg).to(dtype).eval().requires_grad_(False)
+    if kind == "qwen2":  # random biases: zeros would hide a missing bias add
+        for layer in model.model.layers:
+            for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                m.bias.data.normal_(0, 0.5)
+    return Target(model=model, tokenizer=None, name=f"tiny-{kind}")
+
+
+def hf_logits(target, ids, layers):
+    out = target.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    return out.logits[0], torch.cat([out.hidden_states[l][0] for l in layers], -1)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+def test_owned_forward_equals_hf_over_a_cache_and_a_tree(kind):
+    """Prefill, then a tree (two branches) over the cache: every node's logits and features are what the HF forward
+    gives the same tokens as one causal sequence along that node's path."""
+    t = tiny_family(kind)
+    assert owned_reason(t.model) == ""
+    r = OwnedRunner(t)
+    prompt, layers = [5, 9, 17, 33, 2, 71, 8], [0, 2, 3]
+    r.reset(4)  # smaller than needed: the cache grows
+    logits, feats = r.forward(torch.tensor(prompt), None, layers)
+    ref_logits, ref_feats = hf_logits(t, prompt, layers)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(feats, ref_feats, rtol=1e-5, atol=1e-5)
+    r.keep(len(prompt), range(len(prompt)))
+    tree = tree_from_parents([40, 41, 42, 43, 44], [-1, 0, 1, 0, 3])  # root -> 41 -> 42; root -> 43 -> 44
+    logits, feats = r.forward(tree.tokens, r.tree_inputs(tree), layers)
+    for node in range(len(tree)):
+        path = prompt + [int(tree.tokens[i]) for i in tree.path(node)]
+        ref_logits, ref_feats = hf_logits(t, path, layers)
+        torch.testing.assert_close(logits[node], ref_logits[-1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(feats[node], ref_feats[-1], rtol=1e-5, atol=1e-5)
+    r.keep(len(tree), [0, 3, 4])  # the second branch accepted: its entries move down
+    assert r.length == len(prompt) + 3
+    logits, _ = r.forward(torch.tensor([7]), None)
+    torch.testing.assert_close(logits[0], hf_logits(t, prompt + [40, 43, 44, 7], layers)[0][-1], rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_greedy_generation_is_identical_on_both_engines(kind):
+    """fp32 greedy: plain and a prompt-lookup chain on the owned engine write exactly what HF generate writes."""
+    t = tiny_family(kind)
+    prompt = [5, 6, 7, 8, 9, 10] * 3
+    ref = t.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0)[0, 18:]
+    for engine in ("owned", "hf"):
+        t.engine = engine
+        assert runner_for(t).name == engine
+        for drafter in (None, build_drafter(t, "prompt-lookup", "6")):
+            assert generate(t, drafter, prompt, max_new_tokens=24, ignore_eos=True).ids == ref.tolist()
+
+
+def test_unsupported_architectures_fall_back_or_are_refused():
+    """Gemma 3 (sliding windows, its own norms): auto runs the HF forward; --engine owned says why it cannot."""
+    t = tiny_gemma3_target()
+    assert "gemma3" in owned_reason(t.model)
+    assert isinstance(runner_for(t), HFRunner)
+    t.engine = "owned"
+    with pytest.raises(SpecheadsError, match="--engine owned: target .* cannot run the owned forward: model_type"):
+        runner_for(t)
+    t.engine = "fast"
+    with pytest.raises(SpecheadsError, match="--engine 'fast': expected one of auto, owned, hf"):
+        runner_for(t)
+
+
+def test_adapters_keep_the_hf_forward():
+    """A projection wrapped by an adapter (or hooked) is not a plain Linear: the owned forward would skip it."""
+    t = tiny_target(num_layers=2)
+    t.model.model.layers[1].mlp.down_proj.register_forward_hook(lambda *a: None)
+    assert "not a plain Linear" in owned_reason(t.model)
+
+
+class Recorder(Drafter):
+    def __init__(self, reads: bool):
+        self.reads_logits, self.seen = reads, []
+
+    def recycle(self, tokens, logits):
+        self.seen.append(logits.shape[0])
+
+
+@pytest.mark.parametrize("engine", ["owned", "hf"])
+def test_prefill_computes_logits_only_for_a_drafter_that_reads_them(engine):
+    t = tiny_target()
+    t.engine = engine
+    prompt = list(range(3, 40))
+    for reads in (False, True):
+        d = Recorder(reads)
+        generate(t, d, prompt, max_new_tokens=3, ignore_eos=True)
+        # the prompt's rows reach recycle only when asked for; every step's tree (one node here) always does
+        assert d.seen == ([len(prompt) - 1] if reads else []) + [1, 1, 1]
+
+
+needs_kernels = pytest.mark.skipif(kernels.bf16_ops() is None, reason="no AVX512-BF16 or no compiler here")
+
+
+@needs_kernels
+def test_bf16_linear_matches_pytorch_and_does_not_depend_on_the_rows():
+    ops = kernels.bf16_ops()
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(203, 96, generator=g).bfloat16()
+    x = torch.randn(13, 96, generator=g).bfloat16()
+    y = ops.linear_bf16(x, w)
+    ref = x.float() @ w.float().t()
+    assert ((y.float() - ref).abs() <= 0.01 * ref.abs() + 0.02).all()
+    for m in (1, 2, 5, 8):  # the same row alone or among others: bit for bit
+        assert torch.equal(ops.linear_bf16(x[:m], w), y[:m])
+
+
+@needs_kernels
+def test_compiled_attention_matches_pytorch():
+    ops = kernels.bf16_ops()
+    g = torch.Generator().manual_seed(1)
+    kc, vc = torch.randn(2, 64, 32, generator=g), torch.randn(2, 64, 32, generator=g)
+    for n, S in ((1, 40), (5, 37)):
+        q = torch.randn(4, n, 32, generator=g)
+        allowed = torch.rand(n, S, generator=g) > 0.3
+        allowed[:, 0] = True
+        for mask in ((None,) if n == 1 else (allowed,)):
+            ref = F.scaled_dot_product_attention(q[None], kc[:, :S][None], vc[:, :S][None], attn_mask=mask,
+                                                 scale=32 ** -0.5, enable_gqa=True)[0].transpose(0, 1).reshape(n, -1)
+            out = ops.attend_bf16(q, kc, vc, S, mask, 32 ** -0.5).float()
+            torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
+
+
+@needs_kernels
+def test_bf16_owned_forward_tracks_hf_bf16():
+    """bf16 is not bit-exact with HF's (other kernels round otherwise), but the logits agree to bf16 noise."""
+    t = tiny_target(num_layers=3, hidden_size=64, dtype=torch.bfloat16)
+    r = OwnedRunner(t)
+    assert r.model.fused
+    prompt = [5, 9, 17, 33, 2, 71, 8, 90, 14]
+    r.reset(16)
+    r.forward(torch.tensor(prompt[:-1]), None, logit_rows="none")
+    r.keep(len(prompt) - 1, range(len(prompt) - 1))
+    logits, _ = r.forward(torch.tensor(prompt[-1:]), None)
+    ref = t.model(input_ids=torch.tensor([prompt])).logits[0, -1]
+    assert (logits[0].float() - ref.float()).abs().max() < 0.05 * ref.float().abs().max()
