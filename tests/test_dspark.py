@@ -579,6 +579,7 @@ def test_speculators_package_loads_and_runs_our_export(tiny, tmp_path, kw):
     diffs = got.pop("max_abs_diff")
     kind = "dflash" if not head.spec.confidence_head and head.spec.markov_rank == 0 else "dspark"
     assert got["class"] == {"dspark": "DSparkDraftModel", "dflash": "DFlashDraftModel"}[kind]
+    assert got["embed_is_verifier"]  # its load_verifier_weights overwrites the embedding (dflash/core.py)
     assert got["block_size"] == 4 and got["anchors"] == 4 and got["aux_ids"] == [1, 2, 3]
     assert got["sample_from_anchor"] == head.spec.sample_from_anchor and got["verifier"] == str(tmp_path / "verifier")
     assert set(diffs) == ({"logits", "targets", "conf"} if conf is not None else {"logits", "targets"})

@@ -195,7 +195,7 @@ def test_speculators_export_carries_both_and_imports_back(tiny, tmp_path):
     before); fc_norm.{i} renumbered in ascending layer order with fc's blocks; the import is the same head."""
     head = _head(tiny, **ON)
     head.save_pretrained(tmp_path / "h")
-    export_head(tmp_path / "h", "speculators", tmp_path / "s", consumers=["speculators"])
+    export_head(tmp_path / "h", "speculators", tmp_path / "s", consumers=["speculators"], target=tiny)
     cfg = json.loads((tmp_path / "s" / "config.json").read_text())
     sd = load_file(str(tmp_path / "s" / "model.safetensors"))
     assert cfg["fc_norm"] is True and cfg["norm_output"] is True and cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
@@ -209,7 +209,7 @@ def test_speculators_export_carries_both_and_imports_back(tiny, tmp_path):
         for a, b in zip(head(f, x, steps=2), back(theirs, x, steps=2)):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     _head(tiny).save_pretrained(tmp_path / "plain")
-    export_head(tmp_path / "plain", "speculators", tmp_path / "sp")
+    export_head(tmp_path / "plain", "speculators", tmp_path / "sp", target=tiny)
     plain = json.loads((tmp_path / "sp" / "config.json").read_text())
     assert "fc_norm" not in plain and "norm_output" not in plain
     assert not any(k.startswith("fc_norm") for k in load_file(str(tmp_path / "sp" / "model.safetensors")))
@@ -237,7 +237,7 @@ def test_formats_that_cannot_carry_it_refuse_in_one_line(tiny, tmp_path, switche
     assert eagle31_problems("eagle3", "vllm", _head(tiny, feature_layers=[1, 2, 3]).config) == []
     # a speculators export for its default consumers names vLLM's loader, which builds neither switch
     with pytest.raises(SpecheadsError, match=r"--format speculators: .*\(vllm\): this head is EAGLE-3.1 .*--consumer"):
-        export_head(tmp_path / "h", "speculators", tmp_path / "s")
+        export_head(tmp_path / "h", "speculators", tmp_path / "s", target=tiny)
     assert not (tmp_path / "s").exists()
 
 
@@ -258,7 +258,7 @@ def test_speculators_package_loads_and_runs_the_eagle31_export(tmp_path):
     head = _head(target, feature_layers=layers, **ON)
     head.save_pretrained(tmp_path / "h")
     export_head(tmp_path / "h", "speculators", tmp_path / "s", verifier_name_or_path=str(tmp_path / "verifier"),
-                consumers=["speculators"])
+                consumers=["speculators"], target=target)
     g = torch.Generator().manual_seed(5)
     blocks = {i: torch.randn(1, 12, D, generator=g) for i in layers}
     toks = torch.randint(0, V, (1, 12), generator=g)
@@ -266,7 +266,7 @@ def test_speculators_package_loads_and_runs_the_eagle31_export(tmp_path):
         logits = head(torch.cat([blocks[i] for i in layers], -1), toks, steps=3)
     out = run_speculators_load(tmp_path / "s", torch.cat([blocks[i] for i in sorted(layers)], -1), toks, logits,
                                tmp_path)
-    assert out["ok"] and out["aux_ids"] == sorted(layers) and out["steps"] == 3
+    assert out["ok"] and out["embed_is_verifier"] and out["aux_ids"] == sorted(layers) and out["steps"] == 3
     assert out["checked"] == len(load_file(str(tmp_path / "s" / "model.safetensors")))
     assert max(out["max_abs_diff"]) < 1e-4, out["max_abs_diff"]
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)}

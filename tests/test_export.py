@@ -95,7 +95,7 @@ CASES = [
 @pytest.mark.parametrize("fmt,spec", CASES, ids=[f"{f}-{i}" for i, (f, _) in enumerate(CASES)])
 def test_round_trip_bit_exact(tiny, tmp_path, fmt, spec):
     head = _trained(spec, tiny, tmp_path)
-    export_head(tmp_path / "h", fmt, tmp_path / "out")
+    export_head(tmp_path / "h", fmt, tmp_path / "out", target=tiny)
     back = import_head(tmp_path / "out", tiny)
     assert type(back) is type(head) and back.config.feature_layers == head.config.feature_layers
     assert back.spec.resolved_bias() == head.spec.resolved_bias()
@@ -222,17 +222,21 @@ def test_tied_target_exports_untied_draft(tmp_path, fmt, spec):
     """SGLang's LlamaForCausalLMEagle (llama_eagle.py @3b64d5de) makes `lm_head = model.embed_tokens` when the
     draft config says `tie_word_embeddings`; its EAGLE worker then calls set_embed_and_head (llama.py), which
     deletes `model.embed_tokens.weight` and then `lm_head.weight`, the same module's, and fails before drafting.
-    The draft carries neither (the engine hands it the target's), so every export says false, whatever the
-    target's config (copied into the `eagle` layouts) says."""
+    Every export says false, whatever the target's config (copied into the `eagle` layouts) says; the speculators
+    export carries the target's embedding as its own tensor (speculators reads it from the checkpoint), the others
+    none (the engine hands the draft the target's)."""
     target = _tied_target()
     assert target.text_config.to_dict()["tie_word_embeddings"] is True
     _trained(spec, target, tmp_path)
     assert json.loads((tmp_path / "h" / "config.json").read_text())["target_config"]["tie_word_embeddings"] is True
-    export_head(tmp_path / "h", fmt, tmp_path / fmt)
+    export_head(tmp_path / "h", fmt, tmp_path / fmt, target=target)
     cfg, sd = _exported(tmp_path / fmt)
     layer = cfg.get("transformer_layer_config", cfg)
     assert cfg.get("tie_word_embeddings", False) is False and layer["tie_word_embeddings"] is False
-    assert "embed_tokens.weight" not in sd
+    if fmt == "speculators":
+        assert torch.equal(sd["embed_tokens.weight"], target.embed_tokens.weight)
+    else:
+        assert "embed_tokens.weight" not in sd
 
 
 # ------------------------------------------------------------------------------------------------ EAGLE-3 readers
@@ -449,10 +453,20 @@ def test_speculators_config_fields(tiny, tmp_path):
     """speculators' Eagle3SpeculatorConfig fields (.venv-speculators, speculators/models/eagle3/config.py) and what
     vLLM's speculators path takes from them (vllm@cfb173ab, vllm/transformers_utils/configs/speculators/algos.py
     update_eagle3: draft_vocab_size, target_hidden_size if not None, norm_before_residual with default TRUE, so ours
-    is written false; eagle_aux_hidden_state_layer_ids as given, our convention)."""
+    is written false; eagle_aux_hidden_state_layer_ids as given, our convention). embed_tokens.weight is the
+    target's, in the head's dtype: speculators' _load_verifier_weights (model.py) fills the draft's embedding from the
+    verifier only where it is NaN, and after from_pretrained a tensor the file lacks is not; without --target the
+    export is refused in one line."""
+    from specheads.target import tiny_target
+
     _trained(HeadSpec(kind="eagle3", draft_vocab_size=100, feature_layers=[1, 2, 3]), tiny, tmp_path)
+    with pytest.raises(SpecheadsError, match=r"--format speculators: .* needs --target .*embed_tokens.weight"):
+        export_head(tmp_path / "h", "speculators", tmp_path / "s")
+    with pytest.raises(SpecheadsError, match="head was trained for target 'tiny-llama-0' but the target given"):
+        export_head(tmp_path / "h", "speculators", tmp_path / "s", target=tiny_target(seed=1))
+    assert not (tmp_path / "s").exists()
     export_head(tmp_path / "h", "speculators", tmp_path / "s", verifier_name_or_path="org/verifier",
-                speculative_tokens=5)
+                speculative_tokens=5, target=tiny)
     cfg, sd = _exported(tmp_path / "s")
     assert cfg["speculators_model_type"] == "eagle3" and cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert cfg["norm_before_residual"] is False and cfg["target_hidden_size"] is None and cfg["draft_vocab_size"] == 100
@@ -463,6 +477,7 @@ def test_speculators_config_fields(tiny, tmp_path):
     assert cfg["transformer_layer_config"]["model_type"] == "llama"
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "layers.0.hidden_norm.weight"} <= set(sd)
     assert not any(k.startswith("midlayer.") for k in sd)
+    assert torch.equal(sd["embed_tokens.weight"], tiny.embed_tokens.weight)
 
 
 def test_verifier_is_named_in_every_export_and_the_bundled_target_said(tiny, tmp_path):
@@ -477,11 +492,12 @@ def test_verifier_is_named_in_every_export_and_the_bundled_target_said(tiny, tmp
     c["target_name"] = "smollm2-135m"
     cpath.write_text(json.dumps(c))
     for fmt in ("eagle3", "speculators"):
-        export_head(tmp_path / "h", fmt, tmp_path / fmt)
+        export_head(tmp_path / "h", fmt, tmp_path / fmt, target=tiny)
         cfg = _exported(tmp_path / fmt)[0]
         assert cfg["specheads"]["verifier"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
         assert "Q4_1 GGUF" in cfg["specheads"]["verifier_note"] and "dequantised" in cfg["specheads"]["verifier_note"]
-        export_head(tmp_path / "h", fmt, tmp_path / f"{fmt}-x", verifier_name_or_path="org/exact-verifier")
+        export_head(tmp_path / "h", fmt, tmp_path / f"{fmt}-x", verifier_name_or_path="org/exact-verifier",
+                    target=tiny)
         cfg = _exported(tmp_path / f"{fmt}-x")[0]
         assert cfg["specheads"]["verifier"] == "org/exact-verifier"
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/exact-verifier"
@@ -632,7 +648,12 @@ def test_cli_export_and_import(tiny, tmp_path, capsys, monkeypatch):
     assert "(vllm): its fc has no bias" in capsys.readouterr().err
     assert cli.main(["export", "--head", str(tmp_path / "b"), "--format", "eagle3", "--out", str(tmp_path / "z"),
                      "--consumer", "sglang"]) == 0
-    monkeypatch.setattr("specheads.target.load_target", lambda name, dtype="float32", **kw: tiny)
+    loaded = []
+    monkeypatch.setattr("specheads.target.load_target", lambda name, dtype="float32", **kw: loaded.append(name) or tiny)
+    # speculators writes the target's embedding: without --target the head's recorded target is loaded
+    assert cli.main(["export", "--head", str(tmp_path / "h"), "--format", "speculators", "--out",
+                     str(tmp_path / "sp")]) == 0
+    assert loaded == ["tiny-llama-0"] and "embed_tokens.weight" in _exported(tmp_path / "sp")[1]
     assert cli.main(["export", "--import", str(tmp_path / "o"), "--target", "tiny", "--out", str(tmp_path / "n")]) == 0
     _same_state(load_head(tmp_path / "h", tiny), load_head(tmp_path / "n", tiny))
     assert cli.main(["export", "--import", str(tmp_path / "o"), "--out", str(tmp_path / "n2")]) == 2
@@ -645,18 +666,21 @@ def _permuted_features(ids, g, T):
 
 
 @pytest.mark.skipif(not SPEC_PY.exists(), reason="no .venv-speculators (run scripts/setup_speculators_venv.sh)")
-@pytest.mark.parametrize("layers,L,draft_vocab", [([1, 2, 3], 4, 100), ([6, 1, 3], 8, None)],
+@pytest.mark.parametrize("layers,L,draft_vocab,vocab", [([1, 2, 3], 4, 100, V), ([6, 1, 3], 8, None, 16384)],
                          ids=["default-layers", "non-default-unsorted"])
-def test_speculators_package_loads_and_runs_our_export(tmp_path, layers, L, draft_vocab):
-    """The real consumer: speculators' own config and model classes load the export (every weight equal), and its own
-    EAGLE-3 TTT forward, fed the aux states in ascending layer order as vLLM captures them, gives our per-step logits
-    (same layer semantics, mask, positions up to a RoPE-invariant shift, d2t/t2d buffers, fc block order)."""
+def test_speculators_package_loads_and_runs_our_export(tmp_path, layers, L, draft_vocab, vocab):
+    """The real consumer: speculators' own config and model classes load the export as shipped (every weight equal,
+    the token embedding the verifier's: nothing filled in by hand), and its own EAGLE-3 TTT forward, fed the aux states in ascending layer order as vLLM captures them, gives our per-step logits
+    (same layer semantics, mask, positions up to a RoPE-invariant shift, d2t/t2d buffers, fc block order). The
+    second case has a 16384-token vocabulary: an embedding that size which the file lacked would come out of
+    from_pretrained as zeros (fresh pages), as issue 38 saw with SmolLM2, not as the NaN speculators fills."""
     from specheads.target import tiny_target
 
-    target = tiny_target(num_layers=L, rope_parameters=dict(ROPE))
+    target = tiny_target(num_layers=L, vocab_size=vocab, rope_parameters=dict(ROPE))
     target.model.save_pretrained(tmp_path / "verifier")  # speculators reads the verifier config and its embedding
     head = _trained(HeadSpec(kind="eagle3", draft_vocab_size=draft_vocab, feature_layers=layers), target, tmp_path)
-    export_head(tmp_path / "h", "speculators", tmp_path / "s", verifier_name_or_path=str(tmp_path / "verifier"))
+    export_head(tmp_path / "h", "speculators", tmp_path / "s", verifier_name_or_path=str(tmp_path / "verifier"),
+                target=target)
     g = torch.Generator().manual_seed(5)
     ours, theirs = _permuted_features(layers, g, 12)
     toks = torch.randint(0, V, (1, 12), generator=g)
@@ -664,8 +688,9 @@ def test_speculators_package_loads_and_runs_our_export(tmp_path, layers, L, draf
         logits = head(ours, toks, steps=3)
     out = run_speculators_load(tmp_path / "s", theirs, toks, logits, tmp_path)
     diffs = out.pop("max_abs_diff")
-    assert out == {"ok": True, "checked": len(load_file(str(tmp_path / "s" / "model.safetensors"))),
-                   "draft_vocab_size": draft_vocab or V, "aux_ids": sorted(layers), "class": "Eagle3DraftModel",
+    assert out == {"ok": True, "embed_is_verifier": True,
+                   "checked": len(load_file(str(tmp_path / "s" / "model.safetensors"))),
+                   "draft_vocab_size": draft_vocab or vocab, "aux_ids": sorted(layers), "class": "Eagle3DraftModel",
                    "verifier": str(tmp_path / "verifier"), "steps": 3}
     assert max(diffs) < 1e-4, diffs
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 from specheads.heads.export_guards import GGUF_FILES, OWN_FILES, written_format  # noqa: F401 (their old home)
 from specheads.utils import SpecheadsError, atomic_dir
@@ -41,8 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replace --out even when it holds other files or another head's export (never a folder the "
                         "command reads)")
     p.add_argument("--target", default=None,
-                   help="target (alias, folder, hub id or .gguf): required with --import, and to export a Medusa head "
-                        "with the shared lm_head as medusa-vllm")
+                   help="target (alias, folder, hub id or .gguf): required with --import; an export that writes the "
+                        "target's tensors (speculators for EAGLE-3 / P-EAGLE: its token embedding; medusa-vllm for a "
+                        "head sharing its lm_head) loads the head's recorded target when not given")
     p.add_argument("--dtype", default="float32", help="target dtype when --target is loaded (default float32)")
     p.add_argument("--verifier", default=None,
                    help="the verifier model the export names (every format; speculators also in its "
@@ -90,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace, out) -> int:
     """Write the export (or the import) into `out`, the staged folder that becomes --out."""
-    from specheads.heads.export import export_head, import_head
+    from specheads.heads.base import read_head_config
+    from specheads.heads.export import export_head, import_head, needs_target
     from specheads.heads.export_guards import verify_head, warn_other_target
     from specheads.target import load_target
 
@@ -103,6 +106,11 @@ def _export(args: argparse.Namespace, out) -> int:
         print(f"exported {args.head} as gguf -> {args.out}")
         return 0
     target = load_target(args.target, dtype=args.dtype) if args.target else None
+    if args.head and target is None and needs_target(args.head, args.format):
+        name = read_head_config(Path(args.head)).target_name
+        log.info("loading the head's target %r: --format %s writes its tensors (give --target to name another "
+                 "copy of it)", name, args.format)
+        target = load_target(name, dtype=args.dtype)
     if args.import_dir:
         if target is None:
             raise SpecheadsError("--import: needs --target (the head is checked against it and bound to it)")

@@ -49,7 +49,9 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target=None
                 consumers: list[str] | None = None) -> Path:
     """Write the native head folder `head_dir` in layout `fmt` to `out_dir` (atomically).
 
-    `target` is needed only for medusa-vllm with the shared lm_head (vLLM wants one projection per head).
+    `target` (checked against the head's fingerprint) is needed where the export writes the target's tensors
+    (`needs_target`): speculators for EAGLE-3 / P-EAGLE heads (the token embedding speculators reads from the
+    checkpoint) and medusa-vllm with the shared lm_head (vLLM wants one projection per head).
     `verifier_name_or_path`: the verifier model written into the export (default: the head's target, our aliases
     as their hub id). `consumers`: the readers to check the head against (default: the format's engines,
     `consumers_of(fmt, default_only=True)`); one that cannot read it is an error naming it and the reason.
@@ -93,6 +95,18 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target=None
         write_safetensors(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt", "specheads_export": fmt})
     log.info("exported %s head %s as %s to %s (%d tensors)", cfg.kind, head_dir, fmt, out_dir, len(tensors))
     return Path(out_dir)
+
+
+def needs_target(head_dir: str | Path, fmt: str) -> bool:
+    """Whether exporting `head_dir` as `fmt` writes tensors of the target: its token embedding in speculators'
+    EAGLE-3 / P-EAGLE layout (export/common.py target_embedding), its lm_head rows for a Medusa head that shares it
+    (export/medusa.py). `specheads export` then loads the head's own target when --target is not given."""
+    if fmt not in ("speculators", "medusa-vllm"):
+        return False
+    cfg = read_head_config(Path(head_dir))
+    if fmt == "speculators":
+        return cfg.kind in ("eagle3", "peagle")
+    return cfg.kind == "medusa" and cfg.head_spec.medusa_lm_head == "shared"
 
 
 def detect_format(src: Path, config: dict) -> str:
