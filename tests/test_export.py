@@ -482,7 +482,9 @@ def test_speculators_config_fields(tiny, tmp_path):
 
 def test_verifier_is_named_in_every_export_and_the_bundled_target_said(tiny, tmp_path):
     """The verifier an export names: the head's target (our aliases as their hub id) or the one the user gives
-    (--verifier, every format). A head trained on the bundled smollm2-135m, the Q4_1 GGUF dequantised, says so."""
+    (--verifier, every format). A head trained on the bundled smollm2-135m, the Q4_1 GGUF dequantised, says so,
+    unless --verifier is a local copy of that exact target (its embedding and lm_head give the head's fingerprint:
+    the GGUF converted for the engine, as docs/exports.md advises)."""
     _trained(HeadSpec(kind="eagle3"), tiny, tmp_path)
     cpath = tmp_path / "h" / "config.json"
     export_head(tmp_path / "h", "eagle3", tmp_path / "own")
@@ -491,16 +493,21 @@ def test_verifier_is_named_in_every_export_and_the_bundled_target_said(tiny, tmp
     c = json.loads(cpath.read_text())
     c["target_name"] = "smollm2-135m"
     cpath.write_text(json.dumps(c))
+    tiny.model.save_pretrained(tmp_path / "exact")  # the head's very target, saved for an engine
+    from specheads.target import tiny_target
+
+    tiny_target(seed=1).model.save_pretrained(tmp_path / "other")  # a relative: same shapes, other weights
     for fmt in ("eagle3", "speculators"):
         export_head(tmp_path / "h", fmt, tmp_path / fmt, target=tiny)
         cfg = _exported(tmp_path / fmt)[0]
         assert cfg["specheads"]["verifier"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
         assert "Q4_1 GGUF" in cfg["specheads"]["verifier_note"] and "dequantised" in cfg["specheads"]["verifier_note"]
-        export_head(tmp_path / "h", fmt, tmp_path / f"{fmt}-x", verifier_name_or_path="org/exact-verifier",
-                    target=tiny)
-        cfg = _exported(tmp_path / f"{fmt}-x")[0]
-        assert cfg["specheads"]["verifier"] == "org/exact-verifier"
-    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/exact-verifier"
+        for verifier, noted in (("org/other-verifier", True), (tmp_path / "other", True), (tmp_path / "exact", False)):
+            export_head(tmp_path / "h", fmt, tmp_path / f"{fmt}-x", verifier_name_or_path=str(verifier), target=tiny)
+            cfg = _exported(tmp_path / f"{fmt}-x")[0]
+            assert cfg["specheads"]["verifier"] == str(verifier)
+            assert ("verifier_note" in cfg["specheads"]) is noted, (fmt, verifier)
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(tmp_path / "exact")
 
 
 class _RepoResBlock(torch.nn.Module):

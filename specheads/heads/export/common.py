@@ -8,9 +8,13 @@
 """
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from specheads.heads.base import HeadConfig, check_target
 from specheads.utils import SpecheadsError
@@ -28,9 +32,50 @@ _ATTENTION_BIAS = re.compile(r"(layers\.\d+|midlayer)\.self_attn\.[qkvo]_proj\.b
 
 def resolve_verifier(cfg: HeadConfig, verifier_name_or_path: str | None) -> tuple[str, str | None]:
     """(the verifier named in the export, a note when the head's target is a bundled alias whose weights are not
-    the hub model's). Default verifier: the head's target, our aliases mapped to their hub id."""
-    return (verifier_name_or_path or HUB_IDS.get(cfg.target_name, cfg.target_name),
-            BUNDLED_TARGETS.get(cfg.target_name))
+    the hub model's and --verifier does not name that exact target). Default verifier: the head's target, our
+    aliases mapped to their hub id."""
+    note = BUNDLED_TARGETS.get(cfg.target_name)
+    if note and verifier_name_or_path and is_head_target(cfg, verifier_name_or_path):
+        note = None  # the engine verifies with the very weights the head was trained on
+    return verifier_name_or_path or HUB_IDS.get(cfg.target_name, cfg.target_name), note
+
+
+def is_head_target(cfg: HeadConfig, path: str) -> bool:
+    """Whether the local `path` holds the exact target the head was trained on: the alias's own GGUF file, or a
+    folder whose safetensors embedding and lm_head give the head's recorded fingerprint (the GGUF converted for an
+    engine, as docs/exports.md advises). Hub ids and anything unreadable: False (the note stays)."""
+    from specheads.assets import TARGET_ALIASES
+    from specheads.target import target_fingerprint
+
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        try:
+            own = Path(TARGET_ALIASES[cfg.target_name]())
+            return os.path.samefile(p, own) or _sha256(p) == _sha256(own)
+        except (KeyError, OSError, SpecheadsError):
+            return False
+    if not p.is_dir():
+        return False
+    found = {}
+    for f in sorted(p.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():
+                    if k.endswith("embed_tokens.weight") or k == "lm_head.weight":
+                        found.setdefault("lm_head" if k == "lm_head.weight" else "embed", st.get_tensor(k))
+        except Exception:  # not a readable safetensors file: not provably the target
+            return False
+    if "embed" not in found:
+        return False
+    return target_fingerprint(found["embed"], found.get("lm_head", found["embed"])) == cfg.fingerprint
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def check_keys(tensors: dict, required: list[str], where: str) -> None:
