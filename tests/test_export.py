@@ -88,7 +88,7 @@ CASES = [
     ("speculators", HeadSpec(kind="eagle3", draft_vocab_size=100, feature_layers=[1, 2, 3])),
     ("speculators", HeadSpec(kind="eagle3")),
     ("medusa-vllm", HeadSpec(kind="medusa", num_heads=3, num_layers=2, medusa_lm_head="per_head")),
-    ("medusa-vllm", HeadSpec(kind="medusa", num_heads=2, medusa_lm_head="per_head", draft_vocab_size=50)),
+    ("medusa-vllm", HeadSpec(kind="medusa", num_heads=2, draft_vocab_size=50)),
 ]
 
 
@@ -384,69 +384,100 @@ def test_training_defaults_export_everywhere():
 
 
 def test_medusa_shared_exports_target_rows(tiny, tmp_path):
+    """A head sharing the target's lm_head over a draft vocabulary: original_lm_head true, the target's full lm_head
+    once as lm_heads.0 (vLLM slices it to token_map), token_map the absolute ids; read back as the same shared head."""
     head = _trained(HeadSpec(kind="medusa", num_heads=2, draft_vocab_size=40), tiny, tmp_path)
     with pytest.raises(SpecheadsError, match="--target"):
         export_head(tmp_path / "h", "medusa-vllm", tmp_path / "out")
     export_head(tmp_path / "h", "medusa-vllm", tmp_path / "out", target=tiny)
-    sd = load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert torch.equal(sd["lm_heads.1.weight"], tiny.lm_head.weight[head.d2t])
+    cfg, sd = _exported(tmp_path / "out")
+    assert cfg["original_lm_head"] is True and cfg["truncated_vocab_size"] == 40
+    assert torch.equal(sd["lm_heads.0.weight"], tiny.lm_head.weight) and "lm_heads.1.weight" not in sd
     assert torch.equal(sd["token_map"], head.d2t)  # vLLM's token_map holds absolute target ids
     back = import_head(tmp_path / "out", tiny)
-    assert back.spec.medusa_lm_head == "per_head"
+    assert back.spec.medusa_lm_head == "shared" and torch.equal(back.d2t, head.d2t)
     h = torch.randn(1, 5, D)
     torch.testing.assert_close(back(h), head(h))
 
 
+def test_medusa_own_projections_over_a_draft_vocab_refused_for_vllm(tiny, tmp_path):
+    """vLLM 0.12-0.32 build every lm_heads.{h} over the full vocabulary and read a draft vocabulary only through
+    original_lm_head (one projection for all heads): per-head projections over V' fit no layout; 0.33 removed
+    Medusa. One line, nothing written; the same head over the full vocabulary exports."""
+    _trained(HeadSpec(kind="medusa", num_heads=2, medusa_lm_head="per_head", draft_vocab_size=50), tiny, tmp_path)
+    with pytest.raises(SpecheadsError, match=r"--format medusa-vllm: .*vLLM's Medusa \(vllm\): vLLM 0.12-0.32 build "
+                                             r".*head.medusa_lm_head per_head.*50-token draft vocabulary.*no "
+                                             r"medusa-vllm consumer reads this head") as e:
+        export_head(tmp_path / "h", "medusa-vllm", tmp_path / "x")
+    assert "\n" not in str(e.value) and not (tmp_path / "x").exists()
+    _trained(HeadSpec(kind="medusa", num_heads=2, medusa_lm_head="per_head"), tiny, tmp_path, "full")
+    export_head(tmp_path / "full", "medusa-vllm", tmp_path / "y")
+
+
+VLLM_MEDUSA = ("0.11", "0.32")  # vllm@09cddad8 (the last layout with V'-row heads) and the 0.32.0 wheel (the last)
+
+
+def _vllm_medusa(cfg: dict, sd: dict, version: str):
+    """vLLM's Medusa as it builds itself from our config and loads our file (vllm/model_executor/models/medusa.py,
+    vllm@09cddad8 = 0.11 and the vllm 0.32.0 release wheel): ResidualBlock = num_hidden_layers x (x + SiLU(Linear(x,
+    bias=medusa_fc_bias))); with original_lm_head ONE lm_head of truncated_vocab_size rows for every head, loaded from
+    lm_heads.0.weight; else lm_heads.{h} of truncated_vocab_size rows (0.11) or vocab_size rows (0.32); token_map
+    read only when truncated_vocab_size < vocab_size; an lm weight with more rows than token_map is sliced to its
+    rows; ParallelLMHead's weight_loader asserts the rows; weights by name after stripping "medusa_heads."; the
+    logits cut to truncated_vocab_size and scattered into token_map (-inf elsewhere). -> (heads, lms, token_map)."""
+    K, n, Vfull, Vt = cfg["num_heads"], cfg["num_hidden_layers"], cfg["vocab_size"], cfg["truncated_vocab_size"]
+    one = cfg.get("original_lm_head", False)
+    rows = Vt if one or version == "0.11" else Vfull
+    weights = {k.replace("medusa_heads.", ""): v for k, v in sd.items()}
+    token_map = weights.pop("token_map") if Vt < Vfull else None
+    assert Vt == Vfull or token_map is not None  # vLLM's own assert at the end of load_weights
+    blocks = torch.nn.ModuleList(torch.nn.ModuleList(torch.nn.Linear(D, D, bias=cfg.get("medusa_fc_bias", False))
+                                                     for _ in range(n)) for _ in range(K))
+    for h in range(K):
+        for l in range(n):
+            for p in ("weight", "bias") if cfg.get("medusa_fc_bias", False) else ("weight",):
+                getattr(blocks[h][l], p).data.copy_(weights[f"blocks.{h}.layers.{l}.{p}"])
+    lms = []
+    for h in range(1 if one else K):
+        w = weights[f"lm_heads.{h}.weight"]
+        if token_map is not None and w.shape[0] > token_map.shape[0]:
+            w = w[token_map]
+        assert w.shape[0] == rows, f"vLLM {version}: lm_heads.{h} has {w.shape[0]} rows, its lm_head {rows}"
+        lms.append(w)
+    return blocks, (lms * K if one else lms), token_map
+
+
+@pytest.mark.parametrize("version", VLLM_MEDUSA)
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-draft-vocab", "per-head"])
-def test_medusa_vllm_read_by_vllm(tiny, tmp_path, shared):
-    """vLLM Medusa (vllm-project/vllm@09cddad8, vllm/model_executor/models/medusa.py; MedusaConfig @4bb77b32,
-    vllm/transformers_utils/configs/medusa.py): from_pretrained renames every key holding "num" and "heads" to
-    num_heads and "num" and "layers" to num_hidden_layers (so no other such key may appear); ResidualBlock =
-    num_hidden_layers x (x + SiLU(Linear(x, bias=medusa_fc_bias))); lm_heads.{h} with truncated_vocab_size rows;
-    token_map read only when truncated_vocab_size < vocab_size and the logits scattered into it (absolute target
-    ids), -inf elsewhere; weights by name after stripping "medusa_heads."."""
+def test_medusa_vllm_read_by_vllm(tiny, tmp_path, shared, version):
+    """vLLM Medusa (above; MedusaConfig @4bb77b32 and in 0.32, vllm/transformers_utils/configs/medusa.py:
+    from_pretrained renames every key holding "num" and "heads" to num_heads and "num" and "layers" to
+    num_hidden_layers, so no other such key may appear) computes our logits from our files, a shared head over a
+    draft vocabulary and per-head projections over the full one, in both layouts it had."""
     spec = (HeadSpec(kind="medusa", num_heads=2, draft_vocab_size=40) if shared else
             HeadSpec(kind="medusa", num_heads=3, num_layers=2, medusa_lm_head="per_head"))
     head = _trained(spec, tiny, tmp_path)
-    if shared:
-        with pytest.raises(SpecheadsError, match="--target"):
-            export_head(tmp_path / "h", "medusa-vllm", tmp_path / "mv")
-    export_head(tmp_path / "h", "medusa-vllm", tmp_path / "mv", target=tiny if shared else None)
+    export_head(tmp_path / "h", "medusa-vllm", tmp_path / "mv", target=tiny)
     cfg, sd = _exported(tmp_path / "mv")
     assert [k for k in cfg if "num" in k and ("heads" in k or "layers" in k)] == ["num_heads", "num_hidden_layers"]
     assert cfg["architectures"] == ["MedusaModel"] and cfg["model_type"] == "medusa"
-    K, n, Vt = cfg["num_heads"], cfg["num_hidden_layers"], cfg["truncated_vocab_size"]
-    blocks = torch.nn.ModuleList(torch.nn.ModuleList(torch.nn.Linear(D, D, bias=cfg.get("medusa_fc_bias", False))
-                                                     for _ in range(n)) for _ in range(K))
-    reader = torch.nn.Module()
-    reader.blocks = torch.nn.ModuleList()
-    for blk in blocks:
-        m = torch.nn.Module()
-        m.layers = blk
-        reader.blocks.append(m)
-    reader.lm_heads = torch.nn.ModuleList(torch.nn.Linear(D, Vt, bias=False) for _ in range(K))
-    weights = {k.replace("medusa_heads.", ""): v for k, v in sd.items()}
-    token_map = weights.pop("token_map") if Vt < cfg["vocab_size"] else None
-    _load_reader(reader, weights, unexpected="error")
+    blocks, lms, token_map = _vllm_medusa(cfg, sd, version)
     h = torch.randn(1, 5, D)
     with torch.no_grad():
         ours = head(h)
-        for k in range(K):
+        for k in range(cfg["num_heads"]):
             x = h
-            for lin in reader.blocks[k].layers:
+            for lin in blocks[k]:
                 x = x + torch.nn.functional.silu(lin(x))
-            theirs = reader.lm_heads[k](x)
+            theirs = (x @ lms[k].T)[..., :cfg["truncated_vocab_size"]]
+            want = ours[k]
             if token_map is not None:
                 full = torch.full((1, 5, V), float("-inf"))
                 full[..., token_map] = theirs
                 mine = torch.full((1, 5, V), float("-inf"))
                 mine[..., head.d2t] = ours[k]
                 theirs, want = full, mine
-            else:
-                want = ours[k]
             torch.testing.assert_close(theirs, want)
-    back = import_head(tmp_path / "mv", tiny)
-    torch.testing.assert_close(back(h), ours)
 
 
 def test_speculators_config_fields(tiny, tmp_path):

@@ -4,7 +4,7 @@ commit and path in docs/exports.md):
 - SGLang: python/sglang/srt/models/llama_eagle.py (LlamaForCausalLMEagle), llama_eagle3.py
   (LlamaForCausalLMEagle3), llama.py (the aux-state capture);
 - vLLM: vllm/model_executor/models/llama_eagle.py (EagleLlamaForCausalLM), llama_eagle3.py
-  (Eagle3LlamaForCausalLM), medusa.py (Medusa), vllm/transformers_utils/configs/speculators/algos.py;
+  (Eagle3LlamaForCausalLM), medusa.py (Medusa, 0.x-0.32), vllm/transformers_utils/configs/speculators/algos.py;
 - llama.cpp: convert_hf_to_gguf.py (its EAGLE-3 converter);
 - the EAGLE repos: SafeAILab/EAGLE eagle/model/cnets1.py (EAGLE-1), cnets.py and modeling_llama_kv.py (EAGLE-3);
 - speculators: models/eagle3 (Eagle3DraftModel).
@@ -41,6 +41,8 @@ def consumer_problems(fmt: str, consumer: str, cfg: HeadConfig) -> list[str]:
     if fmt in ("eagle", "eagle-vllm") and cfg.target_config.get("model_type") != "llama":
         return [f"it builds Llama decoder layers and this head's layer is the target's "
                 f"{cfg.target_config.get('model_type')!r} layer"]
+    if fmt == "medusa-vllm":
+        return _medusa_problems(cfg)
     if fmt not in ("eagle3", "speculators"):
         return []
     # the engines' EAGLE-3 loaders build neither EAGLE-3.1 switch (the eagle3 format refuses such a head whole)
@@ -48,6 +50,19 @@ def consumer_problems(fmt: str, consumer: str, cfg: HeadConfig) -> list[str]:
     if spec.resolved_bias() and consumer != "sglang":
         out.append("its fc has no bias and this head was trained with one (head.bias true)")
     return out + _layer_problems(consumer, list(cfg.feature_layers), L)
+
+
+def _medusa_problems(cfg: HeadConfig) -> list[str]:
+    """vLLM 0.12-0.32 (0.33 removed Medusa) build each head's lm_head over the full vocabulary and read a draft
+    vocabulary only as one lm_head shared by every head (original_lm_head, export/medusa.py)."""
+    spec = cfg.head_spec
+    if not cfg.draft_vocab_size or spec.medusa_lm_head != "per_head":
+        return []
+    return [f"vLLM 0.12-0.32 build each head's lm_heads.{{h}} over the full vocabulary (ParallelLMHead(vocab_size), "
+            f"its weight_loader asserts the rows) and read a draft vocabulary only as one lm_head shared by every "
+            f"head (original_lm_head), and this head has its own projection per head (head.medusa_lm_head per_head) "
+            f"over a {cfg.draft_vocab_size}-token draft vocabulary, which no full-vocabulary rows reproduce "
+            f"(vLLM <= 0.11 read it; 0.33 removed Medusa)"]
 
 
 def _layer_problems(consumer: str, ids: list[int], L: int) -> list[str]:
