@@ -635,6 +635,75 @@ def test_import_eagle1_repo_folder(tiny, tmp_path):
         import_head(tmp_path / "e", tiny)
 
 
+@pytest.mark.parametrize("fmt", ["eagle", "eagle3"])
+def test_import_of_an_eagle_repo_checkpoint_reads_its_rope_base(tiny_rope, tmp_path, fmt):
+    """The EAGLE repo (SafeAILab/EAGLE cnets1.py / cnets.py _init_rope) builds its rotary embedding at
+    config.rope_theta when present, else at 10,000 (its LLaMA-2 / Vicuna configs omit the key). Key = the target's
+    base: imported as it is. Absent (10,000) or another value on a target at 100,000: refused in one line naming
+    both and --rope-theta; `checkpoint` runs the head at its own base (the repo's logits), `target` rebuilds it at
+    the target's (the old behaviour, now explicit), N at N; the base chosen is recorded and exported again."""
+    spec = HeadSpec(kind="eagle") if fmt == "eagle" else HeadSpec(kind="eagle3", feature_layers=[1, 2, 3])
+    head = _trained(spec, tiny_rope, tmp_path)
+    export_head(tmp_path / "h", fmt, tmp_path / "repo")  # the repo's layout; rope_theta 100000 written
+    _same_state(head, import_head(tmp_path / "repo", tiny_rope))
+    cpath = tmp_path / "repo" / "config.json"
+    cfg = json.loads(cpath.read_text())
+    for k in ("rope_theta", "rope_parameters"):
+        cfg.pop(k)
+    cpath.write_text(json.dumps(cfg))
+    with pytest.raises(SpecheadsError, match=r"config.json: RoPE base 10000 \(no rope_theta: the EAGLE repo's "
+                                             r"default\) but target 'tiny-llama-0' runs RoPE at 100000; .*"
+                                             r"--rope-theta checkpoint .*--rope-theta target") as e:
+        import_head(tmp_path / "repo", tiny_rope)
+    assert "\n" not in str(e.value)
+    at_target = import_head(tmp_path / "repo", tiny_rope, rope_theta="target")
+    _same_state(head, at_target)
+    own = import_head(tmp_path / "repo", tiny_rope, rope_theta="checkpoint")
+    _same_state(head, own)  # the same weights, run at another base
+    assert own.layer_config.rope_parameters["rope_theta"] == 10000.0
+    g = torch.Generator().manual_seed(7)
+    F = len(head.config.feature_layers)
+    feats, toks = torch.randn(1, 9, F * D, generator=g), torch.randint(0, V, (1, 9), generator=g)
+    with torch.no_grad():
+        mine, theirs = (head(feats, toks)[1], own(feats, toks)[1]) if fmt == "eagle" else \
+            (head(feats, toks, steps=1)[0], own(feats, toks, steps=1)[0])
+        assert (mine - theirs).abs().max() > 1e-3  # the base matters at these positions
+        if fmt == "eagle":  # the repo's own reading of the folder at 10,000: our imported head's logits
+            reader, rotary = _eagle1_reader(cfg, fc_bias=cfg.get("bias", True), attention_bias=False,
+                                            rope_theta=cfg.get("rope_theta", 10000))
+            _load_reader(reader, load_file(str(tmp_path / "repo" / "model.safetensors")), unexpected="ignored")
+            torch.testing.assert_close(_eagle1_logits(reader, rotary, tiny_rope, feats, toks), theirs)
+    own.save_pretrained(tmp_path / "own")  # recorded: loads and exports at 10,000
+    assert load_head(tmp_path / "own", tiny_rope).layer_config.rope_parameters["rope_theta"] == 10000.0
+    export_head(tmp_path / "own", fmt, tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["rope_theta"] == 10000.0
+    assert import_head(tmp_path / "repo", tiny_rope, rope_theta=5e5).layer_config.rope_parameters["rope_theta"] == 5e5
+    cfg["rope_theta"] = 10000.0  # the key present with another base than the target's: refused too
+    cpath.write_text(json.dumps(cfg))
+    with pytest.raises(SpecheadsError, match=r"RoPE base 10000 \(rope_theta\) but target"):
+        import_head(tmp_path / "repo", tiny_rope)
+
+
+def test_cli_rope_theta_flag(tiny_rope, tmp_path, capsys, monkeypatch):
+    from specheads import cli
+
+    _trained(HeadSpec(kind="eagle"), tiny_rope, tmp_path)
+    export_head(tmp_path / "h", "eagle", tmp_path / "repo")
+    cfg = json.loads((tmp_path / "repo" / "config.json").read_text())
+    del cfg["rope_theta"], cfg["rope_parameters"]
+    (tmp_path / "repo" / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr("specheads.target.load_target", lambda name, dtype="float32", **kw: tiny_rope)
+    imp = ["export", "--import", str(tmp_path / "repo"), "--target", "t", "--out"]
+    assert cli.main([*imp, str(tmp_path / "a")]) == 2 and "--rope-theta checkpoint" in capsys.readouterr().err
+    assert cli.main([*imp, str(tmp_path / "a"), "--rope-theta", "ten"]) == 2
+    assert "--rope-theta 'ten': one of ['checkpoint', 'target'] or a positive RoPE base" in capsys.readouterr().err
+    assert cli.main(["export", "--head", str(tmp_path / "h"), "--format", "eagle", "--out", str(tmp_path / "b"),
+                     "--rope-theta", "target"]) == 2
+    assert "--rope-theta: only with --import" in capsys.readouterr().err
+    assert cli.main([*imp, str(tmp_path / "a"), "--rope-theta", "checkpoint"]) == 0
+    assert load_head(tmp_path / "a", tiny_rope).layer_config.rope_parameters["rope_theta"] == 10000.0
+
+
 def test_export_import_errors(tiny, tmp_path):
     from specheads.target import tiny_target
 

@@ -45,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="target (alias, folder, hub id or .gguf): required with --import; an export that writes the "
                         "target's tensors (speculators for EAGLE-3 / P-EAGLE: its token embedding; medusa-vllm for a "
                         "head sharing its lm_head) loads the head's recorded target when not given")
+    p.add_argument("--rope-theta", default=None, metavar="checkpoint|target|N",
+                   help="with --import of an EAGLE repo layout (eagle, eagle3) whose RoPE base (its rope_theta; the "
+                        "repo's default 10000 when absent) is not the target's: 'checkpoint' runs the head at its "
+                        "own base as the EAGLE repo does, 'target' rebuilds it at the target's, N at base N "
+                        "(default: such a mismatch is refused)")
     p.add_argument("--dtype", default="float32", help="target dtype when --target is loaded (default float32)")
     p.add_argument("--verifier", default=None,
                    help="the verifier model the export names (every format; speculators also in its "
@@ -74,6 +79,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.head and args.format is None:
         raise SpecheadsError("--format: required with --head")
+    if args.rope_theta is not None and not args.import_dir:
+        raise SpecheadsError("--rope-theta: only with --import (the RoPE base of an imported EAGLE repo checkpoint)")
+    from specheads.heads.export.repos import parse_rope_choice
+
+    parse_rope_choice(args.rope_theta)  # a bad value is one line before anything is loaded
     fmt, source = ("native" if args.import_dir else args.format), args.import_dir or args.head
     reads = {"--target": args.target}
     check_out(args.out, fmt, source, args.force, reads)  # before the lock: never a lock file inside the source
@@ -115,7 +125,10 @@ def _export(args: argparse.Namespace, out) -> int:
         if target is None:
             raise SpecheadsError("--import: needs --target (the head is checked against it and bound to it)")
         warn_other_target(args.import_dir, args.target)
-        head = import_head(args.import_dir, target, fmt=args.from_format)
+        from specheads.heads.export.repos import parse_rope_choice
+
+        head = import_head(args.import_dir, target, fmt=args.from_format,
+                           rope_theta=parse_rope_choice(args.rope_theta))
         head.save_pretrained(out)
         print(f"imported {args.import_dir} as a {head.kind} head -> {args.out}")
         return 0
