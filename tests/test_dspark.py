@@ -685,3 +685,62 @@ def test_specforge_folders_of_our_earlier_layout_still_import(tiny, tmp_path):
     (tmp_path / "sf" / "config.json").write_text(json.dumps(cfg))
     back = import_head(tmp_path / "sf", tiny)
     _same_state(head, back, skip=("conf_temperature", "conf_bias"))
+
+
+def _sglang_dspark_reading(cfg: dict) -> dict:
+    """What SGLang 0.5.23 (its release wheel) takes from a DSpark / DFlash draft folder's config.json, re-stated:
+    the class from architectures[0] (models/dspark.py EntryClass: DSparkDraftModel, Qwen3DSparkModel,
+    LingDSparkModel; models/dflash.py: DFlashDraftModel); speculative/dflash_utils.py parse_dflash_draft_config:
+    block_size and target_layer_ids from dflash_config, else the top level; dspark_components/dspark_config.py
+    parse_dspark_draft_config: markov_rank, markov_head_type, mask_token_id from {**dflash_config,
+    **dspark_config}, else the top level (markov_rank > 0 required, the head type one of vanilla / gated / rnn);
+    get_dspark_sample_from_anchor: top level, default true; and the model's own heads (models/dspark.py
+    build_markov_head, build_confidence_head): getattr(config, "markov_rank" / "markov_head_type" /
+    "confidence_head_with_markov") at the top level."""
+    dfc = cfg.get("dflash_config") or {}
+    merged = {**dfc, **(cfg.get("dspark_config") or {})}
+    out = {"class": cfg["architectures"][0], "block_size": dfc.get("block_size", cfg.get("block_size")),
+           "target_layer_ids": dfc.get("target_layer_ids", cfg.get("target_layer_ids")),
+           "mask_token_id": merged.get("mask_token_id", cfg.get("mask_token_id"))}
+    if out["class"] == "DSparkDraftModel":
+        rank = int(merged.get("markov_rank", cfg.get("markov_rank", 0)))
+        assert rank > 0, "DSpark requires markov_rank > 0"
+        kind = str(merged.get("markov_head_type", cfg.get("markov_head_type"))).lower()
+        assert kind in ("vanilla", "gated", "rnn")
+        out.update(markov_rank=rank, markov_head_type=kind, sample_from_anchor=bool(cfg.get("sample_from_anchor", True)),
+                   model_markov=(int(cfg.get("markov_rank", 0)), str(cfg.get("markov_head_type", "vanilla"))),
+                   confidence_head_with_markov=bool(cfg.get("confidence_head_with_markov", rank > 0)))
+    return out
+
+
+@pytest.mark.parametrize("kw", SPECFORGE_CASES, ids=["dspark-vanilla", "dspark-gated-conf-alone", "dspark-rnn",
+                                                     "dflash"])
+def test_specforge_export_as_sglang_reads_it(tiny, tmp_path, kw):
+    """SGLang 0.5.23's DSpark / DFlash loaders on our specforge export (_sglang_dspark_reading; read, SGLang does
+    not run on a CPU here): AutoConfig loads the folder (model_type qwen3), and SGLang finds the head's block size,
+    layers (ours - 1), mask token, Markov rank and type (in its config parser and its model alike), alignment and
+    confidence input; the Markov / confidence tensors are named as its modules' parameters."""
+    from transformers import AutoConfig
+
+    head = _head(tiny, **kw)
+    head.save_pretrained(tmp_path / "h")
+    export_head(tmp_path / "h", "specforge", tmp_path / "sf")
+    assert AutoConfig.from_pretrained(tmp_path / "sf").model_type == "qwen3"  # SGLang's start-up: AutoConfig
+    cfg = json.loads((tmp_path / "sf" / "config.json").read_text())
+    got, spec = _sglang_dspark_reading(cfg), head.spec
+    want = {"block_size": 4, "target_layer_ids": [0, 1, 2], "mask_token_id": 0}
+    if spec.markov_rank:
+        want.update({"class": "DSparkDraftModel", "markov_rank": 16, "markov_head_type": spec.markov_head_type,
+                     "sample_from_anchor": True, "model_markov": (16, spec.markov_head_type),
+                     "confidence_head_with_markov": spec.confidence_with_markov})
+    else:
+        want["class"] = "DFlashDraftModel"
+    assert got == want
+    keys = set(load_file(str(tmp_path / "sf" / "model.safetensors")))
+    extra = {"vanilla": set(), "gated": {"gate_proj.weight", "gate_proj.bias"},
+             "rnn": {"joint_proj.weight", "joint_proj.bias"}}  # dspark.py VanillaMarkov / GatedMarkovHead / RNNHead
+    markov = {k[len("markov_head."):] for k in keys if k.startswith("markov_head.")}
+    assert markov == ({"markov_w1.weight", "markov_w2.weight"} | extra[spec.markov_head_type] if spec.markov_rank
+                      else set())
+    conf = {k for k in keys if k.startswith("confidence_head.")}
+    assert conf == ({"confidence_head.proj.weight", "confidence_head.proj.bias"} if spec.confidence_head else set())

@@ -266,6 +266,10 @@ def test_speculators_export_reads_back_bit_exact(tiny, tmp_path):
     assert (cfg["speculators_model_type"], cfg["mask_token_id"], cfg["transformer_layer_config"]["num_hidden_layers"],
             cfg["eagle_aux_hidden_state_layer_ids"]) == ("peagle", 5, 2, [1, 2, 3])
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert cfg["specheads"]["consumers"] == ["speculators"]  # vLLM 0.34 refuses P-EAGLE (issue 38)
+    with pytest.raises(SpecheadsError, match=r"--format speculators: .*\(vllm\): vLLM 0.34 refuses P-EAGLE .*export "
+                                             r"for \['speculators'\] only with --consumer"):
+        export_head(tmp_path / "h", "speculators", tmp_path / "v", target=tiny, consumers=["vllm"])
     sd = load_file(str(tmp_path / "s" / "model.safetensors"))
     assert "mask_hidden" in sd and "layers.0.hidden_norm.weight" in sd and "layers.1.mlp.up_proj.weight" in sd
     assert torch.equal(sd["mask_hidden"][..., :D], head.mask_hidden[..., D:2 * D].detach())  # layer 1 first
