@@ -3,6 +3,11 @@
     specheads export --head runs/x/head --format speculators --out runs/x/speculators
     specheads export --head runs/x/head --format gguf --out runs/x/gguf --target-gguf   (llama.cpp; make llamacpp)
     specheads export --import path/to/EAGLE3-checkpoint --target smollm2-135m --out runs/imported
+    specheads export --import path/to/EAGLE-checkpoint --target smollm2-135m --rope-theta checkpoint --out runs/imp
+
+An EAGLE repo checkpoint whose RoPE base (its rope_theta, 10000 when absent) is not the target's is refused unless
+--rope-theta says which base the head runs at (heads/export/repos.py import_rope); an export that writes the
+target's tensors loads the head's recorded target when --target is not given (heads/export/registry.py needs_target).
 
 `--out` is replaced atomically, and only when that loses nothing: it must be absent, empty, or an earlier output of
 the same kind from the same source (recognised by the format recorded in its model.safetensors metadata and the
