@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.setup-stamp
 TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test test-fast clean speculators-venv llamacpp
+.PHONY: setup demo test test-fast clean speculators-venv specforge-venv llamacpp
 
 setup: $(STAMP)
 
@@ -28,6 +28,12 @@ demo: setup
 speculators-venv:
 	bash scripts/setup_speculators_venv.sh
 
+# SpecForge's draft model classes (specforge 0.2.0 with --no-deps: torch, transformers 5.8.1, safetensors, about a
+# minute once) in their own venv; tests build SpecForge's DSpark / DFlash / Domino drafts from our `specforge`
+# export and run them (tests/fixtures/specforge_load.py).
+specforge-venv:
+	bash scripts/setup_specforge_venv.sh
+
 # llama.cpp's tools (llama-server, llama-bench) and GGUF converter, built from the source the PyPI sdist
 # llama-cpp-python==0.3.36 vendors (scripts/setup_llamacpp.sh: pinned, hash-checked, 2 jobs, AMX off; a stamp file
 # makes a second call return at once). Tests and `specheads bench --methods llama.cpp...` use them.
@@ -36,7 +42,7 @@ llamacpp: setup
 	PYTHON=$(BIN)/python SPECHEADS_LLAMACPP=$(LLAMACPP_DIR) bash scripts/setup_llamacpp.sh
 
 # CI builds llama.cpp too (about 6 min on 2 idle cores, once), so its conversion and speculative-step tests run.
-test: setup speculators-venv llamacpp
+test: setup speculators-venv specforge-venv llamacpp
 	SPECHEADS_LLAMACPP=$(LLAMACPP_DIR) $(BIN)/python -m pytest -q tests
 
 test-fast: setup

@@ -277,3 +277,31 @@ def test_specforge_export_is_its_domino_layout_and_reads_back_bit_exact(tiny, tm
     (tmp_path / "sf" / "config.json").write_text(json.dumps(bad))
     with pytest.raises(SpecheadsError, match="shift_label false"):
         import_head(tmp_path / "sf", tiny)
+
+
+@pytest.mark.parametrize("prefix", [0, 2], ids=["P0", "P2"])
+def test_specforge_builds_and_runs_our_domino_export(tiny, tmp_path, prefix):
+    """The real consumer: SpecForge 0.2.0's DominoDraftModel built from our folder (AutoConfig, AutoDraftModel,
+    prefix_gru / embed_proj, every weight equal) and its own OnlineDominoModel forward (shift_label true: slot k
+    drafts x_(p+k+1), the GRU over x_p..x_(p+k), the first pure_draft_prefix_len slots uncorrected) give our
+    corrected logits."""
+    from safetensors.torch import load_file
+
+    from specheads.heads.export import export_head
+    from tests.test_dspark import SF_PY, run_specforge_load
+
+    if not SF_PY.exists():
+        pytest.skip("no .venv-specforge (run scripts/setup_specforge_venv.sh)")
+    head = _head(tiny, domino_prefix_len=prefix)
+    head.save_pretrained(tmp_path / "h")
+    export_head(tmp_path / "h", "specforge", tmp_path / "sf")
+    f, toks = _inputs()
+    anchors = [2, 6, 11, 15]
+    with torch.no_grad():
+        _, final, _ = head(f, toks, torch.tensor([anchors]))
+    got, out = run_specforge_load(tmp_path / "sf", tiny, f, toks, anchors, tmp_path)
+    assert (got["class"], got["model_type"], got["anchors"], got["target_layer_ids"], got["mask_token_id"]) == \
+        ("DominoDraftModel", "qwen3", 4, [0, 1, 2], 5)
+    assert got["checked"] == len(load_file(str(tmp_path / "sf" / "model.safetensors")))
+    torch.testing.assert_close(out["logits"], final[0], atol=1e-4, rtol=1e-4)
+    assert torch.equal(out["logits"].argmax(-1), final[0].argmax(-1))

@@ -23,6 +23,7 @@ from specheads.utils import SpecheadsError
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_PY = ROOT / ".venv-speculators" / "bin" / "python"
+SF_PY = ROOT / ".venv-specforge" / "bin" / "python"  # scripts/setup_specforge_venv.sh
 V, D = 256, 64
 
 
@@ -492,13 +493,24 @@ def test_export_layouts_match_the_consumers_contracts(tiny, tmp_path):
     full.save_pretrained(tmp_path / "f")
     export_head(tmp_path / "f", "specforge", tmp_path / "sf")
     cfg = json.loads((tmp_path / "sf" / "config.json").read_text())
-    # SpecForge DFlashDraftModel: Qwen3 fields, block_size, num_target_layers, dflash_config (z-lab ids = ours - 1)
-    assert cfg["architectures"] == ["DSparkDraftModel"] and cfg["model_type"] == "dspark"
-    assert cfg["dflash_config"]["target_layer_ids"] == [0, 1, 2] and cfg["num_target_layers"] == 4
+    # SpecForge's DSparkDraftModel (configs/qwen3-8b-dspark.json): a Qwen3 config (model_type qwen3, which
+    # AutoConfig and SGLang's start-up load), block_size, num_target_layers, dflash_config (z-lab ids = ours - 1,
+    # projector_type dspark and the DSpark fields); the fields again at the top level for SGLang 0.5.23
+    assert cfg["architectures"] == ["DSparkDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["num_target_layers"] == 4 and "dspark_config" not in cfg
     assert cfg["num_hidden_layers"] == 2 and cfg["layer_types"] == ["full_attention"] * 2
-    assert cfg["dspark_config"]["markov_head_type"] == "gated" and cfg["markov_rank"] == 16
+    assert cfg["dflash_config"] == {"target_layer_ids": [0, 1, 2], "mask_token_id": 0, "projector_type": "dspark",
+                                    "attention_mode": "gqa", "markov_rank": 16, "markov_head_type": "gated",
+                                    "enable_confidence_head": True, "confidence_head_with_markov": True}
+    assert (cfg["markov_rank"], cfg["markov_head_type"], cfg["sample_from_anchor"]) == (16, "gated", True)
     keys = set(load_file(str(tmp_path / "sf" / "model.safetensors")))
     assert "markov_head.gate_proj.weight" in keys and not {"lm_head.weight", "d2t", "t2d"} & keys
+    for kw, name in ((dict(sample_from_anchor=False), "DSparkDraftModel"),
+                     (dict(markov_rank=0, confidence_head=False), "DFlashDraftModel")):  # SpecForge's alignments
+        _head(tiny, **kw).save_pretrained(tmp_path / "a")
+        with pytest.raises(SpecheadsError, match=rf"--format specforge: .* head.sample_from_anchor .*{name} reads "
+                                                 "slot k as the draft of"):
+            export_head(tmp_path / "a", "specforge", tmp_path / "x")
 
 
 def test_bad_inputs_give_one_clear_error(tiny, tmp_path):
@@ -579,7 +591,156 @@ def test_speculators_package_loads_and_runs_our_export(tiny, tmp_path, kw):
     diffs = got.pop("max_abs_diff")
     kind = "dflash" if not head.spec.confidence_head and head.spec.markov_rank == 0 else "dspark"
     assert got["class"] == {"dspark": "DSparkDraftModel", "dflash": "DFlashDraftModel"}[kind]
+    assert got["embed_is_verifier"]  # its load_verifier_weights overwrites the embedding (dflash/core.py)
     assert got["block_size"] == 4 and got["anchors"] == 4 and got["aux_ids"] == [1, 2, 3]
     assert got["sample_from_anchor"] == head.spec.sample_from_anchor and got["verifier"] == str(tmp_path / "verifier")
     assert set(diffs) == ({"logits", "targets", "conf"} if conf is not None else {"logits", "targets"})
     assert max(diffs.values()) < 1e-4, diffs
+
+
+def run_specforge_load(export_dir: Path, target, feats, toks, anchors: list[int], tmp_path: Path
+                       ) -> tuple[dict, dict]:
+    """Run tests/fixtures/specforge_load.py in .venv-specforge on an export: SpecForge builds its draft model from
+    the folder and runs its own training forward over exactly `anchors` (the loss mask marks each anchor and the
+    token after it, nothing else twice in a row, so its sampler takes them all). -> (its JSON report, its logits /
+    confidence logits per block and slot)."""
+    ref = tmp_path / "sfref"
+    ref.mkdir()
+    target.model.save_pretrained(ref / "verifier")  # what SpecForge's TargetEmbeddingsAndHead reads
+    T = toks.shape[1]
+    lm = torch.zeros(1, T)
+    for a in anchors:
+        lm[0, a] = lm[0, a + 1] = 1
+    with torch.no_grad():
+        last = target.model(toks, output_hidden_states=True).hidden_states[-1]  # the final post-norm state
+    save_file({"features": feats.contiguous(), "tokens": toks, "loss_mask": lm, "last": last.contiguous()},
+              str(ref / "inputs.safetensors"))
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HOME": os.environ.get("HOME", str(tmp_path)), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    r = subprocess.run([str(SF_PY), str(ROOT / "tests" / "fixtures" / "specforge_load.py"), str(export_dir),
+                        str(ref)], capture_output=True, text=True, env=env, timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1]), load_file(str(ref / "out.safetensors"))
+
+
+SPECFORGE_CASES = [dict(markov_head_type="vanilla"), dict(markov_head_type="gated", confidence_with_markov=False),
+                   dict(markov_head_type="rnn"), dict(markov_rank=0, confidence_head=False, sample_from_anchor=False)]
+
+
+@pytest.mark.skipif(not SF_PY.exists(), reason="no .venv-specforge (run scripts/setup_specforge_venv.sh)")
+@pytest.mark.parametrize("kw", SPECFORGE_CASES, ids=["dspark-vanilla", "dspark-gated-conf-alone", "dspark-rnn",
+                                                     "dflash"])
+def test_specforge_builds_and_runs_our_export(tiny, tmp_path, kw):
+    """The real consumer (issue 38): SpecForge 0.2.0's own classes build the draft from our folder (AutoConfig:
+    model_type qwen3; AutoDraftModel -> DSparkDraftModel / DFlashDraftModel; the Markov and confidence heads from
+    dflash_config, every weight equal, none of its parameters left unread) and its own training forward gives, per
+    block and slot, our Markov-corrected logits and confidence logits (DSpark: slot k drafts x_(p+k+1); DFlash:
+    slot k >= 1 drafts x_(p+k))."""
+    head = _head(tiny, **kw)
+    head.save_pretrained(tmp_path / "h")
+    export_head(tmp_path / "h", "specforge", tmp_path / "sf")
+    f, toks = _inputs()
+    anchors = [2, 6, 11, 15]  # A * K = 16 < T; anchors three apart at least
+    with torch.no_grad():
+        logits, conf = head(f, toks, torch.tensor([anchors]))
+    got, out = run_specforge_load(tmp_path / "sf", tiny, f, toks, anchors, tmp_path)
+    dspark = head.spec.markov_rank > 0 or head.spec.confidence_head
+    assert got == {"ok": True, "class": "DSparkDraftModel" if dspark else "DFlashDraftModel", "config": "Qwen3Config",
+                   "model_type": "qwen3", "checked": len(load_file(str(tmp_path / "sf" / "model.safetensors"))),
+                   "block_size": 4, "anchors": 4, "target_layer_ids": [0, 1, 2], "mask_token_id": 0,
+                   "markov_head": {"vanilla": "VanillaMarkovHead", "gated": "GatedMarkovHead", "rnn": "RNNMarkovHead",
+                                   None: "NoneType"}[head.spec.markov_head_type if head.spec.markov_rank else None],
+                   "confidence_head": head.spec.confidence_head,
+                   "confidence_head_with_markov": head.spec.confidence_head and head.spec.confidence_with_markov}
+    theirs = out["logits"][:, 0 if head.spec.sample_from_anchor else 1:]
+    assert theirs.shape == logits[0].shape
+    torch.testing.assert_close(theirs, logits[0], atol=1e-4, rtol=1e-4)
+    assert torch.equal(theirs.argmax(-1), logits[0].argmax(-1))
+    if conf is not None:
+        torch.testing.assert_close(out["conf"], conf[0], atol=1e-4, rtol=1e-4)
+
+
+def test_specforge_folders_of_our_earlier_layout_still_import(tiny, tmp_path):
+    """Before issue 38 the specforge export wrote model_type dspark and the DSpark fields at the top level and in
+    dspark_config (SpecForge read neither); such folders import as the same head, and so do SpecForge's own DSpark
+    configs (fields in dflash_config only, its defaults where absent)."""
+    head = _head(tiny, markov_head_type="rnn", confidence_with_markov=False)
+    head.save_pretrained(tmp_path / "h")
+    export_head(tmp_path / "h", "specforge", tmp_path / "sf")
+    cfg = json.loads((tmp_path / "sf" / "config.json").read_text())
+    fields = {k: cfg["dflash_config"].pop(k) for k in ("markov_rank", "markov_head_type", "enable_confidence_head",
+                                                      "confidence_head_with_markov")}
+    del cfg["dflash_config"]["projector_type"], cfg["dflash_config"]["attention_mode"]
+    old = dict(cfg, model_type="dspark", dspark_config=fields, **fields)
+    (tmp_path / "sf" / "config.json").write_text(json.dumps(old))
+    back = import_head(tmp_path / "sf", tiny)
+    _same_state(head, back, skip=("conf_temperature", "conf_bias"))
+    assert (back.spec.markov_head_type, back.spec.confidence_with_markov, back.spec.sample_from_anchor) == \
+        ("rnn", False, True)
+    for k in fields:  # SpecForge's own layout: the fields in dflash_config alone
+        del cfg[k]
+    cfg["dflash_config"].update(projector_type="dspark", markov_rank=16, markov_head_type="rnn",
+                                enable_confidence_head=True)  # confidence_head_with_markov: its default false
+    del cfg["sample_from_anchor"]  # SpecForge's DSpark alignment
+    (tmp_path / "sf" / "config.json").write_text(json.dumps(cfg))
+    back = import_head(tmp_path / "sf", tiny)
+    _same_state(head, back, skip=("conf_temperature", "conf_bias"))
+
+
+def _sglang_dspark_reading(cfg: dict) -> dict:
+    """What SGLang 0.5.23 (its release wheel) takes from a DSpark / DFlash draft folder's config.json, re-stated:
+    the class from architectures[0] (models/dspark.py EntryClass: DSparkDraftModel, Qwen3DSparkModel,
+    LingDSparkModel; models/dflash.py: DFlashDraftModel); speculative/dflash_utils.py parse_dflash_draft_config:
+    block_size and target_layer_ids from dflash_config, else the top level; dspark_components/dspark_config.py
+    parse_dspark_draft_config: markov_rank, markov_head_type, mask_token_id from {**dflash_config,
+    **dspark_config}, else the top level (markov_rank > 0 required, the head type one of vanilla / gated / rnn);
+    get_dspark_sample_from_anchor: top level, default true; and the model's own heads (models/dspark.py
+    build_markov_head, build_confidence_head): getattr(config, "markov_rank" / "markov_head_type" /
+    "confidence_head_with_markov") at the top level."""
+    dfc = cfg.get("dflash_config") or {}
+    merged = {**dfc, **(cfg.get("dspark_config") or {})}
+    out = {"class": cfg["architectures"][0], "block_size": dfc.get("block_size", cfg.get("block_size")),
+           "target_layer_ids": dfc.get("target_layer_ids", cfg.get("target_layer_ids")),
+           "mask_token_id": merged.get("mask_token_id", cfg.get("mask_token_id"))}
+    if out["class"] == "DSparkDraftModel":
+        rank = int(merged.get("markov_rank", cfg.get("markov_rank", 0)))
+        assert rank > 0, "DSpark requires markov_rank > 0"
+        kind = str(merged.get("markov_head_type", cfg.get("markov_head_type"))).lower()
+        assert kind in ("vanilla", "gated", "rnn")
+        out.update(markov_rank=rank, markov_head_type=kind, sample_from_anchor=bool(cfg.get("sample_from_anchor", True)),
+                   model_markov=(int(cfg.get("markov_rank", 0)), str(cfg.get("markov_head_type", "vanilla"))),
+                   confidence_head_with_markov=bool(cfg.get("confidence_head_with_markov", rank > 0)))
+    return out
+
+
+@pytest.mark.parametrize("kw", SPECFORGE_CASES, ids=["dspark-vanilla", "dspark-gated-conf-alone", "dspark-rnn",
+                                                     "dflash"])
+def test_specforge_export_as_sglang_reads_it(tiny, tmp_path, kw):
+    """SGLang 0.5.23's DSpark / DFlash loaders on our specforge export (_sglang_dspark_reading; read, SGLang does
+    not run on a CPU here): AutoConfig loads the folder (model_type qwen3), and SGLang finds the head's block size,
+    layers (ours - 1), mask token, Markov rank and type (in its config parser and its model alike), alignment and
+    confidence input; the Markov / confidence tensors are named as its modules' parameters."""
+    from transformers import AutoConfig
+
+    head = _head(tiny, **kw)
+    head.save_pretrained(tmp_path / "h")
+    export_head(tmp_path / "h", "specforge", tmp_path / "sf")
+    assert AutoConfig.from_pretrained(tmp_path / "sf").model_type == "qwen3"  # SGLang's start-up: AutoConfig
+    cfg = json.loads((tmp_path / "sf" / "config.json").read_text())
+    got, spec = _sglang_dspark_reading(cfg), head.spec
+    want = {"block_size": 4, "target_layer_ids": [0, 1, 2], "mask_token_id": 0}
+    if spec.markov_rank:
+        want.update({"class": "DSparkDraftModel", "markov_rank": 16, "markov_head_type": spec.markov_head_type,
+                     "sample_from_anchor": True, "model_markov": (16, spec.markov_head_type),
+                     "confidence_head_with_markov": spec.confidence_with_markov})
+    else:
+        want["class"] = "DFlashDraftModel"
+    assert got == want
+    keys = set(load_file(str(tmp_path / "sf" / "model.safetensors")))
+    extra = {"vanilla": set(), "gated": {"gate_proj.weight", "gate_proj.bias"},
+             "rnn": {"joint_proj.weight", "joint_proj.bias"}}  # dspark.py VanillaMarkov / GatedMarkovHead / RNNHead
+    markov = {k[len("markov_head."):] for k in keys if k.startswith("markov_head.")}
+    assert markov == ({"markov_w1.weight", "markov_w2.weight"} | extra[spec.markov_head_type] if spec.markov_rank
+                      else set())
+    conf = {k for k in keys if k.startswith("confidence_head.")}
+    assert conf == ({"confidence_head.proj.weight", "confidence_head.proj.bias"} if spec.confidence_head else set())

@@ -195,7 +195,7 @@ def test_speculators_export_carries_both_and_imports_back(tiny, tmp_path):
     before); fc_norm.{i} renumbered in ascending layer order with fc's blocks; the import is the same head."""
     head = _head(tiny, **ON)
     head.save_pretrained(tmp_path / "h")
-    export_head(tmp_path / "h", "speculators", tmp_path / "s", consumers=["speculators"])
+    export_head(tmp_path / "h", "speculators", tmp_path / "s", consumers=["speculators"], target=tiny)
     cfg = json.loads((tmp_path / "s" / "config.json").read_text())
     sd = load_file(str(tmp_path / "s" / "model.safetensors"))
     assert cfg["fc_norm"] is True and cfg["norm_output"] is True and cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
@@ -209,7 +209,7 @@ def test_speculators_export_carries_both_and_imports_back(tiny, tmp_path):
         for a, b in zip(head(f, x, steps=2), back(theirs, x, steps=2)):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     _head(tiny).save_pretrained(tmp_path / "plain")
-    export_head(tmp_path / "plain", "speculators", tmp_path / "sp")
+    export_head(tmp_path / "plain", "speculators", tmp_path / "sp", target=tiny)
     plain = json.loads((tmp_path / "sp" / "config.json").read_text())
     assert "fc_norm" not in plain and "norm_output" not in plain
     assert not any(k.startswith("fc_norm") for k in load_file(str(tmp_path / "sp" / "model.safetensors")))
@@ -217,28 +217,93 @@ def test_speculators_export_carries_both_and_imports_back(tiny, tmp_path):
 
 @pytest.mark.parametrize("switches", [ON, dict(fc_norm=True), dict(norm_output=True)],
                          ids=["both", "fc_norm", "norm_output"])
-def test_formats_that_cannot_carry_it_refuse_in_one_line(tiny, tmp_path, switches):
-    """eagle3 (SGLang d737979, vLLM 583507d, llama.cpp 0c1e570 build plain EAGLE-3) and gguf refuse before writing;
-    the consumer table's reasons (for export/consumers.py) name every engine but speculators."""
-    head = _head(tiny, feature_layers=[1, 2, 3], **switches)
+def test_consumers_that_cannot_carry_it_refuse_in_one_line(tiny, tmp_path, switches):
+    """SGLang >= 0.5.23 and vLLM >= 0.34 build both switches (eagle3 and, for vLLM, speculators); llama.cpp's
+    converter (0c1e570), the EAGLE-3 repo and gguf build neither: the eagle3 export for its default consumers names
+    llama.cpp alone and the consumers that read it; for those it is written (the keys at the top level, fc_norm.{i}
+    ascending) and read back as the same head."""
+    head = _head(tiny, feature_layers=[3, 1, 2], **switches)
     head.save_pretrained(tmp_path / "h")
     names = ", ".join(f"head.{n}" for n in switches)
-    with pytest.raises(SpecheadsError, match=rf"--format eagle3: .* is an EAGLE-3.1 head \({names}\), which no "
-                                             r"eagle3 consumer reads: .*export --format speculators") as e:
+    with pytest.raises(SpecheadsError, match=rf"--format eagle3: .*llama.cpp's EAGLE-3 converter \(llama.cpp\): this "
+                                             rf"head is EAGLE-3.1 \({names}\): llama.cpp's converter .*; export for "
+                                             r"\['sglang', 'vllm'\] only with --consumer") as e:
         export_head(tmp_path / "h", "eagle3", tmp_path / "e")
-    assert "\n" not in str(e.value) and not (tmp_path / "e").exists()
+    assert "\n" not in str(e.value) and "(sglang)" not in str(e.value) and not (tmp_path / "e").exists()
     with pytest.raises(SpecheadsError, match=r"--format gguf: .* is an EAGLE-3.1 head .*pre-norm state"):
         DRAFT_KINDS["eagle3"].check_head(read_head_config(tmp_path / "h"), tmp_path / "h")
     cfg = head.config
-    assert eagle31_problems("speculators", "speculators", cfg) == []
-    for fmt, consumer in [("speculators", "vllm"), ("eagle3", "vllm"), ("eagle3", "sglang"), ("eagle3", "llama.cpp"),
-                          ("eagle3", "eagle-repo")]:
-        assert eagle31_problems(fmt, consumer, cfg), (fmt, consumer)
-    assert eagle31_problems("eagle3", "vllm", _head(tiny, feature_layers=[1, 2, 3]).config) == []
-    # a speculators export for its default consumers names vLLM's loader, which builds neither switch
-    with pytest.raises(SpecheadsError, match=r"--format speculators: .*\(vllm\): this head is EAGLE-3.1 .*--consumer"):
-        export_head(tmp_path / "h", "speculators", tmp_path / "s")
-    assert not (tmp_path / "s").exists()
+    for fmt, consumer in [("speculators", "speculators"), ("speculators", "vllm"), ("eagle3", "vllm"),
+                          ("eagle3", "sglang")]:
+        assert eagle31_problems(fmt, consumer, cfg) == [], (fmt, consumer)
+    for consumer in ("llama.cpp", "eagle-repo"):
+        assert eagle31_problems("eagle3", consumer, cfg), consumer
+    assert eagle31_problems("eagle3", "llama.cpp", _head(tiny, feature_layers=[1, 2, 3]).config) == []
+    export_head(tmp_path / "h", "eagle3", tmp_path / "e", consumers=["sglang", "vllm"])
+    out = json.loads((tmp_path / "e" / "config.json").read_text())
+    assert {n: out.get(n) for n in ON} == {n: switches.get(n) for n in ON}
+    back = import_head(tmp_path / "e", tiny)
+    assert (back.spec.fc_norm, back.spec.norm_output) == (bool(switches.get("fc_norm")),
+                                                          bool(switches.get("norm_output")))
+    export_head(tmp_path / "h", "speculators", tmp_path / "s", target=tiny)  # speculators and vLLM >= 0.34
+    assert json.loads((tmp_path / "s" / "config.json").read_text())["specheads"]["consumers"] == ["speculators",
+                                                                                                   "vllm"]
+
+
+def _engine_eagle31_chain(cfg: dict, sd: dict, theirs_f, x, t: int, tiny):
+    """An engine's EAGLE-3.1 draft chain at row t, re-stated from SGLang 0.5.23's llama_eagle3.py (the release
+    wheel: LlamaModel reads getattr(config, "fc_norm") and "norm_output", num_aux from eagle_config's ids, splits the
+    captured states [B,T,F*D] (ascending layers) into F chunks and applies fc_norm[i] (weights fc_norm.{i}.weight,
+    eps rms_norm_eps) to chunk i before fc; norm(h, residual) gives the logits' state and the pre-norm state, and
+    with norm_output the post-norm one is handed to the next step) and vLLM 0.34.0's (llama_eagle3.py:
+    combine_hidden_states chunks into fc_norm the same way, forward returns post-norm aux_output with norm_output;
+    speculators/algos.py update_eagle3 copies fc_norm / norm_output from a speculators config). The decoder layer
+    is plain EAGLE-3's (a plain head loaded with the file's tensors: the other export tests check that layer).
+    -> the logits of steps 0, 1, 2 at row t."""
+    F = len((cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or [0, 0, 0])
+    eps = cfg["rms_norm_eps"]
+    plain = _head(tiny, feature_layers=[1, 2, 3])
+    plain.load_state_dict({**plain.state_dict(), **{k.replace("layers.0.", "midlayer."): v for k, v in sd.items()
+                                                    if not k.startswith(("fc_norm.", "embed_tokens"))}})
+    chunks = theirs_f.chunk(F, -1)
+    if cfg.get("fc_norm", False):
+        chunks = [_rms(c, sd[f"fc_norm.{i}.weight"], eps) for i, c in enumerate(chunks)]
+    g = torch.cat(chunks, -1) @ sd["fc.weight"].T
+    hand_on = (lambda h: _rms(h, sd["norm.weight"], eps)) if cfg.get("norm_output", False) else (lambda h: h)
+    cache = plain.new_cache()
+    h, lg = plain.draft_forward(g, x, torch.arange(T).expand(B, T), _chain_mask(0, T), cache)
+    out = [lg[:, t]]
+    cache.crop(-(T - t - 1))
+    h = hand_on(h)[:, t:t + 1]
+    for k in (1, 2):
+        h, lg = plain.draft_forward(h, x[:, t + k:t + k + 1], torch.full((B, 1), t + k), _chain_mask(t + k, 1), cache)
+        out.append(lg[:, 0])
+        h = hand_on(h)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+@pytest.mark.parametrize("switches", [ON, dict(fc_norm=True), dict(norm_output=True)],
+                         ids=["both", "fc_norm", "norm_output"])
+def test_sglang_and_vllm_read_the_eagle31_export(tiny, tmp_path, switches, fmt):
+    """The keys and tensors SGLang >= 0.5.23 (eagle3) and vLLM >= 0.34 (eagle3, and speculators through
+    update_eagle3) read, applied to our export of an unsorted-layer EAGLE-3.1 head: three steps of the engine's
+    chain give our per-step logits."""
+    head = _head(tiny, feature_layers=[3, 1, 2], **switches)
+    head.save_pretrained(tmp_path / "h")
+    export_head(tmp_path / "h", fmt, tmp_path / "e", target=tiny, consumers=["vllm"])
+    cfg = json.loads((tmp_path / "e" / "config.json").read_text())
+    sd = load_file(str(tmp_path / "e" / "model.safetensors"))
+    if fmt == "speculators":  # update_eagle3: the layer config plus the keys it passes on
+        cfg = {**cfg["transformer_layer_config"], **{k: cfg.get(k, False) for k in ("fc_norm", "norm_output")},
+               "eagle_config": {"eagle_aux_hidden_state_layer_ids": cfg["eagle_aux_hidden_state_layer_ids"]}}
+    f, x = _inputs()
+    theirs = torch.cat([f.chunk(3, -1)[j] for j in (1, 2, 0)], -1)  # captured ascending: layers 1, 2, 3
+    t = 4
+    with torch.no_grad():
+        ours = [lg[:, t] for lg in head(f, x, steps=3)]
+        for k, (a, b) in enumerate(zip(ours, _engine_eagle31_chain(cfg, sd, theirs, x, t, tiny))):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=f"step {k}")
 
 
 def test_recipe_turns_both_on():
@@ -258,7 +323,7 @@ def test_speculators_package_loads_and_runs_the_eagle31_export(tmp_path):
     head = _head(target, feature_layers=layers, **ON)
     head.save_pretrained(tmp_path / "h")
     export_head(tmp_path / "h", "speculators", tmp_path / "s", verifier_name_or_path=str(tmp_path / "verifier"),
-                consumers=["speculators"])
+                consumers=["speculators"], target=target)
     g = torch.Generator().manual_seed(5)
     blocks = {i: torch.randn(1, 12, D, generator=g) for i in layers}
     toks = torch.randint(0, V, (1, 12), generator=g)
@@ -266,7 +331,7 @@ def test_speculators_package_loads_and_runs_the_eagle31_export(tmp_path):
         logits = head(torch.cat([blocks[i] for i in layers], -1), toks, steps=3)
     out = run_speculators_load(tmp_path / "s", torch.cat([blocks[i] for i in sorted(layers)], -1), toks, logits,
                                tmp_path)
-    assert out["ok"] and out["aux_ids"] == sorted(layers) and out["steps"] == 3
+    assert out["ok"] and out["embed_is_verifier"] and out["aux_ids"] == sorted(layers) and out["steps"] == 3
     assert out["checked"] == len(load_file(str(tmp_path / "s" / "model.safetensors")))
     assert max(out["max_abs_diff"]) < 1e-4, out["max_abs_diff"]
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)}

@@ -88,14 +88,14 @@ CASES = [
     ("speculators", HeadSpec(kind="eagle3", draft_vocab_size=100, feature_layers=[1, 2, 3])),
     ("speculators", HeadSpec(kind="eagle3")),
     ("medusa-vllm", HeadSpec(kind="medusa", num_heads=3, num_layers=2, medusa_lm_head="per_head")),
-    ("medusa-vllm", HeadSpec(kind="medusa", num_heads=2, medusa_lm_head="per_head", draft_vocab_size=50)),
+    ("medusa-vllm", HeadSpec(kind="medusa", num_heads=2, draft_vocab_size=50)),
 ]
 
 
 @pytest.mark.parametrize("fmt,spec", CASES, ids=[f"{f}-{i}" for i, (f, _) in enumerate(CASES)])
 def test_round_trip_bit_exact(tiny, tmp_path, fmt, spec):
     head = _trained(spec, tiny, tmp_path)
-    export_head(tmp_path / "h", fmt, tmp_path / "out")
+    export_head(tmp_path / "h", fmt, tmp_path / "out", target=tiny)
     back = import_head(tmp_path / "out", tiny)
     assert type(back) is type(head) and back.config.feature_layers == head.config.feature_layers
     assert back.spec.resolved_bias() == head.spec.resolved_bias()
@@ -222,17 +222,21 @@ def test_tied_target_exports_untied_draft(tmp_path, fmt, spec):
     """SGLang's LlamaForCausalLMEagle (llama_eagle.py @3b64d5de) makes `lm_head = model.embed_tokens` when the
     draft config says `tie_word_embeddings`; its EAGLE worker then calls set_embed_and_head (llama.py), which
     deletes `model.embed_tokens.weight` and then `lm_head.weight`, the same module's, and fails before drafting.
-    The draft carries neither (the engine hands it the target's), so every export says false, whatever the
-    target's config (copied into the `eagle` layouts) says."""
+    Every export says false, whatever the target's config (copied into the `eagle` layouts) says; the speculators
+    export carries the target's embedding as its own tensor (speculators reads it from the checkpoint), the others
+    none (the engine hands the draft the target's)."""
     target = _tied_target()
     assert target.text_config.to_dict()["tie_word_embeddings"] is True
     _trained(spec, target, tmp_path)
     assert json.loads((tmp_path / "h" / "config.json").read_text())["target_config"]["tie_word_embeddings"] is True
-    export_head(tmp_path / "h", fmt, tmp_path / fmt)
+    export_head(tmp_path / "h", fmt, tmp_path / fmt, target=target)
     cfg, sd = _exported(tmp_path / fmt)
     layer = cfg.get("transformer_layer_config", cfg)
     assert cfg.get("tie_word_embeddings", False) is False and layer["tie_word_embeddings"] is False
-    assert "embed_tokens.weight" not in sd
+    if fmt == "speculators":
+        assert torch.equal(sd["embed_tokens.weight"], target.embed_tokens.weight)
+    else:
+        assert "embed_tokens.weight" not in sd
 
 
 # ------------------------------------------------------------------------------------------------ EAGLE-3 readers
@@ -380,79 +384,120 @@ def test_training_defaults_export_everywhere():
 
 
 def test_medusa_shared_exports_target_rows(tiny, tmp_path):
+    """A head sharing the target's lm_head over a draft vocabulary: original_lm_head true, the target's full lm_head
+    once as lm_heads.0 (vLLM slices it to token_map), token_map the absolute ids; read back as the same shared head."""
     head = _trained(HeadSpec(kind="medusa", num_heads=2, draft_vocab_size=40), tiny, tmp_path)
     with pytest.raises(SpecheadsError, match="--target"):
         export_head(tmp_path / "h", "medusa-vllm", tmp_path / "out")
     export_head(tmp_path / "h", "medusa-vllm", tmp_path / "out", target=tiny)
-    sd = load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert torch.equal(sd["lm_heads.1.weight"], tiny.lm_head.weight[head.d2t])
+    cfg, sd = _exported(tmp_path / "out")
+    assert cfg["original_lm_head"] is True and cfg["truncated_vocab_size"] == 40
+    assert torch.equal(sd["lm_heads.0.weight"], tiny.lm_head.weight) and "lm_heads.1.weight" not in sd
     assert torch.equal(sd["token_map"], head.d2t)  # vLLM's token_map holds absolute target ids
     back = import_head(tmp_path / "out", tiny)
-    assert back.spec.medusa_lm_head == "per_head"
+    assert back.spec.medusa_lm_head == "shared" and torch.equal(back.d2t, head.d2t)
     h = torch.randn(1, 5, D)
     torch.testing.assert_close(back(h), head(h))
 
 
+def test_medusa_own_projections_over_a_draft_vocab_refused_for_vllm(tiny, tmp_path):
+    """vLLM 0.12-0.32 build every lm_heads.{h} over the full vocabulary and read a draft vocabulary only through
+    original_lm_head (one projection for all heads): per-head projections over V' fit no layout; 0.33 removed
+    Medusa. One line, nothing written; the same head over the full vocabulary exports."""
+    _trained(HeadSpec(kind="medusa", num_heads=2, medusa_lm_head="per_head", draft_vocab_size=50), tiny, tmp_path)
+    with pytest.raises(SpecheadsError, match=r"--format medusa-vllm: .*vLLM's Medusa \(vllm\): vLLM 0.12-0.32 build "
+                                             r".*head.medusa_lm_head per_head.*50-token draft vocabulary.*no "
+                                             r"medusa-vllm consumer reads this head") as e:
+        export_head(tmp_path / "h", "medusa-vllm", tmp_path / "x")
+    assert "\n" not in str(e.value) and not (tmp_path / "x").exists()
+    _trained(HeadSpec(kind="medusa", num_heads=2, medusa_lm_head="per_head"), tiny, tmp_path, "full")
+    export_head(tmp_path / "full", "medusa-vllm", tmp_path / "y")
+
+
+VLLM_MEDUSA = ("0.11", "0.32")  # vllm@09cddad8 (the last layout with V'-row heads) and the 0.32.0 wheel (the last)
+
+
+def _vllm_medusa(cfg: dict, sd: dict, version: str):
+    """vLLM's Medusa as it builds itself from our config and loads our file (vllm/model_executor/models/medusa.py,
+    vllm@09cddad8 = 0.11 and the vllm 0.32.0 release wheel): ResidualBlock = num_hidden_layers x (x + SiLU(Linear(x,
+    bias=medusa_fc_bias))); with original_lm_head ONE lm_head of truncated_vocab_size rows for every head, loaded from
+    lm_heads.0.weight; else lm_heads.{h} of truncated_vocab_size rows (0.11) or vocab_size rows (0.32); token_map
+    read only when truncated_vocab_size < vocab_size; an lm weight with more rows than token_map is sliced to its
+    rows; ParallelLMHead's weight_loader asserts the rows; weights by name after stripping "medusa_heads."; the
+    logits cut to truncated_vocab_size and scattered into token_map (-inf elsewhere). -> (heads, lms, token_map)."""
+    K, n, Vfull, Vt = cfg["num_heads"], cfg["num_hidden_layers"], cfg["vocab_size"], cfg["truncated_vocab_size"]
+    one = cfg.get("original_lm_head", False)
+    rows = Vt if one or version == "0.11" else Vfull
+    weights = {k.replace("medusa_heads.", ""): v for k, v in sd.items()}
+    token_map = weights.pop("token_map") if Vt < Vfull else None
+    assert Vt == Vfull or token_map is not None  # vLLM's own assert at the end of load_weights
+    blocks = torch.nn.ModuleList(torch.nn.ModuleList(torch.nn.Linear(D, D, bias=cfg.get("medusa_fc_bias", False))
+                                                     for _ in range(n)) for _ in range(K))
+    for h in range(K):
+        for l in range(n):
+            for p in ("weight", "bias") if cfg.get("medusa_fc_bias", False) else ("weight",):
+                getattr(blocks[h][l], p).data.copy_(weights[f"blocks.{h}.layers.{l}.{p}"])
+    lms = []
+    for h in range(1 if one else K):
+        w = weights[f"lm_heads.{h}.weight"]
+        if token_map is not None and w.shape[0] > token_map.shape[0]:
+            w = w[token_map]
+        assert w.shape[0] == rows, f"vLLM {version}: lm_heads.{h} has {w.shape[0]} rows, its lm_head {rows}"
+        lms.append(w)
+    return blocks, (lms * K if one else lms), token_map
+
+
+@pytest.mark.parametrize("version", VLLM_MEDUSA)
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-draft-vocab", "per-head"])
-def test_medusa_vllm_read_by_vllm(tiny, tmp_path, shared):
-    """vLLM Medusa (vllm-project/vllm@09cddad8, vllm/model_executor/models/medusa.py; MedusaConfig @4bb77b32,
-    vllm/transformers_utils/configs/medusa.py): from_pretrained renames every key holding "num" and "heads" to
-    num_heads and "num" and "layers" to num_hidden_layers (so no other such key may appear); ResidualBlock =
-    num_hidden_layers x (x + SiLU(Linear(x, bias=medusa_fc_bias))); lm_heads.{h} with truncated_vocab_size rows;
-    token_map read only when truncated_vocab_size < vocab_size and the logits scattered into it (absolute target
-    ids), -inf elsewhere; weights by name after stripping "medusa_heads."."""
+def test_medusa_vllm_read_by_vllm(tiny, tmp_path, shared, version):
+    """vLLM Medusa (above; MedusaConfig @4bb77b32 and in 0.32, vllm/transformers_utils/configs/medusa.py:
+    from_pretrained renames every key holding "num" and "heads" to num_heads and "num" and "layers" to
+    num_hidden_layers, so no other such key may appear) computes our logits from our files, a shared head over a
+    draft vocabulary and per-head projections over the full one, in both layouts it had."""
     spec = (HeadSpec(kind="medusa", num_heads=2, draft_vocab_size=40) if shared else
             HeadSpec(kind="medusa", num_heads=3, num_layers=2, medusa_lm_head="per_head"))
     head = _trained(spec, tiny, tmp_path)
-    if shared:
-        with pytest.raises(SpecheadsError, match="--target"):
-            export_head(tmp_path / "h", "medusa-vllm", tmp_path / "mv")
-    export_head(tmp_path / "h", "medusa-vllm", tmp_path / "mv", target=tiny if shared else None)
+    export_head(tmp_path / "h", "medusa-vllm", tmp_path / "mv", target=tiny)
     cfg, sd = _exported(tmp_path / "mv")
     assert [k for k in cfg if "num" in k and ("heads" in k or "layers" in k)] == ["num_heads", "num_hidden_layers"]
     assert cfg["architectures"] == ["MedusaModel"] and cfg["model_type"] == "medusa"
-    K, n, Vt = cfg["num_heads"], cfg["num_hidden_layers"], cfg["truncated_vocab_size"]
-    blocks = torch.nn.ModuleList(torch.nn.ModuleList(torch.nn.Linear(D, D, bias=cfg.get("medusa_fc_bias", False))
-                                                     for _ in range(n)) for _ in range(K))
-    reader = torch.nn.Module()
-    reader.blocks = torch.nn.ModuleList()
-    for blk in blocks:
-        m = torch.nn.Module()
-        m.layers = blk
-        reader.blocks.append(m)
-    reader.lm_heads = torch.nn.ModuleList(torch.nn.Linear(D, Vt, bias=False) for _ in range(K))
-    weights = {k.replace("medusa_heads.", ""): v for k, v in sd.items()}
-    token_map = weights.pop("token_map") if Vt < cfg["vocab_size"] else None
-    _load_reader(reader, weights, unexpected="error")
+    blocks, lms, token_map = _vllm_medusa(cfg, sd, version)
     h = torch.randn(1, 5, D)
     with torch.no_grad():
         ours = head(h)
-        for k in range(K):
+        for k in range(cfg["num_heads"]):
             x = h
-            for lin in reader.blocks[k].layers:
+            for lin in blocks[k]:
                 x = x + torch.nn.functional.silu(lin(x))
-            theirs = reader.lm_heads[k](x)
+            theirs = (x @ lms[k].T)[..., :cfg["truncated_vocab_size"]]
+            want = ours[k]
             if token_map is not None:
                 full = torch.full((1, 5, V), float("-inf"))
                 full[..., token_map] = theirs
                 mine = torch.full((1, 5, V), float("-inf"))
                 mine[..., head.d2t] = ours[k]
                 theirs, want = full, mine
-            else:
-                want = ours[k]
             torch.testing.assert_close(theirs, want)
-    back = import_head(tmp_path / "mv", tiny)
-    torch.testing.assert_close(back(h), ours)
 
 
 def test_speculators_config_fields(tiny, tmp_path):
     """speculators' Eagle3SpeculatorConfig fields (.venv-speculators, speculators/models/eagle3/config.py) and what
     vLLM's speculators path takes from them (vllm@cfb173ab, vllm/transformers_utils/configs/speculators/algos.py
     update_eagle3: draft_vocab_size, target_hidden_size if not None, norm_before_residual with default TRUE, so ours
-    is written false; eagle_aux_hidden_state_layer_ids as given, our convention)."""
+    is written false; eagle_aux_hidden_state_layer_ids as given, our convention). embed_tokens.weight is the
+    target's, in the head's dtype: speculators' _load_verifier_weights (model.py) fills the draft's embedding from the
+    verifier only where it is NaN, and after from_pretrained a tensor the file lacks is not; without --target the
+    export is refused in one line."""
+    from specheads.target import tiny_target
+
     _trained(HeadSpec(kind="eagle3", draft_vocab_size=100, feature_layers=[1, 2, 3]), tiny, tmp_path)
+    with pytest.raises(SpecheadsError, match=r"--format speculators: .* needs --target .*embed_tokens.weight"):
+        export_head(tmp_path / "h", "speculators", tmp_path / "s")
+    with pytest.raises(SpecheadsError, match="head was trained for target 'tiny-llama-0' but the target given"):
+        export_head(tmp_path / "h", "speculators", tmp_path / "s", target=tiny_target(seed=1))
+    assert not (tmp_path / "s").exists()
     export_head(tmp_path / "h", "speculators", tmp_path / "s", verifier_name_or_path="org/verifier",
-                speculative_tokens=5)
+                speculative_tokens=5, target=tiny)
     cfg, sd = _exported(tmp_path / "s")
     assert cfg["speculators_model_type"] == "eagle3" and cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert cfg["norm_before_residual"] is False and cfg["target_hidden_size"] is None and cfg["draft_vocab_size"] == 100
@@ -463,11 +508,14 @@ def test_speculators_config_fields(tiny, tmp_path):
     assert cfg["transformer_layer_config"]["model_type"] == "llama"
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "layers.0.hidden_norm.weight"} <= set(sd)
     assert not any(k.startswith("midlayer.") for k in sd)
+    assert torch.equal(sd["embed_tokens.weight"], tiny.embed_tokens.weight)
 
 
 def test_verifier_is_named_in_every_export_and_the_bundled_target_said(tiny, tmp_path):
     """The verifier an export names: the head's target (our aliases as their hub id) or the one the user gives
-    (--verifier, every format). A head trained on the bundled smollm2-135m, the Q4_1 GGUF dequantised, says so."""
+    (--verifier, every format). A head trained on the bundled smollm2-135m, the Q4_1 GGUF dequantised, says so,
+    unless --verifier is a local copy of that exact target (its embedding and lm_head give the head's fingerprint:
+    the GGUF converted for the engine, as docs/exports.md advises)."""
     _trained(HeadSpec(kind="eagle3"), tiny, tmp_path)
     cpath = tmp_path / "h" / "config.json"
     export_head(tmp_path / "h", "eagle3", tmp_path / "own")
@@ -476,15 +524,21 @@ def test_verifier_is_named_in_every_export_and_the_bundled_target_said(tiny, tmp
     c = json.loads(cpath.read_text())
     c["target_name"] = "smollm2-135m"
     cpath.write_text(json.dumps(c))
+    tiny.model.save_pretrained(tmp_path / "exact")  # the head's very target, saved for an engine
+    from specheads.target import tiny_target
+
+    tiny_target(seed=1).model.save_pretrained(tmp_path / "other")  # a relative: same shapes, other weights
     for fmt in ("eagle3", "speculators"):
-        export_head(tmp_path / "h", fmt, tmp_path / fmt)
+        export_head(tmp_path / "h", fmt, tmp_path / fmt, target=tiny)
         cfg = _exported(tmp_path / fmt)[0]
         assert cfg["specheads"]["verifier"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
         assert "Q4_1 GGUF" in cfg["specheads"]["verifier_note"] and "dequantised" in cfg["specheads"]["verifier_note"]
-        export_head(tmp_path / "h", fmt, tmp_path / f"{fmt}-x", verifier_name_or_path="org/exact-verifier")
-        cfg = _exported(tmp_path / f"{fmt}-x")[0]
-        assert cfg["specheads"]["verifier"] == "org/exact-verifier"
-    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/exact-verifier"
+        for verifier, noted in (("org/other-verifier", True), (tmp_path / "other", True), (tmp_path / "exact", False)):
+            export_head(tmp_path / "h", fmt, tmp_path / f"{fmt}-x", verifier_name_or_path=str(verifier), target=tiny)
+            cfg = _exported(tmp_path / f"{fmt}-x")[0]
+            assert cfg["specheads"]["verifier"] == str(verifier)
+            assert ("verifier_note" in cfg["specheads"]) is noted, (fmt, verifier)
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(tmp_path / "exact")
 
 
 class _RepoResBlock(torch.nn.Module):
@@ -581,6 +635,75 @@ def test_import_eagle1_repo_folder(tiny, tmp_path):
         import_head(tmp_path / "e", tiny)
 
 
+@pytest.mark.parametrize("fmt", ["eagle", "eagle3"])
+def test_import_of_an_eagle_repo_checkpoint_reads_its_rope_base(tiny_rope, tmp_path, fmt):
+    """The EAGLE repo (SafeAILab/EAGLE cnets1.py / cnets.py _init_rope) builds its rotary embedding at
+    config.rope_theta when present, else at 10,000 (its LLaMA-2 / Vicuna configs omit the key). Key = the target's
+    base: imported as it is. Absent (10,000) or another value on a target at 100,000: refused in one line naming
+    both and --rope-theta; `checkpoint` runs the head at its own base (the repo's logits), `target` rebuilds it at
+    the target's (the old behaviour, now explicit), N at N; the base chosen is recorded and exported again."""
+    spec = HeadSpec(kind="eagle") if fmt == "eagle" else HeadSpec(kind="eagle3", feature_layers=[1, 2, 3])
+    head = _trained(spec, tiny_rope, tmp_path)
+    export_head(tmp_path / "h", fmt, tmp_path / "repo")  # the repo's layout; rope_theta 100000 written
+    _same_state(head, import_head(tmp_path / "repo", tiny_rope))
+    cpath = tmp_path / "repo" / "config.json"
+    cfg = json.loads(cpath.read_text())
+    for k in ("rope_theta", "rope_parameters"):
+        cfg.pop(k)
+    cpath.write_text(json.dumps(cfg))
+    with pytest.raises(SpecheadsError, match=r"config.json: RoPE base 10000 \(no rope_theta: the EAGLE repo's "
+                                             r"default\) but target 'tiny-llama-0' runs RoPE at 100000; .*"
+                                             r"--rope-theta checkpoint .*--rope-theta target") as e:
+        import_head(tmp_path / "repo", tiny_rope)
+    assert "\n" not in str(e.value)
+    at_target = import_head(tmp_path / "repo", tiny_rope, rope_theta="target")
+    _same_state(head, at_target)
+    own = import_head(tmp_path / "repo", tiny_rope, rope_theta="checkpoint")
+    _same_state(head, own)  # the same weights, run at another base
+    assert own.layer_config.rope_parameters["rope_theta"] == 10000.0
+    g = torch.Generator().manual_seed(7)
+    F = len(head.config.feature_layers)
+    feats, toks = torch.randn(1, 9, F * D, generator=g), torch.randint(0, V, (1, 9), generator=g)
+    with torch.no_grad():
+        mine, theirs = (head(feats, toks)[1], own(feats, toks)[1]) if fmt == "eagle" else \
+            (head(feats, toks, steps=1)[0], own(feats, toks, steps=1)[0])
+        assert (mine - theirs).abs().max() > 1e-3  # the base matters at these positions
+        if fmt == "eagle":  # the repo's own reading of the folder at 10,000: our imported head's logits
+            reader, rotary = _eagle1_reader(cfg, fc_bias=cfg.get("bias", True), attention_bias=False,
+                                            rope_theta=cfg.get("rope_theta", 10000))
+            _load_reader(reader, load_file(str(tmp_path / "repo" / "model.safetensors")), unexpected="ignored")
+            torch.testing.assert_close(_eagle1_logits(reader, rotary, tiny_rope, feats, toks), theirs)
+    own.save_pretrained(tmp_path / "own")  # recorded: loads and exports at 10,000
+    assert load_head(tmp_path / "own", tiny_rope).layer_config.rope_parameters["rope_theta"] == 10000.0
+    export_head(tmp_path / "own", fmt, tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["rope_theta"] == 10000.0
+    assert import_head(tmp_path / "repo", tiny_rope, rope_theta=5e5).layer_config.rope_parameters["rope_theta"] == 5e5
+    cfg["rope_theta"] = 10000.0  # the key present with another base than the target's: refused too
+    cpath.write_text(json.dumps(cfg))
+    with pytest.raises(SpecheadsError, match=r"RoPE base 10000 \(rope_theta\) but target"):
+        import_head(tmp_path / "repo", tiny_rope)
+
+
+def test_cli_rope_theta_flag(tiny_rope, tmp_path, capsys, monkeypatch):
+    from specheads import cli
+
+    _trained(HeadSpec(kind="eagle"), tiny_rope, tmp_path)
+    export_head(tmp_path / "h", "eagle", tmp_path / "repo")
+    cfg = json.loads((tmp_path / "repo" / "config.json").read_text())
+    del cfg["rope_theta"], cfg["rope_parameters"]
+    (tmp_path / "repo" / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr("specheads.target.load_target", lambda name, dtype="float32", **kw: tiny_rope)
+    imp = ["export", "--import", str(tmp_path / "repo"), "--target", "t", "--out"]
+    assert cli.main([*imp, str(tmp_path / "a")]) == 2 and "--rope-theta checkpoint" in capsys.readouterr().err
+    assert cli.main([*imp, str(tmp_path / "a"), "--rope-theta", "ten"]) == 2
+    assert "--rope-theta 'ten': one of ['checkpoint', 'target'] or a positive RoPE base" in capsys.readouterr().err
+    assert cli.main(["export", "--head", str(tmp_path / "h"), "--format", "eagle", "--out", str(tmp_path / "b"),
+                     "--rope-theta", "target"]) == 2
+    assert "--rope-theta: only with --import" in capsys.readouterr().err
+    assert cli.main([*imp, str(tmp_path / "a"), "--rope-theta", "checkpoint"]) == 0
+    assert load_head(tmp_path / "a", tiny_rope).layer_config.rope_parameters["rope_theta"] == 10000.0
+
+
 def test_export_import_errors(tiny, tmp_path):
     from specheads.target import tiny_target
 
@@ -632,7 +755,12 @@ def test_cli_export_and_import(tiny, tmp_path, capsys, monkeypatch):
     assert "(vllm): its fc has no bias" in capsys.readouterr().err
     assert cli.main(["export", "--head", str(tmp_path / "b"), "--format", "eagle3", "--out", str(tmp_path / "z"),
                      "--consumer", "sglang"]) == 0
-    monkeypatch.setattr("specheads.target.load_target", lambda name, dtype="float32", **kw: tiny)
+    loaded = []
+    monkeypatch.setattr("specheads.target.load_target", lambda name, dtype="float32", **kw: loaded.append(name) or tiny)
+    # speculators writes the target's embedding: without --target the head's recorded target is loaded
+    assert cli.main(["export", "--head", str(tmp_path / "h"), "--format", "speculators", "--out",
+                     str(tmp_path / "sp")]) == 0
+    assert loaded == ["tiny-llama-0"] and "embed_tokens.weight" in _exported(tmp_path / "sp")[1]
     assert cli.main(["export", "--import", str(tmp_path / "o"), "--target", "tiny", "--out", str(tmp_path / "n")]) == 0
     _same_state(load_head(tmp_path / "h", tiny), load_head(tmp_path / "n", tiny))
     assert cli.main(["export", "--import", str(tmp_path / "o"), "--out", str(tmp_path / "n2")]) == 2
@@ -645,18 +773,21 @@ def _permuted_features(ids, g, T):
 
 
 @pytest.mark.skipif(not SPEC_PY.exists(), reason="no .venv-speculators (run scripts/setup_speculators_venv.sh)")
-@pytest.mark.parametrize("layers,L,draft_vocab", [([1, 2, 3], 4, 100), ([6, 1, 3], 8, None)],
+@pytest.mark.parametrize("layers,L,draft_vocab,vocab", [([1, 2, 3], 4, 100, V), ([6, 1, 3], 8, None, 16384)],
                          ids=["default-layers", "non-default-unsorted"])
-def test_speculators_package_loads_and_runs_our_export(tmp_path, layers, L, draft_vocab):
-    """The real consumer: speculators' own config and model classes load the export (every weight equal), and its own
-    EAGLE-3 TTT forward, fed the aux states in ascending layer order as vLLM captures them, gives our per-step logits
-    (same layer semantics, mask, positions up to a RoPE-invariant shift, d2t/t2d buffers, fc block order)."""
+def test_speculators_package_loads_and_runs_our_export(tmp_path, layers, L, draft_vocab, vocab):
+    """The real consumer: speculators' own config and model classes load the export as shipped (every weight equal,
+    the token embedding the verifier's: nothing filled in by hand), and its own EAGLE-3 TTT forward, fed the aux states in ascending layer order as vLLM captures them, gives our per-step logits
+    (same layer semantics, mask, positions up to a RoPE-invariant shift, d2t/t2d buffers, fc block order). The
+    second case has a 16384-token vocabulary: an embedding that size which the file lacked would come out of
+    from_pretrained as zeros (fresh pages), as issue 38 saw with SmolLM2, not as the NaN speculators fills."""
     from specheads.target import tiny_target
 
-    target = tiny_target(num_layers=L, rope_parameters=dict(ROPE))
+    target = tiny_target(num_layers=L, vocab_size=vocab, rope_parameters=dict(ROPE))
     target.model.save_pretrained(tmp_path / "verifier")  # speculators reads the verifier config and its embedding
     head = _trained(HeadSpec(kind="eagle3", draft_vocab_size=draft_vocab, feature_layers=layers), target, tmp_path)
-    export_head(tmp_path / "h", "speculators", tmp_path / "s", verifier_name_or_path=str(tmp_path / "verifier"))
+    export_head(tmp_path / "h", "speculators", tmp_path / "s", verifier_name_or_path=str(tmp_path / "verifier"),
+                target=target)
     g = torch.Generator().manual_seed(5)
     ours, theirs = _permuted_features(layers, g, 12)
     toks = torch.randint(0, V, (1, 12), generator=g)
@@ -664,8 +795,9 @@ def test_speculators_package_loads_and_runs_our_export(tmp_path, layers, L, draf
         logits = head(ours, toks, steps=3)
     out = run_speculators_load(tmp_path / "s", theirs, toks, logits, tmp_path)
     diffs = out.pop("max_abs_diff")
-    assert out == {"ok": True, "checked": len(load_file(str(tmp_path / "s" / "model.safetensors"))),
-                   "draft_vocab_size": draft_vocab or V, "aux_ids": sorted(layers), "class": "Eagle3DraftModel",
+    assert out == {"ok": True, "embed_is_verifier": True,
+                   "checked": len(load_file(str(tmp_path / "s" / "model.safetensors"))),
+                   "draft_vocab_size": draft_vocab or vocab, "aux_ids": sorted(layers), "class": "Eagle3DraftModel",
                    "verifier": str(tmp_path / "verifier"), "steps": 3}
     assert max(diffs) < 1e-4, diffs
 

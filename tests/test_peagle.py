@@ -261,11 +261,15 @@ def test_speculators_export_reads_back_bit_exact(tiny, tmp_path):
     order, layers.0 = our midlayer; read back, the same tensors and the same function (features permuted so)."""
     head = _head(tiny, feature_layers=[3, 1, 2], draft_vocab_size=100)
     head.save_pretrained(tmp_path / "h")
-    export_head(tmp_path / "h", "speculators", tmp_path / "s")
+    export_head(tmp_path / "h", "speculators", tmp_path / "s", target=tiny)
     cfg = json.loads((tmp_path / "s" / "config.json").read_text())
     assert (cfg["speculators_model_type"], cfg["mask_token_id"], cfg["transformer_layer_config"]["num_hidden_layers"],
             cfg["eagle_aux_hidden_state_layer_ids"]) == ("peagle", 5, 2, [1, 2, 3])
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert cfg["specheads"]["consumers"] == ["speculators"]  # vLLM 0.34 refuses P-EAGLE (issue 38)
+    with pytest.raises(SpecheadsError, match=r"--format speculators: .*\(vllm\): vLLM 0.34 refuses P-EAGLE .*export "
+                                             r"for \['speculators'\] only with --consumer"):
+        export_head(tmp_path / "h", "speculators", tmp_path / "v", target=tiny, consumers=["vllm"])
     sd = load_file(str(tmp_path / "s" / "model.safetensors"))
     assert "mask_hidden" in sd and "layers.0.hidden_norm.weight" in sd and "layers.1.mlp.up_proj.weight" in sd
     assert torch.equal(sd["mask_hidden"][..., :D], head.mask_hidden[..., D:2 * D].detach())  # layer 1 first
@@ -283,7 +287,7 @@ def test_speculators_export_reads_back_bit_exact(tiny, tmp_path):
 @pytest.mark.skipif(not SPEC_PY.exists(), reason="no .venv-speculators (run scripts/setup_speculators_venv.sh)")
 def test_speculators_package_loads_and_runs_our_export(tmp_path):
     """The real consumer: speculators' PEagleSpeculatorConfig / PEagleDraftModel load the export (every weight
-    equal, embedding from the verifier), and its own training forward over our chains (its mask token, mask_hidden,
+    equal, the token embedding the verifier's as the package loads it: nothing filled in by hand), and its own training forward over our chains (its mask token, mask_hidden,
     fc, layers, P-EAGLE attention mask and positions) gives our logits at every row of every depth."""
     from specheads.target import tiny_target
     from tests.test_export import ROPE
@@ -292,7 +296,8 @@ def test_speculators_package_loads_and_runs_our_export(tmp_path):
     target.model.save_pretrained(tmp_path / "verifier")
     head = _head(target, feature_layers=[3, 1, 2], draft_vocab_size=100)
     head.save_pretrained(tmp_path / "h")
-    export_head(tmp_path / "h", "speculators", tmp_path / "s", verifier_name_or_path=str(tmp_path / "verifier"))
+    export_head(tmp_path / "h", "speculators", tmp_path / "s", verifier_name_or_path=str(tmp_path / "verifier"),
+                target=target)
     f, x = _inputs(T=12)
     chains = [(torch.tensor([[0, 2, 5, 7, 9]]), torch.ones(1, 5, dtype=torch.bool)),
               (torch.tensor([[2, 5, 7]]), torch.ones(1, 3, dtype=torch.bool)),
@@ -314,7 +319,7 @@ def test_speculators_package_loads_and_runs_our_export(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     diff = got.pop("max_abs_diff")
-    assert got == {"ok": True, "checked": len(load_file(str(tmp_path / "s" / "model.safetensors"))),
+    assert got == {"ok": True, "embed_is_verifier": True, "checked": len(load_file(str(tmp_path / "s" / "model.safetensors"))),
                    "class": "PEagleDraftModel", "mask_token_id": 5, "num_layers": 2, "aux_ids": [1, 2, 3],
                    "draft_vocab_size": 100, "speculative_tokens": 4, "rows": 12 + 5 + 3 + 1}
     assert diff < 1e-4, diff

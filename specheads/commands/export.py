@@ -3,6 +3,11 @@
     specheads export --head runs/x/head --format speculators --out runs/x/speculators
     specheads export --head runs/x/head --format gguf --out runs/x/gguf --target-gguf   (llama.cpp; make llamacpp)
     specheads export --import path/to/EAGLE3-checkpoint --target smollm2-135m --out runs/imported
+    specheads export --import path/to/EAGLE-checkpoint --target smollm2-135m --rope-theta checkpoint --out runs/imp
+
+An EAGLE repo checkpoint whose RoPE base (its rope_theta, 10000 when absent) is not the target's is refused unless
+--rope-theta says which base the head runs at (heads/export/repos.py import_rope); an export that writes the
+target's tensors loads the head's recorded target when --target is not given (heads/export/registry.py needs_target).
 
 `--out` is replaced atomically, and only when that loses nothing: it must be absent, empty, or an earlier output of
 the same kind from the same source (recognised by the format recorded in its model.safetensors metadata and the
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 from specheads.heads.export_guards import GGUF_FILES, OWN_FILES, written_format  # noqa: F401 (their old home)
 from specheads.utils import SpecheadsError, atomic_dir
@@ -41,8 +47,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replace --out even when it holds other files or another head's export (never a folder the "
                         "command reads)")
     p.add_argument("--target", default=None,
-                   help="target (alias, folder, hub id or .gguf): required with --import, and to export a Medusa head "
-                        "with the shared lm_head as medusa-vllm")
+                   help="target (alias, folder, hub id or .gguf): required with --import; an export that writes the "
+                        "target's tensors (speculators for EAGLE-3 / P-EAGLE: its token embedding; medusa-vllm for a "
+                        "head sharing its lm_head) loads the head's recorded target when not given")
+    p.add_argument("--rope-theta", default=None, metavar="checkpoint|target|N",
+                   help="with --import of an EAGLE repo layout (eagle, eagle3) whose RoPE base (its rope_theta; the "
+                        "repo's default 10000 when absent) is not the target's: 'checkpoint' runs the head at its "
+                        "own base as the EAGLE repo does, 'target' rebuilds it at the target's, N at base N "
+                        "(default: such a mismatch is refused)")
     p.add_argument("--dtype", default="float32", help="target dtype when --target is loaded (default float32)")
     p.add_argument("--verifier", default=None,
                    help="the verifier model the export names (every format; speculators also in its "
@@ -72,6 +84,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.head and args.format is None:
         raise SpecheadsError("--format: required with --head")
+    if args.rope_theta is not None and not args.import_dir:
+        raise SpecheadsError("--rope-theta: only with --import (the RoPE base of an imported EAGLE repo checkpoint)")
+    from specheads.heads.export.repos import parse_rope_choice
+
+    parse_rope_choice(args.rope_theta)  # a bad value is one line before anything is loaded
     fmt, source = ("native" if args.import_dir else args.format), args.import_dir or args.head
     reads = {"--target": args.target}
     check_out(args.out, fmt, source, args.force, reads)  # before the lock: never a lock file inside the source
@@ -90,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace, out) -> int:
     """Write the export (or the import) into `out`, the staged folder that becomes --out."""
-    from specheads.heads.export import export_head, import_head
+    from specheads.heads.base import read_head_config
+    from specheads.heads.export import export_head, import_head, needs_target
     from specheads.heads.export_guards import verify_head, warn_other_target
     from specheads.target import load_target
 
@@ -103,11 +121,19 @@ def _export(args: argparse.Namespace, out) -> int:
         print(f"exported {args.head} as gguf -> {args.out}")
         return 0
     target = load_target(args.target, dtype=args.dtype) if args.target else None
+    if args.head and target is None and needs_target(args.head, args.format):
+        name = read_head_config(Path(args.head)).target_name
+        log.info("loading the head's target %r: --format %s writes its tensors (give --target to name another "
+                 "copy of it)", name, args.format)
+        target = load_target(name, dtype=args.dtype)
     if args.import_dir:
         if target is None:
             raise SpecheadsError("--import: needs --target (the head is checked against it and bound to it)")
         warn_other_target(args.import_dir, args.target)
-        head = import_head(args.import_dir, target, fmt=args.from_format)
+        from specheads.heads.export.repos import parse_rope_choice
+
+        head = import_head(args.import_dir, target, fmt=args.from_format,
+                           rope_theta=parse_rope_choice(args.rope_theta))
         head.save_pretrained(out)
         print(f"imported {args.import_dir} as a {head.kind} head -> {args.out}")
         return 0

@@ -25,12 +25,12 @@ from specheads.heads.export.dspark import (
     BLOCK_LOADERS, BLOCK_TYPES, check_block_exportable, export_block_head, import_block_tensors,
 )
 from specheads.heads.export.registry import (
-    BLOCK_FORMATS, FORMATS, KIND_OF_FORMAT, READERS, WRITERS, detect_format, export_head, import_head,
+    BLOCK_FORMATS, FORMATS, KIND_OF_FORMAT, READERS, WRITERS, detect_format, export_head, import_head, needs_target,
 )
 
 __all__ = [
     "BLOCK_FORMATS", "BLOCK_LOADERS", "BLOCK_TYPES", "BUNDLED_TARGETS", "FORMATS", "HUB_IDS", "KIND_OF_FORMAT",
     "LOADERS", "OPT_IN", "READERS", "SPECULATIVE_TOKENS", "WRITERS", "check_block_exportable", "check_consumers",
     "consumer_problems", "consumers_of", "detect_format", "export_block_head", "export_head", "import_block_tensors",
-    "import_head", "legacy_rope_keys", "resolve_verifier",
+    "import_head", "legacy_rope_keys", "needs_target", "resolve_verifier",
 ]

@@ -3,15 +3,20 @@
   older vLLM's vllm/model_executor/models/llama.py) beside transformers 5's `rope_parameters`;
 - d2t as offsets, target id = i + d2t[i] (SGLang's llama_eagle3.py, vLLM's llama_eagle3.py, speculators'
   models/eagle3 and models/dspark, llama.cpp's converter); our heads hold absolute ids (heads/base.py);
-- the verifier an export names: the head's target, our aliases as the hub id serving engines load.
+- the verifier an export names: the head's target, our aliases as the hub id serving engines load;
+- the target's token embedding, written where a loader reads the draft's own (speculators' EAGLE-3 / P-EAGLE).
 """
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
-from specheads.heads.base import HeadConfig
+from specheads.heads.base import HeadConfig, check_target
 from specheads.utils import SpecheadsError
 
 SPECULATIVE_TOKENS = 3  # speculators' greedy proposal default (its EAGLE-3 converter writes 3)
@@ -27,9 +32,50 @@ _ATTENTION_BIAS = re.compile(r"(layers\.\d+|midlayer)\.self_attn\.[qkvo]_proj\.b
 
 def resolve_verifier(cfg: HeadConfig, verifier_name_or_path: str | None) -> tuple[str, str | None]:
     """(the verifier named in the export, a note when the head's target is a bundled alias whose weights are not
-    the hub model's). Default verifier: the head's target, our aliases mapped to their hub id."""
-    return (verifier_name_or_path or HUB_IDS.get(cfg.target_name, cfg.target_name),
-            BUNDLED_TARGETS.get(cfg.target_name))
+    the hub model's and --verifier does not name that exact target). Default verifier: the head's target, our
+    aliases mapped to their hub id."""
+    note = BUNDLED_TARGETS.get(cfg.target_name)
+    if note and verifier_name_or_path and is_head_target(cfg, verifier_name_or_path):
+        note = None  # the engine verifies with the very weights the head was trained on
+    return verifier_name_or_path or HUB_IDS.get(cfg.target_name, cfg.target_name), note
+
+
+def is_head_target(cfg: HeadConfig, path: str) -> bool:
+    """Whether the local `path` holds the exact target the head was trained on: the alias's own GGUF file, or a
+    folder whose safetensors embedding and lm_head give the head's recorded fingerprint (the GGUF converted for an
+    engine, as docs/exports.md advises). Hub ids and anything unreadable: False (the note stays)."""
+    from specheads.assets import TARGET_ALIASES
+    from specheads.target import target_fingerprint
+
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        try:
+            own = Path(TARGET_ALIASES[cfg.target_name]())
+            return os.path.samefile(p, own) or _sha256(p) == _sha256(own)
+        except (KeyError, OSError, SpecheadsError):
+            return False
+    if not p.is_dir():
+        return False
+    found = {}
+    for f in sorted(p.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():
+                    if k.endswith("embed_tokens.weight") or k == "lm_head.weight":
+                        found.setdefault("lm_head" if k == "lm_head.weight" else "embed", st.get_tensor(k))
+        except Exception:  # not a readable safetensors file: not provably the target
+            return False
+    if "embed" not in found:
+        return False
+    return target_fingerprint(found["embed"], found.get("lm_head", found["embed"])) == cfg.fingerprint
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def check_keys(tensors: dict, required: list[str], where: str) -> None:
@@ -122,12 +168,31 @@ def native_name(key: str) -> str:
     return "midlayer." + key[len("layers.0."):] if key.startswith("layers.0.") else key
 
 
-def speculators_tensors(cfg, sd: dict, expected: list[str], fc: torch.Tensor) -> tuple[dict, list[str]]:
+def target_embedding(cfg: HeadConfig, sd: dict, target, fmt: str, where: str) -> torch.Tensor:
+    """The target's token embedding [V, D] in the head's dtype, for a layout whose loader reads the draft's own
+    `embed_tokens.weight`. speculators 0.9 (model.py _load_verifier_weights) fills it from the verifier only where it
+    is still NaN, and after HF's from_pretrained a missing tensor is not NaN (uninitialised memory or zeros): without
+    the tensor in the file every draft token embeds as garbage. vLLM >= 0.34 (v1/worker/gpu/spec_decode/eagle/
+    utils.py maybe_share_target_embed) shares the verifier's embedding when the file's equals it, else keeps the
+    file's: the one this head was trained with either way."""
+    if target is None:
+        raise SpecheadsError(f"--format {fmt}: {where} needs --target (the head's target, {cfg.target_name!r}): the "
+                             "export carries the target's token embedding (embed_tokens.weight), which speculators' "
+                             "loader reads from the checkpoint and never fills in from the verifier")
+    check_target(cfg, target, where)
+    dtype = sd["fc.weight"].dtype
+    return target.embed_tokens.weight.detach().to(device="cpu", dtype=dtype).clone()  # own storage (tied targets)
+
+
+def speculators_tensors(cfg, sd: dict, expected: list[str], fc: torch.Tensor, embed: torch.Tensor
+                        ) -> tuple[dict, list[str]]:
     """The tensors an EAGLE-3-family speculators export shares (fc in the engines' layer order, the decoder
-    layers renamed, norm, lm_head, d2t offsets and t2d when V' < V) -> (tensors, the names its loader needs)."""
+    layers renamed, norm, lm_head, the target's embedding, d2t offsets and t2d when V' < V) -> (tensors, the names
+    its loader needs)."""
     tensors = {speculators_name(k): v for k, v in sd.items() if k not in ("d2t", "t2d")}
     tensors["fc.weight"] = fc
-    required = ["fc.weight", "norm.weight", "lm_head.weight"] + \
+    tensors["embed_tokens.weight"] = embed
+    required = ["fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight"] + \
         [speculators_name(k) for k in expected if k.startswith(("midlayer.", "layers."))]
     if cfg.draft_vocab_size:  # speculators registers d2t/t2d only when V' < V
         tensors.update(d2t=d2t_offsets(sd["d2t"]), t2d=sd["t2d"].to(torch.bool))

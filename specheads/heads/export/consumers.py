@@ -4,10 +4,12 @@ commit and path in docs/exports.md):
 - SGLang: python/sglang/srt/models/llama_eagle.py (LlamaForCausalLMEagle), llama_eagle3.py
   (LlamaForCausalLMEagle3), llama.py (the aux-state capture);
 - vLLM: vllm/model_executor/models/llama_eagle.py (EagleLlamaForCausalLM), llama_eagle3.py
-  (Eagle3LlamaForCausalLM), medusa.py (Medusa), vllm/transformers_utils/configs/speculators/algos.py;
+  (Eagle3LlamaForCausalLM), medusa.py (Medusa, 0.x-0.32), vllm/transformers_utils/configs/speculators/algos.py;
 - llama.cpp: convert_hf_to_gguf.py (its EAGLE-3 converter);
 - the EAGLE repos: SafeAILab/EAGLE eagle/model/cnets1.py (EAGLE-1), cnets.py and modeling_llama_kv.py (EAGLE-3);
-- speculators: models/eagle3 (Eagle3DraftModel).
+- speculators: models/eagle3 (Eagle3DraftModel), models/peagle (PEagleDraftModel).
+Release ranges (docs/exports.md's table): EAGLE-3.1 heads read by SGLang >= 0.5.23 and vLLM >= 0.34, Medusa by vLLM <= 0.32,
+P-EAGLE by speculators only (vLLM 0.34 refuses it).
 """
 from __future__ import annotations
 
@@ -29,10 +31,14 @@ LOADERS = {
     ("medusa-vllm", "vllm"): "vLLM's Medusa",
 }
 OPT_IN = {("eagle3", "eagle-repo")}  # checked only when named: the repo captures hardcoded layers, no config ids
+# (format, head kind) -> the consumers that read that kind at all (default: every consumer of the format)
+KIND_CONSUMERS = {("speculators", "peagle"): ["speculators"]}
 
 
-def consumers_of(fmt: str, default_only: bool = False) -> list[str]:
-    return [c for f, c in LOADERS if f == fmt and not (default_only and (f, c) in OPT_IN)]
+def consumers_of(fmt: str, default_only: bool = False, kind: str | None = None) -> list[str]:
+    """The consumers of `fmt` (default_only: without the opt-in ones; kind: only those that read that head kind)."""
+    out = [c for f, c in LOADERS if f == fmt and not (default_only and (f, c) in OPT_IN)]
+    return [c for c in out if c in KIND_CONSUMERS.get((fmt, kind), out)]
 
 
 def consumer_problems(fmt: str, consumer: str, cfg: HeadConfig) -> list[str]:
@@ -41,13 +47,31 @@ def consumer_problems(fmt: str, consumer: str, cfg: HeadConfig) -> list[str]:
     if fmt in ("eagle", "eagle-vllm") and cfg.target_config.get("model_type") != "llama":
         return [f"it builds Llama decoder layers and this head's layer is the target's "
                 f"{cfg.target_config.get('model_type')!r} layer"]
+    if fmt == "medusa-vllm":
+        return _medusa_problems(cfg)
     if fmt not in ("eagle3", "speculators"):
         return []
-    # the engines' EAGLE-3 loaders build neither EAGLE-3.1 switch (the eagle3 format refuses such a head whole)
-    out = eagle31_problems(fmt, consumer, cfg) if fmt == "speculators" else []
+    if cfg.kind == "peagle" and consumer not in KIND_CONSUMERS.get((fmt, "peagle"), [consumer]):
+        return ["vLLM 0.34 refuses P-EAGLE (speculators/algos.py update_peagle: 'P-EAGLE (parallel drafting "
+                "EAGLE-3) is not supported'); 0.32-0.33 served it through PeagleLlamaForCausalLM, which is not "
+                "checked here"]
+    out = eagle31_problems(fmt, consumer, cfg)  # llama.cpp and the EAGLE-3 repo build no EAGLE-3.1 switch
     if spec.resolved_bias() and consumer != "sglang":
         out.append("its fc has no bias and this head was trained with one (head.bias true)")
     return out + _layer_problems(consumer, list(cfg.feature_layers), L)
+
+
+def _medusa_problems(cfg: HeadConfig) -> list[str]:
+    """vLLM 0.12-0.32 (0.33 removed Medusa) build each head's lm_head over the full vocabulary and read a draft
+    vocabulary only as one lm_head shared by every head (original_lm_head, export/medusa.py)."""
+    spec = cfg.head_spec
+    if not cfg.draft_vocab_size or spec.medusa_lm_head != "per_head":
+        return []
+    return [f"vLLM 0.12-0.32 build each head's lm_heads.{{h}} over the full vocabulary (ParallelLMHead(vocab_size), "
+            f"its weight_loader asserts the rows) and read a draft vocabulary only as one lm_head shared by every "
+            f"head (original_lm_head), and this head has its own projection per head (head.medusa_lm_head per_head) "
+            f"over a {cfg.draft_vocab_size}-token draft vocabulary, which no full-vocabulary rows reproduce "
+            f"(vLLM <= 0.11 read it; 0.33 removed Medusa)"]
 
 
 def _layer_problems(consumer: str, ids: list[int], L: int) -> list[str]:
@@ -75,7 +99,7 @@ def check_consumers(fmt: str, cfg: HeadConfig, consumers, where: str) -> list[st
     """The consumers an export is checked for (default: the format's engines); one SpecheadsError naming each
     consumer that cannot read the head and why."""
     known = consumers_of(fmt)
-    chosen = list(consumers) if consumers else consumers_of(fmt, default_only=True)
+    chosen = list(consumers) if consumers else consumers_of(fmt, default_only=True, kind=cfg.kind)
     for c in chosen:
         if c not in known:
             raise SpecheadsError(f"--consumer {c!r}: --format {fmt} is read by {known}")

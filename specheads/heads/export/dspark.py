@@ -77,15 +77,22 @@ def _speculators_block_config(cfg: HeadConfig, verifier: str | None) -> dict:
 
 
 def _specforge_block_config(cfg: HeadConfig, where: str) -> dict:
-    """SpecForge's DFlashDraftModel reads a Qwen3 config + block_size, num_target_layers and dflash_config
-    (target_layer_ids in z-lab's convention: hidden_states[id + 1], i.e. ours - 1; -1 = the embeddings);
-    DSparkConfig adds the four DSpark fields at the top level (newer SpecForge reads them from dspark_config)."""
+    """SpecForge's DFlashDraftModel / DSparkDraftModel (specforge/modeling/draft/dflash.py, dspark.py; SpecForge
+    0.2.0 = main a6b6b02 there) read a Qwen3 config (model_type qwen3: AutoConfig and SGLang's start-up load it),
+    block_size, num_target_layers and dflash_config: target_layer_ids in z-lab's convention (hidden_states[id + 1],
+    i.e. ours - 1), mask_token_id and, for DSpark, projector_type dspark, attention_mode (gqa needs fewer kv heads
+    than query heads, else mha), markov_rank, markov_head_type, enable_confidence_head, confidence_head_with_markov
+    (as its configs/qwen3-8b-dspark.json writes them). The DSpark fields are copied to the top level, where SGLang
+    0.5.23's DSparkDraftModel builds its heads from (models/dspark.py build_markov_head: getattr(config,
+    "markov_rank")); sample_from_anchor too (SGLang and llama.cpp read it there, default true)."""
     spec = cfg.head_spec
     if cfg.draft_vocab_size:
         raise SpecheadsError(f"--format specforge: {where} drafts over a {cfg.draft_vocab_size}-token draft vocab; "
                              "SpecForge's DFlash / DSpark use the target's full vocabulary "
                              "(head.draft_vocab_size null)")
     kind = _block_type(spec)
+    if cfg.kind != "domino":  # Domino says its alignment itself (shift_label true, _domino_fields)
+        _check_specforge_slots(spec, kind, where)
     config = _block_layer_dict(cfg)
     ids = [i - 1 for i in cfg.feature_layers]
     config.update(architectures=["DSparkDraftModel" if kind == "dspark" else "DFlashDraftModel"],
@@ -95,11 +102,25 @@ def _specforge_block_config(cfg: HeadConfig, where: str) -> dict:
                   # sample_from_anchor here (its default without it is true)
                   target_layer_ids=ids, mask_token_id=spec.mask_token_id, sample_from_anchor=spec.sample_from_anchor)
     if kind == "dspark":
-        config["model_type"] = "dspark"
-        config.update(_block_head_fields(spec), dspark_config=_block_head_fields(spec))
+        heads, gqa = _block_head_fields(spec), config["num_key_value_heads"] < config["num_attention_heads"]
+        config["dflash_config"].update(projector_type="dspark", attention_mode="gqa" if gqa else "mha", **heads)
+        config.update(heads)
     if cfg.kind == "domino":
         _domino_fields(config, spec, where)
     return config
+
+
+def _check_specforge_slots(spec: HeadSpec, kind: str, where: str) -> None:
+    """SpecForge has no sample_from_anchor key: its DSpark trains slot k on x_{p+k+1} (OnlineDSparkModel, labels
+    anchor + 1..K: our sample_from_anchor true), its DFlash slot k >= 1 on x_{p+k} (OnlineDFlashModel, the anchor
+    slot unsupervised: false). A head aligned the other way would be read one token off: refused."""
+    want = kind == "dspark"
+    if spec.sample_from_anchor != want:
+        raise SpecheadsError(
+            f"--format specforge: {where} has head.sample_from_anchor {str(spec.sample_from_anchor).lower()}; "
+            f"SpecForge's {'DSpark' if want else 'DFlash'}DraftModel reads slot k as the draft of "
+            f"{'x_(p+k+1) (true)' if want else 'x_(p+k), the anchor slot drafting nothing (false)'} and has no key "
+            "for the other alignment; export speculators (its sample_from_anchor key) or keep the native folder")
 
 
 def _domino_fields(config: dict, spec: HeadSpec, where: str) -> None:
@@ -157,12 +178,10 @@ def _block_spec(fmt: str, config: dict, target, where: str) -> HeadSpec:
     else:
         layer, dfc = config, need(config, "dflash_config", where)
         ids = [i + 1 for i in need(dfc, "target_layer_ids", where)]
-        heads = config.get("dspark_config") or config
-        if "markov_rank" not in heads:
-            heads = {"markov_rank": 0, "enable_confidence_head": False}
-        mask, sfa = dfc.get("mask_token_id"), config.get("sample_from_anchor", config.get("model_type") == "dspark")
+        heads, dspark = _specforge_heads(config, dfc)
+        mask, sfa = dfc.get("mask_token_id"), config.get("sample_from_anchor", dspark)
     check_dims(layer, target, where)
-    if fmt == "specforge" and dfc.get("projector_type") not in (None, "dflash"):
+    if fmt == "specforge" and dfc.get("projector_type") not in (None, "dflash", "dspark"):
         return _domino_spec(config, dfc, layer, ids, target, where)
     dv = int(config.get("draft_vocab_size") or target.vocab_size)
     rank, conf = int(heads.get("markov_rank", 256)), bool(heads.get("enable_confidence_head", True))
@@ -172,6 +191,25 @@ def _block_spec(fmt: str, config: dict, target, where: str) -> HeadSpec:
                     markov_head_type=heads.get("markov_head_type", "vanilla"), confidence_head=conf,
                     confidence_with_markov=bool(heads.get("confidence_head_with_markov", rank > 0)) and rank > 0,
                     sample_from_anchor=bool(sfa), mask_token_id=mask)
+
+
+def _specforge_heads(config: dict, dfc: dict) -> tuple[dict, bool]:
+    """(the DSpark head fields, whether it is a DSpark) of a SpecForge folder: dflash_config (SpecForge's layout,
+    ours since issue 38; SpecForge's defaults where a key is absent: markov_rank 0, the confidence head on when
+    confidence_head_alpha > 0, confidence_head_with_markov false), else our earlier layouts (dspark_config or the
+    top level, model_type dspark); a DFlash otherwise."""
+    arch = (config.get("architectures") or [""])[0]
+    if dfc.get("projector_type") == "dspark" or "markov_rank" in dfc or arch == "DSparkDraftModel" and \
+            "markov_rank" not in config and "dspark_config" not in config:
+        alpha = float(dfc.get("confidence_head_alpha", 0.0) or 0.0)
+        return {"markov_rank": int(dfc.get("markov_rank", 0) or 0),
+                "markov_head_type": dfc.get("markov_head_type", "vanilla"),
+                "enable_confidence_head": bool(dfc.get("enable_confidence_head", alpha > 0.0)),
+                "confidence_head_with_markov": bool(dfc.get("confidence_head_with_markov", False))}, True
+    old = config.get("dspark_config") or config
+    if "markov_rank" in old:
+        return old, True
+    return {"markov_rank": 0, "enable_confidence_head": False}, False
 
 
 def _domino_spec(config: dict, dfc: dict, layer: dict, ids: list[int], target, where: str) -> HeadSpec:

@@ -6,9 +6,9 @@ EAGLE-3 repo's model (SafeAILab/EAGLE eagle/model/cnets.py).
 Llama config + draft_vocab_size; aux layer ids both top level (`eagle_aux_hidden_state_layer_ids`, our
 hidden-states index: vLLM and llama.cpp) and nested (`eagle_config`, ours minus one: SGLang); fc.weight,
 midlayer.*, norm.weight, lm_head.weight, d2t (offsets), t2d. The fc and layer helpers here serve the speculators
-EAGLE-3 layout too (export/speculators.py), EAGLE-3.1's `fc_norm` / `norm_output` included; this layout refuses
-EAGLE-3.1 heads (refuse_eagle31: none of its consumers builds them at the commits read) and reads the two keys
-where a folder carries them (top level, as speculators and later vLLM name them).
+EAGLE-3 layout too (export/speculators.py). EAGLE-3.1's `fc_norm` / `norm_output` are written and read at the top
+level (as speculators, SGLang >= 0.5.23 and vLLM >= 0.34 name them), fc_norm.{i}.weight in ascending layer order;
+llama.cpp and the EAGLE-3 repo build neither and are refused for such a head (eagle31_problems).
 """
 from __future__ import annotations
 
@@ -67,51 +67,42 @@ def eagle31_config(cfg: HeadConfig) -> dict:
 
 
 def eagle31_problems(fmt: str, consumer: str, cfg: HeadConfig) -> list[str]:
-    """Why `consumer` of `fmt` cannot read an EAGLE-3.1 head (empty for plain EAGLE-3, and for speculators itself,
-    whose Eagle3DraftModel builds both switches): the engines' loaders at the commits read build plain EAGLE-3."""
+    """Why `consumer` of `fmt` cannot read an EAGLE-3.1 head (empty for plain EAGLE-3). speculators' Eagle3DraftModel
+    builds both switches; so do SGLang >= 0.5.23 (llama_eagle3.py: fc_norm / norm_output read from the config, one
+    RMSNorm per captured state, the post-norm state handed on) and vLLM >= 0.34 (llama_eagle3.py the same, and
+    speculators/algos.py update_eagle3 passes both keys on); llama.cpp's converter and the EAGLE-3 repo build
+    neither."""
     on = eagle31_switches(cfg.head_spec)
-    if not on or (fmt, consumer) == ("speculators", "speculators"):
+    if not on or consumer in ("speculators", "sglang", "vllm"):
         return []
-    why = {"vllm": "vLLM at the commits read passes neither key on (speculators/algos.py cfb173ab update_eagle3) "
-                   "and builds neither (llama_eagle3.py 583507d)" if fmt == "speculators" else
-                   "vLLM's llama_eagle3.py (583507d) builds neither switch",
-           "sglang": "SGLang's llama_eagle3.py (d737979) skips fc_norm.* and feeds its pre-norm state back",
-           "llama.cpp": "llama.cpp's converter and eagle3 graph (0c1e570) have neither"}
+    why = {"llama.cpp": "llama.cpp's converter and eagle3 graph (0c1e570) have neither",
+           "eagle-repo": "the EAGLE-3 repo's model (cnets.py) builds neither"}
     return [f"this head is EAGLE-3.1 ({', '.join('head.' + n for n in on)}): "
             + why.get(consumer, "its model is plain EAGLE-3")]
-
-
-def refuse_eagle31(cfg: HeadConfig, fmt: str, where: str) -> None:
-    """The eagle3 layout's consumers build plain EAGLE-3 at the commits read (docs/exports.md): one error naming
-    the switches and why, before anything is written."""
-    on = eagle31_switches(cfg.head_spec)
-    if on:
-        raise SpecheadsError(
-            f"--format {fmt}: {where} is an EAGLE-3.1 head ({', '.join('head.' + n for n in on)}), which no {fmt} "
-            "consumer reads: SGLang's LlamaForCausalLMEagle3 (d737979) skips unknown weights such as fc_norm.* and "
-            "feeds its pre-norm state to the next step, vLLM's Eagle3LlamaForCausalLM (583507d) builds neither "
-            "switch, llama.cpp's converter maps neither; export --format speculators (speculators reads both) or "
-            "keep the native folder")
 
 
 def write_eagle3(cfg: HeadConfig, sd: dict, expected: list[str], where: str = "the head",
                  **_) -> tuple[dict, dict, list[str]]:
     """SGLang (llama_eagle3.py: fc bias and o_proj bias from `bias`, aux ids nested, ours minus one), vLLM and
     llama.cpp (top-level aux ids, ours), the EAGLE-3 repo (hardcoded layers). No target_hidden_size: the EAGLE-3
-    repo loads the target's embedding only without it (cnets.py). EAGLE-3.1 heads are refused (refuse_eagle31)."""
-    refuse_eagle31(cfg, "eagle3", where)
+    repo loads the target's embedding only without it (cnets.py). EAGLE-3.1: the top-level keys fc_norm /
+    norm_output and fc_norm.{i}.weight in ascending layer order, as SGLang >= 0.5.23 and vLLM >= 0.34 read them
+    (export/consumers.py refuses the consumers that cannot)."""
     b = cfg.head_spec.resolved_bias()
     ids, fc = ascending_fc(cfg, sd)
     config = eagle3_llama_dict(cfg)
     config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=cfg.out_vocab, bias=b,
                   attention_bias=False, eagle_aux_hidden_state_layer_ids=ids,
-                  eagle_config={"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids], "use_aux_hidden_state": True})
+                  eagle_config={"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids], "use_aux_hidden_state": True},
+                  **eagle31_config(cfg))
     d2t, t2d = _vocab_maps(cfg, sd)
-    tensors = {k: v for k, v in sd.items() if k not in ("d2t", "t2d")}
+    tensors = {k: v for k, v in sd.items() if k not in ("d2t", "t2d") and not k.startswith("fc_norm.")}
     tensors.update({"fc.weight": fc, "d2t": d2t, "t2d": t2d})
+    norms = ascending_fc_norm(cfg, sd)
+    tensors.update(norms)
     if b:  # SGLang reads `bias` as the o_proj bias too (qkv is rebuilt without one)
         tensors.update(zero_attention_biases(sd, "midlayer.", ("o",)))
-    required = ["fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"] + \
+    required = ["fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"] + list(norms) + \
         [k for k in expected if k.startswith("midlayer.")]
     return config, tensors, required
 

@@ -6,10 +6,10 @@ speculators_model_type peagle, architectures [PEagleSpeculator], transformer_lay
 num_hidden_layers = head.num_layers), eagle_aux_hidden_state_layer_ids ascending, mask_token_id,
 embed_requires_grad false (our embedding is the target's, frozen), speculators_config {algorithm peagle, greedy
 proposal of speculative_tokens = head.num_depths, verifier}; tensors fc.weight, layers.0.* (our midlayer.*),
-layers.{i}.*, norm.weight, lm_head.weight, mask_hidden [1, 1, F·D] [, d2t offsets, t2d when V' < V]. fc's column
-blocks and mask_hidden's blocks follow the ascending layer order the engines concatenate the aux states in. No
-embed_tokens: speculators loads the verifier's (load_verifier_weights), which is the frozen embedding ours reads,
-mask token row included. GGUF: refused (heads/gguf.py DRAFT_KINDS; llama.cpp's pinned converter has no P-EAGLE).
+layers.{i}.*, norm.weight, lm_head.weight, mask_hidden [1, 1, F·D], embed_tokens.weight (the target's, mask token
+row included: speculators reads the checkpoint's and never fills it from the verifier, export/common.py
+target_embedding) [, d2t offsets, t2d when V' < V]. fc's column blocks and mask_hidden's blocks follow the
+ascending layer order the engines concatenate the aux states in. GGUF: refused (heads/gguf.py DRAFT_KINDS; llama.cpp's pinned converter has no P-EAGLE).
 """
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ def ascending_mask_hidden(cfg: HeadConfig, sd: dict) -> torch.Tensor:
     return torch.cat([m[..., j * D:(j + 1) * D] for j in _ascending(cfg)], dim=-1)
 
 
-def write_peagle(cfg: HeadConfig, sd: dict, expected: list[str], verifier: str = "", **_
+def write_peagle(cfg: HeadConfig, sd: dict, expected: list[str], verifier: str = "", embed=None, **_
                  ) -> tuple[dict, dict, list[str]]:
+    """`embed`: the target's token embedding (export/common.py target_embedding)."""
     spec = cfg.head_spec
     layer = eagle3_llama_dict(cfg)
     layer.pop("architectures", None)
@@ -43,7 +44,7 @@ def write_peagle(cfg: HeadConfig, sd: dict, expected: list[str], verifier: str =
         "mask_token_id": int(spec.mask_token_id), "embed_requires_grad": False,
         "speculators_config": speculators_section("peagle", spec.num_depths, verifier, cfg.target_config),
     }
-    tensors, required = speculators_tensors(cfg, sd, expected, fc)
+    tensors, required = speculators_tensors(cfg, sd, expected, fc, embed)
     tensors["mask_hidden"] = ascending_mask_hidden(cfg, sd)
     return config, tensors, required + ["mask_hidden"]
 

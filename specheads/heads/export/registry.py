@@ -23,7 +23,7 @@ from specheads.heads.export.dspark import export_block_head, read_specforge
 from specheads.heads.export.eagle import read_eagle, read_eagle_vllm, write_eagle, write_eagle_vllm
 from specheads.heads.export.eagle3 import read_eagle3, write_eagle3
 from specheads.heads.export.medusa import read_medusa_vllm, write_medusa_vllm
-from specheads.heads.export.repos import read_medusa_repo
+from specheads.heads.export.repos import EAGLE_REPO_LAYOUTS, import_rope, read_medusa_repo
 from specheads.heads.export.speculators import read_speculators, write_speculators
 from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json, read_json
 
@@ -49,7 +49,9 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target=None
                 consumers: list[str] | None = None) -> Path:
     """Write the native head folder `head_dir` in layout `fmt` to `out_dir` (atomically).
 
-    `target` is needed only for medusa-vllm with the shared lm_head (vLLM wants one projection per head).
+    `target` (checked against the head's fingerprint) is needed where the export writes the target's tensors
+    (`needs_target`): speculators for EAGLE-3 / P-EAGLE heads (the token embedding speculators reads from the
+    checkpoint) and medusa-vllm with the shared lm_head (vLLM wants one projection per head).
     `verifier_name_or_path`: the verifier model written into the export (default: the head's target, our aliases
     as their hub id). `consumers`: the readers to check the head against (default: the format's engines,
     `consumers_of(fmt, default_only=True)`); one that cannot read it is an error naming it and the reason.
@@ -95,6 +97,18 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target=None
     return Path(out_dir)
 
 
+def needs_target(head_dir: str | Path, fmt: str) -> bool:
+    """Whether exporting `head_dir` as `fmt` writes tensors of the target: its token embedding in speculators'
+    EAGLE-3 / P-EAGLE layout (export/common.py target_embedding), its lm_head rows for a Medusa head that shares it
+    (export/medusa.py). `specheads export` then loads the head's own target when --target is not given."""
+    if fmt not in ("speculators", "medusa-vllm"):
+        return False
+    cfg = read_head_config(Path(head_dir))
+    if fmt == "speculators":
+        return cfg.kind in ("eagle3", "peagle")
+    return cfg.kind == "medusa" and cfg.head_spec.medusa_lm_head == "shared"
+
+
 def detect_format(src: Path, config: dict) -> str:
     if "format_version" in config and "fingerprint" in config:
         return "native"
@@ -130,9 +144,11 @@ def _weights_file(src: Path) -> Path:
     raise SpecheadsError(f"{src}: no model.safetensors{hint}")
 
 
-def import_head(src_dir: str | Path, target, fmt: str | None = None) -> DraftHead:
+def import_head(src_dir: str | Path, target, fmt: str | None = None, rope_theta=None) -> DraftHead:
     """Load a head in any supported layout (auto-detected from config.json unless `fmt` is given) against `target`.
-    Returns a bound head; `.save_pretrained` writes it natively."""
+    Returns a bound head; `.save_pretrained` writes it natively. `rope_theta` ("checkpoint", "target", a base, or
+    None: refuse a mismatch) decides the RoPE base of an EAGLE repo layout whose base is not the target's
+    (export/repos.py import_rope)."""
     src = Path(src_dir)
     if not src.is_dir():
         raise SpecheadsError(f"{src}: folder not found")
@@ -148,7 +164,10 @@ def import_head(src_dir: str | Path, target, fmt: str | None = None) -> DraftHea
     wpath = _weights_file(src)
     sd = {k: v for k, v in read_safetensors(wpath).items() if k not in _SKIP_ON_IMPORT}
     spec, tensors = READERS[fmt](config, sd, target, str(cpath), str(wpath))
-    head = head_class(spec.kind)(HeadConfig.from_target(spec, target))
+    cfg = HeadConfig.from_target(spec, target)
+    if fmt in EAGLE_REPO_LAYOUTS:
+        cfg = import_rope(cfg, config, rope_theta, str(cpath))
+    head = head_class(spec.kind)(cfg)
     load_state_checked(head, tensors, wpath)
     dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
     log.info("imported %s checkpoint %s as a %s head", fmt, src, spec.kind)

@@ -4,7 +4,8 @@ and vLLM, which serves it through its speculators-config path (vllm/transformers
 update_eagle3, then vllm/model_executor/models/llama_eagle3.py).
 
 speculators_model_type eagle3, transformer_layer_config, speculators_config {verifier, proposal_methods};
-fc.weight, layers.0.*, norm.weight, lm_head.weight [, d2t, t2d when V' < V]. EAGLE-3.1 heads add the config keys
+fc.weight, layers.0.*, norm.weight, lm_head.weight, embed_tokens.weight (the target's: speculators reads the
+checkpoint's, export/common.py target_embedding) [, d2t, t2d when V' < V]. EAGLE-3.1 heads add the config keys
 `fc_norm` / `norm_output` (true; absent when off, speculators' default false) and the tensors `fc_norm.{i}.weight`,
 i in ascending layer order (models/eagle3/core.py: one RMSNorm per aux state, chunked from the concatenation; the
 post-norm state fed to the next TTT step). A speculators folder of a dspark / dflash head is read by
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from specheads.heads.base import HeadConfig, HeadSpec
 from specheads.heads.export.common import (
-    SPECULATIVE_TOKENS, native_name, need, speculators_section, speculators_tensors,
+    SPECULATIVE_TOKENS, native_name, need, speculators_section, speculators_tensors, target_embedding,
 )
 from specheads.heads.export.dspark import BLOCK_TYPES, import_block_tensors
 from specheads.heads.export.eagle3 import (
@@ -25,9 +26,11 @@ from specheads.utils import SpecheadsError
 
 
 def write_speculators(cfg: HeadConfig, sd: dict, expected: list[str], verifier: str = "",
-                      speculative_tokens: int = SPECULATIVE_TOKENS, **_) -> tuple[dict, dict, list[str]]:
+                      speculative_tokens: int = SPECULATIVE_TOKENS, target=None, where: str = "the head",
+                      **_) -> tuple[dict, dict, list[str]]:
+    embed = target_embedding(cfg, sd, target, "speculators", where)
     if cfg.kind == "peagle":  # its drafts per pass are head.num_depths
-        return write_peagle(cfg, sd, expected, verifier=verifier)
+        return write_peagle(cfg, sd, expected, verifier=verifier, embed=embed)
     layer = eagle3_llama_dict(cfg)
     layer.pop("architectures", None)
     ids, fc = ascending_fc(cfg, sd)
@@ -38,7 +41,7 @@ def write_speculators(cfg: HeadConfig, sd: dict, expected: list[str], verifier: 
         "speculators_config": speculators_section("eagle3", speculative_tokens, verifier, cfg.target_config),
         **eagle31_config(cfg),  # EAGLE-3.1: fc_norm / norm_output true where the head has them
     }
-    tensors, required = speculators_tensors(cfg, sd, expected, fc)
+    tensors, required = speculators_tensors(cfg, sd, expected, fc, embed)
     norms = ascending_fc_norm(cfg, sd)  # speculators' fc_norm ModuleList chunks the aux states in layer order
     tensors.update(norms)
     required += list(norms)
