@@ -156,10 +156,11 @@ def refuse_held(folder: str | os.PathLike, what: str = "") -> None:
 MAX_TEXT_BYTES = 64 << 20  # a recipe, a JSON file we read whole, one row of a dataset: larger is not an input of ours
 
 
-def read_text_bounded(path: str | os.PathLike, what: str = "", limit: int = MAX_TEXT_BYTES) -> str:
-    """A text file read whole, at most `limit` bytes (a device or pipe that never ends, or a file far larger than
-    any input of ours, is one SpecheadsError naming it; memory stays bounded). A folder is one line too."""
-    path = Path(path)
+def read_bytes_bounded(path: str | os.PathLike, what: str = "", limit: int | None = None) -> bytes:
+    """A file read whole, at most `limit` bytes: a device or pipe that never ends, or a file far larger than any
+    input of ours, is one SpecheadsError naming it (`what`, default the path), and memory stays bounded. `limit`
+    defaults to MAX_TEXT_BYTES."""
+    path, limit = Path(path), MAX_TEXT_BYTES if limit is None else limit
     if path.is_dir():
         raise SpecheadsError(f"{what or path}: is a folder, not a file")
     with open(path, "rb") as f:
@@ -167,18 +168,25 @@ def read_text_bounded(path: str | os.PathLike, what: str = "", limit: int = MAX_
     if len(data) > limit:
         raise SpecheadsError(f"{what or path}: more than {limit >> 20} MiB (read no further; an endless device or "
                              f"pipe, or not the file meant?)")
+    return data
+
+
+def read_text_bounded(path: str | os.PathLike, what: str = "", limit: int | None = None) -> str:
+    """`read_bytes_bounded` as UTF-8 text; bytes that are not UTF-8 are one SpecheadsError naming file and line."""
+    data = read_bytes_bounded(path, what, limit)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise SpecheadsError(f"{what or path}: not UTF-8 text: line {line} has byte 0x{data[e.start]:02x} "
+        raise SpecheadsError(f"{what or Path(path)}: not UTF-8 text: line {line} has byte 0x{data[e.start]:02x} "
                              f"({e.reason})") from None
 
 
-def bounded_lines(f, path: str | os.PathLike, limit: int = MAX_TEXT_BYTES) -> Iterator[tuple[int, str]]:
-    """(line number, line) of the open text file `f`, each line read with at most `limit` characters: a line that
-    does not end by then (one endless line) is one SpecheadsError naming the file and line."""
-    n = 0
+def bounded_lines(f, path: str | os.PathLike, limit: int | None = None) -> Iterator[tuple[int, str]]:
+    """(line number, line) of the open text file `f`, each line read with at most `limit` characters (default
+    MAX_TEXT_BYTES): a line that does not end by then (one endless line) is one SpecheadsError naming the file and
+    line."""
+    limit, n = MAX_TEXT_BYTES if limit is None else limit, 0
     while True:
         line = f.readline(limit + 1)
         if not line:
