@@ -221,6 +221,40 @@ def test_non_utf8_dataset_names_the_file_and_row(tmp_path):
                                   f"(invalid start byte)")
 
 
+@pytest.mark.parametrize("name", ["d.jsonl", "d.json"])
+def test_a_dataset_that_is_one_endless_line_is_refused_with_bounded_memory(tmp_path, monkeypatch, name):
+    """issue 38: a data source that is one endless line (a device, a pipe) grew memory until it failed. Each row
+    (a JSONL line, a JSON array's element) is read at most utils.MAX_TEXT_BYTES characters, then refused."""
+    import specheads.utils
+    from specheads.train.data import load_conversations
+
+    monkeypatch.setattr(specheads.utils, "MAX_TEXT_BYTES", 1 << 20)
+    zero = tmp_path / "zero"
+    zero.symlink_to("/dev/zero")  # endless NUL characters, valid UTF-8, no newline ever
+    if name == "d.json":  # an array whose first element never ends: '[{"a": "' then the endless device
+        endless = tmp_path / name
+        endless.write_text('[{"conversations": "' + "x" * (6 << 20))  # past the first 4 Mi chunk
+        want = r"not valid JSON at line 1, column 2: an element longer than 1 Mi characters"
+    else:
+        (tmp_path / name).symlink_to(zero)
+        want = r"line 1 is longer than 1 Mi characters \(read no further"
+    with pytest.raises(SpecheadsError, match=rf"^{tmp_path / name}: {want}"):
+        load_conversations(str(tmp_path / name))
+
+
+@pytest.mark.parametrize("command", ["eval", "bench"])
+def test_a_dataset_that_is_a_folder_is_one_line(tmp_path, capsys, command):
+    """issue 38: --dataset naming a folder raised IsADirectoryError (prepare's data.source already said it)."""
+    from specheads.cli import main
+
+    (tmp_path / "d").mkdir()
+    argv = {"eval": ["eval", "--head", str(tmp_path / "h")], "bench": ["bench", "--out", str(tmp_path / "b")]}
+    rc = main(argv[command] + ["--dataset", str(tmp_path / "d")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err == (f"specheads {command}: error: --dataset {tmp_path / 'd'}: is a folder; expected a "
+                               f"JSONL file (one prompt per line)")
+
+
 @pytest.mark.parametrize("force", [False, True])
 def test_export_out_dot_is_refused_and_the_folder_kept(tiny, tmp_path, monkeypatch, force):
     head = _head(tiny, tmp_path / "h")

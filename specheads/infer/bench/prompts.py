@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specheads.utils import SpecheadsError
+from specheads.utils import SpecheadsError, bounded_lines
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +82,12 @@ def load_jsonl_prompts(path: str | Path, both_turns: bool = False) -> list[Bench
     if not path.exists():
         raise SpecheadsError(f"--dataset {path}: file not found (expected mt-bench, humaneval, sharegpt:START or a "
                              "JSONL file)")
+    if path.is_dir():
+        raise SpecheadsError(f"--dataset {path}: is a folder; expected a JSONL file (one prompt per line)")
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    with open(path, encoding="utf-8") as f:  # line by line, each bounded: an endless line is refused, not read on
+        lines = [(n, line) for n, line in bounded_lines(f, path)]
+    for n, line in lines:
         if not line.strip():
             continue
         try:
