@@ -217,6 +217,23 @@ def load_prompts(dataset: str, limit: int | None = None, both_turns: bool = Fals
     return prompts if limit is None else prompts[:limit]
 
 
+def first_turn_ids(target, prompts: list[BenchPrompt], dataset: str) -> list[list[int]]:
+    """Every prompt's first turn encoded as bench encodes it, each checked against the target's context window by
+    the rule generate and bench apply to a prompt (engine/generate.py: it needs room for one new token), before
+    anything runs: a prompt that does not fit is one SpecheadsError naming the dataset and the prompt (bench and
+    eval refuse the same prompts)."""
+    window = target.max_positions
+    out = []
+    for p in prompts:
+        ids = encode_turn(target.tokenizer, p, 0, [])
+        if window and len(ids) >= window:
+            raise SpecheadsError(f"--dataset {dataset}: prompt {p.id}: {len(ids)} tokens do not fit the context "
+                                 f"window of {window} of target {target.name} (no room for a new token); shorten "
+                                 f"it or leave it out")
+        out.append(ids)
+    return out
+
+
 def encode_turn(tokenizer, prompt: BenchPrompt, turn: int, answers: list[str]) -> list[int]:
     """Token ids for user turn `turn` given this method's own earlier `answers` (one per earlier turn)."""
     if tokenizer is None:
