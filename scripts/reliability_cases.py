@@ -507,8 +507,10 @@ def _as_uninterrupted(ctx) -> str:
 def kill_cases() -> list[dict[str, Any]]:
     """A real SIGKILL at each point of reliability_kill.KILLS, then the same command again (train: --resume); its
     message, and its outputs against an uninterrupted run's (check)."""
-    expect = {"prepare": "summary written to", "train": "trained 9 steps", "export": "exported"}
+    expect = {"prepare": "summary written to", "regen": "summary written to", "train": "trained 9 steps",
+              "export": "exported"}
     risk = {"prepare killed while writing feature shard 1": "silent wrong result",
+            "prepare killed while the target writes the answers": "silent wrong result",
             "prepare killed while writing its manifest": "silent wrong result",
             "prepare killed while writing the target sidecars": "silent wrong result",
             "train killed mid-step (after checkpoint 3)": "silent wrong result",

@@ -49,15 +49,20 @@ if _slow:
 TIMEOUT = 600  # seconds any one run may take
 STEPS = ["train.max_steps=9", "train.save_every=3"]  # checkpoints at steps 3, 6 and 9
 # What two uninterrupted runs write differently: when and how long, and how much this process did (a resumed run
-# trains fewer steps itself); datasets' fingerprint of the tokens (random per process); files' sha256, which covers
-# a safetensors header whose metadata order varies from process to process (the tensors themselves are compared).
+# trains fewer steps itself, a rerun regenerates fewer answers); datasets' fingerprint of the tokens (random per
+# process); files' sha256, which covers a safetensors header whose metadata order varies from process to process
+# (the tensors themselves are compared).
 VOLATILE_KEYS = {"timings", "seconds", "time", "train_seconds", "tokens_this_run", "tokens_per_s", "_fingerprint",
-                 "sha256", "shard_sha256"}
+                 "sha256", "shard_sha256", "regenerated_new_tokens", "regenerate_tokens_per_s"}
 RESUME_ONLY = {"train_config_history.yaml"}  # the resumed segments, written by a resumed run only
 
 
-def prepare_argv(base: Path, run: Path) -> list[str]:
-    return ["prepare", "--no-progress", "--config", str(base / "recipe.yaml"), f"output_dir={run}"]
+# prepare with the target writing the answers (data/regenerated.jsonl, fsynced every 2 conversations)
+REGEN = ["data.regenerate=true", "data.regen_batch_size=2", "data.regen_max_new_tokens=6"]
+
+
+def prepare_argv(base: Path, run: Path, regen: bool = False) -> list[str]:
+    return ["prepare", "--no-progress", "--config", str(base / "recipe.yaml"), f"output_dir={run}"] + REGEN * regen
 
 
 def train_argv(base: Path, run: Path, resume: bool = False) -> list[str]:
@@ -233,8 +238,9 @@ def readable_state(run: Path) -> list[str]:
 # ------------------------------------------------------------------------------------------------ the cases
 
 def references(base: Path) -> Path:
-    """The uninterrupted runs, once per base, in one process: ref/prepare (prepare from nothing), ref/train (train
-    on a copy of prepared/), ref/export (export of trained/final)."""
+    """The uninterrupted runs, once per base, in one process: ref/prepare (prepare from nothing), ref/regen (prepare
+    with the target writing the answers), ref/train (train on a copy of prepared/), ref/export (export of
+    trained/final)."""
     ref = base / "kill9-ref"
     if (ref / "done").exists():
         return ref
@@ -243,7 +249,8 @@ def references(base: Path) -> Path:
     shutil.copytree(base / "prepared", ref / "train")
     script = ("import sys, json\nfrom specheads import cli\n"
               "for argv in json.loads(sys.argv[1]):\n    assert cli.main(argv) == 0, argv\n")
-    runs = [prepare_argv(base, ref / "prepare"), train_argv(base, ref / "train"), export_argv(base, ref / "export")]
+    runs = [prepare_argv(base, ref / "prepare"), prepare_argv(base, ref / "regen", regen=True),
+            train_argv(base, ref / "train"), export_argv(base, ref / "export")]
     p = subprocess.run([sys.executable, "-c", script, json.dumps(runs)], cwd=ROOT, env=_env(ref, None),
                        capture_output=True, text=True, timeout=3 * TIMEOUT)
     if p.returncode != 0:
@@ -259,7 +266,7 @@ class Kill:
     file-system state at which SIGKILL is sent (`point(work)`), and what the kill must have left (`left(work)`: ""
     or the problem)."""
     name: str
-    command: str  # prepare, train or export
+    command: str  # prepare, regen (prepare regenerating the answers), train or export
     slow: str
     point: Callable[[Path], bool]
     left: Callable[[Path], str] = lambda work: ""
@@ -299,6 +306,7 @@ def target_of(command: str, work: Path) -> Path:
 def argvs(command: str, base: Path, target: Path) -> tuple[list[str], list[str]]:
     """The command's first run and its rerun after a kill (train: --resume)."""
     return {"prepare": (prepare_argv(base, target), prepare_argv(base, target)),
+            "regen": (prepare_argv(base, target, regen=True), prepare_argv(base, target, regen=True)),
             "train": (train_argv(base, target), train_argv(base, target, resume=True)),
             "export": (export_argv(base, target), export_argv(base, target))}[command]
 
@@ -354,6 +362,11 @@ def _glob(pattern: str) -> Callable[[Path], bool]:
     return lambda work: any(work.glob(pattern))
 
 
+def _written(rel: str) -> Callable[[Path], bool]:
+    """True once `rel` holds something (regeneration's first answers, flushed before the fsync that hangs)."""
+    return lambda work: (work / rel).is_file() and (work / rel).stat().st_size > 0
+
+
 def _exists(rel: str) -> Callable[[Path], str]:
     return lambda work: "" if (work / rel).exists() else f"{rel} was not there at the kill"
 
@@ -374,6 +387,8 @@ KILLS = {k.name: k for k in [
          _glob("run/features/.manifest.json.tmp-*")),
     Kill("prepare killed while writing the target sidecars", "prepare", "/.targets-00001.safetensors.tmp-",
          _glob("run/features/.targets-00001.safetensors.tmp-*")),
+    Kill("prepare killed while the target writes the answers", "regen", "/data/regenerated.jsonl",
+         _written("run/data/regenerated.jsonl"), _absent("run/data/tokens")),
     Kill("train killed mid-step (after checkpoint 3)", "train", "/.step-000006.tmp/",
          _seen_for("run/checkpoints/step-000003", 0.01), _absent(SAVE6)),
     Kill("train killed as its checkpoint folder appears", "train", "/.step-000006.tmp/",

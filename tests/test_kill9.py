@@ -17,7 +17,7 @@ if str(ROOT / "scripts") not in sys.path:
 import reliability_kill as kill9  # noqa: E402
 import reliability_sweep  # noqa: E402
 
-pytestmark = pytest.mark.slow  # 18 runs of the CLI, each a process importing torch (minutes on 2 busy cores)
+pytestmark = pytest.mark.slow  # 20 runs of the CLI, each a process importing torch (minutes on 2 busy cores)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,13 @@ def _check(names: list[str], base: Path, work: Path, earlier: bool = False) -> N
 def test_prepare_killed_in_a_shard_then_in_the_sidecars_reruns_to_the_same_features(base, tmp_path):
     _check(["prepare killed while writing feature shard 1", "prepare killed while writing the target sidecars"],
            base, tmp_path)
+
+
+def test_prepare_killed_while_the_target_writes_the_answers_reruns_to_the_same_order(base, tmp_path):
+    """issue 38: the rerun answered the rest in another batch and the answers came back in another order, so tokens,
+    shards and the head differed; now data/regenerated.jsonl, data/tokens and features/ equal the uninterrupted
+    run's."""
+    _check(["prepare killed while the target writes the answers"], base, tmp_path)
 
 
 def test_train_killed_mid_step_and_at_three_points_of_its_saves_resumes_bit_for_bit(base, tmp_path):
