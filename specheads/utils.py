@@ -19,6 +19,16 @@ class SpecheadsError(Exception):
     """An error caused by the user's input (file, field or flag). The CLI prints it as one line, no traceback."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped the command (`signum`); `detail` says what was kept. A KeyboardInterrupt, so that
+    whatever keeps its work on Ctrl-C (bench's finished prompts, training's checkpoint) does so on SIGTERM too; the
+    CLI prints one line and exits 128 + signum."""
+
+    def __init__(self, signum: int, detail: str = ""):
+        super().__init__(detail)
+        self.signum, self.detail = int(signum), detail
+
+
 # What the OS answers when a write cannot happen here (full disk or quota, read-only, permissions, `ulimit -f`, a
 # file where a folder should be): one line naming the path, never a traceback.
 WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG,

@@ -126,6 +126,37 @@ def test_checkpoint_save_on_a_full_disk_removes_the_partial_one_and_keeps_the_ea
     assert [p.name for p in C.list_checkpoints(tmp_path)] == ["step-000001"]
 
 
+@pytest.mark.parametrize("evals", ["at_start", "every_step"])
+def test_a_full_disk_at_the_first_checkpoint_gives_advice_the_next_train_accepts(tiny, tmp_path, monkeypatch, evals):
+    """issue 38: the first save failing on a full disk advised "free space, then train again", which train then
+    refused because of the untrained step-0 best/ the run had written. That best/ holds nothing trained and goes;
+    a best/ of a later step is kept and the advice names another output_dir. Either way the advice is accepted."""
+    from test_train import make_head, make_recipe, token_samples
+
+    from specheads.train import checkpoint as C
+    from specheads.train.trainer import Trainer
+
+    over = ["train.max_steps=4", "train.save_every=2"] + (
+        ["eval.at_start=true", "eval.every_steps=0"] if evals == "at_start" else
+        ["eval.at_start=false", "eval.every_steps=1"])
+    r = make_recipe(tmp_path / "run", *over)
+    monkeypatch.setattr(C, "write_model_state", _enospc)
+    with pytest.raises(WriteError) as e:
+        Trainer(r, tiny, make_head(r, tiny), token_samples(8), token_samples(2, seed=1)).train()
+    monkeypatch.undo()
+    best = tmp_path / "run" / "best"
+    if evals == "at_start":
+        assert str(e.value).endswith("there is no earlier one (free space, then train again)")
+        assert not best.exists()
+        r2 = r  # "train again": the same folder is accepted
+    else:
+        assert str(e.value).endswith(f"there is no earlier one (free space, then train again into another "
+                                     f"output_dir: {best} keeps the head of step 1)")
+        assert (best / "model.safetensors").exists()
+        r2 = make_recipe(tmp_path / "other", *over)
+    assert Trainer(r2, tiny, make_head(r2, tiny), token_samples(8), token_samples(2, seed=1)).train().steps == 4
+
+
 def test_feature_shard_on_a_full_disk_keeps_the_listed_shards_only(tiny, tmp_path, monkeypatch):
     from test_features import _rows
 

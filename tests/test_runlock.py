@@ -216,3 +216,29 @@ def test_the_first_write_on_a_full_disk_names_the_lock_file(tmp_path, monkeypatc
     assert str(e.value) == (f"{tmp_path / 'run' / LOCK_NAME}: cannot write: No space left on device [ENOSPC]; "
                             f"the command did not start (nothing was written)")
     assert not (tmp_path / "run").exists()
+
+
+def test_sigterm_unwinds_like_ctrl_c_one_line_and_the_lock_released(tmp_path, capsys, monkeypatch):
+    """issue 38: SIGTERM ended a command where it stood (no message, the lock left behind). The CLI turns it into
+    Interrupted, which unwinds as Ctrl-C does: the lock is released, one line, exit 128 + 15; the handler that was
+    there before comes back."""
+    import os
+    import signal
+    import time
+
+    import specheads.commands.export as export_cmd
+    from specheads.cli import main
+
+    def run(args):
+        with run_lock(tmp_path / "run", "export") as lock:
+            assert lock.exists()
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # the signal lands here
+        return 0
+
+    monkeypatch.setattr(export_cmd, "run", run)
+    before = signal.getsignal(signal.SIGTERM)
+    rc = main(["export", "--head", "h", "--format", "eagle3", "--out", "o"])
+    assert rc == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip() == "specheads export: interrupted (SIGTERM)"
+    assert not (tmp_path / "run").exists() and signal.getsignal(signal.SIGTERM) == before

@@ -184,9 +184,10 @@ def record_resume(output_dir: str | Path, step: int, checkpoint: Path, changed: 
 # ------------------------------------------------------------------------------------------------------------ save
 
 def save_checkpoint(acc, model, opt, sched, state: TrainState, generators: dict[str, torch.Generator],
-                    output_dir: Path, keep_last: int) -> Path:
+                    output_dir: Path, keep_last: int, first_advice: str = "free space, then train again") -> Path:
     """Write step `state.step` into a temporary folder, rename it, keep the newest `keep_last`. Every process calls
-    this (DeepSpeed ranks write their own shards; each rank writes its RNG state)."""
+    this (DeepSpeed ranks write their own shards; each rank writes its RNG state). `first_advice`: what the error
+    of a refused write advises when there is no earlier checkpoint (a command the folder then accepts)."""
     root = Path(output_dir) / CKPT_DIR
     final, tmp = root / f"step-{state.step:06d}", root / f".step-{state.step:06d}.tmp"
     if acc.is_main_process:
@@ -214,7 +215,7 @@ def save_checkpoint(acc, model, opt, sched, state: TrainState, generators: dict[
         earlier = len(list_checkpoints(output_dir))
         kept = (f"the partial checkpoint was removed; the {earlier} earlier checkpoint(s) in {root} are kept (free "
                 f"space, then continue with --resume)" if earlier else "the partial checkpoint was removed; there "
-                f"is no earlier one (free space, then train again)")
+                f"is no earlier one ({first_advice})")
         err = as_write_error(e, final, kept, tmp)
         if err is None:
             raise  # anything else is left as a kill leaves it: remove_partial clears it on the next start
