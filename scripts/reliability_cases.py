@@ -517,6 +517,7 @@ def kill_cases() -> list[dict[str, Any]]:
             "train killed as its checkpoint folder appears": "data loss",
             "train killed mid-save, before the checksums": "data loss",
             "train killed while writing final/": "data loss",
+            "train stopped by SIGTERM mid-run (after checkpoint 3)": "unclear",
             "export killed while writing": "silent wrong result",
             "export killed while writing over an earlier export": "data loss",
             "export killed while recording its source": "unclear"}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import struct
@@ -94,9 +95,11 @@ def run_cli(argv: list[str], work: Path) -> tuple[int, str, str]:
     return p.returncode, p.stdout, p.stderr
 
 
-def kill_at(argv: list[str], work: Path, slow: str | None, point: Callable[[], bool]) -> str:
-    """Start `python -m specheads ARGV` (its fsyncs of `slow` paths never return), SIGKILL it as soon as `point()`
-    holds, reap it. Returns "" or what went wrong (it ended or timed out first)."""
+def kill_at(argv: list[str], work: Path, slow: str | None, point: Callable[[], bool],
+            signum: int = signal.SIGKILL) -> str:
+    """Start `python -m specheads ARGV` (its fsyncs of `slow` paths never return), send it `signum` (SIGKILL) as
+    soon as `point()` holds, reap it. Another signal than SIGKILL is waited for: the process must end by itself,
+    with exit 128 + signum. Returns "" or what went wrong (it ended or timed out first, or another exit)."""
     log = work / f"killed-{argv[0]}-{len(list(work.glob('killed-*.log')))}.log"  # one per kill of a chain
     with open(log, "w") as f:
         p = subprocess.Popen([sys.executable, "-m", "specheads", *argv], cwd=ROOT, env=_env(work, slow),
@@ -109,6 +112,13 @@ def kill_at(argv: list[str], work: Path, slow: str | None, point: Callable[[], b
             if time.monotonic() - t > TIMEOUT:
                 return "the kill point was not reached in time"
             time.sleep(0.002)
+        if signum != signal.SIGKILL:
+            os.kill(p.pid, signum)
+            try:
+                rc = p.wait(timeout=TIMEOUT)
+            except subprocess.TimeoutExpired:
+                return f"{signal.Signals(signum).name} did not end it"
+            return "" if rc == 128 + signum else f"exit {rc} after {signal.Signals(signum).name}, not {128 + signum}"
         return ""
     finally:
         if p.poll() is None:
@@ -270,6 +280,7 @@ class Kill:
     slow: str
     point: Callable[[Path], bool]
     left: Callable[[Path], str] = lambda work: ""
+    signum: int = signal.SIGKILL  # SIGTERM: the process is asked to stop, and must end cleanly by itself
 
 
 @dataclass
@@ -314,7 +325,7 @@ def argvs(command: str, base: Path, target: Path) -> tuple[list[str], list[str]]
 def _kill_once(k: Kill, argv: list[str], work: Path, target: Path) -> str:
     if k.point(work):
         return f"{k.name}: the kill point held before the run started"
-    problem = kill_at(argv, work, k.slow, lambda: k.point(work))
+    problem = kill_at(argv, work, k.slow, lambda: k.point(work), k.signum)
     if problem:
         return f"{k.name}: not killed there: {problem[:300]}"
     bad = readable_state(target) if target.is_dir() else []
@@ -375,6 +386,18 @@ def _absent(rel: str) -> Callable[[Path], str]:
     return lambda work: f"{rel} was there at the kill" if (work / rel).exists() else ""
 
 
+def _stopped_cleanly(work: Path) -> str:
+    """After SIGTERM: its last line says where it stopped and the checkpoint it saved, and no lock is left."""
+    log = sorted(work.glob("killed-train-*.log"))[-1].read_text().strip().splitlines()
+    last = log[-1] if log else ""
+    m = re.fullmatch(r"specheads train: interrupted \(SIGTERM\): stopped after step (\d+); checkpoint (\S+) saved: "
+                     r"continue with `specheads train --config \S+ --resume`", last)
+    problems = [f"its last line: {last[-300:]!r}" * (m is None),
+                "the lock was left" * (work / "run" / ".specheads.lock").exists(),
+                f"no {m.group(2)}" * bool(m and not Path(m.group(2)).is_dir())]
+    return "; ".join(filter(None, problems))
+
+
 def _earlier_export_kept(work: Path) -> str:
     return "the earlier export changed at the kill" if differences(work / "earlier", work / "out") else ""
 
@@ -396,6 +419,8 @@ KILLS = {k.name: k for k in [
     Kill("train killed mid-save, before the checksums", "train", "/.step-000006.tmp/.checksums.sha256.tmp",
          lambda w: (w / SAVE6 / "trainer_state.json").exists()),
     Kill("train killed while writing final/", "train", "/.final.tmp-", _glob("run/.final.tmp-*")),
+    Kill("train stopped by SIGTERM mid-run (after checkpoint 3)", "train", "",
+         _seen_for("run/checkpoints/step-000003", 0.01), _stopped_cleanly, signal.SIGTERM),
     Kill("export killed while writing", "export", "/.out.tmp-", _glob(".out.tmp-*/.config.json.tmp*"),
          _absent("out")),
     Kill("export killed while writing over an earlier export", "export", "/.out.tmp-",
