@@ -338,7 +338,7 @@ def refuse_replacing(out: str | os.PathLike, sources: list[str | os.PathLike], i
     if blocked is not None and not blocked.is_dir():
         raise SpecheadsError(f"{flag} {out}: {blocked} is a file, not a folder, so nothing can be written below it: "
                              f"choose another folder")
-    if not out.exists() and not out.is_symlink():
+    if not out.exists():  # absent, or a link to nothing yet (atomic_dir writes through it)
         return
     if not out.is_dir():
         if force:

@@ -118,6 +118,15 @@ def test_an_out_that_is_a_symlink_is_written_through(tiny, tmp_path, earlier):
     assert [p.name for p in real.parent.iterdir()] == ["exports"]
 
 
+def test_an_out_that_is_a_link_to_nothing_yet_is_written_through(tiny, tmp_path):
+    _head(tiny, tmp_path / "h")
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "out").symlink_to(tmp_path / "disk" / "exports")
+    rc, err = _export("--head", tmp_path / "h", "--format", "eagle3", "--out", tmp_path / "out")
+    assert rc == 0, err
+    assert (tmp_path / "out").is_symlink() and (tmp_path / "disk" / "exports" / "model.safetensors").is_file()
+
+
 # ------------------------------------------------------------------------------------------------ config values
 
 def test_override_error_names_the_flag_and_file_error_names_the_file(tmp_path):
