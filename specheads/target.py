@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specheads.utils import SpecheadsError, atomic_dir, cache_root
+from specheads.utils import SpecheadsError, atomic_dir, cache_root, read_text_bounded
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ def check_target_folder(folder: Path, name: str, trust_remote_code: bool) -> Non
     import json
 
     try:
-        config = json.loads((folder / "config.json").read_text())
+        config = json.loads(read_text_bounded(folder / "config.json"))
     except (OSError, ValueError) as e:
         raise SpecheadsError(f"{folder / 'config.json'}: not a readable model config ({type(e).__name__})") from None
     auto_map = config.get("auto_map") if isinstance(config, dict) else None

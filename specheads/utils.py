@@ -143,7 +143,7 @@ def live_locks(folder: str | os.PathLike) -> list[tuple[Path, dict]]:
     beside = folder.parent / f".{folder.name}{LOCK_NAME}"
     found = [beside]
     if folder.is_dir():
-        found += [p for p in folder.rglob(f"*{LOCK_NAME}") if p.name == LOCK_NAME or p.name.startswith(".")]
+        found += list(folder.rglob(f"*{LOCK_NAME}"))  # run locks and beside locks (not their .tmp- / .stale-)
     held = [(p, read_lock(p)) for p in found if p.is_file()]
     return [(p, info) for p, info in held if info is not None and holder_alive(info)
             and not (p == beside and info["pid"] == os.getpid())]

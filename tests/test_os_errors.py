@@ -273,6 +273,24 @@ def test_a_dataset_that_is_one_endless_line_is_refused_with_bounded_memory(tmp_p
         load_conversations(str(tmp_path / name))
 
 
+def test_other_inputs_read_whole_are_bounded_too(tmp_path, monkeypatch):
+    """A data.mode text .txt file (one row, read whole) past its bound, and an endless device behind a target's
+    config.json: refused naming the file, not read forever."""
+    import specheads.train.data as data
+    import specheads.utils
+    from specheads.target import check_target_folder
+
+    monkeypatch.setattr(data, "MAX_CORPUS_CHARS", 1 << 20)
+    monkeypatch.setattr(specheads.utils, "MAX_TEXT_BYTES", 1 << 20)
+    (tmp_path / "corpus.txt").write_text("x" * (2 << 20))  # past the (lowered) bound
+    with pytest.raises(SpecheadsError, match=rf"^{tmp_path / 'corpus.txt'}: more than 1 Mi characters in one .txt"):
+        data.load_texts(str(tmp_path / "corpus.txt"))
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").symlink_to("/dev/zero")
+    with pytest.raises(SpecheadsError, match=rf"^{tmp_path / 't' / 'config.json'}: more than 1 MiB"):
+        check_target_folder(tmp_path / "t", "t", False)
+
+
 @pytest.mark.parametrize("command", ["eval", "bench"])
 def test_a_dataset_that_is_a_folder_is_one_line(tmp_path, capsys, command):
     """issue 38: --dataset naming a folder raised IsADirectoryError (prepare's data.source already said it)."""

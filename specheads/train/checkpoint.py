@@ -33,7 +33,7 @@ import torch
 
 from specheads.config import changed_settings, flatten_config, upgrade_flat
 from specheads.utils import (SpecheadsError, as_write_error, atomic_write_json, atomic_write_text, read_json,
-                             remove_quietly, sha256_file)
+                             read_text_bounded, remove_quietly, sha256_file)
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def _recorded(path: Path, what: str):
     import yaml
 
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(read_text_bounded(path))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise SpecheadsError(f"{path}: unreadable {what} ({type(e).__name__}); restore it, or start a new run in "
                              f"another output_dir") from None
@@ -297,7 +297,7 @@ def verify_checksums(folder: Path, fmt: str = FORMAT) -> None:
                  "the file was removed since; its files are not verified", folder, fmt, CHECKSUMS_NAME)
         return
     try:
-        lines = side.read_text().splitlines()
+        lines = read_text_bounded(side).splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise SpecheadsError(f"{side}: unreadable ({type(e).__name__}: {e})") from None
     if not any(line.endswith(f"  {STATE_NAME}") for line in lines):  # every save lists it: the file was cut short

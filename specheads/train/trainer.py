@@ -64,7 +64,7 @@ from specheads.train.settings import TrainConfig
 from specheads.train.steps import LossSettings
 from specheads.train.stopping import stop_requests, stopped
 from specheads.train.teacher import target_dtype_name
-from specheads.utils import SpecheadsError, atomic_write_json
+from specheads.utils import SpecheadsError, atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
 
@@ -559,7 +559,7 @@ def recalibrate_run(recipe, target=None) -> dict:
         raise SpecheadsError(f"--calibrate-only: {out} has no trained head (best/ or final/); train it first")
     for n in ("best", "final"):
         cfg = out / n / "config.json"
-        kind = json.loads(cfg.read_text()).get("kind") if cfg.exists() else None
+        kind = read_json(cfg).get("kind") if cfg.exists() else None
         if kind is not None and kind != recipe.head.kind:
             raise SpecheadsError(f"--calibrate-only: {cfg} holds a {kind} head, not the recipe's "
                                  f"{recipe.head.kind} head; "
