@@ -321,7 +321,7 @@ def _all(*checks: Callable) -> Callable:
     return check
 
 
-DS = str(Path(__file__).resolve().parents[1] / "configs" / "deepspeed" / "zero2.json")
+DS = "configs/deepspeed/zero2.json"  # relative: its case runs in a process of its own in the repository root
 DSPARK = ["head.kind=dspark", "head.confidence_head=true", "head.block_size=4", "head.num_layers=1"]
 TOO_LARGE = "cannot write: File too large [EFBIG]"
 
@@ -507,14 +507,17 @@ def _as_uninterrupted(ctx) -> str:
 def kill_cases() -> list[dict[str, Any]]:
     """A real SIGKILL at each point of reliability_kill.KILLS, then the same command again (train: --resume); its
     message, and its outputs against an uninterrupted run's (check)."""
-    expect = {"prepare": "summary written to", "train": "trained 9 steps", "export": "exported"}
+    expect = {"prepare": "summary written to", "regen": "summary written to", "train": "trained 9 steps",
+              "export": "exported"}
     risk = {"prepare killed while writing feature shard 1": "silent wrong result",
+            "prepare killed while the target writes the answers": "silent wrong result",
             "prepare killed while writing its manifest": "silent wrong result",
             "prepare killed while writing the target sidecars": "silent wrong result",
             "train killed mid-step (after checkpoint 3)": "silent wrong result",
             "train killed as its checkpoint folder appears": "data loss",
             "train killed mid-save, before the checksums": "data loss",
             "train killed while writing final/": "data loss",
+            "train stopped by SIGTERM mid-run (after checkpoint 3)": "unclear",
             "export killed while writing": "silent wrong result",
             "export killed while writing over an earlier export": "data loss",
             "export killed while recording its source": "unclear"}

@@ -3,6 +3,25 @@ the rows recorded in docs/reliability.json."""
 from __future__ import annotations
 
 RISKS = ("data loss", "silent wrong result", "traceback", "unclear")  # what a case guards against
+# The rules the rows check, each fixed once where every command meets it (issue 38's classes among them).
+RULES = [
+    "Rules the rows hold the code to:",
+    "",
+    "- One folder, two lock places (`<run>/.specheads.lock`, `<parent>/.<name>.specheads.lock`), and every writer "
+    "honours both: prepare and train refuse a folder an export is replacing, and nothing replaces a folder that "
+    "holds a live run lock in it or in any folder below it (`--force` or not; `utils.refuse_held`, checked again "
+    "at `atomic_dir`'s rename). A symlinked output is written through, never replaced.",
+    "- A checkpoint's format says what it carries: `specheads-checkpoint/3` always has `checksums.sha256`, and one "
+    "without is refused; an older `/2` one still loads, its log line saying what is known.",
+    "- `eval` refuses what `bench` refuses (a prompt longer than the target's context window), and a summary names "
+    "only folders that exist.",
+    "- A regeneration killed and rerun ends as one uninterrupted run, order included (the file in the source's "
+    "order; each sampled answer from a stream of its own).",
+    "- Every input the CLI reads gets one line naming it (overrides, targets, GGUF files, datasets, checkpoints), "
+    "and reads are bounded (`utils.MAX_TEXT_BYTES` per file read whole or per row).",
+    "- SIGTERM is handled as SIGINT: training saves the step it was in and says how to continue, the lock is "
+    "released, one line, exit 128 + signal. Advice in a message is a command the folder then accepts.",
+]
 
 
 def merge_rows(recorded: list[dict], rows: list[dict], cases: list[dict]) -> list[dict]:
@@ -20,8 +39,9 @@ def merge_rows(recorded: list[dict], rows: list[dict], cases: list[dict]) -> lis
 def render_markdown(rows: list[dict]) -> str:
     head = ["# Reliability: bad inputs and the message each gets", "",
             "Produced by `python scripts/reliability_sweep.py` (the real CLI, in-process, in fresh folders on a tiny "
-            "random Llama with SmolLM2's tokenizer; cases in the `CASES` tables of the script and of "
-            "scripts/reliability_cases.py). Exit 2 = the user's mistake or the machine refusing a write (full "
+            "random Llama with SmolLM2's tokenizer; cases in the `CASES` tables of the script, of "
+            "scripts/reliability_cases.py and of scripts/reliability_table3.py). Exit 2 = the user's mistake or "
+            "the machine refusing a write (full "
             "disk, file too large, read-only, permission denied), printed as one line; no row may end in a "
             "traceback. `risk` is what the case guards against (data loss, a silent wrong result, a traceback, "
             "an unclear message); `expected` is the fragment the message must hold; `<tmp>` is the case's "
@@ -33,8 +53,8 @@ def render_markdown(rows: list[dict]) -> str:
             "there), run it again (train: --resume) and compare every output with an uninterrupted run's "
             "(scripts/reliability_kill.py). tests/test_reliability_sweep.py keeps this page and the cases in step; "
             "`python scripts/reliability_sweep.py --only WORD --update` reruns the cases whose area or name holds "
-            "WORD and rewrites this page with the other rows as recorded.", "", "| risk | cases | as expected | known failing (open) | not as expected |",
-            "|---|---:|---:|---:|---:|"]
+            "WORD and rewrites this page with the other rows as recorded.", "", *RULES, "",
+            "| risk | cases | as expected | known failing (open) | not as expected |", "|---|---:|---:|---:|---:|"]
     for risk in RISKS:
         rs = [r for r in rows if r["risk"] == risk]
         head.append(f"| {risk} | {len(rs)} | {sum(r['ok'] for r in rs)} | "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import struct
@@ -49,15 +50,20 @@ if _slow:
 TIMEOUT = 600  # seconds any one run may take
 STEPS = ["train.max_steps=9", "train.save_every=3"]  # checkpoints at steps 3, 6 and 9
 # What two uninterrupted runs write differently: when and how long, and how much this process did (a resumed run
-# trains fewer steps itself); datasets' fingerprint of the tokens (random per process); files' sha256, which covers
-# a safetensors header whose metadata order varies from process to process (the tensors themselves are compared).
+# trains fewer steps itself, a rerun regenerates fewer answers); datasets' fingerprint of the tokens (random per
+# process); files' sha256, which covers a safetensors header whose metadata order varies from process to process
+# (the tensors themselves are compared).
 VOLATILE_KEYS = {"timings", "seconds", "time", "train_seconds", "tokens_this_run", "tokens_per_s", "_fingerprint",
-                 "sha256", "shard_sha256"}
+                 "sha256", "shard_sha256", "regenerated_new_tokens", "regenerate_tokens_per_s"}
 RESUME_ONLY = {"train_config_history.yaml"}  # the resumed segments, written by a resumed run only
 
 
-def prepare_argv(base: Path, run: Path) -> list[str]:
-    return ["prepare", "--no-progress", "--config", str(base / "recipe.yaml"), f"output_dir={run}"]
+# prepare with the target writing the answers (data/regenerated.jsonl, fsynced every 2 conversations)
+REGEN = ["data.regenerate=true", "data.regen_batch_size=2", "data.regen_max_new_tokens=6"]
+
+
+def prepare_argv(base: Path, run: Path, regen: bool = False) -> list[str]:
+    return ["prepare", "--no-progress", "--config", str(base / "recipe.yaml"), f"output_dir={run}"] + REGEN * regen
 
 
 def train_argv(base: Path, run: Path, resume: bool = False) -> list[str]:
@@ -89,9 +95,11 @@ def run_cli(argv: list[str], work: Path) -> tuple[int, str, str]:
     return p.returncode, p.stdout, p.stderr
 
 
-def kill_at(argv: list[str], work: Path, slow: str | None, point: Callable[[], bool]) -> str:
-    """Start `python -m specheads ARGV` (its fsyncs of `slow` paths never return), SIGKILL it as soon as `point()`
-    holds, reap it. Returns "" or what went wrong (it ended or timed out first)."""
+def kill_at(argv: list[str], work: Path, slow: str | None, point: Callable[[], bool],
+            signum: int = signal.SIGKILL) -> str:
+    """Start `python -m specheads ARGV` (its fsyncs of `slow` paths never return), send it `signum` (SIGKILL) as
+    soon as `point()` holds, reap it. Another signal than SIGKILL is waited for: the process must end by itself,
+    with exit 128 + signum. Returns "" or what went wrong (it ended or timed out first, or another exit)."""
     log = work / f"killed-{argv[0]}-{len(list(work.glob('killed-*.log')))}.log"  # one per kill of a chain
     with open(log, "w") as f:
         p = subprocess.Popen([sys.executable, "-m", "specheads", *argv], cwd=ROOT, env=_env(work, slow),
@@ -104,6 +112,13 @@ def kill_at(argv: list[str], work: Path, slow: str | None, point: Callable[[], b
             if time.monotonic() - t > TIMEOUT:
                 return "the kill point was not reached in time"
             time.sleep(0.002)
+        if signum != signal.SIGKILL:
+            os.kill(p.pid, signum)
+            try:
+                rc = p.wait(timeout=TIMEOUT)
+            except subprocess.TimeoutExpired:
+                return f"{signal.Signals(signum).name} did not end it"
+            return "" if rc == 128 + signum else f"exit {rc} after {signal.Signals(signum).name}, not {128 + signum}"
         return ""
     finally:
         if p.poll() is None:
@@ -233,8 +248,9 @@ def readable_state(run: Path) -> list[str]:
 # ------------------------------------------------------------------------------------------------ the cases
 
 def references(base: Path) -> Path:
-    """The uninterrupted runs, once per base, in one process: ref/prepare (prepare from nothing), ref/train (train
-    on a copy of prepared/), ref/export (export of trained/final)."""
+    """The uninterrupted runs, once per base, in one process: ref/prepare (prepare from nothing), ref/regen (prepare
+    with the target writing the answers), ref/train (train on a copy of prepared/), ref/export (export of
+    trained/final)."""
     ref = base / "kill9-ref"
     if (ref / "done").exists():
         return ref
@@ -243,7 +259,8 @@ def references(base: Path) -> Path:
     shutil.copytree(base / "prepared", ref / "train")
     script = ("import sys, json\nfrom specheads import cli\n"
               "for argv in json.loads(sys.argv[1]):\n    assert cli.main(argv) == 0, argv\n")
-    runs = [prepare_argv(base, ref / "prepare"), train_argv(base, ref / "train"), export_argv(base, ref / "export")]
+    runs = [prepare_argv(base, ref / "prepare"), prepare_argv(base, ref / "regen", regen=True),
+            train_argv(base, ref / "train"), export_argv(base, ref / "export")]
     p = subprocess.run([sys.executable, "-c", script, json.dumps(runs)], cwd=ROOT, env=_env(ref, None),
                        capture_output=True, text=True, timeout=3 * TIMEOUT)
     if p.returncode != 0:
@@ -259,10 +276,11 @@ class Kill:
     file-system state at which SIGKILL is sent (`point(work)`), and what the kill must have left (`left(work)`: ""
     or the problem)."""
     name: str
-    command: str  # prepare, train or export
+    command: str  # prepare, regen (prepare regenerating the answers), train or export
     slow: str
     point: Callable[[Path], bool]
     left: Callable[[Path], str] = lambda work: ""
+    signum: int = signal.SIGKILL  # SIGTERM: the process is asked to stop, and must end cleanly by itself
 
 
 @dataclass
@@ -299,6 +317,7 @@ def target_of(command: str, work: Path) -> Path:
 def argvs(command: str, base: Path, target: Path) -> tuple[list[str], list[str]]:
     """The command's first run and its rerun after a kill (train: --resume)."""
     return {"prepare": (prepare_argv(base, target), prepare_argv(base, target)),
+            "regen": (prepare_argv(base, target, regen=True), prepare_argv(base, target, regen=True)),
             "train": (train_argv(base, target), train_argv(base, target, resume=True)),
             "export": (export_argv(base, target), export_argv(base, target))}[command]
 
@@ -306,7 +325,7 @@ def argvs(command: str, base: Path, target: Path) -> tuple[list[str], list[str]]
 def _kill_once(k: Kill, argv: list[str], work: Path, target: Path) -> str:
     if k.point(work):
         return f"{k.name}: the kill point held before the run started"
-    problem = kill_at(argv, work, k.slow, lambda: k.point(work))
+    problem = kill_at(argv, work, k.slow, lambda: k.point(work), k.signum)
     if problem:
         return f"{k.name}: not killed there: {problem[:300]}"
     bad = readable_state(target) if target.is_dir() else []
@@ -354,12 +373,29 @@ def _glob(pattern: str) -> Callable[[Path], bool]:
     return lambda work: any(work.glob(pattern))
 
 
+def _written(rel: str) -> Callable[[Path], bool]:
+    """True once `rel` holds something (regeneration's first answers, flushed before the fsync that hangs)."""
+    return lambda work: (work / rel).is_file() and (work / rel).stat().st_size > 0
+
+
 def _exists(rel: str) -> Callable[[Path], str]:
     return lambda work: "" if (work / rel).exists() else f"{rel} was not there at the kill"
 
 
 def _absent(rel: str) -> Callable[[Path], str]:
     return lambda work: f"{rel} was there at the kill" if (work / rel).exists() else ""
+
+
+def _stopped_cleanly(work: Path) -> str:
+    """After SIGTERM: its last line says where it stopped and the checkpoint it saved, and no lock is left."""
+    log = sorted(work.glob("killed-train-*.log"))[-1].read_text().strip().splitlines()
+    last = log[-1] if log else ""
+    m = re.fullmatch(r"specheads train: interrupted \(SIGTERM\): stopped after step (\d+); checkpoint (\S+) saved: "
+                     r"continue with `specheads train --config \S+ --resume`", last)
+    problems = [f"its last line: {last[-300:]!r}" * (m is None),
+                "the lock was left" * (work / "run" / ".specheads.lock").exists(),
+                f"no {m.group(2)}" * bool(m and not Path(m.group(2)).is_dir())]
+    return "; ".join(filter(None, problems))
 
 
 def _earlier_export_kept(work: Path) -> str:
@@ -374,6 +410,8 @@ KILLS = {k.name: k for k in [
          _glob("run/features/.manifest.json.tmp-*")),
     Kill("prepare killed while writing the target sidecars", "prepare", "/.targets-00001.safetensors.tmp-",
          _glob("run/features/.targets-00001.safetensors.tmp-*")),
+    Kill("prepare killed while the target writes the answers", "regen", "/data/regenerated.jsonl",
+         _written("run/data/regenerated.jsonl"), _absent("run/data/tokens")),
     Kill("train killed mid-step (after checkpoint 3)", "train", "/.step-000006.tmp/",
          _seen_for("run/checkpoints/step-000003", 0.01), _absent(SAVE6)),
     Kill("train killed as its checkpoint folder appears", "train", "/.step-000006.tmp/",
@@ -381,6 +419,8 @@ KILLS = {k.name: k for k in [
     Kill("train killed mid-save, before the checksums", "train", "/.step-000006.tmp/.checksums.sha256.tmp",
          lambda w: (w / SAVE6 / "trainer_state.json").exists()),
     Kill("train killed while writing final/", "train", "/.final.tmp-", _glob("run/.final.tmp-*")),
+    Kill("train stopped by SIGTERM mid-run (after checkpoint 3)", "train", "",
+         _seen_for("run/checkpoints/step-000003", 0.01), _stopped_cleanly, signal.SIGTERM),
     Kill("export killed while writing", "export", "/.out.tmp-", _glob(".out.tmp-*/.config.json.tmp*"),
          _absent("out")),
     Kill("export killed while writing over an earlier export", "export", "/.out.tmp-",

@@ -11,8 +11,10 @@ case is a dict in CASES: `area`, `name` (the bad input), `argv` (placeholders {t
 {convs}), optional `setup(ctx)` that builds what the case needs, `rc` (expected exit code), `expect` (a fragment the
 message must hold), optional `check(ctx)` (further facts: nothing deleted, nothing executed; returns a note),
 `risk` (the class of failure it guards against: RISKS) and, from scripts/reliability_cases.py (the second table:
-locks, damaged checkpoints, the OS refusing writes, targets, kills, ...), `during(ctx)`, `run(ctx, argv)` (a case
-that runs the CLI itself: (exit code, stdout, stderr)) and `open`.
+locks, damaged checkpoints, the OS refusing writes, targets, kills, ...) and scripts/reliability_table3.py (the
+third: folders another process holds, checkpoint formats, eval against bench, symlinked outputs, GGUF files, endless
+inputs, advice after a full disk), `during(ctx)`, `run(ctx, argv)` (a case that runs the CLI itself: (exit code,
+stdout, stderr)) and `open`.
 Add a row to cover a new bad input, then rerun the script: tests/test_reliability_sweep.py fails while the page and
 the cases disagree.
 """
@@ -40,6 +42,7 @@ for _p in (ROOT, ROOT / "scripts"):  # this checkout's specheads, and reliabilit
         sys.path.insert(0, str(_p))
 
 import reliability_cases  # noqa: E402
+import reliability_table3  # noqa: E402
 from reliability_doc import RISKS, merge_rows, render_markdown  # noqa: E402
 
 RECIPE = """command: specheads prepare --config {recipe}   # then: specheads train --config {recipe}
@@ -473,6 +476,7 @@ HELPERS = SimpleNamespace(TRAIN=TRAIN, PREPARE=PREPARE, GENERATE=GENERATE, EXPOR
                           trained=_trained, prepared=_prepared, kept=_kept, tree=_tree, not_executed=_not_executed,
                           nothing_written=_nothing_written, conversations=_conversations)
 CASES += reliability_cases.cases(HELPERS)
+CASES += reliability_table3.cases(HELPERS)  # issue 38's classes (a third table, the same helpers)
 
 
 # ------------------------------------------------------------------------------------------------- running

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from specheads import __version__
-from specheads.utils import SpecheadsError, errno_text, os_error_of, setup_logging
+from specheads.utils import Interrupted, SpecheadsError, errno_text, os_error_of, setup_logging
 
 COMMANDS = {
     "prepare": "conversations -> chat-templated tokens + assistant masks -> target features (offline shards)",
@@ -45,10 +47,26 @@ def _not_built(name: str) -> int:
     return 2
 
 
+def _terminated(signum, frame):
+    raise Interrupted(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(logging.DEBUG if args.verbose else logging.INFO)
+    # SIGTERM unwinds as Ctrl-C does (locks released, temporaries removed, one line) instead of ending the process
+    # where it stands; training turns both into a checkpoint first (train/stopping.py)
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+    try:
+        return _run(args)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args._run(args) or 0)
     except SpecheadsError as e:
@@ -61,14 +79,19 @@ def main(argv: list[str] | None = None) -> int:
         oe = os_error_of(e)
         if oe is None:
             raise
-        where = str(oe.filename or "a safetensors file (its writer did not say which)")
+        safetensors = not isinstance(e, OSError)
+        where = str(oe.filename or ("a safetensors file (its writer did not say which)" if safetensors else
+                                    "a file whose name the failing write did not give"))
         if ".tmp-" in Path(where).name:  # a temporary name (mkstemp's): the folder it was being written in
             where = f"{Path(where).parent} (a temporary file there)"
         print(f"specheads {args.command}: error: {where}: cannot write: {errno_text(oe)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"specheads {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Interrupted); what was kept is in its detail
+        signum = getattr(e, "signum", signal.SIGINT)
+        detail = getattr(e, "detail", "")
+        print(f"specheads {args.command}: interrupted ({signal.Signals(signum).name})" + (f": {detail}" if detail
+              else ""), file=sys.stderr)
+        return 128 + signum
 
 
 def _not_utf8(e: UnicodeDecodeError) -> str:

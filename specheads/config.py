@@ -23,7 +23,7 @@ from typing import Any, Sequence, TypeVar
 
 import yaml
 
-from specheads.utils import SpecheadsError
+from specheads.utils import SpecheadsError, read_bytes_bounded
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -145,8 +145,8 @@ def _parse_override(raw: str, tp: Any, flag: str) -> Any:
                               and set(typing.get_args(tp)) == {str, type(None)})
     if str_field:
         return None if (tp is not str and raw in ("null", "~", "None")) else raw
-    try:
-        tags = ["".join(t.value) for t in yaml.scan(raw) if isinstance(t, yaml.TagToken)]
+    try:  # a tag token's value is (handle, suffix); a verbatim tag `!<tag:...>` has no handle (None)
+        tags = [_tag_text(t.value) for t in yaml.scan(raw) if isinstance(t, yaml.TagToken)]
         if tags:
             raise SpecheadsError(f"{flag}: YAML tags are not allowed in a value (found {tags[0]!r}); write the "
                                  f"value plainly, e.g. a number, true/false or a list [a, b]")
@@ -154,6 +154,12 @@ def _parse_override(raw: str, tp: Any, flag: str) -> Any:
     except yaml.YAMLError as e:
         raise SpecheadsError(f"{flag}: not a valid value ({_yaml_problem(e)}); lists are written [a, b], "
                              f"mappings {{k: v}}") from None
+
+
+def _tag_text(value: tuple) -> str:
+    """A YAML tag as written: `!!python/...` (handle and suffix) or `!<tag:...>` (verbatim: no handle)."""
+    handle, suffix = value
+    return f"{handle}{suffix}" if handle is not None else f"!<{suffix}>"
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
@@ -256,12 +262,12 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
     if path is not None:
         path = Path(path)
         where = str(path)
-        try:
-            loaded = yaml.safe_load(path.read_text())
+        if path.is_dir():
+            raise SpecheadsError(f"{path}: is a folder, not a config file")
+        try:  # bounded: a recipe is kilobytes, a device or pipe that never ends is refused, not read forever
+            loaded = yaml.safe_load(read_bytes_bounded(path, str(path)).decode("utf-8"))
         except FileNotFoundError:
             raise SpecheadsError(f"{path}: config file not found") from None
-        except IsADirectoryError:
-            raise SpecheadsError(f"{path}: is a folder, not a config file") from None
         except UnicodeDecodeError as e:
             raise SpecheadsError(f"{path}: not a text file (byte {e.start}: {e.reason})") from None
         except OSError as e:

@@ -10,6 +10,12 @@ one SpecheadsError naming the holder's pid and command; a lock left by a process
 host (or whose pid now belongs to another process) is taken over with a warning. The lock is removed on exit,
 exceptions included, and so are the folders the lock itself had to create when they are still empty. Under
 `accelerate launch` only rank 0 (RANK, else LOCAL_RANK, 0 or unset) takes it; the other ranks write under rank 0's.
+
+A folder has two lock places, and every writer honours both: a command that writes inside a run folder (prepare,
+train) is refused while another process holds the lock beside it (an export replacing it), and a command that
+replaces a folder whole (export) is refused while a process holds the lock inside it or in any folder below it (a
+train running there): utils.refuse_held, which atomic_dir also checks before it writes and again at its rename.
+A beside lock of a symlinked folder lies beside the folder the link names (every spelling of a folder, one lock).
 """
 from __future__ import annotations
 
@@ -23,15 +29,16 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from specheads.utils import SpecheadsError
+from specheads.utils import (LOCK_NAME, SpecheadsError, WriteError, errno_text, holder_alive,  # noqa: F401
+                             live_locks, os_error_of, process_start, read_lock)
 
 log = logging.getLogger(__name__)
-
-LOCK_NAME = ".specheads.lock"
 
 
 def lock_path(folder: str | os.PathLike, beside: bool = False) -> Path:
     folder = Path(folder)
+    if beside and folder.is_symlink():  # the folder the link names: one lock however the folder is spelled
+        folder = Path(os.path.realpath(folder))
     return folder.parent / f".{folder.name}{LOCK_NAME}" if beside else folder / LOCK_NAME
 
 
@@ -59,59 +66,57 @@ def run_lock(folder: str | os.PathLike, command: str, beside: bool = False) -> I
         _remove_empty(created)
         raise
     try:
+        _refuse_other_place(Path(folder), beside)
+    except BaseException:
+        _release(path, info)
+        _remove_empty(created)
+        raise
+    try:
         yield path
     finally:
         _release(path, info)
         _remove_empty(created)
 
 
-def read_lock(path: Path) -> dict | None:
-    """The holder recorded in a lock file; None when the file is gone or unreadable."""
-    try:
-        info = json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-    return info if isinstance(info, dict) and isinstance(info.get("pid"), int) else None
+def _in_use(folder: Path, held: dict, lock: Path) -> SpecheadsError:
+    where = f" on {held.get('host')}" if held.get("host") != socket.gethostname() else ""
+    return SpecheadsError(f"{folder}: in use by pid {held['pid']}{where} ({held.get('command', '?')}, started "
+                          f"{held.get('started', '?')}; lock {lock}); wait for it to finish, or use another folder")
 
 
-def holder_alive(info: dict) -> bool:
-    """Whether the process a lock names still runs. A lock of another host is taken as alive (it cannot be
-    checked from here); a pid that now belongs to a process started at another time is not."""
-    if info.get("host") != socket.gethostname():
-        return True
-    pid = info["pid"]
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    except (OverflowError, ValueError):
-        return False
-    start = _process_start(pid)
-    return info.get("pid_start") is None or start is None or start == info["pid_start"]
+def _refuse_other_place(folder: Path, beside: bool) -> None:
+    """With this command's lock taken: the folder's other lock place is not held by a live process either (the
+    lock beside a run folder that prepare / train write into; the locks inside and below a folder that an export
+    replaces whole)."""
+    if beside:
+        held = live_locks(folder)
+    else:
+        other = lock_path(folder, beside=True)
+        info = read_lock(other)
+        held = [(other, info)] if info is not None and holder_alive(info) else []
+    for lock, info in held:
+        run = lock.parent if lock.name == LOCK_NAME else folder
+        raise _in_use(run, info, lock)
 
 
 def _acquire(path: Path, command: str, folder: Path) -> dict:
     info = {"pid": os.getpid(), "command": f"specheads {command}", "host": socket.gethostname(),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid_start": _process_start(os.getpid())}
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid_start": process_start(os.getpid())}
     for _ in range(5):  # a few rounds: a stale lock taken over, or one released while we looked
         if _create(path, info):
             return info
         held = read_lock(path)
         if held is not None and holder_alive(held):
-            where = f" on {held.get('host')}" if held.get("host") != info["host"] else ""
-            raise SpecheadsError(
-                f"{folder}: in use by pid {held['pid']}{where} ({held.get('command', '?')}, started "
-                f"{held.get('started', '?')}; lock {path}); wait for it to finish, or use another folder")
+            raise _in_use(folder, held, path)
         _take_over(path, held)
     raise SpecheadsError(f"{path}: could not take the lock (other processes keep taking it); try again")
 
 
 def _create(path: Path, info: dict) -> bool:
     """Write the lock whole under a temporary name, then link it into place; False when a lock is there."""
-    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.tmp-{os.getpid()}-", dir=path.parent)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.tmp-{os.getpid()}-", dir=path.parent)
         with os.fdopen(fd, "w") as f:
             json.dump(info, f)
             f.flush()
@@ -128,9 +133,15 @@ def _create(path: Path, info: dict) -> bool:
             with os.fdopen(lfd, "w") as f:
                 json.dump(info, f)
         return True
+    except OSError as e:  # a full disk or a read-only folder at the very first write: name the lock file
+        oe = os_error_of(e)
+        if oe is None:
+            raise
+        raise WriteError(path, errno_text(oe), "the command did not start (nothing was written)") from None
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        if tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
 
 
 def _take_over(path: Path, stale: dict | None) -> None:
@@ -161,15 +172,6 @@ def _release(path: Path, info: dict) -> None:
         path.unlink(missing_ok=True)
     else:
         log.warning("%s: the lock was removed or replaced while this process held it", path)
-
-
-def _process_start(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (Linux /proc); None elsewhere."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat.rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def _make_parents(folder: Path) -> list[Path]:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specheads.utils import SpecheadsError, atomic_dir, cache_root
+from specheads.utils import SpecheadsError, atomic_dir, cache_root, read_text_bounded
 
 log = logging.getLogger(__name__)
 
@@ -138,17 +138,50 @@ def _gguf_cache_dir(gguf: Path) -> Path:
     return cache_root() / "targets" / f"{gguf.stem}-{key}"
 
 
+def check_gguf(gguf: Path) -> None:
+    """Before the conversion reads it: `gguf` is a whole GGUF file (one SpecheadsError naming it when it is empty,
+    does not start with the GGUF magic, or its header or tensors do not fit in the file: truncated or damaged).
+    The reader maps the file (no copy in memory)."""
+    size = gguf.stat().st_size if gguf.is_file() else -1
+    if size < 0:
+        raise SpecheadsError(f"{gguf}: not a file (a GGUF target is one .gguf file)")
+    with open(gguf, "rb") as f:
+        magic = f.read(4)
+    if size == 0 or magic != b"GGUF":
+        what = "an empty file (0 bytes)" if size == 0 else f"does not start with the GGUF magic bytes ({magic!r})"
+        raise SpecheadsError(f"{gguf}: not a GGUF file: {what}")
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(gguf))
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    except Exception as e:  # noqa: BLE001 - the reader's struct / numpy errors on a cut or damaged header
+        msg = str(e).splitlines()[0][:200] if str(e) else ""
+        raise SpecheadsError(f"{gguf}: not a readable GGUF file, truncated or damaged ({size} bytes; "
+                             f"{type(e).__name__}: {msg})") from None
+    if end > size or not reader.tensors:
+        what = "holds no tensors" if not reader.tensors else f"its tensors end at byte {end}, the file at {size}"
+        raise SpecheadsError(f"{gguf}: truncated or damaged GGUF file ({what})")
+
+
 def convert_gguf(gguf: Path, trust_remote_code: bool = False) -> Path:
-    """Dequantise a GGUF file once into a safetensors + tokenizer folder in the cache; return that folder."""
+    """Dequantise a GGUF file once into a safetensors + tokenizer folder in the cache; return that folder. The file
+    is checked first (`check_gguf`); an architecture or layout transformers cannot convert is one line naming it."""
     out = _gguf_cache_dir(gguf)
     if (out / "config.json").exists():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_gguf(gguf)
     log.info("converting %s into %s (one time, ~20 s)", gguf, out)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
-                                                 trust_remote_code=trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                            trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                     trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, IndexError, TypeError, RuntimeError) as e:
+        msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        raise SpecheadsError(f"{gguf}: transformers cannot convert this GGUF file ({type(e).__name__}: {msg})") from None
     # transformers refuses save_pretrained on a dequantised GGUF model unless the quantizer is detached.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -186,19 +219,32 @@ def check_target_folder(folder: Path, name: str, trust_remote_code: bool) -> Non
     import json
 
     try:
-        config = json.loads((folder / "config.json").read_text())
+        config = json.loads(read_text_bounded(folder / "config.json"))
     except (OSError, ValueError) as e:
         raise SpecheadsError(f"{folder / 'config.json'}: not a readable model config ({type(e).__name__})") from None
     auto_map = config.get("auto_map") if isinstance(config, dict) else None
     if auto_map and not trust_remote_code:
         raise SpecheadsError(f"target {name!r}: {folder / 'config.json'} maps its classes to code in the folder "
                              f"(auto_map {sorted(auto_map)[:3]}); it {REMOTE_CODE}")
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not auto_map and model_type is not None and not _known_model_type(model_type):
+        import transformers
+
+        raise SpecheadsError(f"target {name!r}: {folder / 'config.json'} has model_type {model_type!r}, which "
+                             f"transformers {transformers.__version__} does not know (a newer transformers, a typo, "
+                             f"or a model that needs its own code)")
     names = [p.name for p in folder.iterdir() if p.is_file()]
     pickled = sorted(n for n in names if n.endswith(PICKLED))
     if pickled and not any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json") for n in names):
         raise SpecheadsError(f"target {name!r}: {folder} holds its weights only as pickles ({', '.join(pickled[:3])})"
                              f"; specheads never unpickles (it can run code): save the model as safetensors first "
                              f"(from_pretrained(...).save_pretrained(DIR) writes model.safetensors)")
+
+
+def _known_model_type(model_type) -> bool:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return isinstance(model_type, str) and model_type in CONFIG_MAPPING
 
 
 def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str | None = None,
@@ -221,9 +267,12 @@ def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype = "
     except OSError as e:
         raise SpecheadsError(f"target {name_or_path!r}: cannot load ({str(e).splitlines()[0]})") from None
     except ValueError as e:
-        if "trust_remote_code" not in str(e):
-            raise
-        raise SpecheadsError(f"target {name_or_path!r}: {REMOTE_CODE}") from None
+        if "trust_remote_code" in str(e):
+            raise SpecheadsError(f"target {name_or_path!r}: {REMOTE_CODE}") from None
+        msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__  # e.g. a config of no causal LM class
+        raise SpecheadsError(f"target {name_or_path!r}: cannot load ({msg})") from None
+    except KeyError as e:  # transformers' mapping lookups for a model type it does not know
+        raise SpecheadsError(f"target {name_or_path!r}: cannot load (transformers does not know {e})") from None
     if device:
         model.to(device)
     model.eval()

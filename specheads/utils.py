@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -16,6 +17,16 @@ log = logging.getLogger("specheads")
 
 class SpecheadsError(Exception):
     """An error caused by the user's input (file, field or flag). The CLI prints it as one line, no traceback."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped the command (`signum`); `detail` says what was kept. A KeyboardInterrupt, so that
+    whatever keeps its work on Ctrl-C (bench's finished prompts, training's checkpoint) does so on SIGTERM too; the
+    CLI prints one line and exits 128 + signum."""
+
+    def __init__(self, signum: int, detail: str = ""):
+        super().__init__(detail)
+        self.signum, self.detail = int(signum), detail
 
 
 # What the OS answers when a write cannot happen here (full disk or quota, read-only, permissions, `ulimit -f`, a
@@ -80,6 +91,123 @@ def remove_quietly(*paths: str | os.PathLike) -> None:
                 p.unlink()
 
 
+# ------------------------------------------------------------------- run locks as files (runlock.py takes them)
+# Every folder a command writes is guarded by a lock file: `<folder>/.specheads.lock` (prepare, train) or
+# `<parent>/.<name>.specheads.lock` (export --out, replaced whole). Reading them lives here, below runlock, so that
+# atomic_dir can refuse to replace a folder another live process holds.
+LOCK_NAME = ".specheads.lock"
+
+
+def read_lock(path: Path) -> dict | None:
+    """The holder recorded in a lock file; None when the file is gone or unreadable."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            info = json.loads(f.read(1 << 16))  # ours are ~200 bytes; a huge file is not a lock we wrote
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return info if isinstance(info, dict) and isinstance(info.get("pid"), int) else None
+
+
+def process_start(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (Linux /proc); None elsewhere."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def holder_alive(info: dict) -> bool:
+    """Whether the process a lock names still runs. A lock of another host is taken as alive (it cannot be
+    checked from here); a pid that now belongs to a process started at another time is not."""
+    if info.get("host") != socket.gethostname():
+        return True
+    pid = info["pid"]
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    except (OverflowError, ValueError):
+        return False
+    start = process_start(pid)
+    return info.get("pid_start") is None or start is None or start == info["pid_start"]
+
+
+def live_locks(folder: str | os.PathLike) -> list[tuple[Path, dict]]:
+    """The run locks of live processes that replacing `folder` would delete or orphan: the one beside it (unless
+    this process holds it: an export writing its own --out), the one inside it and any below it (a run folder
+    somewhere under it). [(lock file, holder)]."""
+    folder = Path(os.path.realpath(folder)) if Path(folder).is_symlink() else Path(folder)
+    beside = folder.parent / f".{folder.name}{LOCK_NAME}"
+    found = [beside]
+    if folder.is_dir():
+        found += list(folder.rglob(f"*{LOCK_NAME}"))  # run locks and beside locks (not their .tmp- / .stale-)
+    held = [(p, read_lock(p)) for p in found if p.is_file()]
+    return [(p, info) for p, info in held if info is not None and holder_alive(info)
+            and not (p == beside and info["pid"] == os.getpid())]
+
+
+def refuse_held(folder: str | os.PathLike, what: str = "") -> None:
+    """One SpecheadsError when a live process holds `folder` or a folder below it (`live_locks`): replacing it would
+    delete that run's files. `what` names the flag or path in the message (default the folder)."""
+    for lock, info in live_locks(folder):
+        where = f" on {info.get('host')}" if info.get("host") != socket.gethostname() else ""
+        run = lock.parent if lock.name == LOCK_NAME else lock.parent / lock.name[1:-len(LOCK_NAME)]
+        below = "" if run in (Path(folder), Path(os.path.realpath(folder))) else f"{run}, below it, is "
+        raise SpecheadsError(f"{what or folder}: {below}in use by pid {info['pid']}{where} "
+                             f"({info.get('command', '?')}, started {info.get('started', '?')}; lock {lock}); "
+                             f"replacing it would delete that run's files: wait for it to finish, or choose "
+                             f"another folder")
+
+
+# ------------------------------------------------------------------------------------- reads with a size bound
+MAX_TEXT_BYTES = 64 << 20  # a recipe, a JSON file we read whole, one row of a dataset: larger is not an input of ours
+
+
+def read_bytes_bounded(path: str | os.PathLike, what: str = "", limit: int | None = None) -> bytes:
+    """A file read whole, at most `limit` bytes: a device or pipe that never ends, or a file far larger than any
+    input of ours, is one SpecheadsError naming it (`what`, default the path), and memory stays bounded. `limit`
+    defaults to MAX_TEXT_BYTES."""
+    path, limit = Path(path), MAX_TEXT_BYTES if limit is None else limit
+    if path.is_dir():
+        raise SpecheadsError(f"{what or path}: is a folder, not a file")
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise SpecheadsError(f"{what or path}: more than {limit >> 20} MiB (read no further; an endless device or "
+                             f"pipe, or not the file meant?)")
+    return data
+
+
+def read_text_bounded(path: str | os.PathLike, what: str = "", limit: int | None = None) -> str:
+    """`read_bytes_bounded` as UTF-8 text; bytes that are not UTF-8 are one SpecheadsError naming file and line."""
+    data = read_bytes_bounded(path, what, limit)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise SpecheadsError(f"{what or Path(path)}: not UTF-8 text: line {line} has byte 0x{data[e.start]:02x} "
+                             f"({e.reason})") from None
+
+
+def bounded_lines(f, path: str | os.PathLike, limit: int | None = None) -> Iterator[tuple[int, str]]:
+    """(line number, line) of the open text file `f`, each line read with at most `limit` characters (default
+    MAX_TEXT_BYTES): a line that does not end by then (one endless line) is one SpecheadsError naming the file and
+    line."""
+    limit, n = MAX_TEXT_BYTES if limit is None else limit, 0
+    while True:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        n += 1
+        if len(line) > limit:
+            raise SpecheadsError(f"{path}: line {n} is longer than {limit >> 20} Mi characters (read no further; "
+                                 f"one endless line, or not a JSONL file?)")
+        yield n, line
+
+
 def check_values(section: str, obj: Any, rules: dict[str, str]) -> None:
     """Range checks of a config dataclass, one SpecheadsError naming `section.field`. Rules: ">=N", ">N",
     "[a,b)" (a <= v < b), "(a,b]"; "|None" appended allows None. Numbers must be finite (no nan / inf)."""
@@ -115,12 +243,17 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = True) -> Iterator[Pat
 
     The temporary name carries the writer's pid (`.<name>.tmp-<pid>-<random>`): leftovers of a killed writer (its
     pid gone) are removed the next time `final` is written. Callers that replace a folder the user named check
-    first with `refuse_replacing`. A `final` that is itself an empty temporary folder of this process (an outer
+    first with `refuse_replacing`. A `final` that a live process holds (a run lock in it, beside it or in a folder
+    below it: `refuse_held`) is never replaced, checked before writing and again at the rename; a `final` that is a
+    symlink is written through (the folder it names is replaced, the link kept). A `final` that is itself an empty temporary folder of this process (an outer
     atomic_dir, e.g. an export staged with its record) is written in place: the outer rename publishes it."""
     final = Path(final)
     if _staged_here(final):
         yield final
         return
+    if final.is_symlink():  # written through the link: the folder it names is replaced, the link stays
+        final = Path(os.path.realpath(final))
+    refuse_held(final)  # another live command's run folder (or one below `final`): never replaced
     existed, tmp = final.exists(), None
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -128,6 +261,7 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = True) -> Iterator[Pat
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
         yield tmp
         if final.exists():
+            refuse_held(final)  # again at the rename: a run may have started there meanwhile
             if not overwrite:
                 raise FileExistsError(final)
             old = final.with_name(f".{final.name}.old-{os.getpid()}")
@@ -159,7 +293,7 @@ def _remove_stale(final: Path) -> None:
         pid = tail.split("-", 1)[0]
         if pid.isdigit() and (int(pid) == os.getpid() or _alive(int(pid))):
             continue
-        if p.is_dir():
+        if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)
@@ -185,8 +319,9 @@ def path_relation(out, src) -> str | None:
 def refuse_replacing(out: str | os.PathLike, sources: list[str | os.PathLike], is_ours, what: str, force: bool,
                      flag: str = "--out") -> None:
     """Check a user-named output folder before it is replaced. Never: `out` is, contains or lies inside a source
-    folder (replacing it would delete the source). Without `force`: `out` is a file, or a non-empty folder that
-    `is_ours(out)` does not recognise as an earlier output of the same kind (`what`, e.g. "eagle3 export")."""
+    folder (replacing it would delete the source), or a live process holds it or a folder below it (`refuse_held`:
+    a train running there). Without `force`: `out` is a file, or a non-empty folder that `is_ours(out)` does not
+    recognise as an earlier output of the same kind (`what`, e.g. "eagle3 export")."""
     out = Path(out)
     target = out.resolve()
     for src in sources:
@@ -203,12 +338,13 @@ def refuse_replacing(out: str | os.PathLike, sources: list[str | os.PathLike], i
     if blocked is not None and not blocked.is_dir():
         raise SpecheadsError(f"{flag} {out}: {blocked} is a file, not a folder, so nothing can be written below it: "
                              f"choose another folder")
-    if not out.exists() and not out.is_symlink():
+    if not out.exists():  # absent, or a link to nothing yet (atomic_dir writes through it)
         return
     if not out.is_dir():
         if force:
             return
         raise SpecheadsError(f"{flag} {out}: is a file, not a folder; pass --force to replace it")
+    refuse_held(out, f"{flag} {out}")  # a live run in it or below it: never replaced, --force or not
     entries = sorted(p.name for p in out.iterdir())
     if not entries or is_ours(out) or force:
         return
@@ -258,7 +394,7 @@ def sha256_file(path: str | os.PathLike) -> str:
 def read_json(path: str | os.PathLike) -> Any:
     path = Path(path)
     try:
-        return json.loads(path.read_text())
+        return json.loads(read_text_bounded(path))
     except FileNotFoundError:
         raise SpecheadsError(f"{path}: file not found") from None
     except json.JSONDecodeError as e:

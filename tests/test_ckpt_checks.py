@@ -1,5 +1,6 @@
 """Checkpoints carry checksums and are verified on resume: a damaged or missing file, a damaged RNG or trainer state
-is one SpecheadsError naming the file; older checkpoints without checksums still load (with a log line); a folder
+is one SpecheadsError naming the file; a checkpoint of the checksummed format without its checksums is refused,
+an older one (format /2) without them still loads (with a log line saying what is known); a folder
 under checkpoints/ that is not `step-<number>` is ignored with a warning."""
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from test_train import make_head, make_recipe, token_samples
 
-from specheads.train.checkpoint import CHECKSUMS_NAME, list_checkpoints
+from specheads.train.checkpoint import CHECKSUMS_NAME, FORMAT, list_checkpoints, write_checksums
 from specheads.train.trainer import Trainer
 from specheads.utils import SpecheadsError, sha256_file
 
@@ -90,12 +91,54 @@ def test_a_missing_file_and_a_damaged_checksum_file_are_named(run, tiny):
         _resume(run, tiny)
 
 
-def test_a_checkpoint_without_checksums_still_loads_with_a_log_line(run, tiny, caplog):
+def _set_format(ck, fmt: str) -> None:
+    st = json.loads((ck / "trainer_state.json").read_text())
+    st["format"] = fmt
+    (ck / "trainer_state.json").write_text(json.dumps(st))
+
+
+def test_a_checkpoint_of_the_checksummed_format_without_its_checksums_is_refused(run, tiny):
+    """issue 38: a checkpoint whose checksums.sha256 was removed resumed with damaged weights, described as
+    "written before checkpoints carried checksums". The format says a checkpoint carries them: without, refused."""
+    ck = _ckpt(run)
+    assert json.loads((ck / "trainer_state.json").read_text())["format"] == FORMAT == "specheads-checkpoint/3"
+    (ck / CHECKSUMS_NAME).unlink()
+    flip = bytearray((ck / "model.safetensors").read_bytes())
+    flip[-5] ^= 0xFF  # the damage the checksums would have caught
+    (ck / "model.safetensors").write_bytes(bytes(flip))
+    with pytest.raises(SpecheadsError) as e:
+        _resume(run, tiny)
+    assert str(e.value) == (f"{ck / CHECKSUMS_NAME}: missing; a specheads-checkpoint/3 checkpoint always carries "
+                            f"it, so its files cannot be verified (removed or lost since the save): remove {ck} to "
+                            f"resume from the checkpoint before it")
+
+
+def test_an_older_checkpoint_without_checksums_still_loads_said_truthfully(run, tiny, caplog):
     ck = _ckpt(run)
     (ck / CHECKSUMS_NAME).unlink()
+    _set_format(ck, "specheads-checkpoint/2")
     with caplog.at_level(logging.INFO, logger="specheads.train.checkpoint"):
         assert _resume(run, tiny).steps == 4
-    assert any("not verified" in r.getMessage() and str(ck) in r.getMessage() for r in caplog.records)
+    said = [r.getMessage() for r in caplog.records if str(ck) in r.getMessage() and "not verified" in r.getMessage()]
+    assert said and "format specheads-checkpoint/2" in said[0] and "or the file was removed since" in said[0]
+
+
+def test_an_older_checkpoint_whose_weights_are_not_safetensors_is_one_line(run, tiny):
+    """issue 38: no checksums to catch it, the weights file is not safetensors: one line naming it, never a
+    traceback (and never unpickled)."""
+    ck = _ckpt(run)
+    (ck / CHECKSUMS_NAME).unlink()
+    _set_format(ck, "specheads-checkpoint/2")
+    (ck / "model.safetensors").write_bytes(b"garbage, not a safetensors file")
+    with pytest.raises(SpecheadsError, match=rf"^{ck / 'model.safetensors'}: not a readable safetensors file \("):
+        _resume(run, tiny)
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused_naming_it(run, tiny):
+    ck = _ckpt(run)
+    _set_format(ck, "specheads-checkpoint/12")
+    with pytest.raises(SpecheadsError, match="format 'specheads-checkpoint/12' is newer than this specheads reads"):
+        _resume(run, tiny)
 
 
 @pytest.mark.parametrize("damage", [
@@ -108,6 +151,7 @@ def test_a_checkpoint_without_checksums_still_loads_with_a_log_line(run, tiny, c
 def test_a_damaged_rng_state_is_one_line_naming_it(run, tiny, damage):
     ck = _ckpt(run)
     (ck / CHECKSUMS_NAME).unlink()  # an older checkpoint: only the state check stands between it and a traceback
+    _set_format(ck, "specheads-checkpoint/2")
     path = ck / "rng_state_0.json"
     st = json.loads(path.read_text())
     damage(st)
@@ -127,11 +171,11 @@ def test_a_damaged_rng_state_is_one_line_naming_it(run, tiny, damage):
 ])
 def test_a_damaged_trainer_state_is_one_line_naming_it(run, tiny, damage, want):
     ck = _ckpt(run)
-    (ck / CHECKSUMS_NAME).unlink()
     path = ck / "trainer_state.json"
     st = json.loads(path.read_text())
     damage(st)
     path.write_text(json.dumps(st))
+    write_checksums(ck)  # the checksums match: the state check behind them is what fires
     with pytest.raises(SpecheadsError, match=rf"{path}: {want}") as e:
         _resume(run, tiny)
     assert "\n" not in str(e.value)

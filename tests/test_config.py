@@ -194,3 +194,27 @@ def test_upgrade_flat_maps_a_written_recipe():
     with pytest.raises(SpecheadsError, match=r"x: train\.lora_r and train\.lora\.r"):
         upgrade_flat({"train.lora_r": 4, "train.lora.r": 8}, renamed, "x")
 
+
+
+@pytest.mark.parametrize("value", ['!<tag:yaml.org,2002:python/object/apply:os.system> ["touch x"]',
+                                   "!<tag:yaml.org,2002:float> 3", "!!float 3"])
+def test_a_verbatim_yaml_tag_in_an_override_is_one_line(value, tmp_path):
+    """issue 38: a tag written verbatim (`!<tag:...>`, no handle) raised a TypeError from the tag check."""
+    from specheads.recipe import Recipe
+
+    with pytest.raises(SpecheadsError, match=r"^override 'train.lr=.*': YAML tags are not allowed in a value "
+                                             r"\(found '(!<tag:yaml.org,2002:|!!)"):
+        load_config(Recipe, None, [f"train.lr={value}"])
+
+
+def test_a_config_that_never_ends_is_refused_with_bounded_memory(tmp_path, monkeypatch):
+    """An endless --config (a device or pipe; here /dev/zero behind a .yaml name) is read at most
+    MAX_TEXT_BYTES, then refused naming it."""
+    import specheads.utils
+    from specheads.recipe import Recipe
+
+    monkeypatch.setattr(specheads.utils, "MAX_TEXT_BYTES", 1 << 20)
+    link = tmp_path / "r.yaml"
+    link.symlink_to("/dev/zero")
+    with pytest.raises(SpecheadsError, match=rf"^{link}: more than 1 MiB \(read no further"):
+        load_config(Recipe, link)

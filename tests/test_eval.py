@@ -47,3 +47,50 @@ def test_eval_bad_dataset_is_one_line(tmp_path, capsys):
     assert "--dataset sharegpt:x: expected sharegpt:START" in err and "Traceback" not in err
     assert main(["eval", "--head", str(tmp_path), "--max-new-tokens", "0"]) == 2
     assert "--max-new-tokens 0: must be at least 1" in capsys.readouterr().err
+
+
+def test_eval_refuses_a_prompt_longer_than_the_context_window_as_bench_does(tiny, tmp_path, monkeypatch, capsys):
+    """issue 38: eval scored prompts longer than the target's context window as if they fitted, where generate
+    and bench refuse them. Both now refuse the same prompt, naming it, before anything runs."""
+    import specheads.target
+
+    tiny.tokenizer = ByteTok()
+    monkeypatch.setattr(specheads.target, "load_target", lambda *a, **k: tiny)
+    build_head(HeadSpec(kind="eagle3"), tiny).save_pretrained(tmp_path / "head")
+    data = tmp_path / "p.jsonl"
+    window = tiny.max_positions
+    data.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"id": "long", "prompt": "x" * window}) + "\n")
+    want = (f"--dataset {data}: prompt long: {window + 1} tokens do not fit the context window of {window} of "
+            f"target {tiny.name} (no room for a new token); shorten it or leave it out")
+    assert main(["eval", "--head", str(tmp_path / "head"), "--dataset", str(data), "--dtype", "fp32"]) == 2
+    assert capsys.readouterr().err.strip() == f"specheads eval: error: {want}"
+    assert main(["bench", "--dataset", str(data), "--methods", "vanilla", "--out", str(tmp_path / "b")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"specheads bench: error: {want}"
+    assert not (tmp_path / "b").exists()
+
+
+def test_eval_answers_stop_at_the_context_window(tiny):
+    """A prompt that fits is answered up to the window's end at most (bench's answers stop there too)."""
+    from specheads.infer.bench.prompts import BenchPrompt
+    from specheads.infer.head_eval import target_answers
+
+    tiny.tokenizer = ByteTok()
+    window = tiny.max_positions
+    prompt = BenchPrompt(id="p", category="all", turns=["y" * (window - 4)], chat=False)
+    ((ids, answer),) = target_answers(tiny, [prompt], max_new_tokens=64, progress=False)
+    assert len(ids) == window - 3 and len(ids) + len(answer) <= window
+
+
+def test_eval_on_a_run_without_a_held_out_split_says_why(tmp_path, capsys):
+    """issue 38: `eval --dataset heldout:RUN` on a run trained with data.val_fraction 0 printed an empty table; now
+    one line saying the run has no held-out split, before any model loads."""
+    from specheads.config import load_config, save_config
+    from specheads.recipe import Recipe
+
+    run = tmp_path / "run"
+    save_config(load_config(Recipe, None, [f"output_dir={run}", "data.val_fraction=0"]), run / "train_config.yaml")
+    assert main(["eval", "--head", str(run / "final"), "--dataset", f"heldout:{run}"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"specheads eval: error: --dataset heldout:{run}: the run has no held-out split (data.val_fraction 0 in "
+        f"{run / 'train_config.yaml'}), so there is nothing to score; give another --dataset (mt-bench, "
+        f"sharegpt:START, a JSONL file)")

@@ -17,7 +17,7 @@ if str(ROOT / "scripts") not in sys.path:
 import reliability_kill as kill9  # noqa: E402
 import reliability_sweep  # noqa: E402
 
-pytestmark = pytest.mark.slow  # 18 runs of the CLI, each a process importing torch (minutes on 2 busy cores)
+pytestmark = pytest.mark.slow  # 22 runs of the CLI, each a process importing torch (minutes on 2 busy cores)
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +42,26 @@ def test_prepare_killed_in_a_shard_then_in_the_sidecars_reruns_to_the_same_featu
            base, tmp_path)
 
 
+def test_prepare_killed_while_the_target_writes_the_answers_reruns_to_the_same_order(base, tmp_path):
+    """issue 38: the rerun answered the rest in another batch and the answers came back in another order, so tokens,
+    shards and the head differed; now data/regenerated.jsonl, data/tokens and features/ equal the uninterrupted
+    run's."""
+    _check(["prepare killed while the target writes the answers"], base, tmp_path)
+
+
 def test_train_killed_mid_step_and_at_three_points_of_its_saves_resumes_bit_for_bit(base, tmp_path):
     """Killed mid-step (10 ms after checkpoint 3, before the step-6 save), as the step-6 checkpoint folder appears,
     in the step-6 save before its checksums, and while writing final/; each time resumed: the last resume ends as
     the uninterrupted run did."""
     _check(["train killed mid-step (after checkpoint 3)", "train killed as its checkpoint folder appears",
             "train killed mid-save, before the checksums", "train killed while writing final/"], base, tmp_path)
+
+
+def test_train_stopped_by_sigterm_saves_says_so_and_resumes_bit_for_bit(base, tmp_path):
+    """issue 38: SIGTERM (a preempted job) ended train with no save, no message and the lock left. Now it exits
+    143 with one line naming the checkpoint of the step it was in and the command that continues it; no lock is
+    left, and that --resume ends as the uninterrupted run did."""
+    _check(["train stopped by SIGTERM mid-run (after checkpoint 3)"], base, tmp_path)
 
 
 def test_export_killed_while_writing_leaves_nothing_at_out_and_reruns(base, tmp_path):

@@ -126,6 +126,37 @@ def test_checkpoint_save_on_a_full_disk_removes_the_partial_one_and_keeps_the_ea
     assert [p.name for p in C.list_checkpoints(tmp_path)] == ["step-000001"]
 
 
+@pytest.mark.parametrize("evals", ["at_start", "every_step"])
+def test_a_full_disk_at_the_first_checkpoint_gives_advice_the_next_train_accepts(tiny, tmp_path, monkeypatch, evals):
+    """issue 38: the first save failing on a full disk advised "free space, then train again", which train then
+    refused because of the untrained step-0 best/ the run had written. That best/ holds nothing trained and goes;
+    a best/ of a later step is kept and the advice names another output_dir. Either way the advice is accepted."""
+    from test_train import make_head, make_recipe, token_samples
+
+    from specheads.train import checkpoint as C
+    from specheads.train.trainer import Trainer
+
+    over = ["train.max_steps=4", "train.save_every=2"] + (
+        ["eval.at_start=true", "eval.every_steps=0"] if evals == "at_start" else
+        ["eval.at_start=false", "eval.every_steps=1"])
+    r = make_recipe(tmp_path / "run", *over)
+    monkeypatch.setattr(C, "write_model_state", _enospc)
+    with pytest.raises(WriteError) as e:
+        Trainer(r, tiny, make_head(r, tiny), token_samples(8), token_samples(2, seed=1)).train()
+    monkeypatch.undo()
+    best = tmp_path / "run" / "best"
+    if evals == "at_start":
+        assert str(e.value).endswith("there is no earlier one (free space, then train again)")
+        assert not best.exists()
+        r2 = r  # "train again": the same folder is accepted
+    else:
+        assert str(e.value).endswith(f"there is no earlier one (free space, then train again into another "
+                                     f"output_dir: {best} keeps the head of step 1)")
+        assert (best / "model.safetensors").exists()
+        r2 = make_recipe(tmp_path / "other", *over)
+    assert Trainer(r2, tiny, make_head(r2, tiny), token_samples(8), token_samples(2, seed=1)).train().steps == 4
+
+
 def test_feature_shard_on_a_full_disk_keeps_the_listed_shards_only(tiny, tmp_path, monkeypatch):
     from test_features import _rows
 
@@ -219,6 +250,58 @@ def test_non_utf8_dataset_names_the_file_and_row(tmp_path):
         load_conversations(str(tmp_path / "d.jsonl"))
     assert _not_utf8(e.value) == (f"{tmp_path / 'd.jsonl'}: not UTF-8 text: line 3 (row 2) has byte 0xff "
                                   f"(invalid start byte)")
+
+
+@pytest.mark.parametrize("name", ["d.jsonl", "d.json"])
+def test_a_dataset_that_is_one_endless_line_is_refused_with_bounded_memory(tmp_path, monkeypatch, name):
+    """issue 38: a data source that is one endless line (a device, a pipe) grew memory until it failed. Each row
+    (a JSONL line, a JSON array's element) is read at most utils.MAX_TEXT_BYTES characters, then refused."""
+    import specheads.utils
+    from specheads.train.data import load_conversations
+
+    monkeypatch.setattr(specheads.utils, "MAX_TEXT_BYTES", 1 << 20)
+    zero = tmp_path / "zero"
+    zero.symlink_to("/dev/zero")  # endless NUL characters, valid UTF-8, no newline ever
+    if name == "d.json":  # an array whose first element never ends: '[{"a": "' then the endless device
+        endless = tmp_path / name
+        endless.write_text('[{"conversations": "' + "x" * (6 << 20))  # past the first 4 Mi chunk
+        want = r"not valid JSON at line 1, column 2: an element longer than 1 Mi characters"
+    else:
+        (tmp_path / name).symlink_to(zero)
+        want = r"line 1 is longer than 1 Mi characters \(read no further"
+    with pytest.raises(SpecheadsError, match=rf"^{tmp_path / name}: {want}"):
+        load_conversations(str(tmp_path / name))
+
+
+def test_other_inputs_read_whole_are_bounded_too(tmp_path, monkeypatch):
+    """A data.mode text .txt file (one row, read whole) past its bound, and an endless device behind a target's
+    config.json: refused naming the file, not read forever."""
+    import specheads.train.data as data
+    import specheads.utils
+    from specheads.target import check_target_folder
+
+    monkeypatch.setattr(data, "MAX_CORPUS_CHARS", 1 << 20)
+    monkeypatch.setattr(specheads.utils, "MAX_TEXT_BYTES", 1 << 20)
+    (tmp_path / "corpus.txt").write_text("x" * (2 << 20))  # past the (lowered) bound
+    with pytest.raises(SpecheadsError, match=rf"^{tmp_path / 'corpus.txt'}: more than 1 Mi characters in one .txt"):
+        data.load_texts(str(tmp_path / "corpus.txt"))
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").symlink_to("/dev/zero")
+    with pytest.raises(SpecheadsError, match=rf"^{tmp_path / 't' / 'config.json'}: more than 1 MiB"):
+        check_target_folder(tmp_path / "t", "t", False)
+
+
+@pytest.mark.parametrize("command", ["eval", "bench"])
+def test_a_dataset_that_is_a_folder_is_one_line(tmp_path, capsys, command):
+    """issue 38: --dataset naming a folder raised IsADirectoryError (prepare's data.source already said it)."""
+    from specheads.cli import main
+
+    (tmp_path / "d").mkdir()
+    argv = {"eval": ["eval", "--head", str(tmp_path / "h")], "bench": ["bench", "--out", str(tmp_path / "b")]}
+    rc = main(argv[command] + ["--dataset", str(tmp_path / "d")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err == (f"specheads {command}: error: --dataset {tmp_path / 'd'}: is a folder; expected a "
+                               f"JSONL file (one prompt per line)")
 
 
 @pytest.mark.parametrize("force", [False, True])

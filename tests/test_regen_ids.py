@@ -175,3 +175,45 @@ def test_bad_token_ids_is_one_counted_reason(tmp_path):
     ds, st = load_conversations(rows)
     assert st.skipped == 1 and st.reasons["bad token_ids"] == 1
     assert ds[0]["messages"][1]["token_ids"] == [7, 8]
+
+
+@pytest.mark.parametrize("sampling", [[], ["data.regen_temperature=1.0"]])
+def test_a_regeneration_killed_and_rerun_ends_as_one_uninterrupted_run(tiny_chat, tmp_path, sampling):
+    """issue 38: a kill leaves the conversations that finished first (in the batch's order); the rerun answered the
+    rest in another batch, so the answers came back in another order (sampled ones: other answers too), and with
+    them the tokens, shards and trained head. Now regenerated.jsonl and data/tokens equal an uninterrupted run's
+    byte for byte: the file ends in the source's order, each sampled answer draws from its own seeded stream."""
+    import datasets
+
+    from specheads.train.prepare import prepare
+
+    source = tmp_path / "convs.json"
+    source.write_text(json.dumps(_convs(9, multi=(2, 5))))
+    over = ["data.regen_batch_size=3", *sampling]
+    whole = prepare(_recipe(tmp_path / "a", source, *over), target=tiny_chat, progress=False)
+    regen_a = (tmp_path / "a" / "run" / "data" / "regenerated.jsonl").read_text()
+    assert [json.loads(x)["id"] for x in regen_a.splitlines()] == [f"c{i}" for i in range(9)]
+    # the kill: three conversations had finished, written in the order the batch finished them, then the rerun
+    part = tmp_path / "b" / "run" / "data" / "regenerated.jsonl"
+    part.parent.mkdir(parents=True)
+    done = {json.loads(x)["id"]: x for x in regen_a.splitlines()}
+    part.write_text("".join(done[k] + "\n" for k in ("c7", "c2", "c4")))
+    again = prepare(_recipe(tmp_path / "b", source, *over), target=tiny_chat, progress=False)
+    assert part.read_text() == regen_a
+    a, b = (datasets.load_from_disk(str(tmp_path / x / "run" / "data" / "tokens")) for x in "ab")
+    assert a.to_dict() == b.to_dict() and again["tokens"] == whole["tokens"]
+
+
+def test_canonical_order_keeps_other_rows_and_leaves_an_ordered_file_alone(tmp_path):
+    import os
+
+    from specheads.train.regenerate import canonical_order
+
+    path = tmp_path / "r.jsonl"
+    rows = [{"id": k, "messages": []} for k in ("b", "x", "a")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    canonical_order(path, ["a", "b"])
+    assert [json.loads(x)["id"] for x in path.read_text().splitlines()] == ["a", "b", "x"]
+    stamp = os.stat(path).st_mtime_ns
+    canonical_order(path, ["a", "b"])
+    assert os.stat(path).st_mtime_ns == stamp  # already in order: not rewritten

@@ -98,6 +98,35 @@ def test_stale_temporary_folders_of_a_killed_writer_are_removed(tiny, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, "final"])
 
 
+@pytest.mark.parametrize("earlier", [False, True])
+def test_an_out_that_is_a_symlink_is_written_through(tiny, tmp_path, earlier):
+    """issue 38: --out naming a symlink to a folder was replaced by a local folder (the link's target stayed as it
+    was, a hidden .NAME.old-PID link was left). The export is written into the folder the link names; the link
+    stays a link, nothing is left beside either; a re-export through the link replaces the earlier one."""
+    _head(tiny, tmp_path / "h")
+    real = tmp_path / "disk" / "exports"
+    real.mkdir(parents=True)
+    link = tmp_path / "out"
+    link.symlink_to(real)
+    if earlier:
+        assert _export("--head", tmp_path / "h", "--format", "eagle3", "--out", link)[0] == 0
+    rc, err = _export("--head", tmp_path / "h", "--format", "eagle3", "--out", link)
+    assert rc == 0, err
+    assert link.is_symlink() and os.path.realpath(link) == str(real)
+    assert sorted(p.name for p in real.iterdir()) == ["config.json", "export_info.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "h", "out"]
+    assert [p.name for p in real.parent.iterdir()] == ["exports"]
+
+
+def test_an_out_that_is_a_link_to_nothing_yet_is_written_through(tiny, tmp_path):
+    _head(tiny, tmp_path / "h")
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "out").symlink_to(tmp_path / "disk" / "exports")
+    rc, err = _export("--head", tmp_path / "h", "--format", "eagle3", "--out", tmp_path / "out")
+    assert rc == 0, err
+    assert (tmp_path / "out").is_symlink() and (tmp_path / "disk" / "exports" / "model.safetensors").is_file()
+
+
 # ------------------------------------------------------------------------------------------------ config values
 
 def test_override_error_names_the_flag_and_file_error_names_the_file(tmp_path):

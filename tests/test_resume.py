@@ -161,3 +161,74 @@ def test_resume_of_a_finished_run_keeps_summary_true(tiny, tmp_path):
     assert steps == sorted(set(steps)) == [0, 2, 4]
     assert again["last_loss"] is not None and again["last_loss"] == first["last_loss"]
     assert res.last_loss == first["last_loss"]
+
+
+class _SignalAt:
+    """A collate that sends `signum` to this process while building micro-batch `at` (a kill from outside, landing
+    in the middle of a step)."""
+
+    def __init__(self, signum: int, at: int):
+        from specheads.train.dataset import collate
+
+        self.signum, self.at, self.calls, self.collate = signum, at, 0, collate
+
+    def __call__(self, rows):
+        self.calls += 1
+        if self.calls == self.at:
+            os.kill(os.getpid(), self.signum)
+        return self.collate(rows)
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_mid_run_saves_that_step_releases_and_resumes_bit_for_bit(tiny, tmp_path, signame):
+    """issue 38: SIGTERM during train ended the process without a save, a message or releasing the lock. SIGTERM
+    and SIGINT now finish the step in progress, save it, and raise Interrupted naming the checkpoint and the command
+    that continues it; that resume ends with the weights of an uninterrupted run."""
+    import signal
+
+    from specheads.utils import Interrupted
+
+    signum = getattr(signal, signame)
+    over = ["train.max_steps=8", "train.save_every=4", "eval.every_steps=0", "eval.at_start=false"]
+    data = token_samples(16)
+    a = make_recipe(tmp_path / "a", *over)
+    head_a = make_head(a, tiny)
+    Trainer(a, tiny, head_a, data, None).train()
+    b = make_recipe(tmp_path / "b", *over)
+    with pytest.raises(Interrupted) as e:  # accelerate's loader builds batch 6 ahead, while step 5 runs
+        Trainer(b, tiny, make_head(b, tiny), data, None, collate_fn=_SignalAt(signum, 6)).train()
+    ck = tmp_path / "b" / "checkpoints" / "step-000005"
+    assert e.value.signum == signum and e.value.detail == (
+        f"stopped after step 5; checkpoint {ck} saved: continue with `specheads train --config "
+        f"{tmp_path / 'b' / 'train_config.yaml'} --resume`")
+    assert [p.name for p in list_checkpoints(tmp_path / "b")] == ["step-000004", "step-000005"]
+    assert signal.getsignal(signal.SIGTERM) is not None and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    head_b = make_head(b, tiny)
+    assert Trainer(b, tiny, head_b, data, None).train(resume=True).steps == 8
+    sa, sb = state(head_a), state(head_b)
+    assert all(torch.equal(sa[k], sb[k]) for k in sa), "the resumed run differs from the uninterrupted one"
+
+
+def test_resume_of_a_finished_run_whose_best_was_removed_names_no_missing_folder(tiny, tmp_path):
+    """issue 38: the summary named a best_dir that did not exist. best/ of the last step is written again (the
+    weights in hand are those); of an earlier step it cannot be, and the summary names none."""
+    import shutil
+
+    from specheads.train.checkpoint import write_checksums
+
+    r = make_recipe(tmp_path, "train.max_steps=4", "train.save_every=2")
+    first = Trainer(r, tiny, make_head(r, tiny), token_samples(8), token_samples(2, seed=1)).train()
+    assert first.best_dir == tmp_path / "best"
+    for best_step in (4, 1):  # best at the last step (the weights in hand), then at a step not kept
+        shutil.rmtree(tmp_path / "best")
+        state_file = list_checkpoints(tmp_path)[-1] / "trainer_state.json"
+        state_file.write_text(json.dumps({**json.loads(state_file.read_text()), "best_step": best_step}))
+        write_checksums(state_file.parent)
+        res = Trainer(r, tiny, make_head(r, tiny), token_samples(8), token_samples(2, seed=1)).train(resume=True)
+        summary = json.loads((tmp_path / "train_summary.json").read_text())
+        if best_step == 4:
+            assert res.best_dir == tmp_path / "best" and (tmp_path / "best" / "model.safetensors").exists()
+        else:
+            assert res.best_dir is None and not (tmp_path / "best").exists()
+            (tmp_path / "best").mkdir()  # (nothing left to remove next round)
+        assert summary["best_dir"] == (None if res.best_dir is None else str(res.best_dir))

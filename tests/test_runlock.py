@@ -138,3 +138,107 @@ def test_train_and_prepare_into_a_locked_run_are_one_line_and_exit_2(tmp_path, s
     assert err == (f"specheads {command}: error: {run}: in use by pid {sleeper.pid} (specheads train, started "
                    f"2024-01-01T00:00:00+0000; lock {run / LOCK_NAME}); wait for it to finish, or use another folder")
     assert sorted(p.name for p in run.iterdir()) == before
+
+
+def _trained_run(tiny, run):
+    """A run folder as train leaves it (a head in final/, a checkpoint folder), for the replace tests."""
+    from specheads.heads import HeadSpec, build_head
+
+    build_head(HeadSpec(kind="eagle3", feature_layers=[1, 2, 3]), tiny).save_pretrained(run / "final")
+    (run / "checkpoints" / "step-000001").mkdir(parents=True)
+    (run / "checkpoints" / "step-000001" / "trainer_state.json").write_text("{}")
+    return sorted(p.relative_to(run).as_posix() for p in run.rglob("*"))
+
+
+@pytest.mark.parametrize("out", ["run", "."])
+def test_export_force_never_replaces_a_folder_a_live_train_holds(tiny, tmp_path, sleeper, capsys, out):
+    """issue 38: `export --force --out RUN` while train runs in RUN (its lock inside RUN, the export's beside it)
+    deleted the run; now the lock inside the folder, or in any folder below it, refuses the export, --force or
+    not, and the run is kept file for file."""
+    from specheads.cli import main
+    from specheads.heads import HeadSpec, build_head
+
+    run = tmp_path / "runs" / "run"
+    before = _trained_run(tiny, run)
+    _plant(run / LOCK_NAME, sleeper.pid, "specheads train")
+    build_head(HeadSpec(kind="eagle3", feature_layers=[1, 2, 3]), tiny).save_pretrained(tmp_path / "head")
+    dest = run if out == "run" else tmp_path / "runs"
+    rc = main(["export", "--head", str(tmp_path / "head"), "--format", "eagle3", "--out", str(dest), "--force"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and f"in use by pid {sleeper.pid} (specheads train" in err
+    assert ("below it" in err) == (out == ".")
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == sorted(before + [LOCK_NAME])
+    assert not list(tmp_path.rglob(".*.tmp-*")) and not list(tmp_path.rglob(".*.old-*"))
+
+
+def test_atomic_dir_checks_the_lock_again_at_its_rename(tmp_path, sleeper):
+    """A train that starts in the folder while it is being written: the rename refuses, the folder is kept."""
+    from specheads.utils import atomic_dir
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "mine.txt").write_text("x")
+    with pytest.raises(SpecheadsError, match=f"in use by pid {sleeper.pid}"):
+        with atomic_dir(out) as tmp:
+            (tmp / "new.txt").write_text("y")
+            _plant(out / LOCK_NAME, sleeper.pid, "specheads train")
+    assert (out / "mine.txt").exists() and not (out / "new.txt").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+
+
+def test_train_is_refused_while_an_export_replaces_its_folder(tmp_path, sleeper):
+    """The other order: an export holds the lock beside RUN; a train or prepare into RUN is refused (each writer
+    honours the folder's other lock place), and takes no lock of its own."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _plant(lock_path(run, beside=True), sleeper.pid, "specheads export")
+    with pytest.raises(SpecheadsError, match=rf"{run}: in use by pid {sleeper.pid} \(specheads export"):
+        with run_lock(run, "train"):
+            pass
+    assert not (run / LOCK_NAME).exists()
+
+
+def test_the_first_write_on_a_full_disk_names_the_lock_file(tmp_path, monkeypatch):
+    """A disk already full fails the lock, the first thing every command writes: the error names it."""
+    import errno
+    import os
+
+    real = os.fsync
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(SpecheadsError) as e:
+        with run_lock(tmp_path / "run", "prepare"):
+            pass
+    monkeypatch.setattr(os, "fsync", real)
+    assert str(e.value) == (f"{tmp_path / 'run' / LOCK_NAME}: cannot write: No space left on device [ENOSPC]; "
+                            f"the command did not start (nothing was written)")
+    assert not (tmp_path / "run").exists()
+
+
+def test_sigterm_unwinds_like_ctrl_c_one_line_and_the_lock_released(tmp_path, capsys, monkeypatch):
+    """issue 38: SIGTERM ended a command where it stood (no message, the lock left behind). The CLI turns it into
+    Interrupted, which unwinds as Ctrl-C does: the lock is released, one line, exit 128 + 15; the handler that was
+    there before comes back."""
+    import os
+    import signal
+    import time
+
+    import specheads.commands.export as export_cmd
+    from specheads.cli import main
+
+    def run(args):
+        with run_lock(tmp_path / "run", "export") as lock:
+            assert lock.exists()
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # the signal lands here
+        return 0
+
+    monkeypatch.setattr(export_cmd, "run", run)
+    before = signal.getsignal(signal.SIGTERM)
+    rc = main(["export", "--head", "h", "--format", "eagle3", "--out", "o"])
+    assert rc == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip() == "specheads export: interrupted (SIGTERM)"
+    assert not (tmp_path / "run").exists() and signal.getsignal(signal.SIGTERM) == before

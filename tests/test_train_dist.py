@@ -4,6 +4,7 @@ consolidates into a head that loads, and a crafted pickle in its shards is refus
 real processes (~20 s per launch)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -92,6 +93,8 @@ def test_deepspeed_zero2_completes_resumes_and_loads(tmp_path):
     r = launch(common[:-1] + ["6", "--resume"], cpu_env=False, ok=False)
     assert r.returncode != 0 and "sha256 differs" in r.stdout + r.stderr and not marker.exists()  # checksums first
     (ck4 / "checksums.sha256").unlink()  # without checksums (an older checkpoint) the loader's allowlist refuses it
+    state = json.loads((ck4 / "trainer_state.json").read_text())
+    (ck4 / "trainer_state.json").write_text(json.dumps({**state, "format": "specheads-checkpoint/2"}))  # older
     r = launch(common[:-1] + ["6", "--resume"], cpu_env=False, ok=False)
     assert r.returncode != 0 and "refused to unpickle" in r.stdout + r.stderr and not marker.exists()
 

@@ -14,7 +14,7 @@ from specheads.infer.bench import BenchSettings, MethodOptions, build_methods, m
 from specheads.infer.bench.methods import check_lookup_tokens
 from specheads.infer.bench.names import (HEAD_LOOKUP_TOKENS, check_method_names, default_methods, head_entries,
                                          head_trees, needs_heads)
-from specheads.infer.bench.prompts import load_prompts
+from specheads.infer.bench.prompts import first_turn_ids, load_prompts
 from specheads.infer.drafters import parse_tree
 from specheads.infer.drafters.plugins import load_plugins
 from specheads.infer.engine.runner import runner_for
@@ -127,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = shared.dtype_name(args.dtype)
     target = specheads.target.load_target(args.target, dtype=dtype, device=args.device)
     target.engine = args.engine
+    first_turn_ids(target, prompts, args.dataset)  # a prompt longer than the context window: refused before any run
     methods, extra = build_methods(names, target, options, calib_ids=calibration_ids(target.tokenizer, prompts))
     settings = BenchSettings(target=args.target, dataset=args.dataset, dtype=dtype, temperature=args.temperature,
                              max_new_tokens=args.max_new_tokens, limit=args.limit, both_turns=args.both_turns,

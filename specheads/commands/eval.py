@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         target = load_target(args.target or "smollm2-135m", dtype=dtype, device=args.device)
         head = load_head(args.head, target).eval()
         figures = evaluate_head_on_prompts(target, head, prompts, args.max_new_tokens, args.tree_width,
-                                           args.tree_depth)
+                                           args.tree_depth, dataset=args.dataset)
     result = {"head": args.head, "kind": head.config.kind, "dataset": args.dataset,
               "max_new_tokens": args.max_new_tokens, **figures}
     print(json.dumps(result) if args.json else table(result))

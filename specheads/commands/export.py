@@ -12,7 +12,8 @@ target's tensors loads the head's recorded target when --target is not given (he
 `--out` is replaced atomically, and only when that loses nothing: it must be absent, empty, or an earlier output of
 the same kind from the same source (recognised by the format recorded in its model.safetensors metadata and the
 source named in its export_info.json, and holding only the files we write), unless `--force`; it may never be,
-contain or lie inside a folder the command reads (--head, the --import source, a --target folder), --force or not.
+contain or lie inside a folder the command reads (--head, the --import source, a --target folder), --force or not,
+nor hold a live run (a train's lock in it or below it: utils.refuse_held); a symlinked --out is written through.
 A --head whose weights differ from their recorded sha256 is refused; --import warns when the head's config names
 another target than --target (heads/export_guards.py).
 """

@@ -63,7 +63,11 @@ def _run(args: argparse.Namespace, recipe) -> None:
     res = run_training(recipe, resume=args.resume)
     if int(os.environ.get("RANK", "0")) == 0:
         final = res.output_dir / "final"
-        if res.best_dir is None:
+        if res.best_dir is None and res.best_step is not None:  # the summary names only folders that exist
+            print(f"trained {res.steps} steps; best {recipe.eval.select} {res.best_metric:.3f} at step "
+                  f"{res.best_step}, but {res.output_dir / 'best'} is gone (removed since; its weights are not "
+                  f"kept); head: {final}", flush=True)
+        elif res.best_dir is None:
             print(f"trained {res.steps} steps; no held-out split: best/ not written; head: {final}", flush=True)
         else:
             print(f"trained {res.steps} steps; best {recipe.eval.select} {res.best_metric:.3f} at step "

@@ -22,7 +22,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json, atomic_write_text, read_json, sha256_file
+from specheads.utils import (SpecheadsError, atomic_dir, atomic_write_json, atomic_write_text, read_json,
+                             read_text_bounded, sha256_file)
 
 log = logging.getLogger(__name__)
 
@@ -503,7 +504,7 @@ def check_checksum(head_dir: Path) -> None:
     side = Path(head_dir) / CHECKSUM_NAME
     if not side.exists():
         return
-    want = side.read_text().split()[:1]
+    want = read_text_bounded(side, limit=1 << 12).split()[:1]  # one sha256 line
     if not want or len(want[0]) != 64:
         raise SpecheadsError(f"{side}: not a sha256 line ('<64 hex digits>  {WEIGHTS_NAME}')")
     got = sha256_file(Path(head_dir) / WEIGHTS_NAME)

@@ -8,6 +8,9 @@
   final/), an export of another head, or an export made before export_info.json existed needs --force.
 - A folder the command reads (--head, the --import source, a --target folder) is never replaced, never contains
   --out and never lies inside it: --force or not.
+- A folder a live process holds (a run lock inside --out, beside it or in a folder below it: a train running there)
+  is never replaced either, --force or not (utils.refuse_held, through refuse_replacing, run_lock and atomic_dir);
+  a --out that is a symlink is written through, the link kept.
 - `--head`: model.safetensors is checked against the model.safetensors.sha256 training wrote beside it first (a
   damaged head is never copied into an export).
 - `--import`: a head whose config names another target than --target is imported with a warning naming both

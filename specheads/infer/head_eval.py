@@ -13,23 +13,27 @@ from typing import Any
 
 import torch
 
-from specheads.infer.bench.prompts import BenchPrompt, encode_turn
+from specheads.infer.bench.prompts import BenchPrompt, first_turn_ids
 from specheads.train.layout import resolve_layers
 
 log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def target_answers(target, prompts: list[BenchPrompt], max_new_tokens: int, progress: bool = True
-                   ) -> list[tuple[list[int], list[int]]]:
+def target_answers(target, prompts: list[BenchPrompt], max_new_tokens: int, progress: bool = True,
+                   dataset: str = "") -> list[tuple[list[int], list[int]]]:
     """(prompt ids, greedy answer ids) per prompt: the prompt encoded as `specheads bench` encodes it, answered by
-    HF generate (bench's `vanilla`) for at most max_new_tokens tokens."""
+    HF generate (bench's `vanilla`) for at most max_new_tokens tokens. A prompt that does not fit the target's
+    context window is refused before anything runs, as bench refuses it (bench/prompts.first_turn_ids), and an
+    answer stops where the window ends, as bench's do."""
     from tqdm.auto import tqdm
 
+    encoded = first_turn_ids(target, prompts, dataset or "(prompts)")
+    window = target.max_positions or (1 << 62)
     out = []
-    for p in tqdm(prompts, desc="target answers", unit="prompt", disable=not progress):
-        ids = encode_turn(target.tokenizer, p, 0, [])
-        gen = target.model.generate(torch.tensor([ids], device=target.device), max_new_tokens=max_new_tokens,
+    for ids in tqdm(encoded, desc="target answers", unit="prompt", disable=not progress):
+        cap = min(max_new_tokens, window - len(ids))
+        gen = target.model.generate(torch.tensor([ids], device=target.device), max_new_tokens=cap,
                                     do_sample=False)[0]
         out.append((ids, gen[len(ids):].tolist()))
     return out
@@ -49,20 +53,22 @@ def answer_batch(target, prompt_ids: list[int], answer_ids: list[int], layers: l
     return b
 
 
-def answer_batches(target, prompts: list[BenchPrompt], layers: list[int], max_new_tokens: int) -> list[dict]:
+def answer_batches(target, prompts: list[BenchPrompt], layers: list[int], max_new_tokens: int,
+                   dataset: str = "") -> list[dict]:
     """One collated batch per prompt: the prompt plus the target's greedy answer, with features."""
-    return [answer_batch(target, p, a, layers) for p, a in target_answers(target, prompts, max_new_tokens)]
+    return [answer_batch(target, p, a, layers) for p, a in target_answers(target, prompts, max_new_tokens,
+                                                                          dataset=dataset)]
 
 
 def evaluate_head_on_prompts(target, head, prompts: list[BenchPrompt], max_new_tokens: int = 64,
-                             tree_width: int = 2, tree_depth: int = 4) -> dict[str, Any]:
+                             tree_width: int = 2, tree_depth: int = 4, dataset: str = "") -> dict[str, Any]:
     """Metrics of `head` on the target's answers to `prompts` (train/evaluate.py's, rounded to 4 places), with
-    the rows counted."""
+    the rows counted. `dataset` names the prompts in errors (--dataset)."""
     from specheads.train.evaluate import EvalConfig, evaluate
 
     kind = head.config.kind
     layers = resolve_layers(target.num_layers, head.config.feature_layers, kind)
-    batches = answer_batches(target, prompts, layers, max_new_tokens)
+    batches = answer_batches(target, prompts, layers, max_new_tokens, dataset)
     cfg = EvalConfig(tree_width=tree_width, tree_depth=tree_depth)
     metrics = evaluate(kind, head, batches, target, layers, list(head.config.feature_layers), cfg)
     answer_tokens = int(sum(int(b["loss_mask"].sum()) for b in batches))

@@ -10,8 +10,10 @@
 
 Everything is written into `.step-NNNNNN.tmp`, then renamed: a kill mid-save leaves a temporary folder that the
 next run removes, and the newest complete checkpoint is the one before. Resume checks every file against
-checksums.sha256 first (a damaged file is one error naming it; checkpoints written before checksums load with a
-log line) and then the state files' keys and shapes. Reading uses safetensors and `json` only;
+checksums.sha256 first (a damaged file is one error naming it) and then the state files' keys and shapes. The
+format in trainer_state.json says whether a checkpoint carries checksums: `specheads-checkpoint/3` always does (one
+without its checksums.sha256 is refused: its files cannot be trusted); `/2`, written before checksums were recorded
+in the format, loads with a log line saying so when it has none (a `/2` with checksums is verified as usual). Reading uses safetensors and `json` only;
 accelerate's own files (`optimizer.bin`, `random_states_*.pkl`, `custom_checkpoint_*.pkl`) are neither written
 nor read. DeepSpeed's shards are pickles written by `torch.save`: they are read with `torch.load(weights_only=True)`
 and an allowlist of the few DeepSpeed classes they hold (an object of any other class is refused).
@@ -31,13 +33,14 @@ import torch
 
 from specheads.config import changed_settings, flatten_config, upgrade_flat
 from specheads.utils import (SpecheadsError, as_write_error, atomic_write_json, atomic_write_text, read_json,
-                             remove_quietly, sha256_file)
+                             read_text_bounded, remove_quietly, sha256_file)
 
 log = logging.getLogger(__name__)
 
 CKPT_DIR = "checkpoints"
 STATE_NAME = "trainer_state.json"
-FORMAT = "specheads-checkpoint/2"
+FORMAT = "specheads-checkpoint/3"  # /3: checksums.sha256 is part of every checkpoint (verify_checksums needs it)
+LEGACY_FORMATS = ("specheads-checkpoint/2",)  # safetensors + JSON, from before /3: checksums optional
 MODEL_NAME = "model.safetensors"
 OPTIMIZER_NAME = "optimizer.safetensors"
 DS_TAG = "pytorch_model"  # DeepSpeed checkpoint tag (the sub-folder engine.save_checkpoint writes)
@@ -114,7 +117,7 @@ def _recorded(path: Path, what: str):
     import yaml
 
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(read_text_bounded(path))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise SpecheadsError(f"{path}: unreadable {what} ({type(e).__name__}); restore it, or start a new run in "
                              f"another output_dir") from None
@@ -181,9 +184,10 @@ def record_resume(output_dir: str | Path, step: int, checkpoint: Path, changed: 
 # ------------------------------------------------------------------------------------------------------------ save
 
 def save_checkpoint(acc, model, opt, sched, state: TrainState, generators: dict[str, torch.Generator],
-                    output_dir: Path, keep_last: int) -> Path:
+                    output_dir: Path, keep_last: int, first_advice: str = "free space, then train again") -> Path:
     """Write step `state.step` into a temporary folder, rename it, keep the newest `keep_last`. Every process calls
-    this (DeepSpeed ranks write their own shards; each rank writes its RNG state)."""
+    this (DeepSpeed ranks write their own shards; each rank writes its RNG state). `first_advice`: what the error
+    of a refused write advises when there is no earlier checkpoint (a command the folder then accepts)."""
     root = Path(output_dir) / CKPT_DIR
     final, tmp = root / f"step-{state.step:06d}", root / f".step-{state.step:06d}.tmp"
     if acc.is_main_process:
@@ -211,7 +215,7 @@ def save_checkpoint(acc, model, opt, sched, state: TrainState, generators: dict[
         earlier = len(list_checkpoints(output_dir))
         kept = (f"the partial checkpoint was removed; the {earlier} earlier checkpoint(s) in {root} are kept (free "
                 f"space, then continue with --resume)" if earlier else "the partial checkpoint was removed; there "
-                f"is no earlier one (free space, then train again)")
+                f"is no earlier one ({first_advice})")
         err = as_write_error(e, final, kept, tmp)
         if err is None:
             raise  # anything else is left as a kill leaves it: remove_partial clears it on the next start
@@ -279,16 +283,21 @@ def write_checksums(folder: Path) -> None:
     atomic_write_text(folder / CHECKSUMS_NAME, "".join(lines))
 
 
-def verify_checksums(folder: Path) -> None:
+def verify_checksums(folder: Path, fmt: str = FORMAT) -> None:
     """Every file listed in checksums.sha256 is there with its recorded sha256; one SpecheadsError naming the first
-    that is not. Files not listed (none of ours) are never read. Older checkpoints without the file: a log line."""
+    that is not. Files not listed (none of ours) are never read. Without the file: a checkpoint of format `fmt`
+    FORMAT is refused (it always carries one: it was removed); a LEGACY_FORMATS one loads with a log line."""
     side = folder / CHECKSUMS_NAME
     if not side.exists():
-        log.info("%s: written before checkpoints carried checksums (no %s): its files are not verified", folder,
-                 CHECKSUMS_NAME)
+        if fmt not in LEGACY_FORMATS:
+            raise SpecheadsError(f"{side}: missing; a {fmt} checkpoint always carries it, so its files cannot be "
+                                 f"verified (removed or lost since the save): remove {folder} to resume from the "
+                                 f"checkpoint before it")
+        log.info("%s: format %s and no %s: written by a specheads that did not record checksums in the format, or "
+                 "the file was removed since; its files are not verified", folder, fmt, CHECKSUMS_NAME)
         return
     try:
-        lines = side.read_text().splitlines()
+        lines = read_text_bounded(side).splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise SpecheadsError(f"{side}: unreadable ({type(e).__name__}: {e})") from None
     if not any(line.endswith(f"  {STATE_NAME}") for line in lines):  # every save lists it: the file was cut short
@@ -313,10 +322,14 @@ def verify_checksums(folder: Path) -> None:
 def load_checkpoint(acc, model, opt, sched, folder: Path, generators: dict[str, torch.Generator]) -> TrainState:
     """Restore weights, optimizer, scheduler, RNG states and counters from `folder` (every process calls this)."""
     st = read_json(folder / STATE_NAME)
-    if not isinstance(st, dict) or st.get("format") != FORMAT:
+    fmt = st.get("format") if isinstance(st, dict) else None
+    if fmt not in (FORMAT, *LEGACY_FORMATS):
+        if _format_version(fmt) > _format_version(FORMAT):
+            raise SpecheadsError(f"{folder / STATE_NAME}: format {fmt!r} is newer than this specheads reads "
+                                 f"({FORMAT!r}): resume it with the specheads that wrote it")
         raise SpecheadsError(f"{folder}: written by an older specheads (accelerate's pickled state); resume never "
                              f"unpickles, so it cannot continue from it: start a new run in another output_dir")
-    verify_checksums(folder)
+    verify_checksums(folder, fmt)
     check_state(st, folder)
     if _is_deepspeed(acc):
         load_deepspeed(model, folder)
@@ -332,6 +345,12 @@ def load_checkpoint(acc, model, opt, sched, folder: Path, generators: dict[str, 
     acc.step = int(st.get("micro_step", 0))
     fields = {k: st[k] for k in ("step", "best_metric", "best_step", "history", "last_loss") if k in st}
     return TrainState(**fields, micro_step=acc.step)
+
+
+def _format_version(fmt) -> int:
+    """3 for "specheads-checkpoint/3"; 0 for anything else."""
+    head, _, n = fmt.rpartition("/") if isinstance(fmt, str) else ("", "", "")
+    return int(n) if head == "specheads-checkpoint" and n.isdigit() else 0
 
 
 def check_state(st: dict, folder: Path) -> None:
@@ -372,6 +391,11 @@ def read_model_state(module: torch.nn.Module, folder: Path) -> None:
     except (RuntimeError, OSError, ValueError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise SpecheadsError(f"{path}: does not fit this run's model ({msg})") from None
+    except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError: not a safetensors file (never unpickled)
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise SpecheadsError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0][:200]}); the "
+                             f"checkpoint is damaged: remove {folder} to resume from the checkpoint before it") from None
 
 
 def read_optimizer_state(opt, folder: Path) -> None:

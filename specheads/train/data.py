@@ -38,6 +38,7 @@ from specheads.train.sources import SHOW_REASONS, LoadStats, Malformed, open_tex
 from specheads.utils import SpecheadsError, check_values
 
 log = logging.getLogger(__name__)
+MAX_CORPUS_CHARS = 1 << 30  # a data.mode text .txt file is one row read whole: bounded (an endless one is refused)
 
 
 @dataclass
@@ -420,8 +421,12 @@ def load_texts(source: Any, max_texts: int | None = None):
     if path is not None and path.name.removesuffix(".gz").endswith(".txt"):
         if not path.is_file():
             raise SpecheadsError(f"data.source {str(source)!r}: file not found")
-        with open_text(path) as f:
-            rows, stem = iter([{"id": path.name.removesuffix(".gz").removesuffix(".txt"), "text": f.read()}]), ""
+        with open_text(path) as f:  # one row, read bounded (a larger corpus: JSONL rows {"text": ...})
+            text = f.read(MAX_CORPUS_CHARS + 1)
+        if len(text) > MAX_CORPUS_CHARS:
+            raise SpecheadsError(f"{path}: more than {MAX_CORPUS_CHARS >> 20} Mi characters in one .txt file (read "
+                                 f"no further); split it, or give JSONL rows {{\"text\": ...}}")
+        rows, stem = iter([{"id": path.name.removesuffix(".gz").removesuffix(".txt"), "text": text}]), ""
         stats.source = str(path)
     else:
         rows, stem = rows_from_source(source, stats)

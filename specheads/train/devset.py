@@ -72,7 +72,8 @@ def dev_answers(recipe, target, progress: bool = True) -> list[dict]:
         except (json.JSONDecodeError, KeyError, TypeError):
             log.warning("dev set: %s is damaged; answering again", path)
     prompts = load_dev_prompts(recipe)
-    pairs = target_answers(target, prompts, recipe.eval.dev_max_new_tokens, progress=progress)
+    pairs = target_answers(target, prompts, recipe.eval.dev_max_new_tokens, progress=progress,
+                           dataset=f"eval.dev_dataset {recipe.eval.dev_dataset}")
     rows = [{"id": p.id, "category": p.category, "prompt_ids": pi, "answer_ids": ai}
             for p, (pi, ai) in zip(prompts, pairs)]
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,11 @@ generated (`token_ids`): tokenisation trains on those ids, since decoding then r
 28 of 190 capped answers came back longer), and a conversation's next prompt is built from them the same way
 (`history_prompt_ids`), so the tokens trained on are the tokens the target saw and wrote. `read_regenerated` reads
 the file back for prepare (a file written before ids were stored is re-encoded from its text, as before).
+A call that appended answers leaves the file in the source's order at its end (`canonical_order`, one atomic
+rewrite): conversations finish in an order that depends on the batch, which differs after a kill and a rerun, and
+the file's order is the tokens', shards' and so the trained head's order. Sampling (temperature > 0) draws each
+answer from a generator of its own, seeded by (seed, conversation id, turn): a resumed run samples what the
+uninterrupted one sampled. So a regeneration killed and rerun ends as one uninterrupted run, order included.
 
 Efficiency on CPU: a decode step has a large fixed cost (63 ms for 8 rows, 187 ms for 64, SmolLM2 bf16, 2 cores),
 so the batch is kept full: when fewer than `REFILL_BELOW` x batch_size rows are still decoding, the next waiting
@@ -33,7 +38,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Hashable, Iterator, Sequence
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
 
@@ -42,7 +47,7 @@ from specheads.target import chat_prompt_ids
 from specheads.train.data import (chat_tokenizer, conversation_features, load_conversations, render_segments,
                                   special_tokens, tokenize_texts)
 from specheads.train.sources import Malformed
-from specheads.utils import SpecheadsError
+from specheads.utils import SpecheadsError, atomic_write_text, bounded_lines
 
 log = logging.getLogger(__name__)
 
@@ -101,23 +106,27 @@ COMPACT_AT = 0.125
 
 @torch.no_grad()
 def generate_stream(target, work: deque, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
-                    generator: torch.Generator | None = None, refill_below: float = REFILL_BELOW
-                    ) -> Iterator[tuple[Hashable, list[int]]]:
+                    generator: torch.Generator | None = None, refill_below: float = REFILL_BELOW,
+                    seeds: Callable[[Hashable], int] | None = None) -> Iterator[tuple[Hashable, list[int]]]:
     """Continue prompts from `work` (a deque of (key, prompt token ids, max new tokens)) and yield (key, new tokens)
     as each answer ends (an end-of-sequence token, not included, or its cap). At most `batch_size` rows decode
     together; the caller may append to `work` while iterating (e.g. a conversation's next turn). Greedy when
-    temperature == 0. refill_below=0 fills the batch only when it is empty (plain batched generation)."""
+    temperature == 0. refill_below=0 fills the batch only when it is empty (plain batched generation). Sampling
+    draws from `generator`, or with `seeds` from one generator per answer seeded `seeds(key)` when it starts (its
+    tokens then do not depend on which rows share its batch)."""
     model, dev = target.model, target.device
     eos = set(target.eos_token_ids)
     ck = _cache_kw(model)
     answers: dict[Hashable, list[int]] = {}
     caps: dict[Hashable, int] = {}
+    gens: dict[Hashable, torch.Generator] = {}  # per answer, with `seeds` when sampling
     live: _Batch | None = None
     can_merge = True  # False for sliding-window caches (see kvcache.buffered_cache)
 
     def advance(batch: _Batch, logits: torch.Tensor) -> list[tuple[Hashable, list[int]]]:
         """Pick each row's next token; rows that end are returned (and compacted away in bulk, see COMPACT_AT)."""
-        tok = _pick(logits, temperature, top_p, generator)  # [b]
+        rows = [gens.get(k) for k in batch.keys] if gens else None
+        tok = _pick(logits, temperature, top_p, generator, rows)  # [b]
         done = []
         for r, key in enumerate(batch.keys):
             if key is None:
@@ -127,6 +136,7 @@ def generate_stream(target, work: deque, batch_size: int, temperature: float = 0
                 answers[key].append(t)
             if t in eos or len(answers[key]) >= caps[key]:
                 done.append((key, answers.pop(key)))
+                gens.pop(key, None)
                 batch.keys[r] = None
         batch.tok = tok
         finished = len(batch.keys) - batch.live
@@ -145,6 +155,8 @@ def generate_stream(target, work: deque, batch_size: int, temperature: float = 0
                 ids[r, T - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
                 mask[r, T - len(p):] = 1
                 answers[key], caps[key] = [], int(cap)
+                if seeds is not None and temperature > 0:
+                    gens[key] = torch.Generator().manual_seed(seeds(key))
             ids, mask = ids.to(dev), mask.to(dev)
             pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [n,T]
             cache, mergeable = buffered_cache(model)
@@ -187,7 +199,9 @@ def _cache_kw(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator, rows=None) -> torch.Tensor:
+    """[B] next tokens: argmax, or a sample; `rows`: one generator per row (None for a finished row), each row
+    sampled on the CPU from its own."""
     if temperature <= 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / temperature, dim=-1)  # [B,V]
@@ -196,7 +210,38 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> 
         cut = sp.cumsum(-1) - sp > top_p
         sp = sp.masked_fill(cut, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, si, sp)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if rows is None:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    host = probs.float().cpu()
+    picked = [torch.multinomial(host[r], 1, generator=g)[0] if g is not None else host.new_zeros((), dtype=torch.long)
+              for r, g in enumerate(rows)]
+    return torch.stack(picked).to(logits.device)
+
+
+def answer_seed(seed: int, key: str, turn: int) -> int:
+    """The seed of one sampled answer: (run seed, conversation id, turn), the same in every run and process."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(f"{seed}|{key}|{turn}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def canonical_order(path: Path, ids: Sequence[str]) -> None:
+    """Rewrite the JSONL `path` (atomically) in the order of `ids` (then any other rows, in file order), when it is
+    not in that order: where a kill and a rerun leave the answers in another order than one run does."""
+    rows: dict[str, str] = {}
+    other: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for _, line in bounded_lines(f, path):
+            try:
+                key = str(json.loads(line)["id"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                other.append(line)
+                continue
+            rows.setdefault(key, line)
+    ordered = [rows.pop(i) for i in ids if i in rows]
+    lines = ordered + list(rows.values()) + other
+    if "".join(lines) != path.read_text(encoding="utf-8"):
+        atomic_write_text(path, "".join(lines))
 
 
 def read_done_ids(path: Path) -> set[str]:
@@ -356,14 +401,19 @@ def regenerate(target, conversations, out_path: str | os.PathLike, max_length: i
         for j in range(len(todo)):
             if not answers.queue_next_turn(j, work):
                 answers.finish(j)
-        gen = torch.Generator().manual_seed(seed)
-        for j, answer in generate_stream(target, work, batch_size, temperature, top_p, gen):
+        def seeds(j: int) -> int:  # this answer's own stream: its conversation and turn
+            turn = sum(m["role"] == "assistant" for m in answers.hist[j])
+            return answer_seed(seed, str(todo[j]["conversation_id"]), turn)
+
+        for j, answer in generate_stream(target, work, batch_size, temperature, top_p, seeds=seeds):
             answers.answered(j, answer)
             stats["new_tokens"] += len(answer)
             if not answers.queue_next_turn(j, work):
                 answers.finish(j)
         answers.sync()
     bar.close()
+    if todo:  # answers were appended in the batch's order: put the file in the source's, as one run leaves it
+        canonical_order(out_path, [str(r["conversation_id"]) for r in rows])
     stats["regenerated"] = len(todo)
     stats["seconds"] = round(time.perf_counter() - t0, 3)
     stats["tokens_per_s"] = round(stats["new_tokens"] / stats["seconds"], 1) if stats["seconds"] > 0 else 0.0
@@ -397,10 +447,10 @@ def regenerate_texts(target, samples, out_path: str | os.PathLike, prefix_tokens
     log.info("regenerate text: %d samples (%d already in %s), prompts of %d tokens, %s", len(rows),
              stats["already_done"], out_path, prefix_tokens, "greedy" if temperature <= 0 else f"T={temperature}")
     bar = tqdm(total=len(todo), unit="sample", desc="regenerate", disable=not progress)
-    gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     with open(out_path, "a", encoding="utf-8") as f:
-        for j, answer in generate_stream(target, work, batch_size, temperature, top_p, gen):
+        for j, answer in generate_stream(target, work, batch_size, temperature, top_p,
+                                         seeds=lambda j: answer_seed(seed, str(todo[j][0]), 0)):
             cid, prompt = todo[j]
             ids = prompt + [int(t) for t in answer]
             f.write(json.dumps({"id": cid, "input_ids": ids, "prompt_tokens": len(prompt),
@@ -414,6 +464,8 @@ def regenerate_texts(target, samples, out_path: str | os.PathLike, prefix_tokens
         f.flush()
         os.fsync(f.fileno())
     bar.close()
+    if todo:  # as regenerate: the source's order, whatever order the batch finished in
+        canonical_order(out_path, [str(c) for c, _ in rows])
     stats["seconds"] = round(time.perf_counter() - t0, 3)
     stats["tokens_per_s"] = round(stats["new_tokens"] / stats["seconds"], 1) if stats["seconds"] > 0 else 0.0
     return stats

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from specheads.utils import SpecheadsError, as_write_error, remove_quietly
+from specheads.utils import SpecheadsError, as_write_error, read_text_bounded, remove_quietly
 
 FORMAT = "specheads-features/1"  # sidecars are optional keys: older readers ignore them, so the version stays
 TARGETS_FORMAT = "specheads-targets/1"
@@ -38,7 +38,7 @@ def read_manifest(folder: Path) -> dict:
     if not p.exists():
         raise SpecheadsError(f"{folder}: no {MANIFEST} (run `specheads prepare` first)")
     try:
-        m = json.loads(p.read_text())
+        m = json.loads(read_text_bounded(p))
     except json.JSONDecodeError as e:
         raise SpecheadsError(f"{p}: not valid JSON ({e.msg})") from None
     if m.get("format") != FORMAT:
@@ -53,7 +53,7 @@ def check_features_folder(folder: str | os.PathLike, plan_key: str | None = None
     if not mpath.exists():
         return None
     try:
-        manifest = json.loads(mpath.read_text())
+        manifest = json.loads(read_text_bounded(mpath))
     except json.JSONDecodeError:
         raise SpecheadsError(f"{mpath}: not valid JSON; remove {folder} to start over") from None
     if target is not None and manifest.get("fingerprint") != target.fingerprint():

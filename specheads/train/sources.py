@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from specheads.assets import sharegpt_json
-from specheads.utils import SpecheadsError
+from specheads import utils
+from specheads.utils import SpecheadsError, bounded_lines
 
 SHOW_REASONS = 5  # malformed rows whose reason is logged verbatim; the rest are only counted
 
@@ -53,11 +54,15 @@ def open_text(path: Path):
     return open(path, encoding="utf-8")
 
 
-def iter_json_array(path: Path, stats: LoadStats, chunk_chars: int = 1 << 22) -> Iterator[Any]:
+def iter_json_array(path: Path, stats: LoadStats, chunk_chars: int = 1 << 22,
+                    max_chars: int | None = None) -> Iterator[Any]:
     """Yield the elements of a top-level JSON array, read in chunks of `chunk_chars` characters (4 Mi: a few large
     conversations per chunk). A file cut inside its last element (the packaged ShareGPT file) yields every complete
-    element, then sets `stats.truncated_tail`; a file broken elsewhere raises SpecheadsError with line and column."""
+    element, then sets `stats.truncated_tail`; a file broken elsewhere raises SpecheadsError with line and column.
+    Memory is bounded: consumed text is dropped before each read, and an element (or a run of whitespace) longer
+    than `max_chars` (default utils.MAX_TEXT_BYTES) is one SpecheadsError, not a buffer that grows forever."""
     dec = json.JSONDecoder()
+    max_chars = utils.MAX_TEXT_BYTES if max_chars is None else max_chars
     f = open_text(path)
     try:
         buf = f.read(chunk_chars)
@@ -70,6 +75,22 @@ def iter_json_array(path: Path, stats: LoadStats, chunk_chars: int = 1 << 22) ->
             line = base_newlines + nl + 1
             col = pos - buf.rfind("\n", 0, pos) if nl else base_col + pos + 1
             raise SpecheadsError(f"{path}: not valid JSON at line {line}, column {col}: {msg}")
+
+        def refill(pos: int) -> int:
+            """Drop the text before `pos`, read one more chunk; returns the new position (0)."""
+            nonlocal buf, eof, base_newlines, base_col
+            dropped = buf[:pos]
+            nl = dropped.count("\n")
+            base_col = len(dropped) - dropped.rfind("\n") - 1 if nl else base_col + len(dropped)
+            base_newlines += nl
+            buf = buf[pos:]
+            if len(buf) > max_chars:
+                fail(0, f"an element longer than {max_chars >> 20} Mi characters (read no further; one endless "
+                        f"value, or not a dataset?)")
+            more = f.read(chunk_chars)
+            eof = len(more) < chunk_chars
+            buf += more
+            return 0
 
         pos = 0
         while pos < len(buf) and buf[pos].isspace():
@@ -84,9 +105,7 @@ def iter_json_array(path: Path, stats: LoadStats, chunk_chars: int = 1 << 22) ->
                     pos += 1
                 if pos < len(buf) or eof:
                     break
-                more = f.read(chunk_chars)
-                eof = len(more) < chunk_chars
-                buf += more
+                pos = refill(pos)
             if pos >= len(buf):  # EOF between elements
                 stats.truncated_tail = True
                 return
@@ -111,32 +130,23 @@ def iter_json_array(path: Path, stats: LoadStats, chunk_chars: int = 1 << 22) ->
                 if eof:
                     stats.truncated_tail = True
                     return
-                more = f.read(chunk_chars)
-                eof = len(more) < chunk_chars
-                buf += more
+                pos = refill(pos)
                 continue
             yield obj
             pos = end
             expect_comma = True
-            if pos > chunk_chars:  # drop consumed text (keeps slicing cost bounded)
-                dropped = buf[:pos]
-                nl = dropped.count("\n")
-                base_col = len(dropped) - dropped.rfind("\n") - 1 if nl else base_col + len(dropped)
-                base_newlines += nl
-                buf = buf[pos:]
-                pos = 0
     finally:
         f.close()
 
 
 def iter_jsonl(path: Path, stats: LoadStats) -> Iterator[Any]:
     """Yield one object per non-empty line. A first line that is not JSON -> SpecheadsError (the file is not JSONL);
-    a later bad line is skipped and counted; a bad last line is reported as a cut tail."""
+    a later bad line is skipped and counted; a bad last line is reported as a cut tail. A line longer than
+    utils.MAX_TEXT_BYTES characters is one SpecheadsError naming it (reads are bounded)."""
     with open_text(path) as f:
-        lines = iter(f)
         parsed_any = False
         pending_err: tuple[int, str] | None = None
-        for lineno, line in enumerate(lines, 1):
+        for lineno, line in bounded_lines(f, path):  # one endless line: one error, not a buffer growing forever
             if not line.strip():
                 continue
             if pending_err is not None:

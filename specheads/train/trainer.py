@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,8 +62,9 @@ from specheads.train.layout import check_split, feature_layers_for, features_dir
 from specheads.train.parts import HeadOnly, Medusa2
 from specheads.train.settings import TrainConfig
 from specheads.train.steps import LossSettings
+from specheads.train.stopping import stop_requests, stopped
 from specheads.train.teacher import target_dtype_name
-from specheads.utils import SpecheadsError, atomic_write_json
+from specheads.utils import SpecheadsError, atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,7 @@ class TrainResult:
     history: list[dict]  # evaluation metrics with their step
     output_dir: Path
     last_loss: float | None = None
-    best_dir: Path | None = None  # <output_dir>/best, or None when no evaluation ran (no held-out split)
+    best_dir: Path | None = None  # <output_dir>/best; None when no evaluation ran (no held-out split) or it is gone
 
 
 @dataclass
@@ -99,6 +101,7 @@ class _Run:
     eval_s: float = 0.0  # time spent evaluating, left out of the training tokens/s
     loss: Any = None  # loss tensor of the last micro-batch (a float only when logged or saved)
     metrics: dict = field(default_factory=dict)  # its metrics, tensors until logged
+    stop: bool = False  # a process received SIGINT / SIGTERM: save after this optimizer step and stop
 
 
 class Trainer:
@@ -126,8 +129,17 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def train(self, resume: bool = False, stop_after: int | None = None) -> TrainResult:
-        """Train to the end (or, for tests and preemption drills, return right after step `stop_after`)."""
+        """Train to the end (or, for tests and preemption drills, return right after step `stop_after`). SIGINT /
+        SIGTERM: the step in progress ends, a checkpoint of it is saved, then `Interrupted` (train/stopping.py)."""
         run = self._setup(resume)
+        try:
+            with stop_requests() as self._stop:
+                return self._loop(run, stop_after)
+        except BaseException:
+            self._drop_untrained_best(run, resume)
+            raise
+
+    def _loop(self, run: _Run, stop_after: int | None) -> TrainResult:
         run.t0 = time.perf_counter()
         if run.state.step == 0 and self.recipe.eval.at_start:
             self._evaluate(run)
@@ -148,8 +160,32 @@ class Trainer:
                     return self._result(run)
                 if run.state.step >= run.total:
                     break
+                if run.stop:  # a signal: this step is done; save it and leave (every process agreed on it)
+                    bar.close()
+                    self._stop_here(run)
         bar.close()
         return self._finish(run)
+
+    def _stop_here(self, run: _Run):
+        """After SIGINT / SIGTERM: a checkpoint of this step (unless the save just made it), then Interrupted."""
+        step = run.state.step
+        saved = [p for p in list_checkpoints(self.output_dir) if p.name == f"step-{step:06d}"]
+        ck = saved[0] if saved else self._save(run)
+        raise stopped(self._stop.signum, step, ck, f"continue with `specheads train --config "
+                                                   f"{self.output_dir / checkpoint.CONFIG_NAME} --resume`")
+
+    def _drop_untrained_best(self, run: _Run, resume: bool) -> None:
+        """A fresh run that fails before its first checkpoint (a full disk at the first save, a NaN loss, a kill
+        signal sent twice) leaves nothing to resume; a best/ it wrote from the untrained head (the step-0
+        evaluation) would make `train` refuse the folder next time (check_fresh_start), though it holds nothing
+        trained. It is removed, so that the advice "train again" holds; a best/ of a later step is kept."""
+        if resume or run.state.best_step != 0 or list_checkpoints(self.output_dir) or not run.acc.is_main_process:
+            return
+        best = self.output_dir / "best"
+        if best.is_dir():
+            log.info("removing %s: the untrained head of step 0, written by this run, which stopped before its "
+                     "first checkpoint", best)
+            shutil.rmtree(best, ignore_errors=True)
 
     def _train_step(self, run: _Run, batch: dict) -> bool:
         """One micro-batch: forward, backward, optimizer step when the accumulation is full. True after a step."""
@@ -174,9 +210,14 @@ class Trainer:
         return True
 
     def _check_finite(self, run: _Run, loss: torch.Tensor) -> None:
-        """Every process stops at the same micro-batch when any of them sees a NaN / inf loss."""
+        """Every process stops at the same micro-batch when any of them sees a NaN / inf loss; the same gather
+        carries each process's stop request (a signal), so all of them stop after the same step."""
         acc = run.acc
-        bad = acc.gather((~torch.isfinite(loss.detach())).float().reshape(1).to(acc.device))
+        asked = getattr(self, "_stop", None) is not None and self._stop.signum is not None
+        flags = torch.stack([(~torch.isfinite(loss.detach())).float().reshape(()), loss.new_tensor(float(asked))])
+        gathered = acc.gather(flags.float().to(acc.device)).reshape(-1, 2)
+        bad = gathered[:, 0]
+        run.stop = bool(gathered[:, 1].sum() > 0)
         if bad.sum() > 0:
             ck = list_checkpoints(self.output_dir)
             epoch = run.state.step // run.steps_per_epoch
@@ -265,8 +306,14 @@ class Trainer:
 
     def _save(self, run: _Run) -> Path:
         self._last_loss(run)
+        best = run.state.best_step
+        # a failed first save leaves nothing to resume: "train again" holds once best/ is gone (_drop_untrained_best
+        # removes a step-0 one); a trained best/ is kept, and a new run into the folder would replace it
+        again = "free space, then train again" if not best else (
+            f"free space, then train again into another output_dir: {self.output_dir / 'best'} keeps the head of "
+            f"step {best}")
         return checkpoint.save_checkpoint(run.acc, run.model, run.opt, run.sched, run.state, run.generators,
-                                          self.output_dir, self.cfg.keep_last)
+                                          self.output_dir, self.cfg.keep_last, first_advice=again)
 
     def _export(self, run: _Run, path: Path) -> None:
         """The head as a native folder (Medusa-2: plus adapter/), written by the main process."""
@@ -296,6 +343,7 @@ class Trainer:
         if not any(p.name == f"step-{st.step:06d}" for p in list_checkpoints(self.output_dir)):
             self._save(run)
         self._export(run, self.output_dir / "final")
+        self._best_still_there(run)
         res = self._result(run)
         if acc.is_main_process:  # what this run did (a resumed run counts its own part), for reports
             self.parts.finish(acc, acc.unwrap_model(run.model), self.output_dir)
@@ -309,9 +357,22 @@ class Trainer:
         acc.end_training()
         return res
 
+    def _best_still_there(self, run: _Run) -> None:
+        """A resumed run whose best/ was removed since: written again when the weights in hand are the best ones
+        (best at the last step), else said (the summary then names no best_dir: only folders that exist)."""
+        best, st = self.output_dir / "best", run.state
+        if st.best_step is None or best.is_dir():
+            return
+        if st.best_step == st.step:
+            self._export(run, best)
+        elif run.acc.is_main_process:
+            log.warning("%s: missing (removed after step %d wrote it); its weights are not kept anywhere: the head "
+                        "is %s", best, st.best_step, self.output_dir / "final")
+
     def _result(self, run: _Run) -> TrainResult:
         st = run.state
         best_dir = self.output_dir / "best" if st.best_step is not None else None
+        best_dir = best_dir if best_dir is not None and best_dir.is_dir() else None  # only a folder that exists
         return TrainResult(st.step, st.best_metric, st.best_step, list(st.history), self.output_dir,
                            self._last_loss(run), best_dir)
 
@@ -498,7 +559,7 @@ def recalibrate_run(recipe, target=None) -> dict:
         raise SpecheadsError(f"--calibrate-only: {out} has no trained head (best/ or final/); train it first")
     for n in ("best", "final"):
         cfg = out / n / "config.json"
-        kind = json.loads(cfg.read_text()).get("kind") if cfg.exists() else None
+        kind = read_json(cfg).get("kind") if cfg.exists() else None
         if kind is not None and kind != recipe.head.kind:
             raise SpecheadsError(f"--calibrate-only: {cfg} holds a {kind} head, not the recipe's "
                                  f"{recipe.head.kind} head; "

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specheads.utils import SpecheadsError
+from specheads.utils import SpecheadsError, bounded_lines
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +82,12 @@ def load_jsonl_prompts(path: str | Path, both_turns: bool = False) -> list[Bench
     if not path.exists():
         raise SpecheadsError(f"--dataset {path}: file not found (expected mt-bench, humaneval, sharegpt:START or a "
                              "JSONL file)")
+    if path.is_dir():
+        raise SpecheadsError(f"--dataset {path}: is a folder; expected a JSONL file (one prompt per line)")
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    with open(path, encoding="utf-8") as f:  # line by line, each bounded: an endless line is refused, not read on
+        lines = [(n, line) for n, line in bounded_lines(f, path)]
+    for n, line in lines:
         if not line.strip():
             continue
         try:
@@ -211,6 +215,23 @@ def load_prompts(dataset: str, limit: int | None = None, both_turns: bool = Fals
     else:
         prompts = _interleave_by_category(load_jsonl_prompts(dataset, both_turns=both_turns))
     return prompts if limit is None else prompts[:limit]
+
+
+def first_turn_ids(target, prompts: list[BenchPrompt], dataset: str) -> list[list[int]]:
+    """Every prompt's first turn encoded as bench encodes it, each checked against the target's context window by
+    the rule generate and bench apply to a prompt (engine/generate.py: it needs room for one new token), before
+    anything runs: a prompt that does not fit is one SpecheadsError naming the dataset and the prompt (bench and
+    eval refuse the same prompts)."""
+    window = target.max_positions
+    out = []
+    for p in prompts:
+        ids = encode_turn(target.tokenizer, p, 0, [])
+        if window and len(ids) >= window:
+            raise SpecheadsError(f"--dataset {dataset}: prompt {p.id}: {len(ids)} tokens do not fit the context "
+                                 f"window of {window} of target {target.name} (no room for a new token); shorten "
+                                 f"it or leave it out")
+        out.append(ids)
+    return out
 
 
 def encode_turn(tokenizer, prompt: BenchPrompt, turn: int, answers: list[str]) -> list[int]:
