@@ -1,5 +1,6 @@
 """The skip set of a layer-skip self-draft (drafters/self_spec.py), chosen on this target by measured acceptance per
-cost, cached per target + machine + dtype beside the cost profile (cache_root()/profiles/*-layerskip-*.json).
+cost, cached per target + machine + dtype beside the cost profile (cache_root()/profiles/*-layerskip-*.json; the
+thread count is not part of the key: `search_key`).
 
 Draft & Verify (Zhang et al., ACL 2024) chooses the skipped attention / MLP sublayers z by Bayesian optimisation of
 the draft's speed on a few calibration prompts. This search has the same objective and search space on a fixed
@@ -26,9 +27,11 @@ budget (at most MAX_EVALS measured sets on CALIBRATION_PROMPTS prompts of SEARCH
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
+import platform
 import time
 from typing import Any, Sequence
 
@@ -37,7 +40,8 @@ import torch
 from specheads.infer.engine.owned import SkipSet
 from specheads.infer.engine.runner import OwnedRunner, runner_for
 from specheads.infer.scheduling.costs import interp_cost, relative_costs
-from specheads.infer.scheduling.profile import PROFILE_VERSION, machine_key, profile_path
+from specheads.infer.scheduling.profile import PROFILE_VERSION, profile_path
+from specheads.runinfo import environment
 from specheads.utils import SpecheadsError, atomic_write_json, cache_root, read_json
 
 log = logging.getLogger(__name__)
@@ -235,10 +239,20 @@ def _verify_costs(target, given: dict[int, float] | None) -> tuple[dict[int, flo
 
 
 # --------------------------------------------------------------------------------------------------- cache
+def search_key(target) -> str:
+    """The cost profile's machine key (profile.machine_key) without the thread count: threads change a forward's
+    speed, not what a draft accepts, and the run's scheduler prices the chain again with its own profile."""
+    env = environment()
+    raw = "|".join([env["cpu"] or platform.machine(), str(env["gpu"]), str(target.device), str(target.dtype),
+                    torch.__version__, str(target.fingerprint()), str(target.num_layers), str(target.hidden_size),
+                    runner_for(target).name])
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
 def search_path(target) -> "os.PathLike":
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(target.name))[-60:]
     dtype = str(target.dtype).replace("torch.", "")
-    return cache_root() / "profiles" / f"{safe}-{dtype}-layerskip-{machine_key(target, target.dtype)}.json"
+    return cache_root() / "profiles" / f"{safe}-{dtype}-layerskip-{search_key(target)}.json"
 
 
 def load_or_search(target, calib_ids=None, refresh: bool = False, **kw) -> dict[str, Any]:
