@@ -404,7 +404,7 @@ class OwnedLlama:
 
     @torch.no_grad()
     def draft(self, tokens: torch.Tensor, offset: int, skip: SkipSet, prefix: int | None = None,
-              head: torch.Tensor | None = None) -> torch.Tensor:
+              head: torch.Tensor | None = None, logit_rows: str = "last") -> torch.Tensor:
         """A self-speculative draft pass (drafters/self_spec.py): the target with the sublayers of `skip` left out,
         over this cache. tokens [n] are this step's draft inputs offset .. offset + n - 1 (the root is input 0), at
         positions prefix + offset .., written at columns length + offset .. of the kept attention sublayers only:
@@ -412,7 +412,7 @@ class OwnedLlama:
         tree over them before it reads them (`length` is not advanced). Each input reads the kept prefix [0, prefix)
         (default every kept column; the skip-set search reads shorter ones of a cached sequence) and this step's
         draft columns [length, its own]. -> logits [V'] of the last input over `head` rows [V', D] (None: the
-        lm_head, V' = V)."""
+        lm_head, V' = V); logit_rows "all": [n, V'], every input's (a teacher-forced pass)."""
         n, base = tokens.numel(), self.length
         prefix = base if prefix is None else prefix
         if not 0 <= prefix <= base or offset < 0:
@@ -430,4 +430,5 @@ class OwnedLlama:
             mask[:, start:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         x = F.embedding(tokens.to(self.device), self.embed)  # [n, D]
         x = self._stack_units(x, self.cos[positions], self.sin[positions], mask, start, skip.units(len(self.layers)))
-        return self._linear(x[-1:], self.lm_head if head is None else head)[0]
+        logits = self._linear(x if logit_rows == "all" else x[-1:], self.lm_head if head is None else head)
+        return logits if logit_rows == "all" else logits[0]

@@ -139,7 +139,7 @@ def score(hits: Sequence[int], seen: Sequence[int], share: float, verify_costs: 
 
 
 # --------------------------------------------------------------------------------------------------- search
-class _Evaluator:
+class Evaluator:
     """Measures and scores skip sets on the cached calibration sequences, each set once, at most `budget` sets."""
 
     def __init__(self, owned, seqs, verify_costs: dict[int, float], budget: int):
@@ -190,7 +190,7 @@ def search(target, calib_ids: Sequence[Sequence[int]], *, tokens: int = SEARCH_T
     units = [(i, a) for i in range(L) for a in (True, False)]
     weight = {u: owned.unit_weights(*u) for u in units}
     order = sorted(units, key=lambda u: bi[2 * u[0] + (0 if u[1] else 1)] / weight[u])
-    ev = _Evaluator(owned, seqs, costs, budget)
+    ev = Evaluator(owned, seqs, costs, budget)
     total = sum(weight.values())
     cum = [sum(weight[u] for u in order[:n]) / total for n in range(len(order) + 1)]
     coarse = sorted({min(range(1, len(order)), key=lambda n: abs(cum[n] - s)) for s in COARSE_SHARES})
