@@ -60,10 +60,11 @@ class LayerSkipDrafter(ScoredDrafter):
         self.k = self.MAX_AUTO if num_tokens is None else int(num_tokens)  # drafts per step (at most, with auto)
         self.share = self.owned.draft_share(skip)  # one draft pass, in one-token target forwards
         self.record = {"skip": skip.text(), "skipped": len(skip), "share": round(self.share, 4), **(record or {})}
-        alpha, seen = self.record.get("acceptance") or [None], self.record.get("seen") or [0]
-        self.rates = Rates(lambda b: ((b + 0.5) / self.BINS if alpha[0] is None else float(alpha[0]), PRIOR_STRENGTH))
-        alpha = [0.5] if alpha[0] is None else alpha
-        self.first = Rates(lambda _: (float(alpha[0]), max(min(float(seen[0]), PROBE_PRIOR_CAP), PRIOR_STRENGTH)))
+        alpha1 = (self.record.get("acceptance") or [None])[0]  # the search's measured P(draft 1 accepted)
+        seen1 = float((self.record.get("seen") or [0])[0])
+        self.rates = Rates(lambda b: ((b + 0.5) / self.BINS if alpha1 is None else float(alpha1), PRIOR_STRENGTH))
+        self.first = Rates(lambda _: (0.5 if alpha1 is None else float(alpha1),
+                                      max(min(seen1, PROBE_PRIOR_CAP), PRIOR_STRENGTH)))
         self.rested = 0  # steps rested since the last draft
         self.conf: list[float] = []  # this step's draft confidences, chain order
         self.pending: tuple[Candidates, bool] | None = None

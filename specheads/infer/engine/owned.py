@@ -24,6 +24,7 @@ D hidden, V vocab (V' a draft's vocabulary rows), L layers.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -145,6 +146,11 @@ class SkipSet:
 
     def __len__(self) -> int:
         return len(self.attn) + len(self.mlp)
+
+
+@functools.lru_cache(maxsize=64)
+def _kept(skip: SkipSet, num_layers: int) -> tuple[tuple[int, bool], ...]:
+    return skip.units(num_layers)  # once per set, not once per draft pass
 
 
 def _runs(ids, prefix: str) -> str:
@@ -429,6 +435,6 @@ class OwnedLlama:
             mask[:, base:start] = True
             mask[:, start:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         x = F.embedding(tokens.to(self.device), self.embed)  # [n, D]
-        x = self._stack_units(x, self.cos[positions], self.sin[positions], mask, start, skip.units(len(self.layers)))
+        x = self._stack_units(x, self.cos[positions], self.sin[positions], mask, start, _kept(skip, len(self.layers)))
         logits = self._linear(x if logit_rows == "all" else x[-1:], self.lm_head if head is None else head)
         return logits if logit_rows == "all" else logits[0]
