@@ -9,7 +9,7 @@ import torch
 
 from specheads.heads.base import HeadSpec, build_head
 from specheads.infer.drafters import (DRAFTERS, DraftContext, Drafter, DrafterKind, DraftModelDrafter, DSparkDrafter,
-                                      EagleDrafter, MedusaDrafter, NoDrafter, PromptLookupDrafter,
+                                      EagleDrafter, LayerSkipDrafter, MedusaDrafter, NoDrafter, PromptLookupDrafter,
                                       ScheduledUnionDrafter, ScoredLookupDrafter, ScoredTreeDrafter, build_drafter,
                                       combine_drafters, drafter_kind, parse_tree, register_drafter)
 from specheads.infer.scheduling.step import Scheduler
@@ -48,6 +48,10 @@ def test_build_drafter_for_every_registered_kind(tiny):
     dm = build_drafter(tiny, "draft-model", "3", draft_layers=2)
     assert isinstance(dm, DraftModelDrafter) and dm.k == 3 and len(dm.model.model.layers) == 2
     assert isinstance(build_drafter(tiny, "plain"), NoDrafter)
+    ls = build_drafter(tiny, "layer-skip", "chain:3", skip="m1-2")
+    assert isinstance(ls, LayerSkipDrafter) and ls.k == 3 and ls.scheduler is None and ls.skip.text() == "m1-2"
+    ls = build_drafter(tiny, "layer-skip", skip="a1", scheduler=scheduler())  # default: auto, the adaptive exit
+    assert ls.scheduler is not None and ls.k == LayerSkipDrafter.MAX_AUTO
     merged = build_drafter(tiny, eagle3, "2,2,4", lookup=5, scheduler=scheduler())
     assert isinstance(merged, ScheduledUnionDrafter) and merged.names == ["eagle", "lookup"]
     assert isinstance(merged.sources[0], ScoredTreeDrafter) and merged.sources[0].inner.top_k == 2
@@ -67,7 +71,7 @@ def test_build_drafter_for_every_registered_kind(tiny):
     assert {k: v.family for k, v in DRAFTERS.items()} == {
         "medusa": "static", "eagle": "dynamic", "eagle3": "dynamic", "dspark": "block", "domino": "block",
         "peagle": "block", "prompt-lookup": "tokens",
-        "draft-model": "tokens", "recycling": "static", "plain": "none"}
+        "draft-model": "tokens", "recycling": "static", "plain": "none", "layer-skip": "block"}
 
 
 class BlockDrafter(Drafter):

@@ -97,6 +97,15 @@ def add_draft_model(p: argparse.ArgumentParser, what: str) -> None:
                    convert=lambda n: f"{TRUNCATED}{n}")
 
 
+def add_skip_layers(p: argparse.ArgumentParser) -> None:
+    """--skip-layers auto|search|SPEC: the sublayers a layer-skip draft leaves out (drafters/self_spec.py)."""
+    p.add_argument("--skip-layers", default="auto", metavar="auto|search|SPEC",
+                   help="layer-skip draft (the target drafting for itself): the sublayers its draft pass leaves out; "
+                        "auto (default) = the set searched on this target by measured acceptance per cost on a few "
+                        "MT-bench questions, cached per target + machine; search = search again; SPEC = e.g. "
+                        "m4-12,a9,20 (I: layer I, aI: its attention, mI: its MLP, ranges I-J)")
+
+
 def dtype_name(text: str) -> str:
     """--dtype by its full name (float32, bfloat16, float16), as results.json records it."""
     return str(DTYPES[text]).removeprefix("torch.")

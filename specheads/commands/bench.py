@@ -33,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     shared.add_draft_model(p, "the `draft-model` method's draft: a small model sharing the target's vocabulary, or "
                               "truncated:N (the target's first N layers)")
     p.add_argument("--draft-tokens", type=int, default=4, help="draft-model: chain length per step (default 4 tokens)")
+    shared.add_skip_layers(p)
     p.add_argument("--dataset", default="mt-bench",
                    help="mt-bench | humaneval | sharegpt:START | FILE.jsonl (\"prompt\" or \"turns\" per line)")
     p.add_argument("--methods", default=None,
@@ -42,8 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "puts the head and a prompt-lookup chain under one per-step scheduler, greedy only; combo: "
                         "every --head and the lookup chain under one scheduler, greedy only; recycling: Token "
                         "Recycling (training-free); lookup+recycling / combo+recycling: it as one more "
-                        "scheduled source; drafter:NAME: our loop with a registered training-free drafter (a "
-                        "--plugin's own included) "
+                        "scheduled source; layer-skip: the target drafting for itself with --skip-layers left out "
+                        "(self-speculative), layer-skip+lookup / combo+layer-skip: it under one scheduler with "
+                        "lookup (and every --head), greedy only; drafter:NAME: our loop with a registered "
+                        "training-free drafter (a --plugin's own included) "
                         "(default: vanilla,prompt-lookup plus head / draft-model when given)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; outputs checked against vanilla)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per turn (default 256)")
@@ -107,7 +110,7 @@ def method_options(args: argparse.Namespace) -> MethodOptions:
                          refresh_profile=args.refresh_profile, pricing=args.pricing, lookup=args.lookup,
                          draft_model=args.draft_model, draft_tokens=args.draft_tokens, threads=args.threads,
                          llamacpp_target=args.llamacpp_target, llamacpp_draft_max=args.llamacpp_draft_max,
-                         llamacpp_p_min=args.llamacpp_p_min)
+                         llamacpp_p_min=args.llamacpp_p_min, skip_layers=args.skip_layers)
 
 
 def run(args: argparse.Namespace) -> int:

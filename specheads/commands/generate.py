@@ -9,7 +9,7 @@ import specheads.target
 from specheads.commands import args as shared
 from specheads.heads.base import read_head_config
 from specheads.infer.bench.prompts import load_prompts
-from specheads.infer.drafters import build_drafter, check_lookup, parse_tree
+from specheads.infer.drafters import build_drafter, check_lookup, drafter_kind, parse_tree
 from specheads.infer.drafters.plugins import load_plugins
 from specheads.infer.engine.generate import generate
 from specheads.infer.resolve import HeadResolver
@@ -24,7 +24,9 @@ def add_arguments(p) -> None:
     src.add_argument("--head", help="head folder (medusa, eagle, eagle3, dspark, domino, peagle; native layout)")
     src.add_argument("--drafter", default=None,
                      help="training-free drafter: plain, prompt-lookup (default when no --head), draft-model, "
-                          "recycling (Token Recycling, --tree rank paths or default), or a --plugin's own kind")
+                          "recycling (Token Recycling, --tree rank paths or default), layer-skip (the target drafting "
+                          "for itself with --skip-layers left out; --tree auto or K drafts per step), or a "
+                          "--plugin's own kind")
     q = p.add_mutually_exclusive_group(required=True)
     q.add_argument("--prompt", help="prompt text (sent through the chat template unless --raw)")
     q.add_argument("--chat", action="store_true", help="interactive chat through the target's template")
@@ -42,8 +44,10 @@ def add_arguments(p) -> None:
                         "tokens per step; prompt-lookup (default 8) / draft-model (default 4): draft tokens per "
                         "step; auto (with an EAGLE / Medusa head): the size and depth that pay on this machine "
                         "(cached cost profile + a short acceptance probe, as bench does)")
-    shared.add_lookup(p, 0, "with --head, greedy: also propose a prompt-lookup chain of up to N tokens, the head's "
-                            "tree and the chain under one per-step scheduler (one verify budget; 0 = off)")
+    shared.add_lookup(p, 0, "with --head (or --drafter layer-skip, draft-model, recycling), greedy: also propose a "
+                            "prompt-lookup chain of up to N tokens, the draft's tree and the chain under one per-step "
+                            "scheduler (one verify budget; 0 = off)")
+    shared.add_skip_layers(p)
     shared.add_pricing(p)
     shared.add_draft_model(p, f"--drafter draft-model: a separate small model with the same vocabulary, or "
                               f"truncated:N, the target's first N layers (1..layers-1; default "
@@ -74,18 +78,22 @@ def build(args):
     load_plugins(args.plugin)
     shared.check_max_new_tokens(args.max_new_tokens)
     SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    if args.tree == "auto" and not args.head:
+    name, config = drafter_source(args)
+    block = not args.head and drafter_kind(name).family == "block"  # a training-free block drafter (layer-skip)
+    if args.tree == "auto" and not args.head and not block:
         raise SpecheadsError("--tree auto: needs --head DIR (training-free drafters take a number of tokens per step)")
     check_lookup(args.lookup)
-    if args.lookup and not args.head:
-        raise SpecheadsError("--lookup: merges prompt lookup into a head's tree; needs --head DIR")
-    name, config = drafter_source(args)
+    if args.lookup and not args.head and name in ("plain", "prompt-lookup"):
+        raise SpecheadsError("--lookup: merges prompt lookup into a head's or a draft's tree; needs --head DIR or "
+                             "--drafter layer-skip, draft-model, recycling")
     spec = parse_tree(args.tree, name, config)
     options = shared.draft_model_options(args) if name == "draft-model" else {}
+    if name == "layer-skip":
+        options = {"skip": args.skip_layers}
     target = specheads.target.load_target(args.target, dtype=shared.dtype_name(args.dtype), device=args.device)
     target.engine = args.engine
     if not args.head:
-        return target, build_drafter(target, name, spec, lookup=args.lookup, **options)
+        return target, build_drafter(target, name, spec, lookup=args.lookup, pricing=args.pricing, **options)
     # a tree head's auto: probed on a few MT-bench questions spread over its categories
     resolver = HeadResolver(target, args.tree, lambda: calibration_ids(target.tokenizer, load_prompts("mt-bench")))
     r = resolver.resolve(args.head)

@@ -1,6 +1,6 @@
 """The methods of `specheads bench` (single runs): HF `generate` (`vanilla`, `prompt-lookup`), our loop with a
 drafter (`plain`, `prompt-lookup-ours`, `recycling`, `head` / `head:LABEL` with or without `+lookup`, the unions,
-`draft-model`) and llama.cpp (bench/llamacpp/). Names and their grammar: bench/names.py; heads and trees:
+`draft-model`, the self-speculative `layer-skip` and `layer-skip+lookup`) and llama.cpp (bench/llamacpp/). Names and their grammar: bench/names.py; heads and trees:
 infer/resolve.py. Each method is a `Method` (bench/records.py): `generate(input_ids, max_new_tokens) -> RunRecord`.
 
 HF's target forwards are counted with a forward pre-hook (the peer users already have); ours come from the loop's
@@ -18,7 +18,8 @@ import torch
 
 from specheads.infer.bench.llamacpp.method import build_llamacpp_method
 from specheads.infer.bench.names import (DRAFTER_PREFIX, HEAD_LOOKUP_TOKENS, LOOKUP_SUFFIX, OURS_TRAINING_FREE,
-                                         PROMPT_LOOKUP_MAX_NGRAM, PROMPT_LOOKUP_NUM_TOKENS, UNION_METHODS,
+                                         PROMPT_LOOKUP_MAX_NGRAM, PROMPT_LOOKUP_NUM_TOKENS, SELF_SPEC_METHODS,
+                                         UNION_METHODS,
                                          check_method_names, expand_heads, is_drafter_method, is_head_method,
                                          is_llamacpp_method, split_lookup)
 from specheads.infer.bench.records import Method, RunRecord
@@ -196,6 +197,7 @@ class MethodOptions:
     llamacpp_draft_max: int | None = None  # llama.cpp:LABEL: --spec-draft-n-max (None = llama.cpp's default, 3)
     llamacpp_p_min: float | None = None  # llama.cpp:LABEL, DSpark: --spec-draft-p-min (None = chosen on calib prompts)
     pricing: str = "measured"  # the schedulers' (step.PRICINGS): the run's seconds, or the cost profile alone
+    skip_layers: str = "auto"  # layer-skip methods: --skip-layers (auto: the cached search, search: again, or SPEC)
 
     def __post_init__(self) -> None:
         check_lookup_tokens(self.lookup)
@@ -241,6 +243,9 @@ def build_methods(names: list[str], target, options: MethodOptions, calib_ids: l
             extra.setdefault("tree", tree)  # the first head's tree (results.json schema 1)
         elif n in UNION_METHODS:
             m, tree = build_combo_method(target, options, resolver, name=n)
+            extra.setdefault("trees", {})[m.name] = tree
+        elif n in SELF_SPEC_METHODS:
+            m, tree = build_layer_skip_method(target, options, resolver, lookup=n.endswith(LOOKUP_SUFFIX))
             extra.setdefault("trees", {})[m.name] = tree
         elif is_llamacpp_method(n):  # llama-server engines (bench/llamacpp/)
             m = build_llamacpp_method(n, target, options, calib_ids)
@@ -319,6 +324,11 @@ def build_combo_method(target, options: MethodOptions, resolver: HeadResolver, n
         drafters.append(build_drafter(target, "recycling"))
         priors.append(None)
         parts["recycling"] = "Token Recycling, Medusa's default 25-node tree"
+    if name.endswith("+layer-skip"):
+        drafters.append(build_drafter(target, "layer-skip", "auto", scheduler=scheduler, skip=options.skip_layers,
+                                      calib_ids=resolver.calib_ids))
+        priors.append(None)
+        parts["layer-skip"] = layer_skip_summary(drafters[-1])
     drafter = combine_drafters(target, drafters, lookup=options.lookup, lookup_ngram=PROMPT_LOOKUP_MAX_NGRAM,
                                acceptances=priors, scheduler=scheduler)
     summary = (f"{' + '.join(f'{k} ({v})' for k, v in parts.items())} + a prompt-lookup chain of up to "
@@ -327,6 +337,37 @@ def build_combo_method(target, options: MethodOptions, resolver: HeadResolver, n
             "sources": drafter.names, "scheduler": scheduler.record()}
     info = {"implementation": "specheads.infer.generate + ScheduledUnionDrafter", "heads": dict(heads),
             "lookup_tokens": options.lookup, "sources": drafter.names}
+    return OursGenerate(name, target, drafter, options.temperature, info), tree
+
+
+def layer_skip_summary(drafter) -> str:
+    """One line on a layer-skip draft: its skip set, the weights a draft pass reads, where the set comes from."""
+    r = drafter.record
+    acc = ", ".join(f"{a:.2f}" for a in (r.get("acceptance") or [])[:4])
+    measured = f"; measured acceptance per depth {acc}, {r['value']:.2f} of plain decoding" if acc else ""
+    return (f"the target skipping {r['skip']} ({r['skipped']} of {2 * drafter.target.num_layers} sublayers, a draft "
+            f"pass reads {r['share']:.0%} of a forward's weights; {r.get('from', 'given')}{measured})")
+
+
+def build_layer_skip_method(target, options: MethodOptions, resolver: HeadResolver, lookup: bool = False
+                            ) -> tuple[Method, dict[str, Any]]:
+    """`layer-skip`: our loop with the target drafting for itself with a skip set of its sublayers (--skip-layers:
+    the cached search result by default), its chain cut by the adaptive exit and the per-step scheduler;
+    `layer-skip+lookup`: it and a prompt-lookup chain under one scheduler (greedy only)."""
+    scheduler = resolver.scheduler()
+    drafter = build_drafter(target, "layer-skip", "auto", scheduler=scheduler, skip=options.skip_layers,
+                            calib_ids=resolver.calib_ids, lookup=options.lookup if lookup else 0,
+                            lookup_ngram=PROMPT_LOOKUP_MAX_NGRAM)
+    inner = drafter.sources[0] if lookup else drafter
+    name = "layer-skip" + (LOOKUP_SUFFIX if lookup else "")
+    summary = layer_skip_summary(inner) + (f" + a prompt-lookup chain of up to {options.lookup} tokens, one verify "
+                                           "budget per step (scheduler)" if lookup else "")
+    tree = {"mode": "layer-skip", "method": name, "summary": summary, "reason": SCHEDULER_RULE,
+            "skip": inner.record, "scheduler": scheduler.record()}
+    info = {"implementation": f"specheads.infer.generate + {type(drafter).__name__}", "skip": inner.record["skip"],
+            "share": inner.record["share"]}
+    if lookup:
+        info["lookup_tokens"] = options.lookup
     return OursGenerate(name, target, drafter, options.temperature, info), tree
 
 

@@ -4,7 +4,9 @@ before any model loads.
 
 - single runs: `vanilla`, `prompt-lookup` (HF), `plain`, `prompt-lookup-ours`, `recycling`, `draft-model` (ours),
   `head` / `head:LABEL` (one per --head), either with `+lookup` (the head and a prompt-lookup chain under one
-  per-step scheduler), the unions `combo`, `combo+recycling`, `lookup+recycling`, and the llama.cpp engines
+  per-step scheduler), the unions `combo`, `combo+recycling`, `lookup+recycling`, the self-speculative `layer-skip`
+  (the target with a skip set of its sublayers as its own draft), `layer-skip+lookup` and `combo+layer-skip`, and the
+  llama.cpp engines
   `llama.cpp`, `llama.cpp:LABEL`, `llama.cpp-ngram`, and `drafter:NAME` (our loop with any registered
   training-free drafter kind, a --plugin's own included, at its default tree);
 - the batched sweep (`--batch-sizes`): `vanilla`, `plain`, `prompt-lookup`, `recycling`, `head` / `head:LABEL`, every
@@ -19,14 +21,18 @@ from specheads.infer.drafters.registry import DRAFTERS
 from specheads.utils import SpecheadsError
 
 KNOWN_METHODS = ("vanilla", "prompt-lookup", "head", "draft-model", "plain", "prompt-lookup-ours", "combo",
-                 "recycling", "lookup+recycling", "combo+recycling")
+                 "recycling", "lookup+recycling", "combo+recycling", "layer-skip", "layer-skip+lookup",
+                 "combo+layer-skip")
 # plain: our loop with no drafter (its gap to vanilla is our loop's overhead); prompt-lookup-ours: our loop with our
 # PromptLookupDrafter (compare with HF's prompt-lookup); combo: every --head and prompt lookup under one scheduler;
 # recycling: our loop with Token Recycling (training-free, drafters.TokenRecyclingDrafter); lookup+recycling: both
 # training-free sources under one scheduler; combo+recycling: combo with Token Recycling as one more source
 OURS_TRAINING_FREE = ("plain", "prompt-lookup-ours", "recycling")  # our loop with a drafter that needs no head
-UNION_METHODS = ("combo", "combo+recycling", "lookup+recycling")  # several sources under one scheduler
-HEADED_UNIONS = ("combo", "combo+recycling")  # unions over every --head
+UNION_METHODS = ("combo", "combo+recycling", "lookup+recycling", "combo+layer-skip")  # several sources under one
+# scheduler
+HEADED_UNIONS = ("combo", "combo+recycling", "combo+layer-skip")  # unions over every --head
+SELF_SPEC_METHODS = ("layer-skip", "layer-skip+lookup")  # the target's own layer-skip draft, alone or with lookup
+# (drafters/self_spec.py; its skip set: --skip-layers)
 LOOKUP_SUFFIX = "+lookup"  # head:LABEL+lookup = that head and a prompt-lookup chain under one per-step scheduler
 PROMPT_LOOKUP_NUM_TOKENS = 10  # HF docs' example value for prompt_lookup_num_tokens (candidate tokens per step)
 PROMPT_LOOKUP_MAX_NGRAM = 2  # HF default max_matching_ngram_size
@@ -88,6 +94,11 @@ def check_method_names(names: list[str]) -> None:
 
 def check_batch_methods(names: list[str]) -> None:
     """One clear error for names the batch sweep does not know (before the target loads)."""
+    self_spec = [n for n in names if split_sched(n)[0] in SELF_SPEC_METHODS + ("combo+layer-skip",)]
+    if self_spec:
+        raise SpecheadsError(f"--methods {','.join(self_spec)} with --batch-sizes: a layer-skip draft shares the "
+                             "owned forward's single-request cache, and the batched loop runs the HF forward over a "
+                             "padded batch cache; bench it without --batch-sizes")
     bad = []
     for n in names:
         base, sched = split_sched(n)

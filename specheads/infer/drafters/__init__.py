@@ -12,6 +12,7 @@ from specheads.infer.drafters.prompt_lookup import PromptLookupDrafter
 from specheads.infer.drafters.draft_model import DraftModelDrafter, truncated_draft_model
 from specheads.infer.drafters.recycling import TokenRecyclingDrafter
 from specheads.infer.drafters.plain import NoDrafter
+from specheads.infer.drafters.self_spec import LayerSkipDrafter
 from specheads.infer.drafters.scored import (ScoredDrafter, ScoredLookupDrafter, ScoredTreeDrafter, emitted_tokens,
                                              scored)
 from specheads.infer.drafters.union import ScheduledUnionDrafter, combine_drafters
@@ -19,7 +20,7 @@ from specheads.infer.drafters.build import build_drafter
 from specheads.infer.engine.protocol import DraftContext, Drafter
 
 __all__ = ["DRAFTERS", "DraftContext", "DraftModelDrafter", "Drafter", "DrafterKind", "DSparkDrafter", "EagleDrafter",
-           "MedusaDrafter", "NoDrafter", "PEagleDrafter", "PromptLookupDrafter", "ScheduledUnionDrafter", "ScoredDrafter",
+           "LayerSkipDrafter", "MedusaDrafter", "NoDrafter", "PEagleDrafter", "PromptLookupDrafter", "ScheduledUnionDrafter", "ScoredDrafter",
            "ScoredLookupDrafter", "ScoredTreeDrafter", "TokenRecyclingDrafter", "build_drafter", "check_lookup",
            "combine_drafters", "drafter_kind", "emitted_tokens", "parse_tree", "register_drafter", "scored",
            "tree_limits", "truncated_draft_model"]

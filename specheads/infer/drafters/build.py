@@ -19,7 +19,7 @@ def build_drafter(target, head_or_name, spec: TreeSpec | str | None = None, *, l
     tokens under one per-step scheduler (greedy only; combine_drafters; acceptance: the `--tree auto` probe's
     {"acc", "counts"} as the tree head's prior). scheduler: the per-step scheduler (None = priced by the target's
     cached cost profile, made when needed, with `pricing`: step.PRICINGS). options go to the drafter's builder
-    (prompt-lookup: max_ngram; draft-model: draft_target, draft_layers)."""
+    (prompt-lookup: max_ngram; draft-model: draft_target, draft_layers; layer-skip: skip, calib_ids)."""
     head = None if isinstance(head_or_name, str) else head_or_name
     name = head.config.kind if head is not None else head_or_name
     kind = drafter_kind(name, head=head is not None)
@@ -30,6 +30,8 @@ def build_drafter(target, head_or_name, spec: TreeSpec | str | None = None, *, l
     if spec.mode == "auto" and kind.family != "block":
         raise ValueError("build_drafter: resolve --tree auto with autotree.choose_tree_for_head first")
     check_lookup(lookup)
+    if kind.check is not None:
+        kind.check(target)
     if scheduler is None and (lookup or (kind.family == "block" and spec.mode == "auto")):
         scheduler = Scheduler.for_target(target, pricing=pricing)  # one for the head and any lookup merged in
     if kind.family == "block":  # scheduled per step (its `auto`)

@@ -19,6 +19,8 @@ class DrafterKind:
     build: Callable[..., Drafter]  # build(target, head | None, spec: TreeSpec, **options) -> Drafter
     default_tree: str | None = None  # --tree when none is given (None: the family takes none)
     head: bool = False  # built from a trained head, else training-free
+    check: Callable[..., object] | None = None  # check(target): refuses a target it cannot draft for, before
+    # build_drafter measures anything (a scheduler's cost profile)
 
 
 DRAFTERS: dict[str, DrafterKind] = {}

@@ -15,11 +15,16 @@ The weights are the HF model's own tensors: q/k/v and gate/up are concatenated o
 modules' parameters become views of them, so memory is not doubled and the HF forward (profiling, batched decoding,
 heads that read the embedding) sees the same numbers.
 
+Self-speculative drafts (drafters/self_spec.py) run the same weights with a `SkipSet` of sublayers left out
+(`OwnedLlama.draft`), over the same cache: they read the kept columns the full passes wrote and write their own keys
+/ values only at columns >= `length`, which the next full forward writes over before it reads them.
+
 Shapes: n tokens of one forward, S cached columns, C cache capacity, H query heads, G key/value heads, hd head dim,
-D hidden, V vocab, L layers.
+D hidden, V vocab (V' a draft's vocabulary rows), L layers.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -27,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from specheads.infer.engine import kernels
+from specheads.utils import SpecheadsError
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +100,70 @@ def _fuse_bias(mods: list[torch.nn.Linear]) -> torch.Tensor | None:
     return fused
 
 
+@dataclass(frozen=True)
+class SkipSet:
+    """The sublayers a self-speculative draft pass leaves out: the attention of decoder layers `attn` and the MLP of
+    layers `mlp` (0-based). Text (`--skip-layers`): comma-separated `I` (both sublayers of layer I), `aI` (its
+    attention), `mI` (its MLP), each also as a range `I-J`, `aI-J`, `mI-J`; "none" skips nothing."""
+
+    attn: frozenset = frozenset()
+    mlp: frozenset = frozenset()
+
+    @classmethod
+    def parse(cls, text: str, num_layers: int, flag: str = "--skip-layers") -> "SkipSet":
+        raw = str(text).strip()
+        attn: set[int] = set()
+        mlp: set[int] = set()
+        for item in ([] if raw in ("", "none") else raw.split(",")):
+            item = item.strip()
+            kind, body = (item[0], item[1:]) if item[:1] in ("a", "m") else ("", item)
+            lo, sep, hi = body.partition("-")
+            if not lo.isdigit() or (sep and not hi.isdigit()):
+                raise SpecheadsError(f"{flag} {raw}: {item!r} is not I, aI, mI or a range I-J (layers 0.."
+                                     f"{num_layers - 1}; e.g. m4-12,a9,20)")
+            first, last = int(lo), int(hi) if sep else int(lo)
+            if not 0 <= first <= last < num_layers:
+                raise SpecheadsError(f"{flag} {raw}: {item!r} is outside the target's layers 0..{num_layers - 1}")
+            span = range(first, last + 1)
+            if kind != "m":
+                attn.update(span)
+            if kind != "a":
+                mlp.update(span)
+        if len(attn) == len(mlp) == num_layers:
+            raise SpecheadsError(f"{flag} {raw}: skips every sublayer (the draft would be the embedding alone)")
+        return cls(frozenset(attn), frozenset(mlp))
+
+    def text(self) -> str:
+        """The canonical text: whole layers first as ranges, then attention-only and MLP-only runs."""
+        both = self.attn & self.mlp
+        parts = [_runs(both, "")] + [_runs(s - both, k) for s, k in ((self.attn, "a"), (self.mlp, "m"))]
+        return ",".join(p for p in parts if p) or "none"
+
+    def units(self, num_layers: int) -> tuple[tuple[int, bool], ...]:
+        """The kept sublayers in forward order: (layer, True = attention / False = MLP)."""
+        return tuple((i, a) for i in range(num_layers) for a in (True, False)
+                     if i not in (self.attn if a else self.mlp))
+
+    def __len__(self) -> int:
+        return len(self.attn) + len(self.mlp)
+
+
+@functools.lru_cache(maxsize=64)
+def _kept(skip: SkipSet, num_layers: int) -> tuple[tuple[int, bool], ...]:
+    return skip.units(num_layers)  # once per set, not once per draft pass
+
+
+def _runs(ids, prefix: str) -> str:
+    out, ids = [], sorted(ids)
+    while ids:
+        j = 0
+        while j + 1 < len(ids) and ids[j + 1] == ids[0] + j + 1:
+            j += 1
+        out.append(f"{prefix}{ids[0]}" + (f"-{ids[j]}" if j else ""))
+        ids = ids[j + 1:]
+    return ",".join(out)
+
+
 class OwnedLlama:
     """The fused weights, the RoPE table and the static cache of one target; one request at a time.
 
@@ -144,15 +214,17 @@ class OwnedLlama:
         self._rope_table(capacity)
 
     @torch.inference_mode(False)
-    def _grow(self, need: int) -> None:
+    def _grow(self, need: int, upto: int | None = None) -> None:
+        """Room for `need` columns; columns [0, upto) are copied over (default the kept ones: a draft pass also
+        keeps its step's earlier draft columns)."""
         cap = self.k.shape[2]
         if need <= cap:
             return
-        new = max(need, 2 * cap)
+        new, upto = max(need, 2 * cap), self.length if upto is None else upto
         for name in ("k", "v"):
             old = getattr(self, name)
             buf = old.new_zeros(old.shape[0], old.shape[1], new, old.shape[3])
-            buf[:, :, :self.length] = old[:, :, :self.length]
+            buf[:, :, :upto] = old[:, :, :upto]
             setattr(self, name, buf)
 
     def _rope_table(self, positions: int) -> None:
@@ -177,6 +249,32 @@ class OwnedLlama:
 
     def drop(self, n: int) -> None:
         self.length = max(0, self.length - max(n, 0))
+
+    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """A copy of the kept columns (the skip-set search keeps one per calibration prompt)."""
+        return self.k[:, :, :self.length].clone(), self.v[:, :, :self.length].clone(), self.length
+
+    def restore(self, snap: tuple[torch.Tensor, torch.Tensor, int], room: int = 0) -> None:
+        """The kept columns of `snapshot`, with room for `room` more."""
+        k, v, length = snap
+        self.reset(length + room)
+        self.k[:, :, :length], self.v[:, :, :length] = k, v
+        self.length = length
+
+    # ------------------------------------------------------------------------------------------------ draft cost
+    def unit_weights(self, layer: int, attention: bool) -> int:
+        """Weight elements a sublayer reads: q/k/v and o, or gate/up and down."""
+        lay = self.layers[layer]
+        return lay.qkv.numel() + lay.o.numel() if attention else lay.gate_up.numel() + lay.down.numel()
+
+    def draft_share(self, skip: SkipSet, head_rows: int | None = None) -> float:
+        """A draft pass's cost in one-token target forwards, modelled as the weights it reads over those a full pass
+        reads (decoding one token streams every weight once): the kept sublayers plus `head_rows` rows of the
+        lm_head (None: all V)."""
+        L, D = len(self.layers), self.lm_head.shape[1]
+        full = sum(self.unit_weights(i, a) for i in range(L) for a in (True, False)) + self.lm_head.numel()
+        kept = sum(self.unit_weights(i, a) for i, a in skip.units(L)) + D * (head_rows or self.lm_head.shape[0])
+        return kept / full
 
     # ------------------------------------------------------------------------------------------------ forward
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -216,22 +314,37 @@ class OwnedLlama:
                                            scale=hd ** -0.5, enable_gqa=G != H)  # [1, H, n, hd]
         return o[0].transpose(0, 1).reshape(n, H * hd).to(self.dtype)
 
-    def _layer(self, i: int, lay: _Layer, x: torch.Tensor, cos, sin, mask, start: int) -> torch.Tensor:
-        """One decoder layer in PyTorch ops, HF's order (fp32 targets: the exactness path)."""
-        x = x + self._linear(self._attend(i, lay, self._rms(x, lay.ln_in), cos, sin, mask, start), lay.o)
+    def _attn_unit(self, i: int, lay: _Layer, x: torch.Tensor, cos, sin, mask, start: int) -> torch.Tensor:
+        """x + attention sublayer (PyTorch ops, HF's order: fp32 targets, the exactness path)."""
+        return x + self._linear(self._attend(i, lay, self._rms(x, lay.ln_in), cos, sin, mask, start), lay.o)
+
+    def _mlp_unit(self, lay: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """x + MLP sublayer (PyTorch ops)."""
         gate, up = self._linear(self._rms(x, lay.ln_post), lay.gate_up).chunk(2, dim=-1)
         return x + self._linear(F.silu(gate) * up, lay.down)
+
+    def _layer(self, i: int, lay: _Layer, x: torch.Tensor, cos, sin, mask, start: int) -> torch.Tensor:
+        """One decoder layer in PyTorch ops, HF's order (fp32 targets: the exactness path)."""
+        return self._mlp_unit(lay, self._attn_unit(i, lay, x, cos, sin, mask, start))
+
+    def _attn_fused(self, i: int, lay: _Layer, xn: torch.Tensor, cos, sin, mask, start: int) -> torch.Tensor:
+        """The bf16 attention sublayer's output [n, D] on the compiled ops (kernels.FUSED), xn its input norm;
+        writes this layer's keys / values at [start, start + n)."""
+        ops, n, hd = self.ops, xn.shape[0], self.hd
+        qkv = self._linear(xn, lay.qkv, lay.qkv_bias)  # [n, (H + 2G) hd]
+        q = ops.rope_write_bf16(qkv, cos, sin, self.k[i], self.v[i], start, self.H, self.G)  # [H, n, hd] fp32
+        attn = ops.attend_bf16(q, self.k[i], self.v[i], start + n, mask, hd ** -0.5)  # [n, H hd]
+        return self._linear(attn, lay.o)
+
+    def _mlp_fused(self, lay: _Layer, xn: torch.Tensor) -> torch.Tensor:
+        return self._linear(self.ops.silu_mul_bf16(self._linear(xn, lay.gate_up)), lay.down)
 
     def _layer_fused(self, i: int, lay: _Layer, x: torch.Tensor, xn: torch.Tensor, cos, sin, mask, start: int
                      ) -> torch.Tensor:
         """One bf16 decoder layer on the compiled ops (kernels.FUSED): x [n, D] the residual (updated in place
         after attention), xn its RMSNorm -> the MLP's output, which the caller adds with the next norm."""
-        ops, n, hd = self.ops, x.shape[0], self.hd
-        qkv = self._linear(xn, lay.qkv, lay.qkv_bias)  # [n, (H + 2G) hd]
-        q = ops.rope_write_bf16(qkv, cos, sin, self.k[i], self.v[i], start, self.H, self.G)  # [H, n, hd] fp32
-        attn = ops.attend_bf16(q, self.k[i], self.v[i], start + n, mask, hd ** -0.5)  # [n, H hd]
-        xn = ops.add_rms_bf16(x, self._linear(attn, lay.o), lay.ln_post, self.eps)
-        return self._linear(ops.silu_mul_bf16(self._linear(xn, lay.gate_up)), lay.down)
+        xn = self.ops.add_rms_bf16(x, self._attn_fused(i, lay, xn, cos, sin, mask, start), lay.ln_post, self.eps)
+        return self._mlp_fused(lay, xn)
 
     def _stack(self, x: torch.Tensor, cos, sin, mask, start: int, want: set[int]) -> tuple[torch.Tensor, dict]:
         """Every layer, then the final norm -> (normed x [n, D], {layer id: hidden state} for `want`)."""
@@ -252,6 +365,23 @@ class OwnedLlama:
             if i + 1 in want and i + 1 < last:
                 states[i + 1] = x.clone()
         return xn, states
+
+    def _stack_units(self, x: torch.Tensor, cos, sin, mask, start: int, units) -> torch.Tensor:
+        """The kept sublayers `units` (SkipSet.units) in order, then the final norm -> normed x [n, D]. In the
+        fused path each output is added with the next kept sublayer's input norm (as _stack does)."""
+        if not self.fused:
+            for i, attn in units:
+                lay = self.layers[i]
+                x = self._attn_unit(i, lay, x, cos, sin, mask, start) if attn else self._mlp_unit(lay, x)
+            return self._rms(x, self.norm)
+        norms = [self.layers[i].ln_in if attn else self.layers[i].ln_post for i, attn in units] + [self.norm]
+        x = x.contiguous()
+        xn = self.ops.rms_bf16(x, norms[0], self.eps)
+        for j, (i, attn) in enumerate(units):
+            lay = self.layers[i]
+            y = self._attn_fused(i, lay, xn, cos, sin, mask, start) if attn else self._mlp_fused(lay, xn)
+            xn = self.ops.add_rms_bf16(x, y, norms[j + 1], self.eps)  # x += y in place; the next sublayer's norm
+        return xn
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None,
@@ -277,3 +407,34 @@ class OwnedLlama:
             return None, feats
         rows = x[-1:] if logit_rows == "last" else x
         return self._linear(rows, self.lm_head), feats
+
+    @torch.no_grad()
+    def draft(self, tokens: torch.Tensor, offset: int, skip: SkipSet, prefix: int | None = None,
+              head: torch.Tensor | None = None, logit_rows: str = "last") -> torch.Tensor:
+        """A self-speculative draft pass (drafters/self_spec.py): the target with the sublayers of `skip` left out,
+        over this cache. tokens [n] are this step's draft inputs offset .. offset + n - 1 (the root is input 0), at
+        positions prefix + offset .., written at columns length + offset .. of the kept attention sublayers only:
+        never below `length` (the kept sequence stays the full passes' own), and the next full forward writes its
+        tree over them before it reads them (`length` is not advanced). Each input reads the kept prefix [0, prefix)
+        (default every kept column; the skip-set search reads shorter ones of a cached sequence) and this step's
+        draft columns [length, its own]. -> logits [V'] of the last input over `head` rows [V', D] (None: the
+        lm_head, V' = V); logit_rows "all": [n, V'], every input's (a teacher-forced pass)."""
+        n, base = tokens.numel(), self.length
+        prefix = base if prefix is None else prefix
+        if not 0 <= prefix <= base or offset < 0:
+            raise ValueError(f"draft: prefix {prefix} / offset {offset} outside the kept {base} columns")
+        start = base + offset
+        end = start + n
+        self._grow(end, upto=start)
+        positions = torch.arange(prefix + offset, prefix + offset + n, device=self.device)
+        self._rope_table(prefix + offset + n)
+        mask = None
+        if n > 1 or prefix < base:  # [n, end]: the prefix, this step's earlier drafts, causal among the n inputs
+            mask = torch.zeros(n, end, dtype=torch.bool, device=self.device)
+            mask[:, :prefix] = True
+            mask[:, base:start] = True
+            mask[:, start:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        x = F.embedding(tokens.to(self.device), self.embed)  # [n, D]
+        x = self._stack_units(x, self.cos[positions], self.sin[positions], mask, start, _kept(skip, len(self.layers)))
+        logits = self._linear(x if logit_rows == "all" else x[-1:], self.lm_head if head is None else head)
+        return logits if logit_rows == "all" else logits[0]
