@@ -92,9 +92,7 @@ def iter_json_array(path: Path, stats: LoadStats, chunk_chars: int = 1 << 22,
             buf += more
             return 0
 
-        pos = 0
-        while pos < len(buf) and buf[pos].isspace():
-            pos += 1
+        pos = len(buf) - len(buf.lstrip())  # leading whitespace
         if pos >= len(buf) or buf[pos] != "[":
             fail(pos, "expected '[' (a JSON array of conversations)")
         pos += 1
@@ -114,8 +112,7 @@ def iter_json_array(path: Path, stats: LoadStats, chunk_chars: int = 1 << 22,
             if expect_comma:
                 if buf[pos] != ",":
                     fail(pos, "expected ',' or ']' between conversations")
-                pos += 1
-                expect_comma = False
+                pos, expect_comma = pos + 1, False
                 continue
             try:
                 obj, end = dec.raw_decode(buf, pos)

@@ -2,7 +2,6 @@
 tokens anchored at the root, verified as a chain (a prefix chosen per step by the scheduler, or a fixed length)."""
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -10,7 +9,7 @@ from specheads.infer.drafters.registry import DrafterKind, register_drafter
 from specheads.infer.drafters.scored import ScoredDrafter, emitted_tokens
 from specheads.infer.engine.protocol import DraftContext, Drafter
 from specheads.infer.scheduling.acceptance import PRIOR_STRENGTH, Candidates, Rates, outcomes, survival
-from specheads.infer.scheduling.step import Scheduler, StepReport
+from specheads.infer.scheduling.step import Scheduler
 from specheads.infer.tree import DraftTree, chain_tree, tree_from_parents
 from specheads.infer.treespec import TreeSpec
 from specheads.infer.verify import target_probs
@@ -166,15 +165,7 @@ class DSparkDrafter(ScoredDrafter):
         return [t if t is not None else d.propose(c) for t, d, c in zip(trees, drafters, ctxs)]
 
     def propose(self, ctx: DraftContext) -> DraftTree:
-        t0 = time.perf_counter()
-        cand = self.candidates(ctx)
-        self.pending, self.report = (cand, ctx.sampling.greedy), None
-        if self.scheduler is None:
-            return cand.tree
-        prices = self.scheduler.prices(ctx.clock, draft_now=time.perf_counter() - t0)
-        choice = self.scheduler.choose(cand, prices)
-        self.report = StepReport(choice.expected_tau, choice.cost)
-        return cand.tree.select(choice.keep)
+        return self.scheduled_proposal(ctx)
 
 
 

@@ -2,6 +2,8 @@
 (infer/scheduling/step.py) can choose what of them to verify, alone or merged with other sources (union.py)."""
 from __future__ import annotations
 
+import time
+
 from specheads.infer.drafters.prompt_lookup import PromptLookupDrafter
 from specheads.infer.engine.protocol import DraftContext, Drafter
 from specheads.infer.scheduling.acceptance import Candidates, LookupRates, outcomes, path_products, rank_rates, survival
@@ -29,6 +31,20 @@ class ScoredDrafter(Drafter):
 
     def step_report(self) -> StepReport | None:
         return self.report
+
+    def scheduled_proposal(self, ctx: DraftContext) -> DraftTree:
+        """A drafter scheduling its own proposal (a block head's auto, the layer-skip chain): its candidates, the
+        part `self.scheduler` (None: all of it) says pays at this step's prices; `pending` and `report` remember
+        the step for observe and the generator."""
+        t0 = time.perf_counter()
+        cand = self.candidates(ctx)
+        self.pending, self.report = (cand, ctx.sampling.greedy), None
+        if self.scheduler is None:
+            return cand.tree
+        prices = self.scheduler.prices(ctx.clock, draft_now=time.perf_counter() - t0)
+        choice = self.scheduler.choose(cand, prices)
+        self.report = StepReport(choice.expected_tau, choice.cost)
+        return cand.tree.select(choice.keep)
 
 
 def emitted_tokens(tree: DraftTree, accepted: Accepted) -> list[int]:

@@ -4,7 +4,6 @@ Elhoushi et al., ACL 2024). Nothing is trained, shipped or kept in step with the
 from __future__ import annotations
 
 import copy
-import time
 
 import torch
 
@@ -156,15 +155,7 @@ class LayerSkipDrafter(ScoredDrafter):
         return (tau + gain) / more > tau / now
 
     def propose(self, ctx: DraftContext) -> DraftTree:
-        t0 = time.perf_counter()
-        cand = self.candidates(ctx)
-        self.pending, self.report = (cand, ctx.sampling.greedy), None
-        if self.scheduler is None:
-            return cand.tree
-        prices = self.scheduler.prices(ctx.clock, draft_now=time.perf_counter() - t0)
-        choice = self.scheduler.choose(cand, prices)
-        self.report = StepReport(choice.expected_tau, choice.cost)
-        return cand.tree.select(choice.keep)
+        return self.scheduled_proposal(ctx)
 
     def observe(self, tree, accepted, features) -> None:
         if self.pending is not None:

@@ -175,7 +175,7 @@ class SpeculativeGenerator:
         req = self._request(len(ids), max_new_tokens, SamplingParams(float(temperature), float(top_p), int(top_k or 0)),
                             eos_token_ids, stop_strings, seed, ignore_eos)
         stats = GenerationStats()
-        cache = self._prefill(ids, stats, max_new_tokens)
+        runner = self._prefill(ids, stats, max_new_tokens)
         new: list[int] = []
         t_gen = time.perf_counter()
         while not stats.stop_reason:
@@ -184,30 +184,31 @@ class SpeculativeGenerator:
             elif len(ids) >= req.window:
                 stats.stop_reason = "context_window"
             else:
-                emit = self._step(ids, new, cache, req, stats)
+                emit = self._step(ids, new, runner, req, stats)
                 if emit:
                     yield emit
         self.result = self._result(new, stats, t_start, t_gen)
 
-    def _step(self, ids: list[int], new: list[int], cache, req: Request, stats: GenerationStats) -> list[int]:
-        """One speculative step: draft a tree, one target forward over it, verify, keep the accepted path, emit."""
-        target, drafter, tm = self.target, self.drafter, stats.timings
-        cache_len, room = len(ids) - 1, req.window - len(ids)  # all but the root is cached; room = positions left
+    def _step(self, ids: list[int], new: list[int], runner, req: Request, stats: GenerationStats) -> list[int]:
+        """One speculative step: draft a tree, one target forward over it, verify, keep the accepted path, emit.
+        `runner` (engine/runner.py) holds the target's cache: every token but the root (len(ids) - 1 columns)."""
+        drafter, tm = self.drafter, stats.timings
+        room = req.window - len(ids)  # positions left
         before = dict(tm)  # this step's seconds by phase go to req.clock (what a scheduler's prices are measured from)
-        with phase_timer(tm, "draft"):  # a tree whose depth-d nodes sit at position cache_len + d (bonus: + 1)
+        with phase_timer(tm, "draft"):  # a tree whose depth-d nodes sit at position len(ids) - 1 + d (bonus: + 1)
             tree = drafter.propose(DraftContext(ids=ids, sampling=req.sampling, generator=req.generator,
                                                 max_depth=room - 1, clock=req.clock))
             tree = tree.truncate_depth(room - 1) if tree.max_depth > room - 1 else tree
         with phase_timer(tm, "tree"):  # each node sees the cached prefix, its ancestors and itself
-            plan = cache.tree_inputs(tree)  # positions cache_len + depth, the tree's mask
+            plan = runner.tree_inputs(tree)  # positions len(ids) - 1 + depth, the tree's mask
         with phase_timer(tm, "target"):  # ONE forward over all N nodes
-            logits, feats = cache.forward(tree.tokens, plan, drafter.feature_layers)  # [N, V], [N, F*D] | None
+            logits, feats = runner.forward(tree.tokens, plan, drafter.feature_layers)  # [N, V], [N, F*D] | None
         with phase_timer(tm, "verify"):
             # greedy: the longest path equal to the target's argmax, plus the bonus argmax; sampling: recursive
             # rejection (accept child x w.p. min(1, p(x)/q(x)), else go on with the residual). Never sees the drafter
             acc = req.verify(tree, logits)
         with phase_timer(tm, "cache"):  # keep prefix + root + accepted nodes
-            cache.keep(len(tree), acc.nodes)
+            runner.keep(len(tree), acc.nodes)
         with phase_timer(tm, "draft"):  # the drafter sees the outcome and the accepted nodes' true features
             drafter.recycle(tree.tokens, logits)
             drafter.observe(tree, acc, None if feats is None else feats[acc.nodes])

@@ -4,14 +4,16 @@ Decoding reads every weight once per step for a handful of token rows (one token
 step is bound by how fast the weights stream from memory. PyTorch's bf16 `F.linear` reaches 8-12 GB/s for one row on
 2 cores (oneDNN's pointwise path at best; measured by scripts/bench_kernels.py); this kernel streams each weight row
 front to back once for all token rows with AVX512 `vdpbf16ps` dot products in fp32, split over torch's threads by
-output rows: 21 GB/s on one core and 36 GB/s on two for the SmolLM2 weights (scripts/bench_kernels.py).
+output rows: 17-21 GB/s on one core and 36 GB/s on two for the SmolLM2 weights, against 6-12 GB/s for PyTorch's
+bf16 paths (scripts/bench_kernels.py; docs/results/README.md engine-24).
 
     y[m, n] = bf16( sum_k x[m, k] * w[n, k] )    accumulated in fp32, rounded to nearest even once
 
-Each y[m, n] is summed in the same order whatever the number of token rows M or threads, so a token verified in a
-tree gets bit for bit the logits it gets decoded alone (bf16 batch invariance; fp32 targets use PyTorch's kernels).
+Each y[m, n] is summed in the same order whatever the number of token rows M or threads, so a product does not
+depend on the rows beside it (the attention does: a tree's outputs in bf16 may still round otherwise than one token
+decoded alone; fp32 targets use PyTorch's kernels and stay exact).
 The C++ is compiled once by torch.utils.cpp_extension into $SPECHEADS_CACHE/kernels (about 20-40 s, a log line
-says so) and reused; without a compiler, ninja or AVX512-BF16, `bf16_linear()` returns None and the forward uses
+says so) and reused; without a compiler, ninja or AVX512-BF16, `bf16_ops()` returns None and the forward uses
 `F.linear`. SPECHEADS_KERNELS=off turns it off.
 """
 from __future__ import annotations
