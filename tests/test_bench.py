@@ -421,7 +421,7 @@ def test_head_lookup_merges_prompt_lookup_and_names_the_method(tiny, tmp_path):
 
 
 def test_calibration_prompts_spread_over_the_set():
-    from specheads.infer.scheduling.autotree import calibration_prompts
+    from specheads.infer.bench.prompts import calibration_prompts
 
     assert calibration_prompts(list(range(80))) == [0, 20, 40, 60]  # one per two MT-bench categories
     assert calibration_prompts([7, 8]) == [7, 8]  # fewer prompts than asked: all of them

@@ -18,7 +18,7 @@ from specheads.infer.bench.prompts import first_turn_ids, load_prompts
 from specheads.infer.drafters import parse_tree
 from specheads.infer.drafters.plugins import load_plugins
 from specheads.infer.engine.runner import runner_for
-from specheads.infer.scheduling.autotree import calibration_ids
+from specheads.infer.bench.prompts import calibration_ids
 from specheads.infer.verify import SamplingParams
 from specheads.utils import SpecheadsError
 

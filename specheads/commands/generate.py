@@ -13,7 +13,7 @@ from specheads.infer.drafters import build_drafter, check_lookup, drafter_kind, 
 from specheads.infer.drafters.plugins import load_plugins
 from specheads.infer.engine.generate import generate
 from specheads.infer.resolve import HeadResolver
-from specheads.infer.scheduling.autotree import calibration_ids
+from specheads.infer.bench.prompts import calibration_ids
 from specheads.infer.verify import SamplingParams
 from specheads.utils import SpecheadsError
 

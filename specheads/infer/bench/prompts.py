@@ -252,3 +252,20 @@ def encode_turn(tokenizer, prompt: BenchPrompt, turn: int, answers: list[str]) -
     from specheads.target import chat_prompt_ids
 
     return chat_prompt_ids(tokenizer, messages)
+
+
+CALIBRATION_PROMPTS = 4  # probe prompts, spread evenly over the benchmark (MT-bench: 4 of its 8 categories); one
+# prompt gives ~22 steps, too few to tell depth-2 acceptance from noise
+
+
+def calibration_prompts(prompts: list, n: int = CALIBRATION_PROMPTS) -> list:
+    """`n` prompts spread evenly over `prompts` (the first always included) for the `--tree auto` probe and the
+    layer-skip search."""
+    if len(prompts) <= n:
+        return list(prompts)
+    return [prompts[i * len(prompts) // n] for i in range(n)]
+
+
+def calibration_ids(tokenizer, prompts: list, n: int = CALIBRATION_PROMPTS) -> list[list[int]]:
+    """The probe's prompt ids: first turns of `calibration_prompts` through the chat template."""
+    return [encode_turn(tokenizer, p, 0, []) for p in calibration_prompts(prompts, n)]

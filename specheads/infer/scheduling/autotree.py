@@ -28,7 +28,7 @@ import heapq
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -45,29 +45,11 @@ log = logging.getLogger(__name__)
 DYNAMIC_PROBE = TreeSpec.dynamic(depth=5, top_k=3, total_tokens=24)  # measures acceptance per depth/rank; CPU-sized
 STATIC_PROBE_RANKS = 4  # ranks per head a Medusa probe drafts (DEFAULT_MEDUSA_CHOICES' widest)
 CALIBRATION_TOKENS = 32  # tokens generated per probe prompt (untimed): ~15-30 steps
-CALIBRATION_PROMPTS = 4  # probe prompts, spread evenly over the benchmark (MT-bench: 4 of its 8 categories); one
-# prompt gives ~22 steps, too few to tell depth-2 acceptance from noise
 PROBE_T1_TOLERANCE = 1.5  # the probe's one-token forward vs the profile's: beyond this factor either way they were
 # measured in different states of the machine (a profile taken beside another job prices every draft ~3x too cheap)
 T1_FROM_PROBE = "the probe's tree forwards / their relative cost"
 RULE = ("maximise expected τ / (t(n+1)/t(1) + draft cost), Sequoia-style; acceptance measured on a probe run of the "
         "head with a wide tree on a few prompts spread over the benchmark (untimed)")
-
-
-# --------------------------------------------------------------------------------------------------- probe prompts
-def calibration_prompts(prompts: list, n: int = CALIBRATION_PROMPTS) -> list:
-    """`n` prompts spread evenly over `prompts` (the first always included) for the `--tree auto` probe."""
-    if len(prompts) <= n:
-        return list(prompts)
-    return [prompts[i * len(prompts) // n] for i in range(n)]
-
-
-def calibration_ids(tokenizer, prompts: list, n: int = CALIBRATION_PROMPTS) -> list[list[int]]:
-    """The `--tree auto` probe's prompt ids: first turns of `calibration_prompts` through the chat template."""
-    from specheads.infer.bench.prompts import encode_turn  # here: the bench package's face resolves trees through
-    # this module, so a module-level import would load the two packages in a circle
-
-    return [encode_turn(tokenizer, p, 0, []) for p in calibration_prompts(prompts, n)]
 
 
 # --------------------------------------------------------------------------------------------------- arithmetic
