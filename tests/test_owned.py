@@ -175,3 +175,27 @@ def test_bf16_owned_forward_tracks_hf_bf16():
     logits, _ = r.forward(torch.tensor(prompt[-1:]), None)
     ref = t.model(input_ids=torch.tensor([prompt])).logits[0, -1]
     assert (logits[0].float() - ref.float()).abs().max() < 0.05 * ref.float().abs().max()
+
+
+@needs_kernels
+def test_one_call_stack_gives_the_layer_loops_numbers():
+    """kernels.stack_bf16 (every layer in one compiled call) runs the per-layer loop's ops in its order: the logits
+    and the hidden states a head reads are the same bits, over a cache, for one row and for a tree."""
+    t = tiny_target(num_layers=3, hidden_size=64, dtype=torch.bfloat16)
+    m = OwnedRunner(t).model
+    assert m._flat is not None
+    flat, prompt = m._flat, torch.tensor([5, 9, 17, 33, 2, 71, 8, 90, 14])
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)  # a root, two children, a grandchild
+
+    def run(one_call: bool, n: int):
+        m._flat = flat if one_call else None
+        m.reset(32)
+        first, _ = m.forward(prompt, torch.arange(9), None, layers=[1, 2], logit_rows="all")
+        m.length = 9
+        step, feats = m.forward(torch.tensor([3, 4, 6, 7][:n]), torch.tensor([9, 10, 10, 11][:n]),
+                                tree[:n, :n] if n > 1 else None, layers=[1, 2, 3])
+        return first, step, feats
+
+    for n in (1, 4):
+        for a, b in zip(run(True, n), run(False, n)):
+            assert torch.equal(a, b)

@@ -17,7 +17,7 @@ import importlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -315,6 +315,9 @@ class DraftHead(nn.Module):
     """
 
     kind: ClassVar[str] = ""
+    # the product the frozen target projection runs with (target_lm_logits); serving may set a faster one of the
+    # same numbers' kind (infer/resolve.py: the bf16 kernel for a handful of rows)
+    linear: Callable[..., torch.Tensor] = staticmethod(nn.functional.linear)
 
     def __init__(self, config: HeadConfig):
         super().__init__()
@@ -379,7 +382,7 @@ class DraftHead(nn.Module):
                 cached = (key, w.detach()[self.d2t.to(w.device)])
                 self._frozen["lm_rows"] = cached  # plain dict entry: never a parameter, never saved
             w = cached[1]
-        return nn.functional.linear(h.to(w.dtype), w)
+        return self.linear(h.to(w.dtype), w)
 
     def init_from_target(self) -> None:
         """Initialise trainable parts from the bound target (e.g. a per-head lm_head copied from it). Default: none."""

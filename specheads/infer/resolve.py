@@ -9,8 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+
 from specheads.heads.base import load_head
 from specheads.infer.drafters import drafter_kind, parse_tree
+from specheads.infer.engine import kernels
 from specheads.infer.scheduling import autotree
 from specheads.infer.scheduling.costs import t1_seconds
 from specheads.infer.scheduling.profile import load_or_profile
@@ -36,6 +39,19 @@ class ResolvedHead:
         scheduler; None without a probe."""
         acc = self.tree.get("acceptance")
         return {"acc": acc["acc_monotone"], "counts": acc["counts"]} if acc else None
+
+
+def serve_head(head, target):
+    """A loaded head set up for serving: beside a bf16 target on a CPU it runs in bf16 too, as vLLM and SGLang serve
+    a draft in the target's dtype (half the bytes its pass streams; its drafts are verified all the same), and its
+    own projections and the frozen target projection it reads run on the compiled kernel where it runs
+    (engine/kernels.py). fp32 targets keep the head as saved."""
+    cpu = all(p.device.type == "cpu" for p in head.parameters())
+    if target.dtype == torch.bfloat16 and cpu:
+        head = head.to(torch.bfloat16)
+        kernels.serve_linears(head)
+        head.linear = kernels.linear
+    return head
 
 
 class HeadResolver:
@@ -64,7 +80,7 @@ class HeadResolver:
         budget cuts it per row)."""
         entry = self._heads.setdefault(str(head_dir), {})
         if "head" not in entry:
-            entry["head"] = load_head(head_dir, self.target).eval()
+            entry["head"] = serve_head(load_head(head_dir, self.target).eval(), self.target)
         head = entry["head"]
         kind = head.config.kind
         family = drafter_kind(kind, head=True).family

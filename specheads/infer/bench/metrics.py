@@ -40,6 +40,8 @@ DEFINITIONS = {
                       "the loop, by the scheduler's cost model): comparable with expected_speedup",
     "oracle_censored": "steps where the better source matched every emitted token and proposed deeper (the "
                        "scheduler cut it): its figure there is a lower bound",
+    "ttft_ms": "our loop's methods (step breakdown): the mean prefill per turn plus one mean step, the first token "
+               "coming from the first step after the prefill",
 }
 # phases (specheads.infer.generate stats.timings) that are model forwards; the rest is our loop's own work
 MODEL_PHASES = {"draft", "target"}
@@ -133,6 +135,11 @@ def step_breakdown(records: list[RunRecord]) -> dict[str, Any] | None:
     model_keys = [k for k in steps if k in MODEL_PHASES]
     model = sum(steps[k] for k in model_keys)
     forwards = sum(r.target_forwards or 0 for r in recs)
+    ms_step = (1000 * step_s / forwards) if forwards else None
+    prefill_ms = 1000 * total["prefill"] / len(recs) if "prefill" in total else None
+    # our loop's first token comes from the first step after the prefill: time to first token = the prefill and
+    # one step (priced at the mean step)
+    ttft = prefill_ms + ms_step if prefill_ms is not None and ms_step is not None else None
     return {"seconds": {k: round(v, 6) for k, v in total.items()}, "step_share": shares,
             "model_phases": model_keys, "non_model_share": (1 - model / step_s) if step_s else None,
-            "ms_per_step": (1000 * step_s / forwards) if forwards else None}
+            "ms_per_step": ms_step, "prefill_ms_per_turn": prefill_ms, "ttft_ms": ttft}

@@ -88,7 +88,9 @@ def markdown_table(results: dict[str, Any]) -> str:
     for name, m in results["methods"].items():
         b = m.get("step_breakdown")
         if b:
-            lines += ["", f"## Step time breakdown: {name} ({fmt(b['ms_per_step'], '.1f')} ms per step)", "",
+            lines += ["", f"## Step time breakdown: {name} ({fmt(b['ms_per_step'], '.1f')} ms per step, prefill "
+                          f"{fmt(b.get('prefill_ms_per_turn'), '.0f')} ms per turn, time to first token "
+                          f"{fmt(b.get('ttft_ms'), '.0f')} ms)", "",
                       "| phase | seconds | share of steps |", "|---|---:|---:|"]
             for k, v in sorted(b["seconds"].items(), key=lambda kv: -kv[1]):
                 lines.append(f"| {k} | {v:.3f} | {fmt(b['step_share'].get(k), '.1%')} |")

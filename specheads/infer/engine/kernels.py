@@ -23,6 +23,7 @@ import logging
 import os
 
 import torch
+import torch.nn.functional as F
 
 from specheads.utils import cache_root
 
@@ -95,16 +96,25 @@ _FUSED = r"""
 // CPU; 30 layers x ~40 ops were a third of a decode step). Rounding to bf16 happens where HF's bf16 forward rounds.
 static inline float bf(float v) { return static_cast<float>(at::BFloat16(v)); }
 
-// HF LlamaRMSNorm in bf16: w * bf16(x * rsqrt(mean(x^2) + eps)), the statistics in fp32.
+// 16 bf16 values <-> fp32 lanes; rounding to bf16 is to nearest even, as at::BFloat16(float).
+static inline __m512 ld16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline void st16(at::BFloat16* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v)); }
+static inline __m512 bf16v(__m512 v) {  // round the lanes to bf16 and back
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// HF LlamaRMSNorm in bf16: w * bf16(x * rsqrt(mean(x^2) + eps)), the statistics in fp32; D % 16 == 0.
 static void rms_rows(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* out, int64_t n, int64_t D,
                      double eps) {
   for (int64_t i = 0; i < n; ++i) {
     const at::BFloat16* r = x + i * D;
-    float ss = 0.f;
-    for (int64_t d = 0; d < D; ++d) { float v = static_cast<float>(r[d]); ss += v * v; }
-    const float inv = 1.f / std::sqrt(ss / D + static_cast<float>(eps));
-    for (int64_t d = 0; d < D; ++d)
-      out[i * D + d] = at::BFloat16(static_cast<float>(w[d]) * bf(static_cast<float>(r[d]) * inv));
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) { const __m512 v = ld16(r + d); ss = _mm512_fmadd_ps(v, v, ss); }
+    const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / D + static_cast<float>(eps)));
+    for (int64_t d = 0; d < D; d += 16)
+      st16(out + i * D + d, _mm512_mul_ps(ld16(w + d), bf16v(_mm512_mul_ps(ld16(r + d), inv))));
   }
 }
 
@@ -119,20 +129,24 @@ torch::Tensor rms_bf16(torch::Tensor x, torch::Tensor w, double eps) {
 torch::Tensor add_rms_bf16(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps) {
   at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   const at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  for (int64_t i = 0; i < x.numel(); ++i) xp[i] = at::BFloat16(static_cast<float>(xp[i]) + static_cast<float>(yp[i]));
+  for (int64_t i = 0; i < x.numel(); i += 16) st16(xp + i, _mm512_add_ps(ld16(xp + i), ld16(yp + i)));
   return rms_bf16(x, w, eps);
 }
 
-// gu [n, 2I] = [gate | up] -> bf16(bf16(silu(gate)) * up)
+static inline __m512 exp512(__m512 x);
+
+// gu [n, 2I] = [gate | up] -> bf16(bf16(silu(gate)) * up); I % 16 == 0
 torch::Tensor silu_mul_bf16(torch::Tensor gu) {
   const int64_t n = gu.size(0), I = gu.size(1) / 2;
   auto out = torch::empty({n, I}, gu.options());
   const at::BFloat16* g = gu.data_ptr<at::BFloat16>();
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j < I; ++j) {
-      const float a = static_cast<float>(g[i * 2 * I + j]);
-      o[i * I + j] = at::BFloat16(bf(a / (1.f + std::exp(-a))) * static_cast<float>(g[i * 2 * I + I + j]));
+    for (int64_t j = 0; j < I; j += 16) {
+      const __m512 a = ld16(g + i * 2 * I + j);
+      const __m512 s = bf16v(_mm512_div_ps(a, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), a)))));
+      st16(o + i * I + j, _mm512_mul_ps(s, ld16(g + i * 2 * I + I + j)));
     }
   return out;
 }
@@ -202,8 +216,9 @@ torch::Tensor attend_bf16(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, i
   const float* vp = vc.data_ptr<float>();
   const bool* ap = allowed.has_value() ? allowed->data_ptr<bool>() : nullptr;
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {  // heads are independent: split over the threads
   std::vector<float> p(n * end), accb(n * hd), mx(n), sum(n);
-  for (int64_t h = 0; h < H; ++h) {  // keys and values are streamed once per head for all n query rows
+  for (int64_t h = h0; h < h1; ++h) {  // keys and values are streamed once per head for all n query rows
     const float* K = kp + (h / rep) * C * hd;
     const float* V = vp + (h / rep) * C * hd;
     const float* Q = qp + h * n * hd;
@@ -244,9 +259,40 @@ torch::Tensor attend_bf16(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, i
     for (int64_t t = 0; t < n; ++t)
       for (int64_t d = 0; d < hd; ++d) op[t * H * hd + h * hd + d] = at::BFloat16(accb[t * hd + d] / sum[t]);
   }
+  });
   return out;
 }
 
+
+static inline torch::Tensor lin(const torch::Tensor& x, const torch::Tensor& w, int64_t max_rows) {
+  return x.size(0) <= max_rows ? linear_bf16(x, w) : at::linear(x, w);
+}
+
+// Every decoder layer of a bf16 Llama-like target in one call: the Python loop's ~9 extension calls a layer cost
+// ~1.5 ms of a ~12 ms one-token step in dispatch alone. w holds 6 tensors a layer: qkv [(H + 2G) hd, D], o, gate_up,
+// down, ln_post [D] and the next norm (the next layer's ln_in; the final norm after the last layer). x [n, D] is the
+// residual (updated in place), xn its first norm; kc / vc [L, G, C, hd] the caches, written at columns start..
+// -> {the final norm of x, x after each layer in `want` (ascending layer ids 1..L-1)}. The same ops in the same
+// order as OwnedLlama._layer_fused, so the two paths give the same numbers.
+std::vector<torch::Tensor> stack_bf16(torch::Tensor x, torch::Tensor xn, std::vector<torch::Tensor> w,
+                                      torch::Tensor kc, torch::Tensor vc, torch::Tensor cos, torch::Tensor sin,
+                                      c10::optional<torch::Tensor> mask, int64_t start, int64_t H, int64_t G,
+                                      double eps, double scale, std::vector<int64_t> want, int64_t max_rows) {
+  const int64_t L = static_cast<int64_t>(w.size()) / 6, n = x.size(0);
+  std::vector<torch::Tensor> out{xn};
+  size_t wi = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    const torch::Tensor* l = w.data() + 6 * i;
+    auto k_i = kc.select(0, i), v_i = vc.select(0, i);
+    auto q = rope_write_bf16(lin(xn, l[0], max_rows), cos, sin, k_i, v_i, start, H, G);  // [H, n, hd] fp32
+    auto attn = attend_bf16(q, k_i, v_i, start + n, mask, scale);  // [n, H hd]
+    xn = add_rms_bf16(x, lin(attn, l[1], max_rows), l[4], eps);
+    xn = add_rms_bf16(x, lin(silu_mul_bf16(lin(xn, l[2], max_rows)), l[3], max_rows), l[5], eps);
+    if (wi < want.size() && want[wi] == i + 1) { out.push_back(x.clone()); ++wi; }
+  }
+  out[0] = xn;
+  return out;
+}
 """
 
 _FUSED_DECL = """torch::Tensor rms_bf16(torch::Tensor x, torch::Tensor w, double eps);
@@ -256,8 +302,12 @@ torch::Tensor rope_write_bf16(torch::Tensor qkv, torch::Tensor cos, torch::Tenso
                               torch::Tensor vc, int64_t start, int64_t H, int64_t G);
 torch::Tensor attend_bf16(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, int64_t end,
                           c10::optional<torch::Tensor> allowed, double scale);
+std::vector<torch::Tensor> stack_bf16(torch::Tensor x, torch::Tensor xn, std::vector<torch::Tensor> w,
+                                      torch::Tensor kc, torch::Tensor vc, torch::Tensor cos, torch::Tensor sin,
+                                      c10::optional<torch::Tensor> mask, int64_t start, int64_t H, int64_t G,
+                                      double eps, double scale, std::vector<int64_t> want, int64_t max_rows);
 """
-FUSED = ("rms_bf16", "add_rms_bf16", "silu_mul_bf16", "rope_write_bf16", "attend_bf16")
+FUSED = ("rms_bf16", "add_rms_bf16", "silu_mul_bf16", "rope_write_bf16", "attend_bf16", "stack_bf16")
 
 _CPP_DECL = "torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w);"
 
@@ -282,12 +332,12 @@ def _module():
     try:
         from torch.utils import cpp_extension
 
-        build = cache_root() / "kernels" / f"bf16-v10-torch{torch.__version__.replace('+', '_')}"
+        build = cache_root() / "kernels" / f"bf16-v11-torch{torch.__version__.replace('+', '_')}"
         build.mkdir(parents=True, exist_ok=True)
         if not any(build.glob("*.so")):
             log.info("bf16 kernel: compiling once into %s (20-40 s)", build)
         return cpp_extension.load_inline(
-            name="specheads_bf16_v10", cpp_sources=[_CPP_DECL + _FUSED_DECL + _SOURCE + _FUSED],
+            name="specheads_bf16_v11", cpp_sources=[_CPP_DECL + _FUSED_DECL + _SOURCE + _FUSED],
             functions=["linear_bf16", *FUSED],
             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
             extra_ldflags=["-fopenmp"],  # at::parallel_for is OpenMP pragmas in a header: without it, one thread
@@ -310,3 +360,36 @@ MAX_ROWS = 16  # token rows up to which the kernel beats PyTorch's bf16 linear (
 def usable(w: torch.Tensor) -> bool:
     """Whether the kernel takes weight `w`: bf16, on the CPU, contiguous rows, K a multiple of 32."""
     return w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous() and w.shape[-1] % 32 == 0
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x [..., in], w [out, in], b), on the bf16 kernel where it pays and no gradient is wanted: w usable,
+    x bf16, at most MAX_ROWS rows. The serving path of a draft head (a handful of rows against its projections)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    ops = bf16_ops() if rows <= MAX_ROWS and x.dtype == torch.bfloat16 and usable(w) else None
+    if ops is None or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        return F.linear(x, w, b)
+    y = ops.linear_bf16(x.reshape(rows, x.shape[-1]).contiguous(), w).reshape(*x.shape[:-1], w.shape[0])
+    return y if b is None else y + b
+
+
+class KernelLinear(torch.nn.Linear):
+    """An nn.Linear whose forward is `linear` above: same parameters and state dict; what `serve_linears` turns a
+    served head's projections into."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def serve_linears(module: torch.nn.Module) -> int:
+    """Run a served module's own bf16 nn.Linear layers (not hooked, not adapted) on the kernel: a draft head's pass
+    streams its projections (EAGLE-3's fc, layer and V' lm_head) like the target's; its frozen target modules are
+    not its submodules and stay as they are. -> how many were turned (0 where the kernel cannot run)."""
+    if bf16_ops() is None:
+        return 0
+    turned = 0
+    for m in module.modules():
+        if type(m) is torch.nn.Linear and usable(m.weight) and not (m._forward_hooks or m._forward_pre_hooks):
+            m.__class__ = KernelLinear
+            turned += 1
+    return turned

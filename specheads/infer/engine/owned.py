@@ -194,7 +194,14 @@ class OwnedLlama:
         self.ops = kernels.bf16_ops() if all(kernels.usable(w) for w in weights) else None  # bf16 + AVX512-BF16
         self.kernel = None if self.ops is None else self.ops.linear_bf16
         self.fused = self.ops is not None and self.hd % 16 == 0 and self.hd <= 1024 and all(
-            lay.q_norm is None for lay in self.layers)
+            lay.q_norm is None and lay.ln_in.numel() % 16 == 0 and lay.down.shape[1] % 16 == 0
+            for lay in self.layers)
+        # the whole stack in one compiled call (kernels.stack_bf16) where no layer has a q/k/v bias: 6 tensors a
+        # layer, the last one the norm that follows it
+        nxt = [lay.ln_in for lay in self.layers[1:]] + [self.norm]
+        self._flat = [t for lay, after in zip(self.layers, nxt) for t in (lay.qkv, lay.o, lay.gate_up, lay.down,
+                                                                         lay.ln_post, after)] \
+            if self.fused and all(lay.qkv_bias is None for lay in self.layers) else None
         # the cache and the attention run in fp32 on a CPU: PyTorch's bf16 attention for one query row costs 9x its
         # fp32 one (372 vs 43 us a layer over 300 keys, one thread), and the cache is small beside the weights
         self.cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
@@ -358,6 +365,12 @@ class OwnedLlama:
             return self._rms(x, self.norm), states
         x = x.contiguous()
         xn = self.ops.rms_bf16(x, self.layers[0].ln_in, self.eps)
+        if self._flat is not None:  # one compiled call for every layer, the same ops as the loop below
+            keep = sorted(i for i in want if 0 < i < last)
+            out = self.ops.stack_bf16(x, xn, self._flat, self.k, self.v, cos.contiguous(), sin.contiguous(), mask,
+                                      start, self.H, self.G, self.eps, self.hd ** -0.5, keep, kernels.MAX_ROWS)
+            states.update(zip(keep, out[1:]))
+            return out[0], states
         for i, lay in enumerate(self.layers):
             y = self._layer_fused(i, lay, x, xn, cos, sin, mask, start)
             nxt = self.layers[i + 1].ln_in if i + 1 < last else self.norm
