@@ -309,6 +309,8 @@ std::vector<torch::Tensor> stack_bf16(torch::Tensor x, torch::Tensor xn, std::ve
 """
 FUSED = ("rms_bf16", "add_rms_bf16", "silu_mul_bf16", "rope_write_bf16", "attend_bf16", "stack_bf16")
 
+VERSION = 11  # of the C++ above: a new one compiles into a folder of its own and re-keys the cost profiles
+
 _CPP_DECL = "torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w);"
 
 
@@ -332,12 +334,12 @@ def _module():
     try:
         from torch.utils import cpp_extension
 
-        build = cache_root() / "kernels" / f"bf16-v11-torch{torch.__version__.replace('+', '_')}"
+        build = cache_root() / "kernels" / f"bf16-v{VERSION}-torch{torch.__version__.replace('+', '_')}"
         build.mkdir(parents=True, exist_ok=True)
         if not any(build.glob("*.so")):
             log.info("bf16 kernel: compiling once into %s (20-40 s)", build)
         return cpp_extension.load_inline(
-            name="specheads_bf16_v11", cpp_sources=[_CPP_DECL + _FUSED_DECL + _SOURCE + _FUSED],
+            name=f"specheads_bf16_v{VERSION}", cpp_sources=[_CPP_DECL + _FUSED_DECL + _SOURCE + _FUSED],
             functions=["linear_bf16", *FUSED],
             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
             extra_ldflags=["-fopenmp"],  # at::parallel_for is OpenMP pragmas in a header: without it, one thread

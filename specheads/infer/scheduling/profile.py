@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import torch
 
 from specheads.infer.engine.kvcache import new_batch_cache
+from specheads.infer.engine import kernels
 from specheads.infer.engine.runner import runner_for
 from specheads.infer.tree import chain_tree
 from specheads.infer.scheduling.costs import cost_drop, isotonic, monotone_surface, surface_drop
@@ -45,7 +46,8 @@ def machine_key(target, dtype: torch.dtype | str) -> str:
     fp = target.fingerprint()
     raw = "|".join([env["cpu"] or platform.machine(), str(env["gpu"]), str(torch.get_num_threads()), dev,
                     str(dtype), torch.__version__, str(fp), str(target.num_layers), str(target.hidden_size),
-                    runner_for(target).name])  # the owned and the HF forward have curves of their own
+                    runner_for(target).name,  # the owned and the HF forward have curves of their own
+                    f"kernels-v{kernels.VERSION}"])  # and so does each version of the compiled kernels
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
