@@ -5,7 +5,8 @@ read. What infer/engine/kernels.py's choice rests on; run it on an idle machine.
     python scripts/bench_kernels.py [--rows 1,4,8,16] [--threads 1,2] [--out docs/results/engine/kernels.json]
 
 Candidates: PyTorch F.linear in fp32 and bf16, oneDNN's packed bf16 linear (`torch.ops.mkldnn._linear_pointwise`),
-our compiled bf16 kernel (`kernels.bf16_ops().linear_bf16`, where the CPU has AVX512-BF16), and for reference a plain
+our compiled bf16 kernels (`kernels.bf16_ops().linear_bf16` over row-major weights and
+`linear_packed_bf16` over the packed layout the owned forward decodes with, where the CPU has AVX512-BF16), and for reference a plain
 read of the same bytes (`Tensor.sum`, the memory's speed).
 """
 from __future__ import annotations
@@ -49,6 +50,8 @@ def candidates(dtype: torch.dtype) -> dict:
         ops = kernels.bf16_ops()
         if ops is not None:
             out["specheads bf16 kernel"] = ops.linear_bf16
+            # the decode path's layout: packed once per weight (kernels.packed keeps it), timed without the packing
+            out["specheads packed bf16 kernel"] = lambda x, w: ops.linear_packed_bf16(x, kernels.packed(w), w.shape[0])
     return out
 
 

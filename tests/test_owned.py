@@ -147,6 +147,22 @@ def test_bf16_linear_matches_pytorch_and_does_not_depend_on_the_rows():
 
 
 @needs_kernels
+def test_packed_linear_matches_pytorch_and_does_not_depend_on_the_rows():
+    """The decode path's packed layout (blocks of 64 output rows; 203 leaves a partial one), any row count."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(203, 96, generator=g).bfloat16()
+    x = torch.randn(13, 96, generator=g).bfloat16()
+    wp = kernels.packed(w)
+    assert wp is not None and kernels.packed(w) is wp  # made once
+    y = kernels.bf16_ops().linear_packed_bf16(x, wp, 203)
+    ref = x.float() @ w.float().t()
+    assert ((y.float() - ref).abs() <= 0.01 * ref.abs() + 0.02).all()
+    for m in (1, 2, 3, 4, 5, 8):
+        assert torch.equal(kernels.bf16_ops().linear_packed_bf16(x[:m], wp, 203), y[:m])
+    assert torch.equal(kernels.linear(x[:3], w), y[:3])  # a served head's projections take the same path
+
+
+@needs_kernels
 def test_compiled_attention_matches_pytorch():
     ops = kernels.bf16_ops()
     g = torch.Generator().manual_seed(1)

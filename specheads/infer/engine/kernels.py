@@ -1,11 +1,15 @@
-"""A bf16 matrix-vector kernel for the owned forward on CPUs with AVX512-BF16 (AMD Zen 4+, Intel Cooper Lake+).
+"""bf16 matrix-vector kernels for the owned forward on CPUs with AVX512-BF16 (AMD Zen 4+, Intel Cooper Lake+).
 
 Decoding reads every weight once per step for a handful of token rows (one token; a tree of up to ~32 nodes), so a
 step is bound by how fast the weights stream from memory. PyTorch's bf16 `F.linear` reaches 8-12 GB/s for one row on
-2 cores (oneDNN's pointwise path at best; measured by scripts/bench_kernels.py); this kernel streams each weight row
-front to back once for all token rows with AVX512 `vdpbf16ps` dot products in fp32, split over torch's threads by
-output rows: 17-21 GB/s on one core and 36 GB/s on two for the SmolLM2 weights, against 6-12 GB/s for PyTorch's
-bf16 paths (scripts/bench_kernels.py; docs/results/README.md engine-24).
+2 cores (oneDNN's pointwise path at best; measured by scripts/bench_kernels.py). Two kernels here, `vdpbf16ps` dot
+products accumulated in fp32:
+- `linear_bf16` over row-major weights: streams each weight row front to back once for all token rows (17-21 GB/s
+  on one core, 36 GB/s on two for the SmolLM2 weights); load-bound beyond 2 token rows.
+- `linear_packed_bf16` over `pack_bf16`'s layout (blocks of 64 output rows, k in pairs, the rows side by side): one
+  contiguous stream per block, each weight load serving up to 4 token rows, so a tree of 4 costs what one token
+  does. The owned forward decodes with it (`packed`: one copy per weight, made where it fits in memory); prefill
+  rows (more than MAX_ROWS) go to PyTorch's kernels over the row-major weights.
 
     y[m, n] = bf16( sum_k x[m, k] * w[n, k] )    accumulated in fp32, rounded to nearest even once
 
@@ -84,6 +88,75 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w) {
       if (m < M) {
         dot_rows<1>(wr, xp + m * K, K, out);
         yp[m * N + n] = at::BFloat16(out[0]);
+      }
+    }
+  });
+  return y;
+}
+
+// The packed layout for decoding: w [N, K] -> [ceil(N / 64), K / 2, 64, 2], i.e. per block of 64 output rows, per
+// pair of k, the 64 rows' pairs side by side (rows past N are zero). A block is then one contiguous stream, and one
+// 64-byte load carries 16 outputs' next pair for `vdpbf16ps` against a token's pair broadcast to every lane: no
+// per-output reduction across lanes, and each weight load serves up to 4 token rows from registers (the row-major
+// kernel above loads a token row's vector for every product, and was load-bound beyond 2 rows: 4 rows cost 1.4x
+// one row, against 1.0x here; scripts/bench_kernels.py).
+torch::Tensor pack_bf16(torch::Tensor w) {
+  const int64_t N = w.size(0), K2 = w.size(1) / 2, NB = (N + 63) / 64;
+  auto out = torch::zeros({NB, K2, 64, 2}, w.options());
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(w.data_ptr<at::BFloat16>());
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t r = 0; r < 64 && b * 64 + r < N; ++r)
+        for (int64_t kp = 0; kp < K2; ++kp) dst[(b * K2 + kp) * 64 + r] = src[(b * 64 + r) * K2 + kp];
+  });
+  return out;
+}
+
+// MT (<= 4) token rows x one packed block of 64 outputs: one fp32 lane per output summing its k pairs in order,
+// the same order for every MT, so an output does not depend on the token rows beside it.
+template <int MT>
+static inline void packed_block(const uint32_t* wb, const uint32_t* x, int64_t K2, float* out) {
+  __m512 acc[MT][4];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < K2; ++kp) {
+    const uint32_t* w = wb + kp * 64;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 16);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 32), w3 = (__m512bh)_mm512_loadu_si512(w + 48);
+    for (int i = 0; i < MT; ++i) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[i * K2 + kp]));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], w0, xb);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w1, xb);
+      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], w2, xb);
+      acc[i][3] = _mm512_dpbf16_ps(acc[i][3], w3, xb);
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + i * 64 + 16 * j, acc[i][j]);
+}
+
+// y [M, N] = x [M, K] . w [N, K]^T from pack_bf16(w); threads split the blocks, token rows go 4 at a time (a
+// block's second pass reads it from L2).
+torch::Tensor linear_packed_bf16(torch::Tensor x, torch::Tensor wp, int64_t N) {
+  const int64_t M = x.size(0), K2 = x.size(1) / 2, NB = wp.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(wp.data_ptr<at::BFloat16>());
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float out[4 * 64];
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint32_t* wb = w + b * K2 * 64;
+      const int64_t rows = std::min<int64_t>(64, N - b * 64);
+      for (int64_t m = 0; m < M; m += 4) {
+        const int64_t mt = std::min<int64_t>(4, M - m);
+        if (mt == 4) packed_block<4>(wb, xp + m * K2, K2, out);
+        else if (mt == 3) packed_block<3>(wb, xp + m * K2, K2, out);
+        else if (mt == 2) packed_block<2>(wb, xp + m * K2, K2, out);
+        else packed_block<1>(wb, xp + m * K2, K2, out);
+        for (int64_t i = 0; i < mt; ++i)
+          for (int64_t r = 0; r < rows; ++r) yp[(m + i) * N + b * 64 + r] = at::BFloat16(out[i * 64 + r]);
       }
     }
   });
@@ -264,30 +337,32 @@ torch::Tensor attend_bf16(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, i
 }
 
 
-static inline torch::Tensor lin(const torch::Tensor& x, const torch::Tensor& w, int64_t max_rows) {
-  return x.size(0) <= max_rows ? linear_bf16(x, w) : at::linear(x, w);
+static inline torch::Tensor lin(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& wp,
+                                int64_t max_rows) {
+  return x.size(0) <= max_rows ? linear_packed_bf16(x, wp, w.size(0)) : at::linear(x, w);
 }
 
 // Every decoder layer of a bf16 Llama-like target in one call: the Python loop's ~9 extension calls a layer cost
-// ~1.5 ms of a ~12 ms one-token step in dispatch alone. w holds 6 tensors a layer: qkv [(H + 2G) hd, D], o, gate_up,
-// down, ln_post [D] and the next norm (the next layer's ln_in; the final norm after the last layer). x [n, D] is the
-// residual (updated in place), xn its first norm; kc / vc [L, G, C, hd] the caches, written at columns start..
-// -> {the final norm of x, x after each layer in `want` (ascending layer ids 1..L-1)}. The same ops in the same
-// order as OwnedLlama._layer_fused, so the two paths give the same numbers.
+// ~1.5 ms of a ~12 ms one-token step in dispatch alone. w holds 10 tensors a layer: qkv [(H + 2G) hd, D], o,
+// gate_up, down, the same four packed (pack_bf16; up to max_rows token rows), ln_post [D] and the next norm (the
+// next layer's ln_in; the final norm after the last layer). x [n, D] is the residual (updated in place), xn its
+// first norm; kc / vc [L, G, C, hd] the caches, written at columns start.. -> {the final norm of x, x after each
+// layer in `want` (ascending layer ids 1..L-1)}. The same ops in the same order as OwnedLlama._layer_fused, so
+// the two paths give the same numbers.
 std::vector<torch::Tensor> stack_bf16(torch::Tensor x, torch::Tensor xn, std::vector<torch::Tensor> w,
                                       torch::Tensor kc, torch::Tensor vc, torch::Tensor cos, torch::Tensor sin,
                                       c10::optional<torch::Tensor> mask, int64_t start, int64_t H, int64_t G,
                                       double eps, double scale, std::vector<int64_t> want, int64_t max_rows) {
-  const int64_t L = static_cast<int64_t>(w.size()) / 6, n = x.size(0);
+  const int64_t L = static_cast<int64_t>(w.size()) / 10, n = x.size(0);
   std::vector<torch::Tensor> out{xn};
   size_t wi = 0;
   for (int64_t i = 0; i < L; ++i) {
-    const torch::Tensor* l = w.data() + 6 * i;
+    const torch::Tensor* l = w.data() + 10 * i;
     auto k_i = kc.select(0, i), v_i = vc.select(0, i);
-    auto q = rope_write_bf16(lin(xn, l[0], max_rows), cos, sin, k_i, v_i, start, H, G);  // [H, n, hd] fp32
+    auto q = rope_write_bf16(lin(xn, l[0], l[4], max_rows), cos, sin, k_i, v_i, start, H, G);  // [H, n, hd] fp32
     auto attn = attend_bf16(q, k_i, v_i, start + n, mask, scale);  // [n, H hd]
-    xn = add_rms_bf16(x, lin(attn, l[1], max_rows), l[4], eps);
-    xn = add_rms_bf16(x, lin(silu_mul_bf16(lin(xn, l[2], max_rows)), l[3], max_rows), l[5], eps);
+    xn = add_rms_bf16(x, lin(attn, l[1], l[5], max_rows), l[8], eps);
+    xn = add_rms_bf16(x, lin(silu_mul_bf16(lin(xn, l[2], l[6], max_rows)), l[3], l[7], max_rows), l[9], eps);
     if (wi < want.size() && want[wi] == i + 1) { out.push_back(x.clone()); ++wi; }
   }
   out[0] = xn;
@@ -309,9 +384,12 @@ std::vector<torch::Tensor> stack_bf16(torch::Tensor x, torch::Tensor xn, std::ve
 """
 FUSED = ("rms_bf16", "add_rms_bf16", "silu_mul_bf16", "rope_write_bf16", "attend_bf16", "stack_bf16")
 
-VERSION = 11  # of the C++ above: a new one compiles into a folder of its own and re-keys the cost profiles
+VERSION = 12  # of the C++ above: a new one compiles into a folder of its own and re-keys the cost profiles
 
-_CPP_DECL = "torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w);"
+_CPP_DECL = """torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w);
+torch::Tensor pack_bf16(torch::Tensor w);
+torch::Tensor linear_packed_bf16(torch::Tensor x, torch::Tensor wp, int64_t N);
+"""
 
 
 def _cpu_has_avx512_bf16() -> bool:
@@ -340,7 +418,7 @@ def _module():
             log.info("bf16 kernel: compiling once into %s (20-40 s)", build)
         return cpp_extension.load_inline(
             name=f"specheads_bf16_v{VERSION}", cpp_sources=[_CPP_DECL + _FUSED_DECL + _SOURCE + _FUSED],
-            functions=["linear_bf16", *FUSED],
+            functions=["linear_bf16", "pack_bf16", "linear_packed_bf16", *FUSED],
             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
             extra_ldflags=["-fopenmp"],  # at::parallel_for is OpenMP pragmas in a header: without it, one thread
             build_directory=str(build), verbose=False)
@@ -364,6 +442,31 @@ def usable(w: torch.Tensor) -> bool:
     return w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous() and w.shape[-1] % 32 == 0
 
 
+_PACKED: dict[tuple, torch.Tensor] = {}  # (data_ptr, shape, version) of a weight -> its packed copy
+
+
+def _free_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def packed(w: torch.Tensor) -> torch.Tensor | None:
+    """The packed copy of weight w (`pack_bf16`, made once and kept), or None: not usable, no kernel, or no room (a
+    copy is made only while twice its size stays free, so a target near the memory's size decodes on the row-major
+    kernel instead)."""
+    ops = bf16_ops() if usable(w) else None
+    if ops is None:
+        return None
+    key = (w.data_ptr(), tuple(w.shape), w._version)
+    if key not in _PACKED:
+        if 2 * w.numel() * w.element_size() > _free_bytes():
+            return None
+        _PACKED[key] = ops.pack_bf16(w)
+    return _PACKED[key]
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x [..., in], w [out, in], b), on the bf16 kernel where it pays and no gradient is wanted: w usable,
     x bf16, at most MAX_ROWS rows. The serving path of a draft head (a handful of rows against its projections)."""
@@ -371,7 +474,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     ops = bf16_ops() if rows <= MAX_ROWS and x.dtype == torch.bfloat16 and usable(w) else None
     if ops is None or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         return F.linear(x, w, b)
-    y = ops.linear_bf16(x.reshape(rows, x.shape[-1]).contiguous(), w).reshape(*x.shape[:-1], w.shape[0])
+    x2, wp = x.reshape(rows, x.shape[-1]).contiguous(), packed(w)
+    y = ops.linear_bf16(x2, w) if wp is None else ops.linear_packed_bf16(x2, wp, w.shape[0])
+    y = y.reshape(*x.shape[:-1], w.shape[0])
     return y if b is None else y + b
 
 

@@ -196,12 +196,18 @@ class OwnedLlama:
         self.fused = self.ops is not None and self.hd % 16 == 0 and self.hd <= 1024 and all(
             lay.q_norm is None and lay.ln_in.numel() % 16 == 0 and lay.down.shape[1] % 16 == 0
             for lay in self.layers)
-        # the whole stack in one compiled call (kernels.stack_bf16) where no layer has a q/k/v bias: 6 tensors a
-        # layer, the last one the norm that follows it
+        # the whole stack in one compiled call (kernels.stack_bf16) where no layer has a q/k/v bias: 10 tensors
+        # a layer, the last one the norm that follows it
         nxt = [lay.ln_in for lay in self.layers[1:]] + [self.norm]
-        self._flat = [t for lay, after in zip(self.layers, nxt) for t in (lay.qkv, lay.o, lay.gate_up, lay.down,
-                                                                         lay.ln_post, after)] \
-            if self.fused and all(lay.qkv_bias is None for lay in self.layers) else None
+        # the decode step's matrices in the kernels' packed layout (a second copy, made where it fits; prefill rows
+        # keep the row-major ones): None where any is missing
+        self.packed = {id(w): kernels.packed(w) for w in weights} if self.ops is not None else {}
+        mats = lambda lay: (lay.qkv, lay.o, lay.gate_up, lay.down)  # noqa: E731
+        whole = self.fused and all(lay.qkv_bias is None for lay in self.layers) and all(
+            p is not None for p in self.packed.values())
+        self._flat = [t for lay, after in zip(self.layers, nxt)
+                      for t in (*mats(lay), *(self.packed[id(w)] for w in mats(lay)), lay.ln_post, after)] \
+            if whole else None
         # the cache and the attention run in fp32 on a CPU: PyTorch's bf16 attention for one query row costs 9x its
         # fp32 one (372 vs 43 us a layer over 300 keys, one thread), and the cache is small beside the weights
         self.cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
@@ -288,7 +294,8 @@ class OwnedLlama:
         """x [n, in] . w [out, in]^T (+ b): the bf16 kernel where it runs (engine/kernels.py), else PyTorch's."""
         if self.kernel is None or x.shape[0] > kernels.MAX_ROWS:
             return F.linear(x, w, b)
-        y = self.kernel(x.contiguous(), w)
+        wp = self.packed.get(id(w))
+        y = self.kernel(x.contiguous(), w) if wp is None else self.ops.linear_packed_bf16(x.contiguous(), wp, w.shape[0])
         return y if b is None else y + b
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
