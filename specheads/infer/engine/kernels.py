@@ -9,7 +9,7 @@ products accumulated in fp32:
 - `linear_packed_bf16` over `pack_bf16`'s layout (blocks of 64 output rows, k in pairs, the rows side by side): one
   contiguous stream per block, each weight load serving up to 4 token rows, so a tree of 4 costs what one token
   does. The owned forward decodes with it (`packed`: one copy per weight, made where it fits in memory); prefill
-  rows (more than MAX_ROWS) go to PyTorch's kernels over the row-major weights.
+  rows (more than PACKED_MAX_ROWS) go to PyTorch's kernels over the row-major weights.
 
     y[m, n] = bf16( sum_k x[m, k] * w[n, k] )    accumulated in fp32, rounded to nearest even once
 
@@ -434,7 +434,8 @@ def bf16_ops():
     return _module()
 
 
-MAX_ROWS = 16  # token rows up to which the kernel beats PyTorch's bf16 linear (a tree; a prefill goes to oneDNN)
+MAX_ROWS = 16  # token rows up to which the row-major kernel beats PyTorch's bf16 linear (a prefill goes to oneDNN)
+PACKED_MAX_ROWS = 32  # and the packed one (32 rows: ~0.6x of PyTorch's time on one core, scripts/bench_kernels.py)
 
 
 def usable(w: torch.Tensor) -> bool:
@@ -469,12 +470,14 @@ def packed(w: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x [..., in], w [out, in], b), on the bf16 kernel where it pays and no gradient is wanted: w usable,
-    x bf16, at most MAX_ROWS rows. The serving path of a draft head (a handful of rows against its projections)."""
+    x bf16, at most PACKED_MAX_ROWS rows (MAX_ROWS unpacked). The serving path of a draft head (a handful of rows against its projections)."""
     rows = x.numel() // max(x.shape[-1], 1)
-    ops = bf16_ops() if rows <= MAX_ROWS and x.dtype == torch.bfloat16 and usable(w) else None
+    ops = bf16_ops() if rows <= PACKED_MAX_ROWS and x.dtype == torch.bfloat16 and usable(w) else None
     if ops is None or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         return F.linear(x, w, b)
     x2, wp = x.reshape(rows, x.shape[-1]).contiguous(), packed(w)
+    if wp is None and rows > MAX_ROWS:
+        return F.linear(x, w, b)
     y = ops.linear_bf16(x2, w) if wp is None else ops.linear_packed_bf16(x2, wp, w.shape[0])
     y = y.reshape(*x.shape[:-1], w.shape[0])
     return y if b is None else y + b

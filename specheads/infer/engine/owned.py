@@ -292,9 +292,9 @@ class OwnedLlama:
     # ------------------------------------------------------------------------------------------------ forward
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         """x [n, in] . w [out, in]^T (+ b): the bf16 kernel where it runs (engine/kernels.py), else PyTorch's."""
-        if self.kernel is None or x.shape[0] > kernels.MAX_ROWS:
-            return F.linear(x, w, b)
         wp = self.packed.get(id(w))
+        if self.kernel is None or x.shape[0] > (kernels.MAX_ROWS if wp is None else kernels.PACKED_MAX_ROWS):
+            return F.linear(x, w, b)
         y = self.kernel(x.contiguous(), w) if wp is None else self.ops.linear_packed_bf16(x.contiguous(), wp, w.shape[0])
         return y if b is None else y + b
 
@@ -375,7 +375,7 @@ class OwnedLlama:
         if self._flat is not None:  # one compiled call for every layer, the same ops as the loop below
             keep = sorted(i for i in want if 0 < i < last)
             out = self.ops.stack_bf16(x, xn, self._flat, self.k, self.v, cos.contiguous(), sin.contiguous(), mask,
-                                      start, self.H, self.G, self.eps, self.hd ** -0.5, keep, kernels.MAX_ROWS)
+                                      start, self.H, self.G, self.eps, self.hd ** -0.5, keep, kernels.PACKED_MAX_ROWS)
             states.update(zip(keep, out[1:]))
             return out[0], states
         for i, lay in enumerate(self.layers):
