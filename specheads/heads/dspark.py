@@ -132,14 +132,16 @@ class BlockAttention(nn.Module):
         g = self.H // self.Hkv  # GQA: query head h reads kv head h // g (HF repeat_kv order)
         ck, cv = ctx_k.repeat_interleave(g, 1), ctx_v.repeat_interleave(g, 1)
         kb, vb = kb.repeat_interleave(g, 1), vb.repeat_interleave(g, 1)
-        scale = self.hd ** -0.5
+        scale, dt = self.hd ** -0.5, q.dtype
+        if dt == torch.bfloat16 and q.device.type == "cpu":  # PyTorch's CPU bf16 batched products are ~10x slower
+            q, ck, cv, kb, vb = (t.float() for t in (q, ck, cv, kb, vb))  # than fp32's at these sizes (a served head)
         s_ctx = torch.einsum("bhakd,bhsd->bhaks", q, ck) * scale  # [B,H,A,K,S]
         s_ctx = s_ctx.masked_fill(~allowed[:, None, :, None, :], float("-inf"))
         s_blk = torch.einsum("bhakd,bhajd->bhakj", q, kb) * scale  # [B,H,A,K,K]: bidirectional in the block
         p = torch.softmax(torch.cat([s_ctx, s_blk], -1).float(), dim=-1).to(q.dtype)
         S = ck.shape[-2]
         out = torch.einsum("bhaks,bhsd->bhakd", p[..., :S], cv) + torch.einsum("bhakj,bhajd->bhakd", p[..., S:], vb)
-        return self.o_proj(out.permute(0, 2, 3, 1, 4).flatten(-2))  # [B,A,K,H*hd] -> [B,A,K,D]
+        return self.o_proj(out.to(dt).permute(0, 2, 3, 1, 4).flatten(-2))  # [B,A,K,H*hd] -> [B,A,K,D]
 
 
 class BlockLayer(nn.Module):
