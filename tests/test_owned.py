@@ -215,3 +215,29 @@ def test_one_call_stack_gives_the_layer_loops_numbers():
     for n in (1, 4):
         for a, b in zip(run(True, n), run(False, n)):
             assert torch.equal(a, b)
+
+
+@needs_kernels
+def test_a_served_head_beside_a_bf16_target_runs_on_the_kernel():
+    """resolve.serve_head: a head saved in fp32 serves in the bf16 target's dtype, its own projections on the
+    kernel (KernelLinear, same parameters) and the frozen target projection through kernels.linear; its logits are
+    the bf16 head's to bf16 noise. An fp32 target keeps the head as it is."""
+    import copy
+
+    from specheads.heads.base import HeadSpec, build_head
+    from specheads.infer.resolve import serve_head
+
+    t = tiny_target(num_layers=4, hidden_size=64, dtype=torch.bfloat16)
+    head = build_head(HeadSpec(kind="eagle3", draft_vocab_size=64), t).eval()
+    ref = copy.deepcopy(head).to(torch.bfloat16)
+    served = serve_head(head, t)
+    assert served.head_dtype == torch.bfloat16 and served.linear is kernels.linear
+    assert sum(type(m) is kernels.KernelLinear for m in served.modules()) >= 4
+    g = torch.Generator().manual_seed(0)
+    feats, tokens = torch.randn(1, 6, 3 * 64, generator=g).bfloat16(), torch.randint(0, 256, (1, 6), generator=g)
+    with torch.no_grad():
+        a, b = ref(feats, tokens, steps=1)[0].float(), served(feats, tokens, steps=1)[0].float()
+    assert (a - b).abs().max() <= 0.05 * a.abs().max()
+    t32 = tiny_target(num_layers=4, hidden_size=64)
+    h32 = serve_head(build_head(HeadSpec(kind="eagle3", draft_vocab_size=64), t32).eval(), t32)
+    assert h32.head_dtype == torch.float32 and not any(type(m) is kernels.KernelLinear for m in h32.modules())
