@@ -160,6 +160,14 @@ def test_packed_linear_matches_pytorch_and_does_not_depend_on_the_rows():
     for m in (1, 2, 3, 4, 5, 8):
         assert torch.equal(kernels.bf16_ops().linear_packed_bf16(x[:m], wp, 203), y[:m])
     assert torch.equal(kernels.linear(x[:3], w), y[:3])  # a served head's projections take the same path
+    big = torch.randn(1100, 64, generator=g).bfloat16()  # 1024 rows and more: blocks of 64 (one partial)
+    bp = kernels.packed(big)
+    assert bp.shape[2] == 64 and wp.shape[2] == 32
+    y = kernels.bf16_ops().linear_packed_bf16(x[:, :64].contiguous(), bp, 1100)
+    ref = x[:, :64].float() @ big.float().t()
+    assert ((y.float() - ref).abs() <= 0.01 * ref.abs() + 0.02).all()
+    for m in (1, 4, 5, 9):
+        assert torch.equal(kernels.bf16_ops().linear_packed_bf16(x[:m, :64].contiguous(), bp, 1100), y[:m])
 
 
 @needs_kernels

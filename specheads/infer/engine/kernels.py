@@ -6,9 +6,9 @@ step is bound by how fast the weights stream from memory. PyTorch's bf16 `F.line
 products accumulated in fp32:
 - `linear_bf16` over row-major weights: streams each weight row front to back once for all token rows (17-21 GB/s
   on one core, 36 GB/s on two for the SmolLM2 weights); load-bound beyond 2 token rows.
-- `linear_packed_bf16` over `pack_bf16`'s layout (blocks of 64 output rows, k in pairs, the rows side by side): one
-  contiguous stream per block, each weight load serving up to 4 token rows, so a tree of 4 costs what one token
-  does. The owned forward decodes with it (`packed`: one copy per weight, made where it fits in memory); prefill
+- `linear_packed_bf16` over `pack_bf16`'s layout (blocks of 32 or 64 output rows, k in pairs, the rows side by
+  side): one contiguous stream per block, each weight load serving 4-8 token rows, so a tree of 4 costs what one
+  token does. The owned forward decodes with it (`packed`: one copy per weight, made where it fits in memory); prefill
   rows (more than PACKED_MAX_ROWS) go to PyTorch's kernels over the row-major weights.
 
     y[m, n] = bf16( sum_k x[m, k] * w[n, k] )    accumulated in fp32, rounded to nearest even once
@@ -94,69 +94,79 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w) {
   return y;
 }
 
-// The packed layout for decoding: w [N, K] -> [ceil(N / 64), K / 2, 64, 2], i.e. per block of 64 output rows, per
-// pair of k, the 64 rows' pairs side by side (rows past N are zero). A block is then one contiguous stream, and one
-// 64-byte load carries 16 outputs' next pair for `vdpbf16ps` against a token's pair broadcast to every lane: no
-// per-output reduction across lanes, and each weight load serves up to 4 token rows from registers (the row-major
-// kernel above loads a token row's vector for every product, and was load-bound beyond 2 rows: 4 rows cost 1.4x
-// one row, against 1.0x here; scripts/bench_kernels.py).
+// The packed layout for decoding: w [N, K] -> [ceil(N / R), K / 2, R, 2] for blocks of R = 32 or 64 output rows:
+// per block, per pair of k, the R rows' pairs side by side (rows past N are zero). A block is then one contiguous
+// stream, and one 64-byte load carries 16 outputs' next pair for `vdpbf16ps` against a token's pair broadcast to
+// every lane: no per-output reduction across lanes, and each weight load serves several token rows from registers
+// (the row-major kernel above loads a token row's vector for every product, and was load-bound beyond 2 rows: 4
+// rows cost 1.4x one row, against 1.0x here; scripts/bench_kernels.py). R = 32 for matrices of under 1024 rows, so
+// that two threads split even the 576-row ones evenly (18 blocks, not 9).
 torch::Tensor pack_bf16(torch::Tensor w) {
-  const int64_t N = w.size(0), K2 = w.size(1) / 2, NB = (N + 63) / 64;
-  auto out = torch::zeros({NB, K2, 64, 2}, w.options());
+  const int64_t N = w.size(0), K2 = w.size(1) / 2, R = N < 1024 ? 32 : 64, NB = (N + R - 1) / R;
+  auto out = torch::zeros({NB, K2, R, 2}, w.options());
   const uint32_t* src = reinterpret_cast<const uint32_t*>(w.data_ptr<at::BFloat16>());
   uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
-      for (int64_t r = 0; r < 64 && b * 64 + r < N; ++r)
-        for (int64_t kp = 0; kp < K2; ++kp) dst[(b * K2 + kp) * 64 + r] = src[(b * 64 + r) * K2 + kp];
+      for (int64_t r = 0; r < R && b * R + r < N; ++r)
+        for (int64_t kp = 0; kp < K2; ++kp) dst[(b * K2 + kp) * R + r] = src[(b * R + r) * K2 + kp];
   });
   return out;
 }
 
-// MT (<= 4) token rows x one packed block of 64 outputs: one fp32 lane per output summing its k pairs in order,
-// the same order for every MT, so an output does not depend on the token rows beside it.
-template <int MT>
+// MT token rows x one packed block of 16 J outputs (MT J <= 16 accumulators): one fp32 lane per output summing its
+// k pairs in order, the same order for every MT and J, so an output does not depend on the token rows beside it.
+template <int MT, int J>
 static inline void packed_block(const uint32_t* wb, const uint32_t* x, int64_t K2, float* out) {
-  __m512 acc[MT][4];
+  __m512 acc[MT][J];
   for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < J; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < K2; ++kp) {
-    const uint32_t* w = wb + kp * 64;
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 16);
-    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 32), w3 = (__m512bh)_mm512_loadu_si512(w + 48);
+    __m512bh w[J];
+    for (int j = 0; j < J; ++j) w[j] = (__m512bh)_mm512_loadu_si512(wb + kp * 16 * J + 16 * j);
     for (int i = 0; i < MT; ++i) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[i * K2 + kp]));
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], w0, xb);
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w1, xb);
-      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], w2, xb);
-      acc[i][3] = _mm512_dpbf16_ps(acc[i][3], w3, xb);
+      for (int j = 0; j < J; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], w[j], xb);
     }
   }
   for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + i * 64 + 16 * j, acc[i][j]);
+    for (int j = 0; j < J; ++j) _mm512_storeu_ps(out + i * 16 * J + 16 * j, acc[i][j]);
 }
 
-// y [M, N] = x [M, K] . w [N, K]^T from pack_bf16(w); threads split the blocks, token rows go 4 at a time (a
-// block's second pass reads it from L2).
+template <int J>
+static inline void packed_rows(const uint32_t* wb, const uint32_t* x, int64_t K2, int64_t mt, float* out) {
+  constexpr int G = 16 / J;  // token rows per pass
+  switch (mt < G ? mt : G) {
+    case 8: packed_block<(G >= 8 ? 8 : 1), J>(wb, x, K2, out); break;
+    case 7: packed_block<(G >= 7 ? 7 : 1), J>(wb, x, K2, out); break;
+    case 6: packed_block<(G >= 6 ? 6 : 1), J>(wb, x, K2, out); break;
+    case 5: packed_block<(G >= 5 ? 5 : 1), J>(wb, x, K2, out); break;
+    case 4: packed_block<4, J>(wb, x, K2, out); break;
+    case 3: packed_block<3, J>(wb, x, K2, out); break;
+    case 2: packed_block<2, J>(wb, x, K2, out); break;
+    default: packed_block<1, J>(wb, x, K2, out);
+  }
+}
+
+// y [M, N] = x [M, K] . w [N, K]^T from pack_bf16(w); threads split the blocks; token rows go 4 (64-row blocks) or
+// 8 (32-row blocks) at a time, a block's later passes reading it from L2.
 torch::Tensor linear_packed_bf16(torch::Tensor x, torch::Tensor wp, int64_t N) {
-  const int64_t M = x.size(0), K2 = x.size(1) / 2, NB = wp.size(0);
+  const int64_t M = x.size(0), K2 = x.size(1) / 2, NB = wp.size(0), R = wp.size(2), G = R == 32 ? 8 : 4;
   auto y = torch::empty({M, N}, x.options());
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   const uint32_t* w = reinterpret_cast<const uint32_t*>(wp.data_ptr<at::BFloat16>());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    alignas(64) float out[4 * 64];
+    alignas(64) float out[256];
     for (int64_t b = b0; b < b1; ++b) {
-      const uint32_t* wb = w + b * K2 * 64;
-      const int64_t rows = std::min<int64_t>(64, N - b * 64);
-      for (int64_t m = 0; m < M; m += 4) {
-        const int64_t mt = std::min<int64_t>(4, M - m);
-        if (mt == 4) packed_block<4>(wb, xp + m * K2, K2, out);
-        else if (mt == 3) packed_block<3>(wb, xp + m * K2, K2, out);
-        else if (mt == 2) packed_block<2>(wb, xp + m * K2, K2, out);
-        else packed_block<1>(wb, xp + m * K2, K2, out);
+      const uint32_t* wb = w + b * K2 * R;
+      const int64_t rows = std::min<int64_t>(R, N - b * R);
+      for (int64_t m = 0; m < M; m += G) {
+        const int64_t mt = std::min<int64_t>(G, M - m);
+        if (R == 32) packed_rows<2>(wb, xp + m * K2, K2, mt, out);
+        else packed_rows<4>(wb, xp + m * K2, K2, mt, out);
         for (int64_t i = 0; i < mt; ++i)
-          for (int64_t r = 0; r < rows; ++r) yp[(m + i) * N + b * 64 + r] = at::BFloat16(out[i * 64 + r]);
+          for (int64_t r = 0; r < rows; ++r) yp[(m + i) * N + b * R + r] = at::BFloat16(out[i * R + r]);
       }
     }
   });
@@ -384,7 +394,7 @@ std::vector<torch::Tensor> stack_bf16(torch::Tensor x, torch::Tensor xn, std::ve
 """
 FUSED = ("rms_bf16", "add_rms_bf16", "silu_mul_bf16", "rope_write_bf16", "attend_bf16", "stack_bf16")
 
-VERSION = 12  # of the C++ above: a new one compiles into a folder of its own and re-keys the cost profiles
+VERSION = 13  # of the C++ above: a new one compiles into a folder of its own and re-keys the cost profiles
 
 _CPP_DECL = """torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w);
 torch::Tensor pack_bf16(torch::Tensor w);
