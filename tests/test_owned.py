@@ -171,6 +171,26 @@ def test_packed_linear_matches_pytorch_and_does_not_depend_on_the_rows():
 
 
 @needs_kernels
+def test_a_packed_copy_belongs_to_its_weight_not_its_address():
+    """A weight freed and another made in its place (often at the same address, as a test's next tiny target is)
+    never reuses the first one's packed copy; a weight changed in place is packed again; a freed one's copy goes."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    ops = kernels.bf16_ops()
+    for _ in range(6):
+        w = torch.randn(96, 64, generator=g).bfloat16()
+        assert torch.equal(kernels.linear(x, w), ops.linear_packed_bf16(x, ops.pack_bf16(w), 96))
+        key = id(w)
+        del w
+        assert key not in kernels._PACKED
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    first = kernels.linear(x, w)
+    w.mul_(2)
+    assert torch.equal(kernels.linear(x, w), ops.linear_packed_bf16(x, ops.pack_bf16(w), 96))
+    assert not torch.equal(kernels.linear(x, w), first)
+
+
+@needs_kernels
 def test_compiled_attention_matches_pytorch():
     ops = kernels.bf16_ops()
     g = torch.Generator().manual_seed(1)

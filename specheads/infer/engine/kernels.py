@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -453,7 +454,10 @@ def usable(w: torch.Tensor) -> bool:
     return w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous() and w.shape[-1] % 32 == 0
 
 
-_PACKED: dict[tuple, torch.Tensor] = {}  # (data_ptr, shape, version) of a weight -> its packed copy
+# id of a live weight -> (weak reference to it, its _version when packed, its packed copy). Keyed by the tensor
+# object, not its address: a freed weight's address is reused by the next one allocated (a second model, a test's
+# next tiny target), and a copy keyed by address would then multiply by stale weights. The entry goes with its weight.
+_PACKED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
 def _free_bytes() -> int:
@@ -470,12 +474,15 @@ def packed(w: torch.Tensor) -> torch.Tensor | None:
     ops = bf16_ops() if usable(w) else None
     if ops is None:
         return None
-    key = (w.data_ptr(), tuple(w.shape), w._version)
-    if key not in _PACKED:
-        if 2 * w.numel() * w.element_size() > _free_bytes():
-            return None
-        _PACKED[key] = ops.pack_bf16(w)
-    return _PACKED[key]
+    entry = _PACKED.get(id(w))
+    if entry is not None and entry[0]() is w and entry[1] == w._version:
+        return entry[2]
+    if 2 * w.numel() * w.element_size() > _free_bytes():
+        return None
+    if entry is None or entry[0]() is not w:
+        weakref.finalize(w, _PACKED.pop, id(w), None)  # runs when w is freed, before its id can be reused
+    _PACKED[id(w)] = (weakref.ref(w), w._version, ops.pack_bf16(w))
+    return _PACKED[id(w)][2]
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
