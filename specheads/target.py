@@ -96,10 +96,6 @@ class Target:
         raise SpecheadsError(f"target {self.name}: cannot find the final norm of {type(self.base).__name__}")
 
     @property
-    def tied_embeddings(self) -> bool:
-        return self.embed_tokens.weight.data_ptr() == self.lm_head.weight.data_ptr()
-
-    @property
     def max_positions(self) -> int | None:
         return getattr(self.text_config, "max_position_embeddings", None)
 

@@ -14,11 +14,11 @@ from specheads.infer.bench import BenchSettings, MethodOptions, build_methods, m
 from specheads.infer.bench.methods import check_lookup_tokens
 from specheads.infer.bench.names import (HEAD_LOOKUP_TOKENS, check_method_names, default_methods, head_entries,
                                          head_trees, needs_heads)
-from specheads.infer.bench.prompts import first_turn_ids, load_prompts
+from specheads.prompts import first_turn_ids, load_prompts
 from specheads.infer.drafters import parse_tree
 from specheads.infer.drafters.plugins import load_plugins
 from specheads.infer.engine.runner import runner_for
-from specheads.infer.bench.prompts import calibration_ids
+from specheads.prompts import calibration_ids
 from specheads.infer.verify import SamplingParams
 from specheads.utils import SpecheadsError
 

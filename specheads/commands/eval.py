@@ -8,7 +8,7 @@ from specheads.utils import SpecheadsError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--head", required=True, help="head folder (medusa, eagle, eagle3; native layout)")
+    p.add_argument("--head", required=True, help="native head folder, any kind")
     p.add_argument("--target", default=None,
                    help="target alias, HF folder, hub id or .gguf (default smollm2-135m; heldout:RUN: the run's)")
     p.add_argument("--dataset", default="mt-bench",
@@ -28,8 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from specheads.heads.base import load_head
-    from specheads.infer.head_eval import evaluate_head_on_prompts
-    from specheads.infer.bench.prompts import load_prompts
+    from specheads.train.head_eval import evaluate_head_on_prompts
+    from specheads.prompts import load_prompts
     from specheads.target import load_target
 
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--tree-width", args.tree_width),

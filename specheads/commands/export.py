@@ -23,7 +23,6 @@ import argparse
 import logging
 from pathlib import Path
 
-from specheads.heads.export_guards import GGUF_FILES, OWN_FILES, written_format  # noqa: F401 (their old home)
 from specheads.utils import SpecheadsError, atomic_dir
 
 log = logging.getLogger(__name__)

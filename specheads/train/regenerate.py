@@ -21,7 +21,7 @@ prompts are prefilled (one left-padded forward, last position's logits only) and
 cache is left-padded to the longer of the two (RoPE is applied before caching and positions are given per row, so
 moving a row's entries right changes nothing). Finished rows are decoded along, ignored, until `COMPACT_AT` of the
 batch has finished, then dropped in one copy (cache, mask, positions, and the cache columns no live row uses).
-Cache layers write each step in place (engine/kvcache.py BufferedLayer). Prompts wait in order of their length
+Cache layers write each step in place (specheads/kvcache.py BufferedLayer). Prompts wait in order of their length
 (length bucketing).
 Measured: docs/architecture.md (245 vs 216 tokens/s for the previous chunked loop).
 A conversation stops at the first turn whose prompt already fills `max_length` (what follows would be truncated
@@ -42,7 +42,7 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
 
-from specheads.infer.engine.kvcache import buffered_cache, merge_caches, select_rows
+from specheads.kvcache import buffered_cache, merge_caches, select_rows
 from specheads.target import chat_prompt_ids
 from specheads.train.data import (chat_tokenizer, conversation_features, load_conversations, render_segments,
                                   special_tokens, tokenize_texts)

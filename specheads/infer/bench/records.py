@@ -23,7 +23,7 @@ class RunRecord:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     phase_times: dict[str, float] | None = None  # seconds per phase (ours only)
-    schedule: dict[str, Any] | None = None  # the scheduler's figures (GenerationStats SCHEDULE_FIELDS), ours only
+    schedule: dict[str, Any] | None = None  # the scheduler's figures (GenerationStats.schedule as a dict), ours only
 
 
 class Method:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specheads.infer.bench.metrics import DEFINITIONS, compare, step_breakdown
-from specheads.infer.bench.prompts import MT_BENCH_CATEGORIES
+from specheads.prompts import MT_BENCH_CATEGORIES
 from specheads.infer.bench.records import BenchSettings, RunRecord
 from specheads.utils import atomic_write_json, atomic_write_text
 

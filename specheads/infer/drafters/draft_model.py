@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from specheads.infer.drafters.registry import DrafterKind, register_drafter
-from specheads.infer.engine.kvcache import drop_tail
+from specheads.kvcache import drop_tail
 from specheads.infer.engine.protocol import DraftContext, Drafter
 from specheads.infer.tree import DraftTree, chain_tree
 from specheads.infer.treespec import TreeSpec
