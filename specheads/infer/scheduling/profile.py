@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-from specheads.kvcache import new_batch_cache
+from specheads.kvcache import drop_tail, new_batch_cache
 from specheads.infer.engine.runner import runner_for
 from specheads.infer.tree import chain_tree
 from specheads.infer.scheduling.costs import cost_drop, isotonic, monotone_surface, surface_drop
@@ -73,7 +73,7 @@ def _time_forward(model, ids, mask, pos, cache) -> float:
     model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
     sync()
     dt = time.perf_counter() - t
-    cache.crop(-ids.shape[1])  # back to the profiled context (transformers 5: negative = tokens to drop)
+    drop_tail(cache, ids.shape[1])  # back to the profiled context
     return dt
 
 
