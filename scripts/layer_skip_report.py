@@ -16,10 +16,9 @@ from pathlib import Path
 
 import torch
 
-from specheads.prompts import encode_turn, load_prompts
 from specheads.infer.engine.owned import SkipSet
 from specheads.infer.scheduling import skipsearch
-from specheads.prompts import calibration_prompts
+from specheads.prompts import calibration_prompts, encode_turn, load_prompts
 from specheads.target import DTYPES, load_target
 
 

@@ -8,13 +8,12 @@ from pathlib import Path
 import specheads.target
 from specheads.commands import args as shared
 from specheads.heads.base import read_head_config
-from specheads.prompts import load_prompts
 from specheads.infer.drafters import build_drafter, check_lookup, drafter_kind, parse_tree
 from specheads.infer.drafters.plugins import load_plugins
 from specheads.infer.engine.generate import generate
 from specheads.infer.resolve import HeadResolver
-from specheads.prompts import calibration_ids
 from specheads.infer.verify import SamplingParams
+from specheads.prompts import calibration_ids, load_prompts
 from specheads.utils import SpecheadsError
 
 

@@ -23,7 +23,7 @@ from specheads.infer.bench.names import (DRAFTER_PREFIX, HEAD_LOOKUP_TOKENS, LOO
                                          check_method_names, expand_heads, is_drafter_method, is_head_method,
                                          is_llamacpp_method, split_lookup)
 from specheads.infer.bench.records import Method, RunRecord
-from specheads.infer.drafters import build_drafter, combine_drafters, parse_tree
+from specheads.infer.drafters import build_drafter, combine_drafters, draft_model_source, parse_tree
 from specheads.infer.engine.generate import GenerationResult, generate
 from specheads.infer.resolve import HeadResolver
 from specheads.infer.scheduling.step import RULE as SCHEDULER_RULE
@@ -157,7 +157,7 @@ class MethodOptions:
     refresh_profile: bool = False  # measure the cost profile again before `--tree auto`
     lookup: int = HEAD_LOOKUP_TOKENS  # tokens of the prompt-lookup chain the +lookup and combo methods merge in
     draft_model: str | None = None  # the draft-model method's model: a name, or truncated:N (the target's N layers)
-    draft_tokens: int = 4  # the draft model's chain per step
+    draft_tokens: int = 4  # the draft model's chain per step (bench --tree draft-model=N)
     threads: int | None = None  # llama.cpp methods: llama-server -t (None = the cores this process may run on)
     llamacpp_target: str | None = None  # llama.cpp methods: the target GGUF (None = the target converted, cached)
     llamacpp_draft_max: int | None = None  # llama.cpp:LABEL: --spec-draft-n-max (None = llama.cpp's default, 3)
@@ -343,15 +343,8 @@ def build_draft_model_method(target, options: MethodOptions) -> Method:
     spec = options.draft_model
     if not spec:
         raise SpecheadsError("--methods draft-model: needs --draft-model NAME (or truncated:N)")
-    chain = parse_tree(str(options.draft_tokens), "draft-model", flag="--draft-tokens")
-    layers = {}
-    if spec.startswith("truncated:"):
-        n = spec.split(":", 1)[1]
-        if not n.strip().isdigit() or not 1 <= int(n) < target.num_layers:
-            raise SpecheadsError(f"--draft-model {spec!r}: expected truncated:N with N layers, "
-                                 f"1..{target.num_layers - 1}")
-        layers = {"draft_layers": int(n)}
-    drafter = build_drafter(target, "draft-model", chain, draft_target=None if layers else spec, **layers)
+    chain = parse_tree(str(options.draft_tokens), "draft-model", flag="--tree draft-model")
+    drafter = build_drafter(target, "draft-model", chain, **draft_model_source(spec))
     info = {"implementation": "specheads.infer.generate + DraftModelDrafter", "draft_model": spec,
             "draft_tokens": chain.num_tokens}
     return OursGenerate("draft-model", target, drafter, options.temperature, info)
