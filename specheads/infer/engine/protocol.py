@@ -10,6 +10,8 @@ accepted. Verification never asks which drafter proposed.
   observe(tree, accepted, features [A, F*D] | None)  features of the accepted nodes (root first), now cached
   step_report() -> StepReport | None                 a scheduled step's expected figures (generator -> stats)
 T sequence, N tree nodes, A accepted nodes, D hidden, V vocab, F feature layers.
+`StepClock` (the request's recent phase seconds, fed by the generator, read by a drafter's scheduler) and
+`StepReport` live here beside the protocol that carries them, so the engine imports nothing from scheduling/.
 """
 from __future__ import annotations
 
