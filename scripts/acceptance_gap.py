@@ -72,9 +72,9 @@ def score_batches(head, batches, target, layers, labels, ngram: int) -> dict:
 
 def main(argv=None) -> int:
     from specheads.heads.base import load_head
-    from specheads.infer.head_eval import answer_batch, target_answers
+    from specheads.train.head_eval import answer_batch, target_answers
     from specheads.train.heldout import heldout_recipe
-    from specheads.infer.bench.prompts import load_prompts
+    from specheads.prompts import load_prompts
     from specheads.target import load_target
     from specheads.train.devset import dev_answers
     from specheads.train.dataset import collate

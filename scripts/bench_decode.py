@@ -28,7 +28,7 @@ from specheads.heads.base import HeadSpec, build_head
 from specheads.infer.drafters import (DraftModelDrafter, EagleDrafter, MedusaDrafter, NoDrafter, PromptLookupDrafter,
                                       truncated_draft_model)
 from specheads.infer.generate import PHASES, generate
-from specheads.infer.bench.prompts import encode_turn, load_prompts
+from specheads.prompts import encode_turn, load_prompts
 from specheads.target import load_target
 
 NON_MODEL = ("tree", "verify", "cache", "other")

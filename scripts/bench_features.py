@@ -49,7 +49,7 @@ def main() -> int:
     from specheads.train.data import load_conversations, tokenize_conversations
     from specheads.train.features import FeatureConfig, extract_features, write_features
     from specheads.train.layout import resolve_layers
-    from specheads.train.regenerate import generate_batch
+    from specheads.train.regenerate import regenerate_batch
 
     target = load_target(args.target, dtype=args.dtype)
     tok = target.tokenizer
@@ -115,7 +115,7 @@ def main() -> int:
     eos = set(target.eos_token_ids)
 
     def ours():
-        out = generate_batch(target, prompts, args.regen_new)
+        out = regenerate_batch(target, prompts, args.regen_new)
         return out, sum(len(x) for x in out)
 
     def hf():

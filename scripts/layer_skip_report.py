@@ -16,10 +16,9 @@ from pathlib import Path
 
 import torch
 
-from specheads.infer.bench.prompts import encode_turn, load_prompts
 from specheads.infer.engine.owned import SkipSet
 from specheads.infer.scheduling import skipsearch
-from specheads.infer.bench.prompts import calibration_prompts
+from specheads.prompts import calibration_prompts, encode_turn, load_prompts
 from specheads.target import DTYPES, load_target
 
 
@@ -93,7 +92,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     target = load_target(a.target, dtype=str(DTYPES[a.dtype]).removeprefix("torch."))
-    from specheads.infer.bench.prompts import calibration_ids
+    from specheads.prompts import calibration_ids
 
     rec = skipsearch.load_or_search(target, lambda: calibration_ids(target.tokenizer, load_prompts("mt-bench")),
                                     refresh=a.search)

@@ -49,12 +49,13 @@ if _slow:
 '''
 TIMEOUT = 600  # seconds any one run may take
 STEPS = ["train.max_steps=9", "train.save_every=3"]  # checkpoints at steps 3, 6 and 9
-# What two uninterrupted runs write differently: when and how long, and how much this process did (a resumed run
-# trains fewer steps itself, a rerun regenerates fewer answers); datasets' fingerprint of the tokens (random per
+# What two uninterrupted runs write differently: when and how long (train_summary's eval_seconds too: a resumed
+# run counts its own evaluations only, 0.0 s or more on a busy machine), and how much this process did (a resumed
+# run trains fewer steps itself, a rerun regenerates fewer answers); datasets' fingerprint of the tokens (random per
 # process); files' sha256, which covers a safetensors header whose metadata order varies from process to process
 # (the tensors themselves are compared).
-VOLATILE_KEYS = {"timings", "seconds", "time", "train_seconds", "tokens_this_run", "tokens_per_s", "_fingerprint",
-                 "sha256", "shard_sha256", "regenerated_new_tokens", "regenerate_tokens_per_s"}
+VOLATILE_KEYS = {"timings", "seconds", "time", "train_seconds", "eval_seconds", "tokens_this_run", "tokens_per_s",
+                 "_fingerprint", "sha256", "shard_sha256", "regenerated_new_tokens", "regenerate_tokens_per_s"}
 RESUME_ONLY = {"train_config_history.yaml"}  # the resumed segments, written by a resumed run only
 
 

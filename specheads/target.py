@@ -17,12 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from specheads.utils import SpecheadsError, atomic_dir, cache_root, read_text_bounded
+from specheads.utils import DTYPE_NAMES, SpecheadsError, atomic_dir, cache_root, read_text_bounded
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {alias: getattr(torch, name) for alias, name in DTYPE_NAMES.items()}  # utils.DTYPE_NAMES, as torch dtypes
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -94,10 +93,6 @@ class Target:
             if isinstance(m, nn.Module):
                 return m
         raise SpecheadsError(f"target {self.name}: cannot find the final norm of {type(self.base).__name__}")
-
-    @property
-    def tied_embeddings(self) -> bool:
-        return self.embed_tokens.weight.data_ptr() == self.lm_head.weight.data_ptr()
 
     @property
     def max_positions(self) -> int | None:

@@ -381,6 +381,10 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16"}  # every dtype spelling a flag or recipe takes -> torch's name
+
+
 def sha256_file(path: str | os.PathLike) -> str:
     import hashlib
 

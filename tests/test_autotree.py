@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specheads.heads.base import HeadSpec, build_head
-from specheads.infer.scheduling.autotree import (T1_FROM_PROBE, RecordingDrafter, choose_tree, draft_t1, price_draft,
+from specheads.infer.autotree import (T1_FROM_PROBE, RecordingDrafter, choose_tree, draft_t1, price_draft,
                                                  probe_plan, probe_t1, profile_is_stale, run_probe, spec_from_choice)
 from specheads.infer.drafters import PromptLookupDrafter, build_drafter
 from specheads.infer.tree import DEFAULT_MEDUSA_CHOICES

@@ -13,7 +13,7 @@ from specheads.infer.drafters import (Drafter, DraftModelDrafter, DSparkDrafter,
 from specheads.infer.engine import batch as batch_mod
 from specheads.infer.engine.batch import generate_batch, pack_trees
 from specheads.infer.engine.generate import generate
-from specheads.infer.engine.kvcache import keep_accepted_rows, merge_caches, new_batch_cache
+from specheads.kvcache import keep_accepted_rows, merge_caches, new_batch_cache
 from specheads.infer.scheduling.batch_budget import (AcceptanceTracker, BudgetScheduler, ExploreClock,
                                                      choose_batch_budget, effective_survival)
 from specheads.infer.scheduling.step import Scheduler

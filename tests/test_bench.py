@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from types import SimpleNamespace
 
 import pytest
 
 from specheads.infer.bench import (BenchSettings, HFGenerate, MethodOptions, RunRecord, accept_histogram, build_methods,
                                    build_results, compare, forward_token_counts, head_entries, markdown_table,
                                    record_from_generation, run_bench, step_breakdown, summarize, write_outputs)
-from specheads.infer.bench.prompts import BenchPrompt, encode_turn, load_jsonl_prompts, load_prompts
+from specheads.prompts import BenchPrompt, encode_turn, load_jsonl_prompts, load_prompts
 from specheads.utils import SpecheadsError
 
 
@@ -78,13 +77,18 @@ def test_step_breakdown_non_model_share():
 
 
 def test_record_from_generation_adapts_our_stats():
-    stats = SimpleNamespace(new_tokens=5, target_forwards=3, accept_hist=[0, 1, 2, 0], prefill_s=0.5,
+    from specheads.infer.engine.generate import GenerationResult, GenerationStats, ScheduleStats
+
+    stats = GenerationStats(new_tokens=5, target_forwards=3, accept_hist=[0, 1, 2, 0], prefill_s=0.5,
                             timings={"draft": 0.1, "target": 0.3})
-    res = SimpleNamespace(ids=[7, 8, 9, 10, 11], text="x", stats=stats)
+    res = GenerationResult(ids=[7, 8, 9, 10, 11], text="x", stats=stats)
     r = record_from_generation("head", res, prompt_len=4, dt=1.0, tokenizer=None)
     assert r.new_tokens == 5 and r.target_forwards == 3 and r.output_ids == [7, 8, 9, 10, 11]
-    assert sorted(r.step_tokens) == [1, 2, 2]
+    assert sorted(r.step_tokens) == [1, 2, 2] and r.schedule is None
     assert r.phase_times == {"draft": 0.1, "target": 0.3, "prefill": 0.5}
+    stats.schedule = ScheduleStats(scheduled_steps=3, expected_tau_sum=5.0, source_tokens={"lookup": 4})
+    r = record_from_generation("head", res, prompt_len=4, dt=1.0, tokenizer=None)
+    assert r.schedule["scheduled_steps"] == 3 and r.schedule["source_tokens"] == {"lookup": 4}  # results.json keys
 
 
 # ------------------------------------------------------------------------------------------------ prompts
@@ -266,7 +270,7 @@ def test_cli_rejects_unknown_method(tmp_path, capsys):
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_head_method_tree_auto_on_tiny(tiny, tmp_path, monkeypatch, kind):
-    import specheads.infer.scheduling.autotree as autotree
+    import specheads.infer.autotree as autotree
     import specheads.infer.scheduling.profile as prof_mod
     from specheads.heads.base import HeadSpec, build_head
     from specheads.infer.scheduling.costs import t1_seconds
@@ -328,7 +332,7 @@ def test_head_method_tree_auto_on_tiny(tiny, tmp_path, monkeypatch, kind):
 def test_several_heads_in_one_run(tiny, tmp_path, monkeypatch):
     """Two --head values become methods head:eagle and head:medusa (labels from the folders' kinds), each with its
     own tree, both checked against vanilla in the same run."""
-    import specheads.infer.scheduling.autotree as autotree
+    import specheads.infer.autotree as autotree
     import specheads.infer.scheduling.profile as prof_mod
     from specheads.heads.base import HeadSpec, build_head
 
@@ -421,7 +425,7 @@ def test_head_lookup_merges_prompt_lookup_and_names_the_method(tiny, tmp_path):
 
 
 def test_calibration_prompts_spread_over_the_set():
-    from specheads.infer.bench.prompts import calibration_prompts
+    from specheads.prompts import calibration_prompts
 
     assert calibration_prompts(list(range(80))) == [0, 20, 40, 60]  # one per two MT-bench categories
     assert calibration_prompts([7, 8]) == [7, 8]  # fewer prompts than asked: all of them
@@ -456,7 +460,7 @@ def test_dspark_lookup_and_combo_methods_on_tiny(tiny, tmp_path, monkeypatch):
     """head:dspark (its --tree auto is the per-step scheduler), dspark+lookup and eagle+lookup (one scheduler over
     the head and the lookup chain), combo (both heads and lookup): all identical to vanilla, with the scheduler's
     expected figures and the oracle in results.json and results.md."""
-    import specheads.infer.scheduling.autotree as autotree
+    import specheads.infer.autotree as autotree
     import specheads.infer.scheduling.profile as prof_mod
     from specheads.heads.base import HeadSpec, build_head
 

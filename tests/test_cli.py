@@ -115,12 +115,14 @@ OLD_SPELLINGS = [  # (command, old flags, the notice, what the flags now hold)
     ("generate", ["--draft-layers", "2"], "--draft-layers is now --draft-model truncated:2",
      {"draft_model": "truncated:2"}),
     ("generate", ["--draft-target", "m"], "--draft-target is now --draft-model", {"draft_model": "m"}),
+    ("bench", ["--draft-tokens", "3"], "--draft-tokens is now --tree draft-model=3", {"tree": ["draft-model=3"]}),
+    ("eval", ["--tree-width", "3"], "--tree-width is now --tree DEPTH,TOP_K", {"tree_width": 3, "tree": None}),
 ]
 
 
 @pytest.mark.parametrize("command,flags,notice,values", OLD_SPELLINGS, ids=[f[0] for _, f, _, _ in OLD_SPELLINGS])
 def test_old_spellings_still_work_with_a_one_line_notice(capsys, command, flags, notice, values):
-    required = {"bench": ["--out", "x"], "generate": ["--prompt", "hi"]}[command]
+    required = {"bench": ["--out", "x"], "generate": ["--prompt", "hi"], "eval": ["--head", "h"]}[command]
     args = build_parser().parse_args([command] + required + flags)
     assert {k: getattr(args, k) for k in values} == values
     err = capsys.readouterr().err
@@ -137,11 +139,37 @@ def test_old_spelling_in_an_error_names_the_flag_as_typed(heads, capsys):
 
 
 def test_one_dtype_default_and_spelling():
+    """One --dtype table (utils.DTYPE_NAMES) in every command; eval's default stays the recipes' bf16 (None: the
+    run's for heldout:RUN)."""
+    from specheads.commands.args import dtype_name
+
     parser = build_parser()
-    for command, required in (("bench", ["--out", "x"]), ("generate", ["--prompt", "hi"])):
-        assert parser.parse_args([command] + required).dtype == "float32"
+    commands = (("bench", ["--out", "x"], "float32"), ("generate", ["--prompt", "hi"], "float32"),
+                ("export", ["--head", "h", "--format", "eagle", "--out", "o"], "float32"), ("eval", ["--head", "h"], None))
+    for command, required, default in commands:
+        assert parser.parse_args([command] + required).dtype == default, command
         for flag in ("bf16", "bfloat16", "fp32", "float32", "fp16", "float16"):
             assert parser.parse_args([command] + required + ["--dtype", flag]).dtype == flag
+    assert [dtype_name(f) for f in ("bf16", "fp32", "fp16")] == ["bfloat16", "float32", "float16"]
+
+
+def test_one_tree_flag_for_the_draft_model_chain_and_evals_tree(capsys):
+    """bench's draft-model chain is `--tree draft-model=N` (generate: --tree N), eval's simulated tree `--tree
+    DEPTH,TOP_K`; the old spellings land in the same values."""
+    from specheads.commands.args import eval_tree
+    from specheads.commands.bench import method_options
+    from specheads.utils import SpecheadsError
+
+    parser = build_parser()
+    new = method_options(parser.parse_args(["bench", "--out", "x", "--tree", "draft-model=6"]))
+    old = method_options(parser.parse_args(["bench", "--out", "x", "--draft-tokens", "6"]))
+    assert new.draft_tokens == old.draft_tokens == 6
+    assert method_options(parser.parse_args(["bench", "--out", "x"])).draft_tokens == 4
+    assert eval_tree(parser.parse_args(["eval", "--head", "h", "--tree", "5,3"])) == (5, 3)
+    assert eval_tree(parser.parse_args(["eval", "--head", "h", "--tree-depth", "5", "--tree-width", "3"])) == (5, 3)
+    assert eval_tree(parser.parse_args(["eval", "--head", "h"])) == (4, 2)
+    with pytest.raises(SpecheadsError, match="expected DEPTH,TOP_K"):
+        eval_tree(parser.parse_args(["eval", "--head", "h", "--tree", "5,3,9"]))
 
 
 def test_one_pricing_flag_for_generate_and_bench():
@@ -171,5 +199,5 @@ def test_draft_layers_beyond_the_target_is_one_clear_error(tiny):
 
     assert len(truncated_draft_model(tiny, 3).model.layers) == 3
     for n in (0, 4, -1):  # the tiny target has 4 layers: a draft keeps 1..3
-        with pytest.raises(SpecheadsError, match=f"--draft-layers {n}: must be 1..3"):
+        with pytest.raises(SpecheadsError, match=f"--draft-model truncated:{n}: must be 1..3"):
             build_drafter(tiny, "draft-model", "2", draft_layers=n)

@@ -205,7 +205,7 @@ def test_cli_generate_and_bench_run_a_domino_head(tiny, tmp_path, capsys, monkey
     from specheads.cli import main
     from specheads.infer.bench import BenchSettings, MethodOptions, build_methods, run_bench
     from specheads.infer.bench.names import head_entries
-    from specheads.infer.bench.prompts import BenchPrompt
+    from specheads.prompts import BenchPrompt
     from specheads.infer.scheduling.step import Scheduler
     from tests.test_bench import ByteTok
 

@@ -71,8 +71,8 @@ def test_eval_refuses_a_prompt_longer_than_the_context_window_as_bench_does(tiny
 
 def test_eval_answers_stop_at_the_context_window(tiny):
     """A prompt that fits is answered up to the window's end at most (bench's answers stop there too)."""
-    from specheads.infer.bench.prompts import BenchPrompt
-    from specheads.infer.head_eval import target_answers
+    from specheads.prompts import BenchPrompt
+    from specheads.train.head_eval import target_answers
 
     tiny.tokenizer = ByteTok()
     window = tiny.max_positions

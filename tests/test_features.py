@@ -12,7 +12,7 @@ import torch
 from specheads.train import dataset, shards, teacher
 from specheads.train import features as F
 from specheads.train.dataset import FeatureDataset, collate
-from specheads.train.features import FeatureConfig, OnlineFeatures, extract_features, length_batches, write_features
+from specheads.train.features import FeatureConfig, extract_features, length_batches, write_features
 from specheads.train.layout import resolve_layers
 from specheads.train.shards import verify_features
 from specheads.utils import SpecheadsError
@@ -106,9 +106,10 @@ def test_online_matches_offline(tiny, tmp_path):
     write_features(tiny, rows, tmp_path, [1, L], FeatureConfig(shard_tokens=1000), progress=False)
     ds = FeatureDataset(tmp_path)
     by_id = {r["conversation_id"]: r for r in rows}
-    batch = OnlineFeatures(tiny, [1, L])(collate([by_id[s["conversation_id"]] for s in ds]))
+    batch = collate([by_id[s["conversation_id"]] for s in ds])
+    hidden = extract_features(tiny, batch["input_ids"], batch["attention_mask"], [1, L])  # the trainer's online path
     off = collate([s for s in ds])
-    torch.testing.assert_close(batch["hidden"].bfloat16().float() * off["attention_mask"][..., None, None],
+    torch.testing.assert_close(hidden.bfloat16().float() * off["attention_mask"][..., None, None],
                                off["hidden"].float(), atol=2e-2, rtol=1e-2)
 
 

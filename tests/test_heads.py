@@ -146,9 +146,9 @@ def test_eagle_tree_branches_do_not_see_each_other(tiny):
     torch.testing.assert_close(lg[:, 1], ref2[:, 5], atol=1e-5, rtol=1e-5)
 
 
-def test_select_cache_keeps_the_accepted_branch(tiny):
+def test_select_columns_keeps_the_accepted_branch(tiny):
     """After two siblings, keep prefix + the second sibling: the next row equals the chain through that sibling."""
-    from specheads.heads.base import select_cache
+    from specheads.kvcache import select_columns
 
     head = build_head(HeadSpec(kind="eagle"), tiny)
     f, x = _inputs()
@@ -159,7 +159,7 @@ def test_select_cache_keeps_the_accepted_branch(tiny):
     mask[..., 0, 6] = float("-inf")
     mask[..., 1, 5] = float("-inf")
     head.draft_forward(f[:, 5:6].expand(B, 2, D), sib, torch.full((B, 2), 5), mask, cache)
-    select_cache(cache, torch.tensor([0, 1, 2, 3, 4, 6]))
+    select_columns(cache, torch.tensor([0, 1, 2, 3, 4, 6]))
     assert cache.get_seq_length() == 6
     _, lg = head.draft_forward(f[:, 6:7], x[:, 6:7], torch.full((B, 1), 6), _chain_mask(6, 1), cache)
     _, ref = head(f[:, :7], x[:, :7])

@@ -1,4 +1,4 @@
-"""engine/kvcache.py, each edit against transformers' own cache: the same tokens run through the model into a fresh
+"""specheads/kvcache.py, each edit against transformers' own cache: the same tokens run through the model into a fresh
 DynamicCache without our edits must give the same keys / values and the same logits of the next forward. On every
 architecture the suite's tiny targets use: Llama (tiny_target) and Gemma 3 with sliding-window layers (mixed with a
 full layer, and sliding only). The greedy verifier on the device path (one tree, and a batch of padded trees) against
@@ -6,7 +6,7 @@ a plain walk on random trees."""
 import pytest
 import torch
 
-from specheads.infer.engine.kvcache import (buffered_cache, cache_columns, drop_tail, keep_accepted,
+from specheads.kvcache import (buffered_cache, cache_columns, drop_tail, keep_accepted,
                                             keep_accepted_rows, merge_caches, new_batch_cache, prepare_cache,
                                             select_rows, tree_attention_mask)
 from specheads.infer.tree import DraftTree

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specheads.train.losses import (LK_EPS, LOSS_TERMS, DistillLoss, distill_loss, eagle3_loss, eagle_loss,
-                                    medusa_loss, parse_loss, resolve_loss, shift_rows, simulated_tau, soft_ce,
+from specheads.train.losses import (LK_EPS, LOSS_TERMS, DistillLoss, accepted_lengths, distill_loss, eagle3_loss,
+                                    eagle_loss, medusa_loss, parse_loss, resolve_loss, shift_rows, soft_ce,
                                     step_correct, step_mask)
 from specheads.train.teacher import TargetRows
 from test_dspark import _greedy_samples
@@ -111,18 +111,18 @@ def test_eagle3_masks_targets_outside_draft_vocab_and_weights_steps():
     assert all(s.grad is not None and s.grad.abs().sum() > 0 for s in steps)
 
 
-def test_step_correct_and_simulated_tau():
+def test_step_correct_and_accepted_lengths():
     # target greedy tokens; drafts right for steps 0,1 at row 0, wrong at step 2
     targ = torch.arange(T).unsqueeze(0) % V  # [1,T], row j's greedy token is j (any fixed sequence will do)
     lm = torch.ones(1, T, dtype=torch.long)
     steps = [onehot_logits(shift_rows(targ, 1 + k)[0]).unsqueeze(0) for k in range(3)]  # all correct
     steps[2][0, 0] = onehot_logits(torch.tensor(5))  # row 0 step 2 wrong (wants token 3)
     valid, top1, topk = step_correct(steps, targ, lm, topk=2)
-    tau = simulated_tau(top1, valid[0])
+    tau = accepted_lengths(top1)[valid[0]].float()  # the accepted length per start row
     assert tau[0].item() == 3.0  # 1 + steps 0,1
     assert tau[1].item() == 4.0  # all three correct
     assert tau[-1].item() == 2.0  # last start row t = T-3: only step 0 (token T-1) lies inside the sequence
-    assert simulated_tau(top1, valid[0], depth=1).max().item() == 2.0
+    assert accepted_lengths(top1, depth=1)[valid[0]].max().item() == 2
     # top-2 contains the right token when the second-best logit is right
     steps[2][0, 0, 3] = 10.0
     _, top1b, topkb = step_correct(steps, targ, lm, topk=2)

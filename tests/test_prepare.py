@@ -115,13 +115,13 @@ def _greedy_one_by_one(target, prompt, cap):
     return ref
 
 
-def test_generate_batch_equals_one_by_one_greedy(tiny):
-    from specheads.train.regenerate import generate_batch
+def test_regenerate_batch_equals_one_by_one_greedy(tiny):
+    from specheads.train.regenerate import regenerate_batch
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 9, 5, 4, 6, 2, 8, 3, 7, 5)]
     caps = [4, 2, 5, 1, 3, 6, 2, 4, 5, 1]  # finished rows linger until 1/8 of the batch is done, then are dropped
-    got = generate_batch(tiny, prompts, caps)
+    got = regenerate_batch(tiny, prompts, caps)
     for p, cap, out in zip(prompts, caps, got):
         assert out == _greedy_one_by_one(tiny, p, cap)
 

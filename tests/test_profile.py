@@ -1,5 +1,5 @@
 """The verification-cost profile (scheduling/profile.py, read through scheduling/costs.py) and the tree-choice
-arithmetic on it (scheduling/autotree.py): best-first trees against brute force, the choice on synthetic cost
+arithmetic on it (infer/autotree.py): best-first trees against brute force, the choice on synthetic cost
 profiles, acceptance counting, and the cached profile on the tiny target."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import specheads.infer.scheduling.profile as prof_mod
-from specheads.infer.scheduling.autotree import acceptance_matrix, best_first_paths, choose_tree, monotone_in_rank
+from specheads.infer.autotree import acceptance_matrix, best_first_paths, choose_tree, monotone_in_rank
 from specheads.infer.scheduling.costs import cost_drop, interp_cost, isotonic
 from specheads.infer.scheduling.profile import load_or_profile, measure_verify_cost, profile_noise
 from specheads.infer.tree import DraftTree

@@ -217,15 +217,18 @@ def test_dspark_scheduled_steps_record_their_expectations(tiny):
     head = dspark_head(tiny)
     p = [5, 6, 7, 8, 9, 10] * 3
     auto = generate(tiny, DSparkDrafter(head, scheduler=Scheduler(FLAT, 1e-3)), p, max_new_tokens=16).stats
-    assert auto.scheduled_steps == auto.target_forwards > 0
-    assert auto.expected_tau_sum >= auto.scheduled_steps and auto.expected_cost_sum >= auto.scheduled_steps
-    assert auto.tree_nodes <= auto.target_forwards * (1 + head.num_drafts + 2) and not auto.source_tokens  # 2 siblings
+    sc = auto.schedule
+    assert sc.scheduled_steps == auto.target_forwards > 0
+    assert sc.expected_tau_sum >= sc.scheduled_steps and sc.expected_cost_sum >= sc.scheduled_steps
+    assert auto.tree_nodes <= auto.target_forwards * (1 + head.num_drafts + 2) and not sc.source_tokens  # 2 siblings
     fixed = generate(tiny, DSparkDrafter(head, num_tokens=3), p, max_new_tokens=16).stats
-    assert fixed.scheduled_steps == 0 and fixed.tree_nodes == 4 * fixed.target_forwards  # every block's 3 drafts
+    assert fixed.schedule is None and fixed.tree_nodes == 4 * fixed.target_forwards  # every block's 3 drafts
+    assert fixed.to_dict()["scheduled_steps"] == 0 and auto.to_dict()["scheduled_steps"] == sc.scheduled_steps
     # a prohibitive cost curve: nothing pays, every step is plain decoding (τ 1) and says so
     prohibitive = {1: 1.0, 2: 50.0, 4: 150.0, 8: 350.0}
     steep = generate(tiny, DSparkDrafter(head, scheduler=Scheduler(prohibitive, 1e-3)), p, max_new_tokens=8).stats
-    assert steep.tree_nodes == steep.target_forwards and steep.expected_tau_sum == steep.scheduled_steps
+    assert steep.tree_nodes == steep.target_forwards
+    assert steep.schedule.expected_tau_sum == steep.schedule.scheduled_steps
 
 
 def test_union_replays_each_source_alone(tiny):
@@ -248,13 +251,13 @@ def test_union_replays_each_source_alone(tiny):
     for report, emitted, nodes in seen:
         assert set(report.sources) == {"dspark", "lookup"} and not any(report.censored.values())
         assert max(report.sources.values()) <= emitted
-    st = r.stats
+    st = r.stats.schedule
     assert st.oracle_tokens == sum(max(rep.sources.values()) for rep, _, _ in seen) and st.oracle_censored == 0
     assert set(st.source_tokens) == {"dspark", "lookup"} and st.oracle_cost_sum > 0
-    assert st.source_tokens["lookup"] > st.target_forwards  # the repeated prompt: lookup alone is right often
+    assert st.source_tokens["lookup"] > r.stats.target_forwards  # the repeated prompt: lookup alone is right often
     # sampling: the first source drafts alone (its own scheduler), nothing is replayed
     s = generate(tiny, union, p, max_new_tokens=8, temperature=1.0, seed=0, ignore_eos=True).stats
-    assert s.scheduled_steps == s.target_forwards and not s.source_tokens
+    assert s.schedule.scheduled_steps == s.target_forwards and not s.schedule.source_tokens
 
 
 class Slow(ScoredDrafter):
@@ -290,7 +293,8 @@ def test_union_rests_a_source_whose_pass_does_not_pay(tiny):
     assert r.ids == hf_greedy(tiny, p, 40)
     st = r.stats
     assert slow.passes <= st.target_forwards // 2, (slow.passes, st.target_forwards)
-    assert st.source_steps["slow"] == slow.passes and st.source_steps["lookup"] == st.scheduled_steps
+    assert st.schedule.source_steps["slow"] == slow.passes
+    assert st.schedule.source_steps["lookup"] == st.schedule.scheduled_steps
     assert "lookup" not in union.resting
 
 
@@ -354,7 +358,7 @@ def test_profile_pricing_makes_the_same_choices_whatever_the_clock(tiny, monkeyp
         drafter.propose = lambda ctx: seen.append(inner(ctx)) or seen[-1]
         r = generate(tiny, drafter, p, max_new_tokens=24, ignore_eos=True)
         assert r.ids == hf_greedy(tiny, p, 24) and any(len(t) > 1 for t in seen)  # drafts were verified
-        return [(t.tokens.tolist(), t.parents.tolist()) for t in seen], r.stats.source_steps  # (a rested source)
+        return [(t.tokens.tolist(), t.parents.tolist()) for t in seen], r.stats.schedule.source_steps  # (a rested source)
 
     def union(delay):
         return combine_drafters(tiny, [Costly(clock, delay)], lookup=6,

@@ -190,7 +190,7 @@ def test_one_clear_line_where_the_draft_cannot_run(tiny):
 def test_bench_methods_on_the_tiny_target(tiny, tmp_path, monkeypatch):
     from specheads.infer import resolve
     from specheads.infer.bench import BenchSettings, MethodOptions, build_methods, run_bench
-    from specheads.infer.bench.prompts import BenchPrompt
+    from specheads.prompts import BenchPrompt
     from test_bench import ByteTok
 
     tiny.tokenizer = ByteTok()

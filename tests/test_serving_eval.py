@@ -67,7 +67,7 @@ def test_dev_walk_tau_equals_served_chain_tau(tiny):
     target forward, prefill included) is the teacher-forced walk τ over that answer, answer by answer."""
     from specheads.infer.drafters import build_drafter
     from specheads.infer.generate import generate
-    from specheads.infer.head_eval import answer_batch
+    from specheads.train.head_eval import answer_batch
     from specheads.train.evaluate import EvalConfig, evaluate
     from specheads.train.layout import resolve_layers
 
@@ -97,7 +97,7 @@ def test_dev_walk_tau_equals_served_chain_tau(tiny):
 def test_trainer_scores_every_held_out_sample_and_the_dev_set(tiny, tmp_path, monkeypatch):
     import json
 
-    import specheads.infer.head_eval as head_eval
+    import specheads.train.head_eval as head_eval
     from test_eval import ByteTok
     from test_train import make_recipe, token_samples
 
@@ -154,7 +154,7 @@ def test_dev_set_refuses_a_benchmark_and_select_needs_it(tmp_path):
 
 
 def test_sharegpt_dev_is_balanced_and_excludes_training_ids():
-    from specheads.infer.bench.prompts import MT_BENCH_CATEGORIES, load_sharegpt_dev, request_kind
+    from specheads.prompts import MT_BENCH_CATEGORIES, load_sharegpt_dev, request_kind
 
     assert request_kind("Write a poem about the sea") == "writing"
     assert request_kind("Fix this python function") == "coding"

@@ -8,7 +8,7 @@ from specheads.utils import SpecheadsError
 
 def test_tiny_target_facts(tiny):
     assert tiny.hidden_size == 64 and tiny.num_layers == 4 and tiny.vocab_size == 256
-    assert not tiny.tied_embeddings
+    assert tiny.embed_tokens.weight.data_ptr() != tiny.lm_head.weight.data_ptr()  # untied
     assert not any(p.requires_grad for p in tiny.model.parameters())
     ids = torch.randint(0, 256, (1, 7))
     out = tiny.model(ids, output_hidden_states=True)
@@ -38,7 +38,7 @@ def test_bad_paths(tmp_path):
 def test_smollm2_from_cache(smollm2):
     t = smollm2
     assert (t.hidden_size, t.num_layers, t.vocab_size) == (576, 30, 49152)
-    assert t.tied_embeddings and t.eos_token_ids[0] == 2
+    assert t.embed_tokens.weight.data_ptr() == t.lm_head.weight.data_ptr() and t.eos_token_ids[0] == 2  # tied
     assert t.tokenizer.chat_template and "<|im_start|>" in t.tokenizer.chat_template
     again = load_target("smollm2-135m", dtype="bfloat16")  # from the converted cache: no GGUF parse
     assert again.dtype == torch.bfloat16

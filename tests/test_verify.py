@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from specheads.infer.engine.kvcache import keep_accepted, prepare_cache
+from specheads.kvcache import keep_accepted, prepare_cache
 from specheads.infer.tree import DraftTree
 from specheads.infer.verify import (SamplingParams, target_probs, verify_greedy, verify_sampling,
                                     verify_typical_lossy)

@@ -1,10 +1,12 @@
-"""The flags `specheads generate` and `specheads bench` (single and batched) share: one spelling per idea, one help
-text, one dtype default. Old spellings stay accepted for one release as hidden aliases that print a one-line notice
-naming the new flag:
+"""The flags `specheads generate`, `bench` (single and batched), `eval` and `export` share: one spelling per idea,
+one help text, one dtype table (utils.DTYPE_NAMES). Old spellings stay accepted for one release as hidden aliases
+that print a one-line notice naming the new flag:
 
-    --head-lookup N     -> --lookup N
-    --draft-layers N    -> --draft-model truncated:N
-    --draft-target M    -> --draft-model M
+    --head-lookup N                    -> --lookup N
+    --draft-layers N                   -> --draft-model truncated:N
+    --draft-target M                   -> --draft-model M
+    bench --draft-tokens N             -> --tree draft-model=N   (a draft model's chain: generate --tree N)
+    eval --tree-depth D --tree-width K -> --tree D,K             (a tree's depth and top-k: generate --tree D,K,TOTAL)
 """
 from __future__ import annotations
 
@@ -14,29 +16,30 @@ from typing import Any
 
 import torch
 
+from specheads.infer.drafters.draft_model import TRUNCATED, draft_model_source
 from specheads.infer.scheduling.step import PRICINGS
-from specheads.target import DTYPES
-from specheads.utils import SpecheadsError
+from specheads.utils import DTYPE_NAMES, SpecheadsError
 
 DEFAULT_DTYPE = "float32"  # exact: greedy speculative output equals plain decoding token for token
-TRUNCATED = "truncated:"  # --draft-model truncated:N = the target's first N layers as the draft
 DEFAULT_DRAFT_LAYERS = 4  # generate --drafter draft-model without --draft-model
+DRAFT_MODEL_LABEL = "draft-model"  # bench --tree draft-model=N: the draft-model method's chain length
+EVAL_TREE = (4, 2)  # eval's simulated tree (depth, top-k) without --tree
 
 
 class _Renamed(argparse.Action):
     """A flag's old spelling: hidden from --help, prints one line naming the new flag, stores into the new flag's
     dest (through `convert`) and remembers how the value was spelled (`spelled`) for error messages."""
 
-    def __init__(self, option_strings, dest, new: str, convert=None, **kw):
+    def __init__(self, option_strings, dest, new: str, convert=None, append: bool = False, **kw):
         super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kw)
-        self.new, self.convert = new, convert
+        self.new, self.convert, self.append = new, convert, append  # append: the new flag is a repeatable one
 
     def __call__(self, parser, namespace, values, option_string=None):
         value = self.convert(values) if self.convert else values
         print(f"specheads: {option_string} is now {self.new}"
               f"{'' if self.convert is None else f' {value}'} (the old spelling goes in the next release)",
               file=sys.stderr)
-        setattr(namespace, self.dest, value)
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), value] if self.append else value)
         typed = dict(getattr(namespace, "_spelled", None) or {})
         typed[self.dest] = (option_string, values)
         namespace._spelled = typed
@@ -47,15 +50,18 @@ def spelled(args: argparse.Namespace, dest: str, flag: str) -> tuple[str, Any]:
     return (getattr(args, "_spelled", None) or {}).get(dest) or (flag, getattr(args, dest))
 
 
-def add_target(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="smollm2-135m",
-                   help="target: alias, hub id, local folder or .gguf file (default: smollm2-135m)")
+def add_target(p: argparse.ArgumentParser, default: str | None = "smollm2-135m", what: str = "") -> None:
+    p.add_argument("--target", default=default,
+                   help=f"target: alias, hub id, local folder or .gguf file (default: smollm2-135m{what})")
 
 
-def add_dtype(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=sorted(DTYPES),
-                   help=f"target dtype (default {DEFAULT_DTYPE}: greedy output equals plain decoding token for "
-                        "token; bf16 is faster on most CPUs, its batched verification rounds otherwise)")
+DTYPE_WHY = (f"default {DEFAULT_DTYPE}: greedy output equals plain decoding token for token; bf16 is faster on most "
+             "CPUs, its batched verification rounds otherwise")
+
+
+def add_dtype(p: argparse.ArgumentParser, default: str | None = DEFAULT_DTYPE, why: str = DTYPE_WHY) -> None:
+    """--dtype, one of utils.DTYPE_NAMES' spellings; `why` says the command's default (dtype_name: the full name)."""
+    p.add_argument("--dtype", default=default, choices=sorted(DTYPE_NAMES), help=f"target dtype ({why})")
 
 
 def add_engine(p: argparse.ArgumentParser) -> None:
@@ -97,6 +103,40 @@ def add_draft_model(p: argparse.ArgumentParser, what: str) -> None:
                    convert=lambda n: f"{TRUNCATED}{n}")
 
 
+def add_draft_tokens_alias(p: argparse.ArgumentParser) -> None:
+    """bench's old --draft-tokens N: the draft-model method's chain, now `--tree draft-model=N` (bench) as
+    `generate --drafter draft-model --tree N`."""
+    p.add_argument("--draft-tokens", dest="tree", action=_Renamed, new="--tree", append=True,
+                   convert=lambda n: f"{DRAFT_MODEL_LABEL}={n}")
+
+
+def add_eval_tree(p: argparse.ArgumentParser) -> None:
+    """eval's simulated full tree: --tree DEPTH,TOP_K (old spellings --tree-depth D, --tree-width K)."""
+    p.add_argument("--tree", default=None, metavar="DEPTH,TOP_K",
+                   help=f"simulated full tree: depth and branching per depth, as generate's DEPTH,TOP_K,TOTAL with "
+                        f"every node kept (default {EVAL_TREE[0]},{EVAL_TREE[1]})")
+    p.add_argument("--tree-depth", dest="tree_depth", type=int, default=None, action=_Renamed, new="--tree DEPTH,TOP_K")
+    p.add_argument("--tree-width", dest="tree_width", type=int, default=None, action=_Renamed, new="--tree DEPTH,TOP_K")
+
+
+def eval_tree(args: argparse.Namespace) -> tuple[int, int]:
+    """eval's (depth, top-k) from --tree DEPTH,TOP_K, or the old --tree-depth / --tree-width (not both spellings)."""
+    old = (args.tree_depth, args.tree_width)
+    if args.tree is None:
+        depth, width = (o if o is not None else d for o, d in zip(old, EVAL_TREE))
+        for flag, value in (("--tree-depth", depth), ("--tree-width", width)):
+            if value < 1:
+                raise SpecheadsError(f"{flag} {value}: must be at least 1")
+        return depth, width
+    if old != (None, None):
+        raise SpecheadsError(f"--tree {args.tree}: give the tree once (--tree DEPTH,TOP_K; not with --tree-depth / "
+                             "--tree-width)")
+    parts = [x.strip() for x in args.tree.split(",")]
+    if len(parts) != 2 or not all(x.isdigit() and int(x) >= 1 for x in parts):
+        raise SpecheadsError(f"--tree {args.tree}: expected DEPTH,TOP_K, two whole numbers of at least 1 (e.g. 4,2)")
+    return int(parts[0]), int(parts[1])
+
+
 def add_skip_layers(p: argparse.ArgumentParser) -> None:
     """--skip-layers auto|search|SPEC: the sublayers a layer-skip draft leaves out (drafters/self_spec.py)."""
     p.add_argument("--skip-layers", default="auto", metavar="auto|search|SPEC",
@@ -108,7 +148,7 @@ def add_skip_layers(p: argparse.ArgumentParser) -> None:
 
 def dtype_name(text: str) -> str:
     """--dtype by its full name (float32, bfloat16, float16), as results.json records it."""
-    return str(DTYPES[text]).removeprefix("torch.")
+    return DTYPE_NAMES[text]
 
 
 def draft_model_options(args: argparse.Namespace) -> dict:
@@ -118,11 +158,8 @@ def draft_model_options(args: argparse.Namespace) -> dict:
     spec = args.draft_model or f"{TRUNCATED}{DEFAULT_DRAFT_LAYERS}"
     if not spec.startswith(TRUNCATED):
         return {"draft_target": spec, "draft_layers": DEFAULT_DRAFT_LAYERS}
-    n = spec[len(TRUNCATED):].strip()
-    if not n.lstrip("-").isdigit() or int(n) < 1:
-        flag, value = spelled(args, "draft_model", "--draft-model")
-        raise SpecheadsError(f"{flag} {value}: must be at least 1 (target layers the draft keeps)")
-    return {"draft_target": None, "draft_layers": int(n)}
+    flag, value = spelled(args, "draft_model", "--draft-model")
+    return draft_model_source(spec, shown=f"{flag} {value or spec}")
 
 
 def set_threads(threads: int | None) -> None:

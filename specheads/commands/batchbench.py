@@ -8,8 +8,7 @@ from specheads.commands import args as shared
 from specheads.infer.bench.batch import (BatchBenchSettings, batch_markdown, build_batch_methods, check_batch_sizes,
                                          run_batch_bench)
 from specheads.infer.bench.names import check_batch_methods, default_batch_methods, head_entries
-from specheads.infer.bench.prompts import encode_turn, load_prompts
-from specheads.infer.bench.prompts import calibration_ids
+from specheads.prompts import calibration_ids, encode_turn, load_prompts
 from specheads.utils import SpecheadsError
 
 BATCH_WARMUP_TOKENS = 8  # at most this many untimed warm-up tokens per method and batch size

@@ -14,12 +14,11 @@ from specheads.infer.bench import BenchSettings, MethodOptions, build_methods, m
 from specheads.infer.bench.methods import check_lookup_tokens
 from specheads.infer.bench.names import (HEAD_LOOKUP_TOKENS, check_method_names, default_methods, head_entries,
                                          head_trees, needs_heads)
-from specheads.infer.bench.prompts import first_turn_ids, load_prompts
 from specheads.infer.drafters import parse_tree
 from specheads.infer.drafters.plugins import load_plugins
 from specheads.infer.engine.runner import runner_for
-from specheads.infer.bench.prompts import calibration_ids
 from specheads.infer.verify import SamplingParams
+from specheads.prompts import calibration_ids, first_turn_ids, load_prompts
 from specheads.utils import SpecheadsError
 
 log = logging.getLogger(__name__)
@@ -32,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "head:LABEL, LABEL defaulting to the head kind, e.g. head:eagle3, head:dspark)")
     shared.add_draft_model(p, "the `draft-model` method's draft: a small model sharing the target's vocabulary, or "
                               "truncated:N (the target's first N layers)")
-    p.add_argument("--draft-tokens", type=int, default=4, help="draft-model: chain length per step (default 4 tokens)")
+    shared.add_draft_tokens_alias(p)
     shared.add_skip_layers(p)
     p.add_argument("--dataset", default="mt-bench",
                    help="mt-bench | humaneval | sharegpt:START | FILE.jsonl (\"prompt\" or \"turns\" per line)")
@@ -60,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(repeat the flag: e.g. --tree eagle3=2,2,6 --tree dspark=7): auto (default: EAGLE / Medusa heads: profile "
                         "this machine, choose size and depth; DSpark heads: the per-step scheduler); EAGLE heads: "
                         "DEPTH,TOP_K,TOTAL (e.g. 4,4,16); Medusa heads: chain:K, JSON rank paths or default; DSpark "
-                        "heads: K or chain:K draft tokens per step")
+                        "heads: K or chain:K draft tokens per step; draft-model=N: the draft-model method's chain "
+                        "(default 4 tokens, as generate --drafter draft-model --tree N)")
     shared.add_lookup(p, HEAD_LOOKUP_TOKENS,
                       f"chain length of the +lookup and combo methods: up to N prompt-lookup tokens offered to the "
                       f"scheduler each step (default {HEAD_LOOKUP_TOKENS}, HF prompt lookup's candidate tokens per "
@@ -101,16 +101,27 @@ def method_options(args: argparse.Namespace) -> MethodOptions:
     if args.llamacpp_p_min is not None and not 0.0 <= args.llamacpp_p_min <= 1.0:
         raise SpecheadsError(f"--llamacpp-p-min {args.llamacpp_p_min}: expected a confidence in [0, 1]")
     heads = head_entries(args.head)
-    trees = head_trees(args.tree, heads)
+    draft_tokens, tree_values = draft_model_chain(args.tree)
+    trees = head_trees(tree_values, heads)
     for head_dir in heads.values():
         config = read_head_config(Path(head_dir))
         parse_tree(trees[head_dir], config.kind, config)
     check_lookup_tokens(args.lookup, flag=shared.spelled(args, "lookup", "--lookup")[0])
     return MethodOptions(temperature=args.temperature, heads=heads, tree=trees,
                          refresh_profile=args.refresh_profile, pricing=args.pricing, lookup=args.lookup,
-                         draft_model=args.draft_model, draft_tokens=args.draft_tokens, threads=args.threads,
+                         draft_model=args.draft_model, draft_tokens=draft_tokens, threads=args.threads,
                          llamacpp_target=args.llamacpp_target, llamacpp_draft_max=args.llamacpp_draft_max,
                          llamacpp_p_min=args.llamacpp_p_min, skip_layers=args.skip_layers)
+
+
+def draft_model_chain(values: list[str] | None) -> tuple[int, list[str] | None]:
+    """--tree values -> (the draft-model method's chain, `--tree draft-model=N`, default 4; the heads' values)."""
+    ours = [v for v in values or [] if str(v).partition("=")[0] == shared.DRAFT_MODEL_LABEL]
+    if len(ours) > 1:
+        raise SpecheadsError(f"--tree {ours[1]}: the draft model has a chain already ({ours[0]})")
+    rest = [v for v in values or [] if v not in ours]
+    chain = ours[0].partition("=")[2].strip() if ours else "4"
+    return parse_tree(chain, "draft-model", flag=f"--tree {shared.DRAFT_MODEL_LABEL}").num_tokens, rest or None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,13 +4,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from specheads.utils import SpecheadsError
+from specheads.commands import args as shared
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--head", required=True, help="head folder (medusa, eagle, eagle3; native layout)")
-    p.add_argument("--target", default=None,
-                   help="target alias, HF folder, hub id or .gguf (default smollm2-135m; heldout:RUN: the run's)")
+    p.add_argument("--head", required=True, help="native head folder, any kind")
+    shared.add_target(p, default=None, what="; heldout:RUN: the run's")
     p.add_argument("--dataset", default="mt-bench",
                    help="mt-bench | humaneval | sharegpt:START (first user turns from conversation START on: past the "
                         "recipe's data.max_conversations they are unseen) | sharegpt-dev (the training dev set's "
@@ -18,29 +17,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "evaluated, with its settings: reproduces its training-time figures)")
     p.add_argument("--limit", type=int, default=8, help="prompts (MT-bench: categories interleaved; default 8)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens of each target answer (default 64)")
-    p.add_argument("--dtype", default=None, choices=["bf16", "fp32", "bfloat16", "float32"],
-                   help="target dtype (default bf16, as the recipes extract features; heldout:RUN: the run's)")
-    p.add_argument("--tree-width", type=int, default=2, help="simulated tree: branching per depth (default 2)")
-    p.add_argument("--tree-depth", type=int, default=4, help="simulated tree: depth (default 4)")
-    p.add_argument("--device", default=None)
+    shared.add_dtype(p, default=None, why="default bfloat16, as the recipes extract features; heldout:RUN: the run's")
+    shared.add_eval_tree(p)
+    shared.add_device(p)
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
     from specheads.heads.base import load_head
-    from specheads.infer.head_eval import evaluate_head_on_prompts
-    from specheads.infer.bench.prompts import load_prompts
+    from specheads.prompts import load_prompts
     from specheads.target import load_target
+    from specheads.train.head_eval import evaluate_head_on_prompts
 
-    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--tree-width", args.tree_width),
-                        ("--tree-depth", args.tree_depth)):
-        if value < 1:
-            raise SpecheadsError(f"{flag} {value}: must be at least 1")
+    shared.check_max_new_tokens(args.max_new_tokens)
+    tree_depth, tree_width = shared.eval_tree(args)
     if args.dataset.startswith("heldout:"):
         from specheads.train.heldout import evaluate_head_on_heldout, heldout_recipe
 
         recipe = heldout_recipe(args.dataset.split(":", 1)[1])
-        dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype, args.dtype) or recipe.target.dtype
+        dtype = shared.dtype_name(args.dtype) if args.dtype else recipe.target.dtype
         target = load_target(args.target or recipe.target.name, dtype=dtype, device=args.device,
                              trust_remote_code=recipe.target.trust_remote_code)
         head = load_head(args.head, target).eval()
@@ -48,11 +43,11 @@ def run(args: argparse.Namespace) -> int:
         args.max_new_tokens = None  # the stored answers, as the run wrote them
     else:
         prompts = load_prompts(args.dataset, args.limit)
-        dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype or "bf16", args.dtype)
+        dtype = shared.dtype_name(args.dtype or "bfloat16")
         target = load_target(args.target or "smollm2-135m", dtype=dtype, device=args.device)
         head = load_head(args.head, target).eval()
-        figures = evaluate_head_on_prompts(target, head, prompts, args.max_new_tokens, args.tree_width,
-                                           args.tree_depth, dataset=args.dataset)
+        figures = evaluate_head_on_prompts(target, head, prompts, args.max_new_tokens, tree_width, tree_depth,
+                                           dataset=args.dataset)
     result = {"head": args.head, "kind": head.config.kind, "dataset": args.dataset,
               "max_new_tokens": args.max_new_tokens, **figures}
     print(json.dumps(result) if args.json else table(result))

@@ -23,7 +23,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from specheads.heads.export_guards import GGUF_FILES, OWN_FILES, written_format  # noqa: F401 (their old home)
+from specheads.commands import args as shared
 from specheads.utils import SpecheadsError, atomic_dir
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "repo's default 10000 when absent) is not the target's: 'checkpoint' runs the head at its "
                         "own base as the EAGLE repo does, 'target' rebuilds it at the target's, N at base N "
                         "(default: such a mismatch is refused)")
-    p.add_argument("--dtype", default="float32", help="target dtype when --target is loaded (default float32)")
+    shared.add_dtype(p, why="when --target is loaded; default float32")
     p.add_argument("--verifier", default=None,
                    help="the verifier model the export names (every format; speculators also in its "
                         "speculators_config): default the head's target, our aliases as their hub id")

@@ -8,13 +8,12 @@ from pathlib import Path
 import specheads.target
 from specheads.commands import args as shared
 from specheads.heads.base import read_head_config
-from specheads.infer.bench.prompts import load_prompts
 from specheads.infer.drafters import build_drafter, check_lookup, drafter_kind, parse_tree
 from specheads.infer.drafters.plugins import load_plugins
 from specheads.infer.engine.generate import generate
 from specheads.infer.resolve import HeadResolver
-from specheads.infer.bench.prompts import calibration_ids
 from specheads.infer.verify import SamplingParams
+from specheads.prompts import calibration_ids, load_prompts
 from specheads.utils import SpecheadsError
 
 
@@ -146,11 +145,12 @@ def _report(res, args) -> None:
     print("    accepted per step: " + " ".join(f"{n}:{c}" for n, c in enumerate(s.accept_hist) if c), file=sys.stderr)
     print("    seconds: " + " ".join(f"{k} {v:.3f}" for k, v in t.items()) + f" prefill {s.prefill_s:.3f}",
           file=sys.stderr)
-    if s.scheduled_steps:  # the per-step scheduler's own prediction (infer/scheduling/step.py), and the sources alone
-        line = (f"    scheduler: expected τ {s.expected_tau_sum / s.scheduled_steps:.2f}, expected speedup "
-                f"{s.expected_tau_sum / max(s.expected_cost_sum, 1e-9):.2f}x over {s.scheduled_steps} steps")
-        if s.source_tokens:
-            alone = ", ".join(f"{k} {v / s.source_steps.get(k, s.scheduled_steps):.2f} ({s.source_steps.get(k, 0)} "
-                              "steps)" for k, v in s.source_tokens.items())
-            line += f"; alone τ: {alone}; oracle τ {s.oracle_tokens / s.scheduled_steps:.2f}"
+    sc = s.schedule
+    if sc is not None:  # the per-step scheduler's own prediction (infer/scheduling/step.py), and the sources alone
+        line = (f"    scheduler: expected τ {sc.expected_tau_sum / sc.scheduled_steps:.2f}, expected speedup "
+                f"{sc.expected_tau_sum / max(sc.expected_cost_sum, 1e-9):.2f}x over {sc.scheduled_steps} steps")
+        if sc.source_tokens:
+            alone = ", ".join(f"{k} {v / sc.source_steps.get(k, sc.scheduled_steps):.2f} "
+                              f"({sc.source_steps.get(k, 0)} steps)" for k, v in sc.source_tokens.items())
+            line += f"; alone τ: {alone}; oracle τ {sc.oracle_tokens / sc.scheduled_steps:.2f}"
         print(line, file=sys.stderr)

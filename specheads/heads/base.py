@@ -584,16 +584,3 @@ def last_row(h: torch.Tensor) -> torch.Tensor:
     T*D, and torch 2.13's CPU bf16 linear takes a path ~15x slower on such an input (measured: 220 ms instead of
     14 ms for SmolLM2's lm_head); index_select copies D values and avoids it."""
     return h.index_select(1, torch.tensor([h.shape[1] - 1], device=h.device))
-
-
-def select_cache(cache, keep: torch.Tensor) -> None:
-    """Keep only the cached positions `keep` ([M] long, ascending, absolute cache columns) in every layer of a
-    DynamicCache, in place: after a tree step, the accepted path's entries (e.g. prefix + accepted nodes) stay and
-    the rejected branches go. Sliding-window layers are refused (their bookkeeping is not positional)."""
-    for layer in getattr(cache, "layers", []):
-        if getattr(layer, "is_sliding", False):
-            raise NotImplementedError("select_cache: sliding-window cache layers are not supported")
-        if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
-            idx = keep.to(layer.keys.device)
-            layer.keys = layer.keys.index_select(-2, idx)
-            layer.values = layer.values.index_select(-2, idx)

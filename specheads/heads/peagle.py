@@ -36,7 +36,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specheads.heads.base import HeadConfig, causal_mask_4d, select_cache
+from specheads.heads.base import HeadConfig, causal_mask_4d
+from specheads.kvcache import select_columns
 from specheads.heads.eagle import build_layers
 from specheads.heads.eagle3 import Eagle3Head, eagle3_layer_config
 
@@ -155,7 +156,7 @@ class PEagleHead(Eagle3Head):
         mask = torch.zeros(allowed.shape, dtype=p.dtype).masked_fill_(~allowed, torch.finfo(p.dtype).min)
         pos = torch.arange(r, c + K - 1, device=p.device)[None]
         logits = self._rows(feats, toks, pos, mask[None, None].to(p.device), cache.kv)[0]  # [N,V']
-        select_cache(cache.kv, torch.arange(c))  # keep the true rows only
+        select_columns(cache.kv, torch.arange(c))  # keep the true rows only
         if n:
             cache.last = logits[n - 1]
         cache.rows, cache.pending = c, []

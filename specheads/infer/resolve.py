@@ -13,8 +13,8 @@ import torch
 
 from specheads.heads.base import load_head
 from specheads.infer.drafters import drafter_kind, parse_tree
+from specheads.infer import autotree
 from specheads.infer.engine import kernels
-from specheads.infer.scheduling import autotree
 from specheads.infer.scheduling.costs import t1_seconds
 from specheads.infer.scheduling.profile import load_or_profile
 from specheads.infer.scheduling.step import RULE as SCHEDULER_RULE

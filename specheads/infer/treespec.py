@@ -4,7 +4,7 @@ A drafter's family says how it grows its tree and therefore which forms `--tree`
 each drafter's family once):
 - dynamic (EAGLE, EAGLE-3): the EAGLE-2 dynamic tree, `DEPTH,TOP_K,TOTAL` (e.g. 5,8,48: expand the TOP_K best
   nodes per depth for DEPTH depths, keep the TOTAL best); rank paths (`chain:K`, JSON) are read as the dynamic tree
-  of their depth, widest rank and size; `auto` = the tree that pays on this machine (infer/scheduling/autotree.py);
+  of their depth, widest rank and size; `auto` = the tree that pays on this machine (infer/autotree.py);
 - static (Medusa): rank paths, `chain:K` = [[0], [0, 0], ...] or JSON such as [[0], [0, 0], [1]] (path of per-depth
   ranks), `default` = tree.DEFAULT_MEDUSA_CHOICES, or `auto`;
 - block (DSpark / DFlash block heads): `auto` = the per-step scheduler (infer/scheduling/step.py: each step verifies the

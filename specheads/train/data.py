@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from specheads.train.sources import SHOW_REASONS, LoadStats, Malformed, open_text, rows_from_source
-from specheads.utils import SpecheadsError, check_values
+from specheads.utils import DTYPE_NAMES, SpecheadsError, check_values
 
 log = logging.getLogger(__name__)
 MAX_CORPUS_CHARS = 1 << 30  # a data.mode text .txt file is one row read whole: bounded (an endless one is refused)
@@ -80,7 +80,7 @@ class DataConfig:
         check_mode_settings(self)
 
 
-REGEN_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")  # target.DTYPES
+REGEN_DTYPES = tuple(DTYPE_NAMES)  # the target dtypes a recipe may name
 
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",

@@ -125,7 +125,7 @@ class TokenDataset(torch.utils.data.Dataset):
 def collate(samples: Sequence[dict]) -> dict:
     """Right-pad samples -> {input_ids [B,T], loss_mask [B,T], attention_mask [B,T], hidden [B,T,F,D] (if present),
     target_greedy [B,T] (-1 padded) and target_lse [B,T] (if present)}. Works for FeatureDataset samples and for
-    tokenised rows (lists) used with OnlineFeatures."""
+    tokenised rows (lists) whose hidden states are extracted online (features.extract_features)."""
     ids = [torch.as_tensor(s["input_ids"], dtype=torch.long) for s in samples]
     T = max(len(x) for x in ids)
     B = len(samples)

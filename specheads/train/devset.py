@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from specheads.infer.bench.prompts import load_prompts, load_sharegpt_dev
+from specheads.prompts import load_prompts, load_sharegpt_dev
 from specheads.train.layout import features_dir
 from specheads.utils import SpecheadsError, atomic_write_json
 
@@ -59,7 +59,7 @@ def load_dev_prompts(recipe) -> list:
 
 def dev_answers(recipe, target, progress: bool = True) -> list[dict]:
     """[{id, category, prompt_ids, answer_ids}] from <output_dir>/dev/answers.json, or generated and written there."""
-    from specheads.infer.head_eval import target_answers
+    from specheads.train.head_eval import target_answers
 
     path = Path(recipe.output_dir) / "dev" / "answers.json"
     want = dev_settings(recipe, target)
@@ -86,7 +86,7 @@ def dev_answers(recipe, target, progress: bool = True) -> list[dict]:
 def dev_batches(rows: list[dict], target, layers: list[int], rank: int = 0, world: int = 1) -> list[dict]:
     """This process's share of the dev rows as one-sample batches with features; every process gets the same
     number of batches (a padding batch scores nothing), so a sharded head's collectives stay in step."""
-    from specheads.infer.head_eval import answer_batch
+    from specheads.train.head_eval import answer_batch
 
     per = -(-len(rows) // world)
     out = [answer_batch(target, r["prompt_ids"], r["answer_ids"], layers) for r in rows[rank::world]]

@@ -11,9 +11,9 @@ atomically), with its sha256. A killed run therefore leaves only whole, listed s
 never reads a partial file. `specheads prepare` then adds the target sidecars (teacher.write_target_sidecars).
 Training reads the folder through dataset.FeatureDataset.
 
-Online mode: `OnlineFeatures(target, layers)(batch)` adds `batch["hidden"] [B,T,F,D]` computed by
-`extract_features` on the batch (no grad), for data too big to cache; the trainer calls it per batch on the
-tokenised dataset (`<output_dir>/data/tokens`) collated with `dataset.collate`.
+Online mode: `extract_features(target, input_ids, attention_mask, layers)` on a collated batch (no grad) gives
+`hidden` [B,T,F,D], for data too big to cache; the trainer calls it per batch on the tokenised dataset
+(`<output_dir>/data/tokens`) collated with `dataset.collate`.
 Shapes: B batch, T sequence, F feature layers, D hidden.
 """
 from __future__ import annotations
@@ -29,9 +29,8 @@ from typing import Sequence
 
 import torch
 
-from specheads.train.shards import (FORMAT, MANIFEST, check_features_folder, commit_file, raise_write_error,
-                                    sha256_file, shard_name)
-from specheads.utils import SpecheadsError, atomic_write_json, check_values
+from specheads.train.shards import FORMAT, MANIFEST, check_features_folder, commit_file, raise_write_error, shard_name
+from specheads.utils import SpecheadsError, atomic_write_json, check_values, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -87,20 +86,6 @@ def extract_features(target, input_ids: torch.Tensor, attention_mask: torch.Tens
                       return_dict=True)
     hs = out.hidden_states  # tuple of L+1 [B,T,D] (None where not selected)
     return torch.stack([hs[i] for i in layers], dim=2)  # [B,T,F,D]
-
-
-class OnlineFeatures:
-    """Online mode: `batch = OnlineFeatures(target, layers)(batch)` adds `hidden` [B,T,F,D] (no grad, target dtype)
-    to a collated batch (`input_ids`, `attention_mask`). Same contract as a FeatureDataset batch."""
-
-    def __init__(self, target, layers: Sequence[int]):
-        self.target = target
-        self.layers = list(layers)
-
-    def __call__(self, batch: dict) -> dict:
-        batch = dict(batch)
-        batch["hidden"] = extract_features(self.target, batch["input_ids"], batch.get("attention_mask"), self.layers)
-        return batch
 
 
 def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
@@ -213,7 +198,7 @@ def write_features(target, tokens, folder: str | os.PathLike, layers: Sequence[i
     done: dict[int, dict] = {}
     for s in manifest["shards"]:
         p = folder / s["file"]
-        if p.exists() and p.stat().st_size == s["bytes"] and (not verify or sha256_file(p)[0] == s["sha256"]):
+        if p.exists() and p.stat().st_size == s["bytes"] and (not verify or sha256_file(p) == s["sha256"]):
             done[s["index"]] = s
         else:
             log.warning("%s: listed shard %s missing, wrong size or damaged; it will be rewritten", folder, s["file"])

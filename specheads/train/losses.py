@@ -351,11 +351,6 @@ def accepted_lengths(correct: torch.Tensor, depth: int | None = None) -> torch.T
     return 1 + torch.cumprod(c.long(), dim=0).sum(0)
 
 
-def simulated_tau(correct: torch.Tensor, start: torch.Tensor, depth: int | None = None) -> torch.Tensor:
-    """[K,B,T] bool -> [N] accepted length per start row (`start` [B,T] bool: the rows where drafting starts)."""
-    return accepted_lengths(correct, depth)[start].float()
-
-
 # --------------------------------------------------------------------------------------- DSpark / DFlash blocks
 
 

@@ -15,15 +15,17 @@ the file's order is the tokens', shards' and so the trained head's order. Sampli
 answer from a generator of its own, seeded by (seed, conversation id, turn): a resumed run samples what the
 uninterrupted one sampled. So a regeneration killed and rerun ends as one uninterrupted run, order included.
 
-Efficiency on CPU: a decode step has a large fixed cost (63 ms for 8 rows, 187 ms for 64, SmolLM2 bf16, 2 cores),
-so the batch is kept full: when fewer than `REFILL_BELOW` x batch_size rows are still decoding, the next waiting
-prompts are prefilled (one left-padded forward, last position's logits only) and merged into the live batch, whose
-cache is left-padded to the longer of the two (RoPE is applied before caching and positions are given per row, so
-moving a row's entries right changes nothing). Finished rows are decoded along, ignored, until `COMPACT_AT` of the
-batch has finished, then dropped in one copy (cache, mask, positions, and the cache columns no live row uses).
-Cache layers write each step in place (engine/kvcache.py BufferedLayer). Prompts wait in order of their length
+Efficiency on CPU: a decode step has a large fixed cost (measured when this loop was written: 63 ms for 8 rows,
+187 ms for 64, SmolLM2 bf16, 2 cores), so the batch is kept full: when fewer than `REFILL_BELOW` x batch_size rows
+are still decoding, the next waiting prompts are prefilled (one left-padded forward, last position's logits only)
+and merged into the live batch, whose cache is left-padded to the longer of the two (RoPE is applied before caching
+and positions are given per row, so moving a row's entries right changes nothing). Finished rows are decoded along,
+ignored, until `COMPACT_AT` of the batch has finished, then dropped in one copy (cache, mask, positions, and the
+cache columns no live row uses).
+Cache layers write each step in place (specheads/kvcache.py BufferedLayer). Prompts wait in order of their length
 (length bucketing).
-Measured: docs/architecture.md (245 vs 216 tokens/s for the previous chunked loop).
+Measured once, when it was written: 245 tokens/s against 216 for the chunked loop before it (192 ShareGPT first
+turns, bf16, 64 rows; docs/architecture.md).
 A conversation stops at the first turn whose prompt already fills `max_length` (what follows would be truncated
 away by tokenisation).
 Plain text (data.mode text): `regenerate_texts` continues the first data.regen_prefix_tokens tokens of each window
@@ -42,7 +44,7 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
 
-from specheads.infer.engine.kvcache import buffered_cache, merge_caches, select_rows
+from specheads.kvcache import buffered_cache, merge_caches, select_rows
 from specheads.target import chat_prompt_ids
 from specheads.train.data import (chat_tokenizer, conversation_features, load_conversations, render_segments,
                                   special_tokens, tokenize_texts)
@@ -116,7 +118,6 @@ def generate_stream(target, work: deque, batch_size: int, temperature: float = 0
     tokens then do not depend on which rows share its batch)."""
     model, dev = target.model, target.device
     eos = set(target.eos_token_ids)
-    ck = _cache_kw(model)
     answers: dict[Hashable, list[int]] = {}
     caps: dict[Hashable, int] = {}
     gens: dict[Hashable, torch.Generator] = {}  # per answer, with `seeds` when sampling
@@ -161,7 +162,7 @@ def generate_stream(target, work: deque, batch_size: int, temperature: float = 0
             pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [n,T]
             cache, mergeable = buffered_cache(model)
             can_merge = can_merge and mergeable
-            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, **{ck: cache}, use_cache=True,
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
                         logits_to_keep=1)
             fresh = _Batch(cache, mask, pos[:, -1] + 1, pos.new_zeros(len(new)), [k for k, _, _ in new])
             yield from advance(fresh, out.logits[:, -1].float())
@@ -175,28 +176,22 @@ def generate_stream(target, work: deque, batch_size: int, temperature: float = 0
             return
         live.mask = torch.cat([live.mask, live.mask.new_ones(len(live.keys), 1)], dim=1)
         out = model(input_ids=live.tok[:, None], attention_mask=live.mask, position_ids=live.pos[:, None],
-                    **{ck: live.cache}, use_cache=True)
+                    cache=live.cache, use_cache=True)
         live.pos = live.pos + 1
         yield from advance(live, out.logits[:, -1].float())
 
 
-def generate_batch(target, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int] | int,
-                   temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None
-                   ) -> list[list[int]]:
+def regenerate_batch(target, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int] | int,
+                     temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None
+                     ) -> list[list[int]]:
     """Continue each prompt (token ids), all in one batch, until an end-of-sequence token or its own
-    `max_new_tokens`. Returns the new tokens per prompt, without the end token. Greedy when temperature == 0."""
+    `max_new_tokens`. Returns the new tokens per prompt, without the end token. Greedy when temperature == 0.
+    (Regeneration's decoder, plain batched; the speculative one is infer/engine/batch.generate_batch.)"""
     B = len(prompts)
     caps = [int(max_new_tokens)] * B if isinstance(max_new_tokens, int) else [int(c) for c in max_new_tokens]
     work = deque((i, p, c) for i, (p, c) in enumerate(zip(prompts, caps)))
     got = dict(generate_stream(target, work, max(B, 1), temperature, top_p, generator, refill_below=0.0))
     return [got[i] for i in range(B)]
-
-
-def _cache_kw(model) -> str:
-    """transformers >= 5.24 names the cache argument `cache` (`past_key_values` is deprecated)."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator, rows=None) -> torch.Tensor:

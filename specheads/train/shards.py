@@ -12,13 +12,12 @@ in the manifest (itself replaced atomically): a killed run leaves only whole, li
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Sequence
 
-from specheads.utils import SpecheadsError, as_write_error, read_text_bounded, remove_quietly
+from specheads.utils import SpecheadsError, as_write_error, read_text_bounded, remove_quietly, sha256_file
 
 FORMAT = "specheads-features/1"  # sidecars are optional keys: older readers ignore them, so the version stays
 TARGETS_FORMAT = "specheads-targets/1"
@@ -92,7 +91,7 @@ def commit_file(write, final: Path) -> tuple[str, int]:
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     try:
         write(str(tmp))
-        digest, size = sha256_file(tmp)
+        digest, size = sha256_file(tmp), tmp.stat().st_size
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -108,16 +107,6 @@ def raise_write_error(e: BaseException, path: Path, kept: str):
     if err is None:
         raise e
     raise err from None
-
-
-def sha256_file(path: Path) -> tuple[str, int]:
-    h = hashlib.sha256()
-    n = 0
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):  # 16 MiB reads
-            h.update(chunk)
-            n += len(chunk)
-    return h.hexdigest(), n
 
 
 _VERIFIED: set[tuple[str, int, int]] = set()  # (path, size, mtime) of shards whose sha256 this process checked
@@ -137,7 +126,7 @@ def check_shard(path: Path, entry: dict, full: bool = True) -> None:
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     if not full or key in _VERIFIED:
         return
-    if sha256_file(path)[0] != entry["sha256"]:
+    if sha256_file(path) != entry["sha256"]:
         raise SpecheadsError(f"{path}: sha256 differs from the manifest's (the file is damaged); rerun `specheads "
                              f"prepare --verify` to rewrite it")
     _VERIFIED.add(key)
@@ -149,7 +138,7 @@ def sidecar_ok(folder: Path, entry: dict, verify: bool) -> bool:
     if not t or t.get("shard_sha256") != entry["sha256"]:
         return False
     p = folder / t["file"]
-    return p.exists() and p.stat().st_size == t["bytes"] and (not verify or sha256_file(p)[0] == t["sha256"])
+    return p.exists() and p.stat().st_size == t["bytes"] and (not verify or sha256_file(p) == t["sha256"])
 
 
 def sidecars_usable(manifest: dict, dtype: str | None = None) -> str | None:
@@ -173,7 +162,7 @@ def verify_features(folder: str | os.PathLike) -> list[str]:
     bad = []
     for s in manifest["shards"]:
         try:
-            digest, _ = sha256_file(folder / s["file"])
+            digest = sha256_file(folder / s["file"])
         except FileNotFoundError:
             bad.append(s["file"])
             continue

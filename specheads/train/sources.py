@@ -41,11 +41,6 @@ class LoadStats:
         if len(self.examples) < SHOW_REASONS:
             self.examples.append(f"{where}: {reason}")
 
-    def as_dict(self) -> dict:
-        return {"source": self.source, "rows_read": self.rows_read, "kept": self.kept, "skipped": self.skipped,
-                "skip_reasons": dict(self.reasons), "skip_examples": list(self.examples),
-                "truncated_tail": self.truncated_tail, "stopped_early": self.stopped_early,
-                "empty_turns": self.empty_turns}
 
 
 def open_text(path: Path):

@@ -8,7 +8,6 @@
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from specheads.heads.base import HeadConfig, check_target
-from specheads.utils import SpecheadsError
+from specheads.utils import SpecheadsError, sha256_file
 
 SPECULATIVE_TOKENS = 3  # speculators' greedy proposal default (its EAGLE-3 converter writes 3)
 HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # our aliases -> the id serving engines load
@@ -51,7 +50,7 @@ def is_head_target(cfg: HeadConfig, path: str) -> bool:
     if p.is_file() and p.suffix == ".gguf":
         try:
             own = Path(TARGET_ALIASES[cfg.target_name]())
-            return os.path.samefile(p, own) or _sha256(p) == _sha256(own)
+            return os.path.samefile(p, own) or sha256_file(p) == sha256_file(own)
         except (KeyError, OSError, SpecheadsError):
             return False
     if not p.is_dir():
@@ -68,14 +67,6 @@ def is_head_target(cfg: HeadConfig, path: str) -> bool:
     if "embed" not in found:
         return False
     return target_fingerprint(found["embed"], found.get("lm_head", found["embed"])) == cfg.fingerprint
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def check_keys(tensors: dict, required: list[str], where: str) -> None:

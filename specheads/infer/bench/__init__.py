@@ -1,11 +1,12 @@
 """`specheads bench`: every method on the same prompts in one process, alternated prompt by prompt (or chunk by chunk
 with --batch-sizes), figures as ratios of totals in one run.
 
-records.py (RunRecord, Method, BenchSettings), prompts.py (MT-bench, HumanEval, ShareGPT, JSONL), names.py (the
+records.py (RunRecord and Method per turn, BatchRun and BatchMethod per chunk, BenchSettings), names.py (the
 method-name grammar, --head labels), methods.py (HF, ours, the union and draft-model methods), llamacpp/ (llama.cpp
 as an engine), metrics.py (τ, speedup, histograms, the scheduler's expected figures), report.py (results.json,
 results.md), plots.py, runner.py (the one runner: rotation, warm-up, checkpointing, Ctrl-C), batch.py (the batched
-sweep). Heads and trees are resolved by infer/resolve.py.
+sweep). Prompts: specheads/prompts.py (MT-bench, HumanEval, ShareGPT, JSONL). Heads and trees are resolved by
+infer/resolve.py.
 """
 from specheads.infer.bench.metrics import (DEFINITIONS, accept_histogram, compare, schedule_summary, step_breakdown,
                                            summarize)

@@ -34,7 +34,8 @@ from specheads.infer.bench.metrics import ratio
 from specheads.infer.bench.names import (PROMPT_LOOKUP_MAX_NGRAM, PROMPT_LOOKUP_NUM_TOKENS, check_batch_methods,
                                          expand_heads, split_sched)
 from specheads.infer.bench.plots import write_batch_plot
-from specheads.infer.bench.report import definitions_lines, fmt, write_results
+from specheads.infer.bench.records import BatchMethod, BatchRun
+from specheads.infer.bench.report import definitions_lines, fmt, header_lines, write_results
 from specheads.infer.bench.runner import Unit, run_meta, run_units
 from specheads.infer.drafters import NoDrafter, build_drafter
 from specheads.infer.engine.batch import generate_batch
@@ -58,34 +59,6 @@ DEFINITIONS = {
                        "tokens/s ratio to plain's on the same prompts, and the standard error of its log (the "
                        "noise band of 'not worse than plain': geomean x exp(+-2 se) holding 1.00)",
 }
-
-
-@dataclass
-class BatchRun:
-    """One method on one chunk of prompts."""
-
-    method: str
-    batch_size: int  # the sweep's batch size (the last chunk may hold fewer rows)
-    prompt_ids: list[str]
-    outputs: list[list[int]]  # new tokens per row
-    time_s: float
-    target_forwards: int  # batched forwards (prefills excluded for ours; HF's prefill counts, it emits a token)
-    row_forwards: int  # forwards x the rows in each; vanilla: one per new token (τ = 1.00)
-    timings: dict[str, float] | None = None  # ours: seconds per phase (batch.BatchStats.timings) and prefill
-
-    @property
-    def new_tokens(self) -> int:
-        return sum(len(o) for o in self.outputs)
-
-
-class BatchMethod:
-    """name, info, and run(prompts [rows of token ids], max_new_tokens, seed) -> BatchRun."""
-
-    name = "method"
-    info: dict[str, Any]
-
-    def run(self, prompts: list[list[int]], max_new_tokens: int, seed: int) -> BatchRun:  # pragma: no cover
-        raise NotImplementedError
 
 
 def _trim_at_eos(row: list[int], eos: set[int]) -> list[int]:
@@ -269,13 +242,10 @@ def batch_markdown(results: dict[str, Any]) -> str:
     s, per_b = results["settings"], results["batch_sizes"]
     env = results.get("environment", {})
     sizes = list(per_b)
-    lines = [f"# specheads bench --batch-sizes: {s['target']} on {s['dataset']}", "",
-             f"{results['num_prompts']} prompts, dtype {s['dtype']}, temperature {s['temperature']}, max "
-             f"{s['max_new_tokens']} new tokens per row, {env.get('gpu') or env.get('cpu') or 'unknown device'} "
-             f"({env.get('torch_threads')} threads), {results.get('date', '')}."
-             + ("" if results.get("complete") else " **Incomplete run (interrupted).**"), "",
-             "Speedup against vanilla at the same batch size (tokens/s, τ):", "",
-             "| method | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+    lines = header_lines(results, "specheads bench --batch-sizes", "row",
+                         env.get("gpu") or env.get("cpu") or "unknown device")
+    lines += ["Speedup against vanilla at the same batch size (tokens/s, τ):", "",
+              "| method | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
     for n in results["methods"]:
         cells = [f"{fmt(per_b[b][n]['speedup'], '.2f', 'x')} ({fmt(per_b[b][n]['tokens_per_s'], '.1f')}, "
                  f"{fmt(per_b[b][n]['tau'])})" for b in sizes]

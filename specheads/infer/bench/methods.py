@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -23,8 +23,8 @@ from specheads.infer.bench.names import (DRAFTER_PREFIX, HEAD_LOOKUP_TOKENS, LOO
                                          check_method_names, expand_heads, is_drafter_method, is_head_method,
                                          is_llamacpp_method, split_lookup)
 from specheads.infer.bench.records import Method, RunRecord
-from specheads.infer.drafters import build_drafter, combine_drafters, parse_tree
-from specheads.infer.engine.generate import generate
+from specheads.infer.drafters import build_drafter, combine_drafters, draft_model_source, parse_tree
+from specheads.infer.engine.generate import GenerationResult, generate
 from specheads.infer.resolve import HeadResolver
 from specheads.infer.scheduling.step import RULE as SCHEDULER_RULE
 from specheads.infer.scheduling.step import check_pricing
@@ -32,8 +32,6 @@ from specheads.infer.treespec import MAX_TREE_DEPTH, TreeSpec
 from specheads.utils import SpecheadsError
 
 log = logging.getLogger(__name__)
-SCHEDULE_FIELDS = ("scheduled_steps", "expected_tau_sum", "expected_cost_sum", "source_tokens", "source_steps",
-                   "oracle_tokens", "oracle_cost_sum", "oracle_censored")  # GenerationStats fields a record keeps
 
 
 # --------------------------------------------------------------------------------------------------- HF and ours
@@ -124,50 +122,18 @@ class OursGenerate(Method):
         return record_from_generation(self.name, res, len(input_ids), dt, self.target.tokenizer)
 
 
-def _get(obj: Any, key: str, default: Any = None) -> Any:
-    if isinstance(obj, dict):
-        return obj.get(key, default)
-    return getattr(obj, key, default)
-
-
-def record_from_generation(name: str, res: Any, prompt_len: int, dt: float, tokenizer) -> RunRecord:
-    """Adapt a GenerationResult (ids = new tokens or prompt + new; stats as a dict or object) into a RunRecord."""
-    stats = _get(res, "stats", {}) or {}
-    ids = _get(res, "ids")
-    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-    if ids and isinstance(ids[0], list):
-        ids = ids[0]
-    n_new = _get(stats, "new_tokens")
-    new = ids[-n_new:] if n_new else (ids[prompt_len:] if len(ids) > prompt_len else ids)
-    if n_new == 0:
-        new = []
-    fw = _get(stats, "target_forwards")
-    hist = _get(stats, "accept_hist")
-    step_tokens = None
-    if isinstance(hist, dict):
-        step_tokens = [int(k) for k, v in sorted(hist.items(), key=lambda kv: int(kv[0])) for _ in range(int(v))]
-    elif isinstance(hist, (list, tuple)) and all(isinstance(x, int) for x in hist):
-        # specheads.infer.generate: accept_hist[n] = steps that emitted n tokens
-        step_tokens = [k for k, v in enumerate(hist) for _ in range(int(v))]
-    if step_tokens is not None and fw is not None and (len(step_tokens) != fw or sum(step_tokens) != len(new)):
-        # prefill forward (one token) not in the histogram: add it so that mean(hist) == tau
-        if len(step_tokens) == fw - 1 and sum(step_tokens) == len(new) - 1:
-            step_tokens = [1] + step_tokens
-        else:
-            log.debug("%s: accept_hist does not add up (forwards %s, tokens %s); histogram kept as reported",
-                      name, fw, len(new))
-    phases = None
-    timings = _get(stats, "timings")
-    if isinstance(timings, dict) and timings:
-        phases = {str(k): float(x) for k, x in timings.items() if isinstance(x, (int, float))}
-        pre = _get(stats, "prefill_s")
-        if pre is not None:
-            phases["prefill"] = float(pre)
-    text = _get(res, "text") or (tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else "")
-    schedule = {k: _get(stats, k) for k in SCHEDULE_FIELDS} if _get(stats, "scheduled_steps") else None
+def record_from_generation(name: str, res: GenerationResult, prompt_len: int, dt: float, tokenizer) -> RunRecord:
+    """Adapt our loop's GenerationResult (ids: the new tokens) into a RunRecord: the accept histogram spread into
+    each step's tokens (prefill excluded: sum = target forwards), the phase seconds with the prefill's."""
+    stats = res.stats
+    new = list(res.ids)
+    step_tokens = [n for n, count in enumerate(stats.accept_hist) for _ in range(count)]
+    phases = {**{str(k): float(x) for k, x in stats.timings.items()}, "prefill": float(stats.prefill_s)}
+    text = res.text or (tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else "")
+    schedule = asdict(stats.schedule) if stats.schedule is not None else None
     return RunRecord(method=name, prompt_id="", category="", turn=0, prompt_tokens=prompt_len, new_tokens=len(new),
-                     time_s=dt, target_forwards=int(fw) if fw is not None else None, step_tokens=step_tokens,
-                     output_ids=list(new), text=text, phase_times=phases, schedule=schedule)
+                     time_s=dt, target_forwards=stats.target_forwards, step_tokens=step_tokens,
+                     output_ids=new, text=text, phase_times=phases, schedule=schedule)
 
 
 def hf_methods(target, temperature: float) -> dict[str, Callable[[], Method]]:
@@ -191,7 +157,7 @@ class MethodOptions:
     refresh_profile: bool = False  # measure the cost profile again before `--tree auto`
     lookup: int = HEAD_LOOKUP_TOKENS  # tokens of the prompt-lookup chain the +lookup and combo methods merge in
     draft_model: str | None = None  # the draft-model method's model: a name, or truncated:N (the target's N layers)
-    draft_tokens: int = 4  # the draft model's chain per step
+    draft_tokens: int = 4  # the draft model's chain per step (bench --tree draft-model=N)
     threads: int | None = None  # llama.cpp methods: llama-server -t (None = the cores this process may run on)
     llamacpp_target: str | None = None  # llama.cpp methods: the target GGUF (None = the target converted, cached)
     llamacpp_draft_max: int | None = None  # llama.cpp:LABEL: --spec-draft-n-max (None = llama.cpp's default, 3)
@@ -377,15 +343,8 @@ def build_draft_model_method(target, options: MethodOptions) -> Method:
     spec = options.draft_model
     if not spec:
         raise SpecheadsError("--methods draft-model: needs --draft-model NAME (or truncated:N)")
-    chain = parse_tree(str(options.draft_tokens), "draft-model", flag="--draft-tokens")
-    layers = {}
-    if spec.startswith("truncated:"):
-        n = spec.split(":", 1)[1]
-        if not n.strip().isdigit() or not 1 <= int(n) < target.num_layers:
-            raise SpecheadsError(f"--draft-model {spec!r}: expected truncated:N with N layers, "
-                                 f"1..{target.num_layers - 1}")
-        layers = {"draft_layers": int(n)}
-    drafter = build_drafter(target, "draft-model", chain, draft_target=None if layers else spec, **layers)
+    chain = parse_tree(str(options.draft_tokens), "draft-model", flag="--tree draft-model")
+    drafter = build_drafter(target, "draft-model", chain, **draft_model_source(spec))
     info = {"implementation": "specheads.infer.generate + DraftModelDrafter", "draft_model": spec,
             "draft_tokens": chain.num_tokens}
     return OursGenerate("draft-model", target, drafter, options.temperature, info)

@@ -1,6 +1,7 @@
-"""What one method reports for one prompt turn (`RunRecord`), the method interface (`Method`) and a single run's
-settings (`BenchSettings`): shared by the benchmark's methods, runner and report and by the engines it drives
-(bench/llamacpp/), so none imports another."""
+"""What a method reports and the interface it implements, for both benchmarks: one prompt turn (`RunRecord`,
+`Method`: single runs) and one chunk of rows (`BatchRun`, `BatchMethod`: the --batch-sizes sweep, bench/batch.py);
+a single run's settings (`BenchSettings`). Shared by the benchmark's methods, runner and report and by the engines
+it drives (bench/llamacpp/), so none imports another."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ class RunRecord:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     phase_times: dict[str, float] | None = None  # seconds per phase (ours only)
-    schedule: dict[str, Any] | None = None  # the scheduler's figures (GenerationStats SCHEDULE_FIELDS), ours only
+    schedule: dict[str, Any] | None = None  # the scheduler's figures (GenerationStats.schedule as a dict), ours only
 
 
 class Method:
@@ -31,6 +32,34 @@ class Method:
     info: dict[str, Any]
 
     def generate(self, input_ids: list[int], max_new_tokens: int) -> RunRecord:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@dataclass
+class BatchRun:
+    """One method on one chunk of prompts."""
+
+    method: str
+    batch_size: int  # the sweep's batch size (the last chunk may hold fewer rows)
+    prompt_ids: list[str]
+    outputs: list[list[int]]  # new tokens per row
+    time_s: float
+    target_forwards: int  # batched forwards (prefills excluded for ours; HF's prefill counts, it emits a token)
+    row_forwards: int  # forwards x the rows in each; vanilla: one per new token (τ = 1.00)
+    timings: dict[str, float] | None = None  # ours: seconds per phase (batch.BatchStats.timings) and prefill
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+
+class BatchMethod:
+    """name, info, and run(prompts [rows of token ids], max_new_tokens, seed) -> BatchRun."""
+
+    name = "method"
+    info: dict[str, Any]
+
+    def run(self, prompts: list[list[int]], max_new_tokens: int, seed: int) -> BatchRun:  # pragma: no cover
         raise NotImplementedError
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specheads.infer.bench.metrics import DEFINITIONS, compare, step_breakdown
-from specheads.infer.bench.prompts import MT_BENCH_CATEGORIES
 from specheads.infer.bench.records import BenchSettings, RunRecord
+from specheads.prompts import MT_BENCH_CATEGORIES
 from specheads.utils import atomic_write_json, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -59,15 +59,20 @@ def llamacpp_table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def header_lines(results: dict[str, Any], title: str, unit: str, device: str) -> list[str]:
+    """results.md's title and run line, single runs and the batched sweep alike (unit: turn | row)."""
+    s, env = results["settings"], results.get("environment", {})
+    return [f"# {title}: {s['target']} on {s['dataset']}", "",
+            f"{results['num_prompts']} prompts, dtype {s['dtype']}, temperature {s['temperature']}, max "
+            f"{s['max_new_tokens']} new tokens per {unit}, {device} ({env.get('torch_threads')} threads), "
+            f"{results.get('date', '')}." + ("" if results.get("complete") else " **Incomplete run (interrupted).**"),
+            ""]
+
+
 def markdown_table(results: dict[str, Any]) -> str:
-    s = results["settings"]
-    lines = [f"# specheads bench: {s['target']} on {s['dataset']}", "",
-             f"{results['num_prompts']} prompts, dtype {s['dtype']}, temperature {s['temperature']}, "
-             f"max {s['max_new_tokens']} new tokens per turn, {results['environment']['cpu'] or 'unknown CPU'}"
-             f" ({results['environment']['torch_threads']} threads), {results['date']}."
-             + ("" if results.get("complete") else " **Incomplete run (interrupted).**"), "",
-             "| method | tokens/s | τ | speedup | expected | identical | new tokens | target forwards |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = header_lines(results, "specheads bench", "turn", results["environment"]["cpu"] or "unknown CPU")
+    lines += ["| method | tokens/s | τ | speedup | expected | identical | new tokens | target forwards |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, m in results["methods"].items():
         o = m["overall"]
         lines.append(f"| {name} | {fmt(o['tokens_per_s'], '.1f')} | {fmt(o['tau'])} | {fmt(o['speedup'], '.2f', 'x')}"

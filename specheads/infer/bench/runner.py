@@ -17,9 +17,9 @@ import torch
 from tqdm.auto import tqdm
 
 from specheads.infer.bench.plots import write_plots
-from specheads.infer.bench.prompts import BenchPrompt, encode_turn
 from specheads.infer.bench.records import BenchSettings, Method, RunRecord
 from specheads.infer.bench.report import build_results, markdown_table, write_results
+from specheads.prompts import BenchPrompt, encode_turn
 from specheads.runinfo import command_line, environment
 from specheads.utils import SpecheadsError, atomic_write_json, atomic_write_text
 

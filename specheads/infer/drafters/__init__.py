@@ -9,7 +9,7 @@ from specheads.infer.drafters.dspark import DSparkDrafter
 import specheads.infer.drafters.domino  # noqa: F401  (registers the domino kind)
 from specheads.infer.drafters.peagle import PEagleDrafter
 from specheads.infer.drafters.prompt_lookup import PromptLookupDrafter
-from specheads.infer.drafters.draft_model import DraftModelDrafter, truncated_draft_model
+from specheads.infer.drafters.draft_model import DraftModelDrafter, draft_model_source, truncated_draft_model
 from specheads.infer.drafters.recycling import TokenRecyclingDrafter
 from specheads.infer.drafters.plain import NoDrafter
 from specheads.infer.drafters.self_spec import LayerSkipDrafter
@@ -23,4 +23,4 @@ __all__ = ["DRAFTERS", "DraftContext", "DraftModelDrafter", "Drafter", "DrafterK
            "LayerSkipDrafter", "MedusaDrafter", "NoDrafter", "PEagleDrafter", "PromptLookupDrafter", "ScheduledUnionDrafter", "ScoredDrafter",
            "ScoredLookupDrafter", "ScoredTreeDrafter", "TokenRecyclingDrafter", "build_drafter", "check_lookup",
            "combine_drafters", "drafter_kind", "emitted_tokens", "parse_tree", "register_drafter", "scored",
-           "tree_limits", "truncated_draft_model"]
+           "tree_limits", "truncated_draft_model", "draft_model_source"]

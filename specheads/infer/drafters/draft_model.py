@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from specheads.infer.drafters.registry import DrafterKind, register_drafter
-from specheads.infer.engine.kvcache import drop_tail
+from specheads.kvcache import drop_tail
 from specheads.infer.engine.protocol import DraftContext, Drafter
 from specheads.infer.tree import DraftTree, chain_tree
 from specheads.infer.treespec import TreeSpec
@@ -81,13 +81,28 @@ class DraftModelDrafter(Drafter):
         return chain_tree(ids[-1], drafts, q)
 
 
+TRUNCATED = "truncated:"  # --draft-model truncated:N = the target's first N layers as the draft
+
+
+def draft_model_source(spec: str, shown: str | None = None) -> dict:
+    """--draft-model NAME | truncated:N -> build_drafter's draft-model options: {"draft_target": NAME} or
+    {"draft_target": None, "draft_layers": N}. N is checked here as a count (at least 1), before any model loads;
+    against the target's layers by truncated_draft_model. shown: the flag and value as typed, for the error."""
+    if not spec.startswith(TRUNCATED):
+        return {"draft_target": spec}
+    n = spec[len(TRUNCATED):].strip()
+    if not n.lstrip("-").isdigit() or int(n) < 1:
+        raise SpecheadsError(f"{shown or f'--draft-model {spec}'}: must be at least 1 (target layers the draft keeps)")
+    return {"draft_target": None, "draft_layers": int(n)}
+
+
 def truncated_draft_model(target, num_layers: int = 4):
     """A cheap 'draft model' without training: a copy of the target keeping only its first num_layers decoder
     layers (plus final norm and lm_head). Shares weights with the target (no copy of the tensors)."""
     total = len(target.model.model.layers)
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= total - 1:
-        raise SpecheadsError(f"--draft-layers {num_layers}: must be 1..{total - 1} (the draft keeps the first N of "
-                             f"the target's {total} layers)")
+        raise SpecheadsError(f"--draft-model {TRUNCATED}{num_layers}: must be 1..{total - 1} (the draft keeps the "
+                             f"first N of the target's {total} layers)")
 
     model = copy.copy(target.model)  # shallow: submodules are shared by reference ...
     model._modules = dict(model._modules)  # ... but the module dicts are not (else the target would be cut too)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specheads.infer.drafters.registry import DrafterKind, register_drafter
-from specheads.infer.engine.kvcache import drop_tail
+from specheads.kvcache import drop_tail
 from specheads.infer.engine.protocol import DraftContext, Drafter
 from specheads.infer.tree import DraftTree, chain_tree, dynamic_tree, tree_from_parents
 from specheads.infer.treespec import TreeSpec

@@ -192,7 +192,7 @@ def resolve_skip(target, skip: str | SkipSet = "auto", calib_ids=None, verify_co
 
 def _mt_bench_ids(target):
     def ids():
-        from specheads.infer.bench.prompts import calibration_ids, load_prompts
+        from specheads.prompts import calibration_ids, load_prompts
 
         return calibration_ids(target.tokenizer, load_prompts("mt-bench"))
 

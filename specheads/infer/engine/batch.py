@@ -29,10 +29,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from specheads.infer.drafters.plain import NoDrafter
 from specheads.infer.engine.generate import (PHASES, GenerationResult, GenerationStats, Request, cut_at_stop,
                                              encode_prompt, phase_timer)
-from specheads.infer.engine.kvcache import (cache_columns, keep_accepted_rows, merge_caches, new_batch_cache,
+from specheads.kvcache import (cache_columns, keep_accepted_rows, merge_caches, new_batch_cache,
                                             select_rows)
 from specheads.infer.engine.protocol import DraftContext, Drafter
 from specheads.infer.tree import DraftTree
@@ -367,6 +366,6 @@ def generate_batch(target, make_drafter: Callable[[], Drafter] | None, prompts: 
     budgets)."""
     if not prompts:
         raise SpecheadsError("generate_batch: no prompts")
-    g = BatchGenerator(target, make_drafter or NoDrafter, verification=verification, scheduler=scheduler)
+    g = BatchGenerator(target, make_drafter or Drafter, verification=verification, scheduler=scheduler)
     return g.run(prompts, max_new_tokens, batch_size=batch_size, temperature=temperature, top_p=top_p, top_k=top_k,
                  eos_token_ids=eos_token_ids, stop_strings=stop_strings, seed=seed, ignore_eos=ignore_eos)

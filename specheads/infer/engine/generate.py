@@ -16,10 +16,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from specheads.infer.drafters.plain import NoDrafter
-from specheads.infer.engine.protocol import DraftContext, Drafter
+from specheads.infer.engine.protocol import DraftContext, Drafter, StepClock, StepReport
 from specheads.infer.engine.runner import runner_for
-from specheads.infer.scheduling.step import StepClock, StepReport
 from specheads.infer.tree import DraftTree
 from specheads.infer.verify import VERIFICATIONS, Accepted, SamplingParams, verifier
 from specheads.utils import SpecheadsError
@@ -27,6 +25,36 @@ from specheads.utils import SpecheadsError
 log = logging.getLogger(__name__)
 
 PHASES = ("draft", "tree", "target", "verify", "cache", "other")
+
+
+@dataclass
+class ScheduleStats:
+    """A scheduler's figures over a request's scheduled steps (scheduling/step.py): what it expected, in tokens and
+    in one-token target forwards t(1); for greedy unions of several sources, what each source's own proposal alone
+    would have emitted and the oracle that per step takes the better source (more tokens; equal: cheaper), priced
+    by the same cost model."""
+    scheduled_steps: int = 0
+    expected_tau_sum: float = 0.0  # Σ expected tokens per step (1 + Σ p over the verified nodes)
+    expected_cost_sum: float = 0.0  # Σ expected step cost, t(n)/t(1) + draft + loop, in t(1)
+    source_tokens: dict[str, int] = field(default_factory=dict)  # Σ per source of accepted + bonus, alone
+    source_steps: dict[str, int] = field(default_factory=dict)  # steps each source proposed on (not resting)
+    oracle_tokens: int = 0  # Σ of the better source's tokens
+    oracle_cost_sum: float = 0.0  # Σ of the better source's own step cost alone, t(1)
+    oracle_censored: int = 0  # steps where the better source's figure is only a lower bound
+
+    def add(self, report: StepReport) -> None:
+        """One scheduled step's expectations."""
+        self.scheduled_steps += 1
+        self.expected_tau_sum += report.expected_tau
+        self.expected_cost_sum += report.expected_cost
+        for name, n in report.sources.items():
+            self.source_tokens[name] = self.source_tokens.get(name, 0) + n
+            self.source_steps[name] = self.source_steps.get(name, 0) + 1
+        best = ("plain", 1, report.expected_cost, False) if report.rested else report.oracle()
+        if best is not None:
+            self.oracle_tokens += best[1]
+            self.oracle_cost_sum += best[2]
+            self.oracle_censored += int(best[3])
 
 
 @dataclass
@@ -42,17 +70,7 @@ class GenerationStats:
     timings: dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})  # seconds per phase
     tree_nodes: int = 0  # total tree nodes sent to the target (root included)
     stop_reason: str = ""  # eos | stop_string | max_new_tokens | context_window
-    # steps a scheduler chose (scheduling/step.py): what it expected, in tokens and in one-token target forwards t(1)
-    scheduled_steps: int = 0
-    expected_tau_sum: float = 0.0  # Σ expected tokens per step (1 + Σ p over the verified nodes)
-    expected_cost_sum: float = 0.0  # Σ expected step cost, t(n)/t(1) + draft + loop, in t(1)
-    # greedy unions of several sources: what each source's own proposal alone would have emitted, and the oracle
-    # that per step takes the better source (more tokens; equal: cheaper), priced by the same cost model
-    source_tokens: dict[str, int] = field(default_factory=dict)  # Σ per source of accepted + bonus, alone
-    source_steps: dict[str, int] = field(default_factory=dict)  # steps each source proposed on (not resting)
-    oracle_tokens: int = 0  # Σ of the better source's tokens
-    oracle_cost_sum: float = 0.0  # Σ of the better source's own step cost alone, t(1)
-    oracle_censored: int = 0  # steps where the better source's figure is only a lower bound
+    schedule: ScheduleStats | None = None  # the scheduler's figures; None when no step was scheduled
 
     def count_step(self, nodes: int, emitted: int, report: StepReport | None = None) -> None:
         """One target forward over `nodes` tree nodes that emitted `emitted` tokens (after a stop cut); `report`:
@@ -61,22 +79,17 @@ class GenerationStats:
         self.tree_nodes += nodes
         self.accept_hist.extend([0] * (emitted + 1 - len(self.accept_hist)))
         self.accept_hist[emitted] += 1
-        if report is None:
-            return
-        self.scheduled_steps += 1
-        self.expected_tau_sum += report.expected_tau
-        self.expected_cost_sum += report.expected_cost
-        for name, n in report.sources.items():
-            self.source_tokens[name] = self.source_tokens.get(name, 0) + n
-            self.source_steps[name] = self.source_steps.get(name, 0) + 1
-        best = ("plain", 1, report.expected_cost, False) if report.rested else report.oracle()
-        if best is not None:
-            self.oracle_tokens += best[1]
-            self.oracle_cost_sum += best[2]
-            self.oracle_censored += int(best[3])
+        if report is not None:
+            if self.schedule is None:
+                self.schedule = ScheduleStats()
+            self.schedule.add(report)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """One flat dict (`generate --json`'s "stats"): the core figures, then the schedule's (zeros when no step
+        was scheduled), the keys they always had."""
+        d = asdict(self)
+        d.pop("schedule")
+        return {**d, **asdict(self.schedule or ScheduleStats())}
 
 
 @dataclass
@@ -156,7 +169,7 @@ class SpeculativeGenerator:
 
     def __init__(self, target, drafter: Drafter | None = None, verification: str = "auto"):
         self.target = target
-        self.drafter = drafter or NoDrafter()
+        self.drafter = drafter or Drafter()  # the base drafter drafts nothing: plain decoding
         if verification not in VERIFICATIONS:
             raise SpecheadsError(f"verification {verification!r}: expected auto, greedy, sampling or typical-lossy")
         self.verification = verification  # auto = greedy at temperature 0, lossless sampling otherwise

@@ -1,7 +1,7 @@
 """The target's forward and KV cache behind one interface, so the decoding loop and the cost profile never ask
 which path runs:
 - `OwnedRunner`: the owned Llama-family forward over a static cache (engine/owned.py), the fast path;
-- `HFRunner`: the HF model's own forward over a transformers DynamicCache (edited only by engine/kvcache.py), for
+- `HFRunner`: the HF model's own forward over a transformers DynamicCache (edited only by specheads/kvcache.py), for
   every other architecture.
 
   reset(capacity)                 a new request: an empty cache with room for `capacity` columns
@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from specheads.infer.engine.kvcache import keep_accepted, prepare_cache, tree_attention_mask
+from specheads.kvcache import keep_accepted, prepare_cache, tree_attention_mask
 from specheads.infer.engine.owned import OwnedLlama, owned_reason
 from specheads.utils import SpecheadsError
 

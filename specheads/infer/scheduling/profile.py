@@ -3,7 +3,7 @@ cache_root()/profiles/*.json; a profile measured while another process shared th
 (`profile_noise`) and never trusted later.
 - The verify-cost curve t(n)/t(1): one verification forward of n tree nodes over a cache of `context` tokens against
   one token, n in PROFILE_SIZES (`measure_verify_cost`, `load_or_profile`). The per-step scheduler (step.py) and
-  `--tree auto` (autotree.py) read it through costs.relative_costs, costs.interp_cost and costs.t1_seconds.
+  `--tree auto` (infer/autotree.py) read it through costs.relative_costs, costs.interp_cost and costs.t1_seconds.
 - The batch cost surface t(B, n)/t(1, 1) of B rows x n tokens per row, B in BATCH_ROWS, n in BATCH_TOKENS, with the
   same guards and its own file beside the curve's (`measure_batch_cost`, `load_or_profile_batch`); the batch budget
   (batch_budget.py) reads it through costs.batch_cost_fn.
@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-from specheads.infer.engine.kvcache import new_batch_cache
+from specheads.kvcache import drop_tail, new_batch_cache
 from specheads.infer.engine import kernels
 from specheads.infer.engine.runner import runner_for
 from specheads.infer.tree import chain_tree
@@ -75,7 +75,7 @@ def _time_forward(model, ids, mask, pos, cache) -> float:
     model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
     sync()
     dt = time.perf_counter() - t
-    cache.crop(-ids.shape[1])  # back to the profiled context (transformers 5: negative = tokens to drop)
+    drop_tail(cache, ids.shape[1])  # back to the profiled context
     return dt
 
 

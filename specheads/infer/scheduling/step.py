@@ -1,6 +1,6 @@
 """The per-step scheduler: which of this step's candidate draft nodes to verify, from per-node acceptance estimates
 and this machine's measured cost profile (DSpark, Cheng et al. 2026, arXiv:2607.05147, Algorithm 1, the batch-1
-case; Sequoia's hardware-aware value for trees). `--tree auto` for tree heads (autotree.py) chooses one tree shape
+case; Sequoia's hardware-aware value for trees). `--tree auto` for tree heads (infer/autotree.py) chooses one tree shape
 per run by the same value; this module chooses per step (a block head's `--tree auto`, `+lookup`, `combo`).
 
 Rule. A step's candidates form a tree (node 0 the root); p_i is the estimated probability that node i is accepted
@@ -35,17 +35,17 @@ budget per step.
 """
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
+# StepClock and StepReport live beside the drafter protocol (the generator feeds and reads them); the drafters
+# that schedule import them from here with the Scheduler
+from specheads.infer.engine.protocol import WINDOW_STEPS, StepClock, StepReport  # noqa: F401
 from specheads.infer.scheduling.acceptance import Candidates
 from specheads.infer.scheduling.costs import interp_cost, median, relative_costs, t1_seconds
 from specheads.infer.scheduling.profile import load_or_profile
 from specheads.utils import SpecheadsError
 
-WINDOW_STEPS = 32  # steps the running medians look back over: recent enough to follow a machine whose load changes,
-# long enough that one slow step (a collection, another job's burst) does not move them
 MIN_CLOCK_STEPS = 4  # a request's own medians price its steps from its 4th step on (the median of 3 already drops
 # one outlier); before that, the previous request's
 RULE = ("per step, verify the ancestor-closed set S of candidate nodes maximising (1 + Σ_S p_i) / (t(|S|+1)/t(1) + d)"
@@ -92,24 +92,11 @@ def choose_nodes(p: Sequence[float], parents: Sequence[int], verify_costs: dict[
 
 
 # --------------------------------------------------------------------------------------------------- measured costs
-class StepClock:
-    """Each recent step's seconds by phase (the generator adds one entry per target forward): what the scheduler's
-    t(1) and per-step costs are measured from."""
-
-    def __init__(self, window: int = WINDOW_STEPS):
-        self.steps: deque[tuple[float, float, float, int]] = deque(maxlen=window)  # (draft, target, other, nodes)
-
-    def add_step(self, seconds: dict[str, float], nodes: int) -> None:
-        other = sum(v for k, v in seconds.items() if k not in ("draft", "target"))
-        self.steps.append((seconds.get("draft", 0.0), seconds.get("target", 0.0), other, int(nodes)))
-
-    def __len__(self) -> int:
-        return len(self.steps)
-
-    def medians(self, verify_costs: dict[int, float]) -> tuple[float, float, float]:
-        """(t(1) seconds now, drafter seconds per step, the loop's other seconds per step), running medians."""
-        t1 = median([t / interp_cost(verify_costs, n) for _, t, _, n in self.steps])
-        return t1, median([d for d, _, _, _ in self.steps]), median([o for _, _, o, _ in self.steps])
+def clock_medians(clock: StepClock, verify_costs: dict[int, float]) -> tuple[float, float, float]:
+    """(t(1) seconds now, drafter seconds per step, the loop's other seconds per step): running medians over the
+    clock's steps, each target forward's seconds divided by its tree's relative cost t(n)/t(1)."""
+    t1 = median([t / interp_cost(verify_costs, n) for _, t, _, n in clock.steps])
+    return t1, median([d for d, _, _, _ in clock.steps]), median([o for _, _, o, _ in clock.steps])
 
 
 @dataclass
@@ -120,26 +107,6 @@ class Prices:
     draft: float
     other: float
     source: str  # where they come from (the record says)
-
-
-@dataclass
-class StepReport:
-    """What one scheduled step expected, and (greedy unions) what each source alone would have emitted: the
-    generator adds these into GenerationStats."""
-
-    expected_tau: float  # 1 + Σ p over the verified draft nodes
-    expected_cost: float  # t(n)/t(1) + draft + loop, in one-token target forwards
-    sources: dict[str, int] = field(default_factory=dict)  # tokens each source's own proposal alone would emit
-    source_cost: dict[str, float] = field(default_factory=dict)  # its own step's cost alone, t(1) units
-    censored: dict[str, bool] = field(default_factory=dict)  # its figure is a lower bound (its path was cut correct)
-    rested: bool = False  # a union's step where every source rested: plain decoding
-
-    def oracle(self) -> tuple[str, int, float, bool] | None:
-        """The better source this step (more tokens; equal: the cheaper): (name, tokens, cost, censored)."""
-        if not self.sources:
-            return None
-        name = max(self.sources, key=lambda s: (self.sources[s], -self.source_cost.get(s, 0.0)))
-        return name, self.sources[name], self.source_cost.get(name, 0.0), self.censored.get(name, False)
 
 
 class Scheduler:
@@ -173,7 +140,7 @@ class Scheduler:
         if not self.measured:
             return Prices(self.t1_profile, 0.0, 0.0, PROFILE_PRICES)
         if clock is not None and len(clock) >= MIN_CLOCK_STEPS:
-            self.memory = clock.medians(self.verify_costs)
+            self.memory = clock_medians(clock, self.verify_costs)
             if self.memory[0] > 0:
                 return Prices(*self.memory, "this request's running medians")
         if self.memory is not None and self.memory[0] > 0:

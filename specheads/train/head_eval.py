@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from specheads.infer.bench.prompts import BenchPrompt, first_turn_ids
+from specheads.prompts import BenchPrompt, first_turn_ids
 from specheads.train.layout import resolve_layers
 
 log = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ def target_answers(target, prompts: list[BenchPrompt], max_new_tokens: int, prog
                    dataset: str = "") -> list[tuple[list[int], list[int]]]:
     """(prompt ids, greedy answer ids) per prompt: the prompt encoded as `specheads bench` encodes it, answered by
     HF generate (bench's `vanilla`) for at most max_new_tokens tokens. A prompt that does not fit the target's
-    context window is refused before anything runs, as bench refuses it (bench/prompts.first_turn_ids), and an
+    context window is refused before anything runs, as bench refuses it (specheads/prompts.first_turn_ids), and an
     answer stops where the window ends, as bench's do."""
     from tqdm.auto import tqdm
 

@@ -1,9 +1,12 @@
-"""The one module that edits the target's KV cache (an HF DynamicCache of transformers 5.x layer objects).
+"""The one module that edits a transformers KV cache (a DynamicCache of transformers 5.x layer objects): the target's
+(the engine, regeneration, the cost profile) and a head's own draft cache (P-EAGLE's `select_columns`, the drafters'
+`drop_tail`). A leaf: it imports only utils, so heads/, infer/ and train/ all edit caches through it.
 
 Every layer holds keys / values [B, H, S, hd]; S runs along dim -2. What the engine does to them:
 - one row (`generate`): `prepare_cache` once (sliding-window layers keep a whole tree until pruned), the tree's
   `tree_attention_mask`, then after the forward `keep_accepted` (prefix + accepted nodes; crop() only removes a
   tail, it cannot drop rejected siblings in between); `drop_tail` rewinds a tail (a drafter's own cache);
+  `select_columns` keeps chosen columns (a head's draft cache);
 - many rows (`generate_batch`, regeneration): `buffered_cache` / `new_batch_cache`, whose layers write each forward
   in place into buffers with spare columns (BufferedLayer: a rejected or finished column is simply overwritten
   later, as gpt-fast's KVCache does); `keep_accepted_rows`, `merge_caches` (rows joining, right- or left-padded),
@@ -74,6 +77,19 @@ def drop_tail(cache, n: int) -> None:
             layer.crop(-n)
         elif _written(layer) is not None:
             layer.keys, layer.values = layer.keys[..., :-n, :], layer.values[..., :-n, :]
+
+
+def select_columns(cache, keep: torch.Tensor) -> None:
+    """Keep only the cached positions `keep` ([M] long, ascending, absolute cache columns) in every layer, in place:
+    a head's own draft cache after a tree step (P-EAGLE keeps its true rows, dropping the parallel-drafting ones).
+    Sliding-window layers are refused (their bookkeeping is not positional)."""
+    for layer in getattr(cache, "layers", []):
+        if getattr(layer, "is_sliding", False):
+            raise NotImplementedError("select_columns: sliding-window cache layers are not supported")
+        if _written(layer) is not None:
+            idx = keep.to(layer.keys.device)
+            layer.keys = layer.keys.index_select(-2, idx)
+            layer.values = layer.values.index_select(-2, idx)
 
 
 def tree_attention_mask(tree, cache, cache_len: int, dtype: torch.dtype, device=None):
