@@ -25,7 +25,7 @@ from specheads.heads.export.dspark import (
     BLOCK_LOADERS, BLOCK_TYPES, check_block_exportable, export_block_head, import_block_tensors,
 )
 from specheads.heads.export.registry import (
-    BLOCK_FORMATS, FORMATS, KIND_OF_FORMAT, READERS, WRITERS, detect_format, export_head, import_head, needs_target,
+    BLOCK_FORMATS, FORMATS, READERS, WRITERS, detect_format, export_head, import_head, needs_target,
 )
 
 __all__ = [
@@ -34,3 +34,11 @@ __all__ = [
     "consumer_problems", "consumers_of", "detect_format", "export_block_head", "export_head", "import_block_tensors",
     "import_head", "legacy_rope_keys", "needs_target", "resolve_verifier",
 ]
+
+
+def __getattr__(name: str):
+    """KIND_OF_FORMAT: a view of the kind registry (export/registry.py), kept for importers."""
+    if name == "KIND_OF_FORMAT":
+        from specheads.heads.export import registry
+        return registry.KIND_OF_FORMAT
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

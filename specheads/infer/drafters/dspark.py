@@ -176,4 +176,4 @@ def _dspark(target, head, spec: TreeSpec, scheduler: Scheduler | None = None) ->
     return DSparkDrafter(head, num_tokens=spec.num_tokens)
 
 
-register_drafter(DrafterKind("dspark", "block", "a DSpark head", _dspark, default_tree="auto", head=True))
+KIND = register_drafter(DrafterKind("dspark", "block", "a DSpark head", _dspark, default_tree="auto", head=True))

@@ -39,4 +39,4 @@ def _peagle(target, head, spec: TreeSpec, scheduler: Scheduler | None = None) ->
     return PEagleDrafter(head, num_tokens=spec.num_tokens)
 
 
-register_drafter(DrafterKind("peagle", "block", "a P-EAGLE head", _peagle, default_tree="auto", head=True))
+KIND = register_drafter(DrafterKind("peagle", "block", "a P-EAGLE head", _peagle, default_tree="auto", head=True))
