@@ -127,5 +127,6 @@ KIND = register_kind(KindSpec(
     drafter="specheads.infer.drafters.domino:KIND", check=check_domino, formats=("specforge",),
     refused={"speculators": "speculators 0.9.0 has no Domino model (its DFlash reads no prefix_gru / embed_proj); "
                             "export specforge or native"},
-    example={"block_size": 4, "markov_rank": 0, "confidence_with_markov": False, "domino_gru_hidden": 16,
-             "domino_emb_dim": 8, "mask_token_id": 5}, **BLOCK_KIND))
+    example={"block_size": 4, "markov_rank": 0, "confidence_head": False, "domino_gru_hidden": 16,
+             "domino_emb_dim": 8, "mask_token_id": 5},
+    example_train={"block.domino_lambda_start": 0.5}, **BLOCK_KIND))

@@ -96,6 +96,8 @@ class KindSpec:
     not_drafted: str = ""  # why llama.cpp cannot draft with it (the --format gguf refusal says it)
     example: Mapping[str, Any] = field(default_factory=dict)  # head: keys of a small valid head of this kind on a
     # 4-layer target (tests/test_kind_contract.py builds every registered kind from it)
+    example_train: Mapping[str, Any] = field(default_factory=dict)  # train: keys its one-step contract check
+    # needs (e.g. Domino's λ below 1 at step 0, so that its GRU correction trains in the first step)
 
     def __post_init__(self) -> None:
         if self.family not in ("tree", "block"):
