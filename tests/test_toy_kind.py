@@ -97,3 +97,14 @@ def test_toy_kind_exports_natively_and_refuses_every_other_format(toy, tiny, tmp
     assert read_head_config(tmp_path / "native").kind == "toy"
     with pytest.raises(SpecheadsError, match="a toy: llama.cpp has no graph for it"):
         _draft_kind(read_head_config(tmp_path / "h"), tmp_path / "h")
+
+
+def test_a_kind_name_is_registered_once(toy):
+    """Another module cannot take a registered kind's name (a user's kind never replaces the package's)."""
+    import dataclasses
+
+    from specheads.heads.kinds import kind_spec, register_kind
+
+    with pytest.raises(ValueError, match="register_kind medusa: already registered by specheads.heads.medusa"):
+        register_kind(dataclasses.replace(toy.KIND, name="medusa"))
+    assert kind_spec("medusa").head.__name__ == "MedusaHead"

@@ -229,6 +229,7 @@ class BlockCache:
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
     fused: torch.Tensor | None = None  # [B,S,D] fused rows c, kept only for head.anchor_features
+    ids: list[int] | None = None  # the sequence so far, set by the drafter (BlockHead caches carry it; unread here)
 
     @property
     def length(self) -> int:
