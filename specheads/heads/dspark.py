@@ -476,7 +476,7 @@ def check_block(spec) -> None:
 # The DSpark / DFlash block kinds' shared declaration (Domino's KindSpec replaces what differs, heads/domino.py).
 BLOCK_KIND = dict(
     family="block", feature_layers=fused_layers, default_loss="soft_ce:{w_ce},l1:{w_l1}", confidence=True,
-    mask_token=True, block_positions=True, writer="specheads.heads.export.dspark:export_block_head")
+    mask_token=True, block_positions=True, exporter="specheads.heads.export.dspark:export_block_head")
 KIND = register_kind(KindSpec(
     name="dspark", head=DSparkHead, label="a DSpark head", train_step="specheads.train.kinds.block:KIND",
     drafter="specheads.infer.drafters.dspark:KIND",

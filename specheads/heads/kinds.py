@@ -90,8 +90,10 @@ class KindSpec:
     # its formats cannot read this kind (heads/export/consumers.py refuses it, naming the reason)
     needs_target: Callable[[str, Any], bool] | None = None  # (format, HeadConfig) -> the export writes target tensors
     refused: Mapping[str, str] = field(default_factory=dict)  # format -> why this kind is not exported in it
-    writer: str | None = None  # "module:attr" of the kind's own export writer (cfg, sd, fmt, out_dir, where,
-    # verifier) -> Path for its formats; None: the format's writer (heads/export/registry.py WRITERS)
+    writers: Mapping[str, str] = field(default_factory=dict)  # format -> "module:attr" of this kind's writer in
+    # it, the signature of heads/export/registry.py WRITERS (a format missing here: the format's writer)
+    exporter: str | None = None  # "module:attr" of a whole export of its own (cfg, sd, fmt, out_dir, where,
+    # verifier) -> Path, for all its formats (the DSpark / DFlash block layouts); None: writers / WRITERS
     gguf: str | None = None  # "module:attr" of its heads.gguf.DraftKind (llama.cpp drafts with it)
     not_drafted: str = ""  # why llama.cpp cannot draft with it (the --format gguf refusal says it)
     example: Mapping[str, Any] = field(default_factory=dict)  # head: keys of a small valid head of this kind on a

@@ -172,6 +172,7 @@ KIND = register_kind(KindSpec(
     default_loss="kl",  # speculators' P-EAGLE compute_metrics: kl_div over every sampled row
     num_drafts=lambda spec: spec.num_depths, mask_token=True, train_step="specheads.train.kinds.peagle:KIND",
     drafter="specheads.infer.drafters.peagle:KIND", formats=("speculators",),
+    writers={"speculators": "specheads.heads.export.peagle:write_peagle"},
     unread_by={"speculators/vllm": "vLLM 0.34 refuses P-EAGLE (speculators/algos.py update_peagle: 'P-EAGLE "
                                    "(parallel drafting EAGLE-3) is not supported'); 0.32-0.33 served it through "
                                    "PeagleLlamaForCausalLM, which is not checked here"},

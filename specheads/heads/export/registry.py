@@ -69,8 +69,8 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target=None
             raise SpecheadsError(f"--format {fmt}: {ks.refused[fmt]}")
         raise SpecheadsError(f"--format {fmt}: needs a {' or '.join(kinds_of_format(fmt))} head, {head_dir} holds "
                              f"a {cfg.kind} head")
-    if fmt != "native" and ks.writer is not None:  # the kind writes its formats itself (DSpark / DFlash blocks)
-        return resolve(ks.writer)(cfg, sd, fmt, out_dir, where, verifier_name_or_path)
+    if fmt != "native" and ks.exporter is not None:  # the kind writes its formats itself (DSpark / DFlash blocks)
+        return resolve(ks.exporter)(cfg, sd, fmt, out_dir, where, verifier_name_or_path)
     # Every key our own head would have must be present (a truncated export is worse than none).
     expected = list(head_class(cfg.kind)(cfg).state_dict())  # built on CPU: small next to the checkpoint itself
     check_keys(sd, expected, where)
@@ -80,8 +80,9 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target=None
     else:
         chosen = check_consumers(fmt, cfg, consumers, str(head_dir))
         verifier, note = resolve_verifier(cfg, verifier_name_or_path)
-        config, tensors, required = WRITERS[fmt](cfg, sd, expected, target=target, where=str(head_dir),
-                                                 verifier=verifier, speculative_tokens=speculative_tokens)
+        writer = resolve(ks.writers[fmt]) if fmt in ks.writers else WRITERS[fmt]  # the kind's own, or the format's
+        config, tensors, required = writer(cfg, sd, expected, target=target, where=str(head_dir), verifier=verifier,
+                                           speculative_tokens=speculative_tokens)
         check_keys(tensors, required, f"export {fmt}")
         config["specheads"] = {"format": fmt, "consumers": chosen, "head_target": cfg.target_name,
                                "verifier": verifier, "feature_layers": sorted(cfg.feature_layers)}
