@@ -92,7 +92,7 @@ def test_switches_off_are_eagle3(tiny):
     for kind in (k for k in kind_names() if not set(ON) & set(kind_spec(k).switches)):  # every kind but EAGLE-3
         for name in ON:
             with pytest.raises(SpecheadsError, match=f"head.{name}: an EAGLE-3 .* switch; head.kind is '{kind}'"):
-                HeadSpec(kind=kind, **{name: True})
+                HeadSpec(kind=kind, **{**kind_spec(kind).example, name: True})  # a valid head of that kind
 
 
 def test_switches_on_follow_speculators_equations(tiny):
