@@ -80,7 +80,8 @@ def train_one_step(kind: str, target, out):
     keys += [f"train.{k}={json.dumps(v)}" for k, v in ks.example_train.items()]
     recipe = load_config(Recipe, None, [
         f"output_dir={out}", "seed=0", f"head.kind={kind}", *keys, "train.tracker=none", "train.batch_size=2",
-        "train.lr=1e-2", "train.warmup_steps=0", "train.max_steps=1", "eval.every_steps=0", "eval.at_start=false", "eval.max_samples=2"])
+        "train.lr=1e-2", "train.warmup_steps=0", "train.max_steps=1", "eval.every_steps=0", "eval.at_start=false",
+        "eval.max_samples=2"])
     data, val = _greedy_samples(target, 4, T=20), _greedy_samples(target, 2, T=20, seed=1)
     torch.manual_seed(0)
     head = build_head(recipe.head, target)

@@ -1,5 +1,6 @@
 """Common base for draft heads: the recipe section (`HeadSpec`), what a head folder records (`HeadConfig`), the module
-base (`DraftHead`: binds the frozen target parts by reference, saves/loads safetensors), and the kind dispatch.
+base (`DraftHead`: binds the frozen target parts by reference, saves/loads safetensors), and what every kind shares;
+what differs between kinds is each kind's KindSpec (heads/kinds.py), looked up here, never named.
 
 A head folder is `config.json` (HeadConfig as JSON) + `model.safetensors` (the head's own weights only: the target's
 embedding / lm_head / final norm are bound by reference at load time, never saved, never in `parameters()`).
@@ -26,7 +27,6 @@ from specheads.utils import (SpecheadsError, atomic_dir, atomic_write_json, atom
                              read_text_bounded, sha256_file)
 
 log = logging.getLogger(__name__)
-
 
 
 def __getattr__(name: str):

@@ -9,7 +9,8 @@ proposal of speculative_tokens = head.num_depths, verifier}; tensors fc.weight, 
 layers.{i}.*, norm.weight, lm_head.weight, mask_hidden [1, 1, F·D], embed_tokens.weight (the target's, mask token
 row included: speculators reads the checkpoint's and never fills it from the verifier, export/common.py
 target_embedding) [, d2t offsets, t2d when V' < V]. fc's column blocks and mask_hidden's blocks follow the
-ascending layer order the engines concatenate the aux states in. GGUF: refused (KindSpec.not_drafted, heads/peagle.py; llama.cpp's pinned converter has no P-EAGLE).
+ascending layer order the engines concatenate the aux states in. GGUF: refused (KindSpec.not_drafted,
+heads/peagle.py; llama.cpp's pinned converter has no P-EAGLE).
 """
 from __future__ import annotations
 

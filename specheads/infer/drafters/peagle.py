@@ -12,7 +12,8 @@ from specheads.infer.scheduling.step import Scheduler
 from specheads.infer.treespec import TreeSpec
 
 
-def PEagleDrafter(head, scheduler: Scheduler | None = None, num_tokens: int | None = None) -> DSparkDrafter:  # noqa: N802
+def PEagleDrafter(head, scheduler: Scheduler | None = None,  # noqa: N802 (the name the class had)
+                  num_tokens: int | None = None) -> DSparkDrafter:
     """The block drafter over a P-EAGLE head (its proposals report the source peagle)."""
     return DSparkDrafter(head, scheduler=scheduler, num_tokens=num_tokens, name="peagle")
 
