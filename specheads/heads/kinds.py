@@ -66,7 +66,7 @@ PROTOCOLS = {"tree": TreeHead, "block": BlockHead}
 @dataclass(frozen=True)
 class KindSpec:
     """Everything that distinguishes one head kind. Strings "module:attr" name objects of higher layers (train/,
-    infer/, heads/gguf.py), resolved when first needed."""
+    infer/, heads/gguf.py), resolved when first needed; a user's module may give the objects themselves."""
 
     name: str  # head.kind in recipes, `kind` in config.json
     head: type  # the DraftHead subclass
