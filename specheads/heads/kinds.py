@@ -80,6 +80,7 @@ class KindSpec:
     default_loss: str = "soft_ce"  # train.loss when unset ({w_ce} / {w_l1}: train.block weights)
     num_drafts: Callable[[Any], int] | None = None  # HeadSpec -> drafts per pass (None: the block's K slots)
     confidence: bool = False  # head.confidence_head applies (a per-draft acceptance predictor, calibrated)
+    lora: bool = False  # trains LoRA adapters on the target beside the head (Medusa-2: train.lora.enabled)
     mask_token: bool = False  # embeds a mask token (head.mask_token_id resolved against the tokenizer)
     block_positions: bool = False  # a block of head.block_size slots must fit the target's positions
     switches: Mapping[str, str] = field(default_factory=dict)  # HeadSpec switches only this kind may turn on ->

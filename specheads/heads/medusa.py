@@ -88,6 +88,6 @@ def _needs_target(fmt: str, cfg: HeadConfig) -> bool:
 
 KIND = register_kind(KindSpec(
     name="medusa", head=MedusaHead, family="tree", label="a Medusa head", feature_layers=final_layer,
-    final_state_only=True, train_step="specheads.train.kinds.medusa:KIND",
+    final_state_only=True, lora=True, train_step="specheads.train.kinds.medusa:KIND",
     drafter="specheads.infer.drafters.medusa:KIND", formats=("medusa-vllm",), needs_target=_needs_target,
     example={"num_heads": 3}))
