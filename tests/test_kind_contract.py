@@ -172,3 +172,25 @@ def test_gguf_is_drafted_or_refused_with_the_reason(kind, tiny, tmp_path):
     with pytest.raises(SpecheadsError, match=f"holds a {kind} head; llama.cpp drafts with") as e:
         _draft_kind(cfg, tmp_path / "h")
     assert ks.not_drafted in str(e.value)
+
+
+def test_the_old_tables_are_views_of_the_registry():
+    """HEAD_CLASSES, HEAD_KINDS, BLOCK_KINDS, KINDS, DEFAULT_LOSS, KIND_OF_FORMAT, DRAFT_KINDS and NOT_DRAFTED still
+    import, and each says what the KindSpecs say (none is kept by hand)."""
+    from specheads.heads import base, gguf
+    from specheads.heads.export import KIND_OF_FORMAT
+    from specheads.train.kinds import KINDS
+    from specheads.train.losses import DEFAULT_LOSS
+
+    specs = {k: kind_spec(k) for k in KINDS}
+    assert base.HEAD_KINDS == kind_names() == tuple(specs)
+    assert {k: getattr(__import__(m, fromlist=[c]), c) for k, (m, c) in base.HEAD_CLASSES.items()} == {
+        k: s.head for k, s in specs.items()}
+    assert set(base.BLOCK_KINDS) == {k for k, s in specs.items() if s.family == "block"}
+    assert DEFAULT_LOSS == {k: s.default_loss for k, s in specs.items()}
+    assert {(f, k) for f, ks in KIND_OF_FORMAT.items() for k in ks} == {(f, k) for k, s in specs.items()
+                                                                         for f in s.formats}
+    assert set(gguf.DRAFT_KINDS) == {k for k, s in specs.items() if s.gguf}
+    assert gguf.NOT_DRAFTED == {k: s.not_drafted for k, s in specs.items() if s.not_drafted}
+    with pytest.raises(AttributeError):
+        base.NO_SUCH_TABLE  # noqa: B018
