@@ -129,4 +129,5 @@ KIND = register_kind(KindSpec(
                             "export specforge or native"},
     example={"block_size": 4, "markov_rank": 0, "confidence_head": False, "domino_gru_hidden": 16,
              "domino_emb_dim": 8, "mask_token_id": 5},
-    example_train={"block.domino_lambda_start": 0.5}, **BLOCK_KIND))
+    example_train={"block.domino_lambda_start": 0.5},
+    **{**BLOCK_KIND, "exporter": "specheads.heads.export.domino:export_domino"}))
