@@ -11,6 +11,7 @@ One module per format family, each naming the loaders it matches:
 - eagle3.py: EAGLE-3, `eagle3` (SGLang, vLLM, llama.cpp; the EAGLE-3 repo opt-in);
 - speculators.py: EAGLE-3, `speculators` (speculators, and vLLM through it);
 - dspark.py: DSpark / DFlash block heads, `speculators` (dspark / dflash) and `specforge` (SpecForge, SGLang);
+- domino.py: Domino's SpecForge keys on that block export (its KindSpec.exporter);
 - medusa.py: `medusa-vllm` (vLLM);
 - repos.py: FasterDecoding Medusa checkpoints (EAGLE repo folders have the eagle / eagle3 layouts);
 - common.py: what several loaders read alike (rope_theta, d2t offsets, the verifier's name).
