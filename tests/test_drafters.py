@@ -86,15 +86,24 @@ class BlockDrafter(Drafter):
 
 
 def test_a_new_head_kind_plugs_in_by_registering(tiny, monkeypatch):
+    """A head kind's KindSpec names the drafter it serves with (heads/kinds.py); build_drafter finds it there."""
+    import dataclasses
+
+    from specheads.heads.kinds import kind_spec, register_kind, unregister_kind
+
     monkeypatch.setitem(DRAFTERS, "block-test", None)  # removed again after the test
-    register_drafter(DrafterKind("block-test", "tokens", "a block head", lambda t, h, s: BlockDrafter(h, s.num_tokens),
-                                 default_tree="4", head=True))
+    drafter = register_drafter(DrafterKind("block-test", "tokens", "a block head",
+                                           lambda t, h, s: BlockDrafter(h, s.num_tokens), default_tree="4", head=True))
     head = build_head(HeadSpec(kind="eagle"), tiny)
-    head.config.kind = "block-test"  # a head of the new kind, as far as the registry is concerned
-    d = build_drafter(tiny, head, "6")
-    assert isinstance(d, BlockDrafter) and d.k == 6 and build_drafter(tiny, head).k == 4
-    with pytest.raises(SpecheadsError, match="--tree 0: .*a block head takes a number of draft tokens"):
-        parse_tree("0", "block-test", head)
+    register_kind(dataclasses.replace(kind_spec("eagle"), name="block-test", drafter=drafter))
+    try:
+        head.config.kind = "block-test"  # a head of the new kind, as far as the registry is concerned
+        d = build_drafter(tiny, head, "6")
+        assert isinstance(d, BlockDrafter) and d.k == 6 and build_drafter(tiny, head).k == 4
+        with pytest.raises(SpecheadsError, match="--tree 0: .*a block head takes a number of draft tokens"):
+            parse_tree("0", "block-test", head)
+    finally:
+        unregister_kind("block-test")
     with pytest.raises(ValueError, match="family"):
         register_drafter(DrafterKind("bad", "no-such-family", "x", lambda *a: None))
 

@@ -20,6 +20,7 @@ from specheads.heads.base import read_head_config
 from specheads.heads.export import export_head, import_head
 from specheads.heads.export.eagle3 import eagle31_problems
 from specheads.heads.gguf import DRAFT_KINDS
+from specheads.heads.kinds import kind_names, kind_spec
 from specheads.infer.drafters import EagleDrafter
 from specheads.infer.engine.generate import generate
 from specheads.recipe import Recipe
@@ -88,10 +89,10 @@ def test_switches_off_are_eagle3(tiny):
         torch.testing.assert_close(h, o, atol=1e-5, rtol=1e-5)  # the pre-norm state goes on
         torch.testing.assert_close(lg, logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(head(f, x, steps=1)[0], logits, atol=1e-5, rtol=1e-5)
-    for kind in ("medusa", "eagle", "dspark"):
+    for kind in (k for k in kind_names() if not set(ON) & set(kind_spec(k).switches)):  # every kind but EAGLE-3
         for name in ON:
             with pytest.raises(SpecheadsError, match=f"head.{name}: an EAGLE-3 .* switch; head.kind is '{kind}'"):
-                HeadSpec(kind=kind, **{name: True})
+                HeadSpec(kind=kind, **{**kind_spec(kind).example, name: True})  # a valid head of that kind
 
 
 def test_switches_on_follow_speculators_equations(tiny):

@@ -1,5 +1,6 @@
 """Common base for draft heads: the recipe section (`HeadSpec`), what a head folder records (`HeadConfig`), the module
-base (`DraftHead`: binds the frozen target parts by reference, saves/loads safetensors), and the kind dispatch.
+base (`DraftHead`: binds the frozen target parts by reference, saves/loads safetensors), and what every kind shares;
+what differs between kinds is each kind's KindSpec (heads/kinds.py), looked up here, never named.
 
 A head folder is `config.json` (HeadConfig as JSON) + `model.safetensors` (the head's own weights only: the target's
 embedding / lm_head / final norm are bound by reference at load time, never saved, never in `parameters()`).
@@ -13,7 +14,6 @@ Use `head.to_target_ids(ids)` rather than indexing by hand.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,22 +22,24 @@ from typing import Any, Callable, ClassVar, Literal
 import torch
 from torch import nn
 
+from specheads.heads.kinds import kind_names, kind_spec, kinds, kinds_where
 from specheads.utils import (SpecheadsError, atomic_dir, atomic_write_json, atomic_write_text, read_json,
                              read_text_bounded, sha256_file)
 
 log = logging.getLogger(__name__)
 
-# kind -> (module, class): imported on first use, so that this base never imports its own subclasses
-HEAD_CLASSES: dict[str, tuple[str, str]] = {
-    "medusa": ("specheads.heads.medusa", "MedusaHead"),
-    "eagle": ("specheads.heads.eagle", "EagleHead"),
-    "eagle3": ("specheads.heads.eagle3", "Eagle3Head"),
-    "dspark": ("specheads.heads.dspark", "DSparkHead"),
-    "domino": ("specheads.heads.domino", "DominoHead"),
-    "peagle": ("specheads.heads.peagle", "PEagleHead"),
-}
-BLOCK_KINDS = ("dspark", "domino")  # block drafters: the DSpark / DFlash backbone (heads/dspark.py)
-HEAD_KINDS = tuple(HEAD_CLASSES)
+
+def __getattr__(name: str):
+    """HEAD_CLASSES, BLOCK_KINDS and HEAD_KINDS: views of the kind registry (heads/kinds.py), kept for importers."""
+    if name == "HEAD_KINDS":
+        return kind_names()
+    if name == "BLOCK_KINDS":
+        return kinds_where(family="block")
+    if name == "HEAD_CLASSES":
+        return {k: (s.head.__module__, s.head.__name__) for k, s in kinds().items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 FORMAT_VERSION = 1  # bump when config.json or the key layout of model.safetensors changes
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -81,84 +83,56 @@ class HeadSpec:
     num_depths: int = 8
 
     def __post_init__(self) -> None:
-        if self.kind not in HEAD_KINDS:
-            raise SpecheadsError(f"head.kind: {self.kind!r} is not one of {list(HEAD_KINDS)}")
+        ks = kind_spec(self.kind)
         for name in ("num_heads", "num_layers", "ttt_steps", "block_size", "num_depths"):
             if getattr(self, name) < 1:
                 raise SpecheadsError(f"head.{name}: must be >= 1, got {getattr(self, name)}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise SpecheadsError(f"head.draft_vocab_size: must be >= 1 or null, got {self.draft_vocab_size}")
-        if self.kind in BLOCK_KINDS:
-            self._check_block()
-            if self.kind == "domino":
-                self._check_domino()
-        elif self.anchor_features:
-            raise SpecheadsError(f"head.anchor_features: a DSpark block-drafter switch; head.kind is {self.kind!r}")
+        if ks.check is not None:
+            ks.check(self)
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise SpecheadsError(f"head.mask_token_id: must be a token id >= 0 or null, got {self.mask_token_id}")
-        for name in ("fc_norm", "norm_output"):
-            if getattr(self, name) and self.kind != "eagle3":
-                raise SpecheadsError(f"head.{name}: an EAGLE-3 (EAGLE-3.1) switch; head.kind is {self.kind!r}")
-
-    def _check_block(self) -> None:
-        if self.block_size < (1 if self.sample_from_anchor else 2):
-            raise SpecheadsError(f"head.block_size: {self.block_size} drafts nothing with sample_from_anchor "
-                                 f"{str(self.sample_from_anchor).lower()} (the anchor slot only drafts when true)")
-        if self.markov_rank < 0:
-            raise SpecheadsError(f"head.markov_rank: must be >= 0 (0 = no Markov head), got {self.markov_rank}")
-        if self.confidence_head and self.confidence_with_markov and self.markov_rank == 0:
-            raise SpecheadsError("head.confidence_with_markov: needs head.markov_rank > 0 (set it false, or "
-                                 "confidence_head false for plain DFlash)")
-
-    def _check_domino(self) -> None:
-        for name in ("domino_gru_hidden", "domino_emb_dim"):
-            if getattr(self, name) < 1:
-                raise SpecheadsError(f"head.{name}: must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.domino_prefix_len <= self.num_drafts:
-            raise SpecheadsError(f"head.domino_prefix_len: must be in 0..{self.num_drafts} (the drafts), got "
-                                 f"{self.domino_prefix_len}")
-        if self.markov_rank != 0:
-            raise SpecheadsError(f"head.markov_rank: Domino's GRU is its sequential stage; set head.markov_rank 0 "
-                                 f"(got {self.markov_rank})")
-        if not self.sample_from_anchor:
-            raise SpecheadsError("head.sample_from_anchor: Domino is built for SpecForge's shift_label true (slot j "
-                                 "predicts x_{p+1+j}): set it true")
-        if self.anchor_features:
-            raise SpecheadsError("head.anchor_features: not built for Domino")
+        for other in kinds().values():  # a switch another kind owns stays off
+            for name, what in other.switches.items():
+                if getattr(self, name, False) and name not in ks.switches:
+                    raise SpecheadsError(f"head.{name}: {what}; head.kind is {self.kind!r}")
 
     @property
     def num_drafts(self) -> int:
-        """Drafted tokens per head pass: P-EAGLE's K depths; DSpark / DFlash: the K slots, less the anchor slot
-        unless it samples."""
-        if self.kind == "peagle":
-            return self.num_depths
-        return self.block_size - (0 if self.sample_from_anchor else 1)
+        """Drafted tokens per head pass (KindSpec.drafts: P-EAGLE's K depths; DSpark / DFlash: the K slots, less
+        the anchor slot unless it samples)."""
+        return kind_spec(self.kind).drafts(self)
 
     def resolved_bias(self) -> bool:
-        return self.bias if self.bias is not None else self.kind not in ("eagle3", "peagle")
+        return self.bias if self.bias is not None else kind_spec(self.kind).bias
 
 
 def default_feature_layers(kind: str, num_layers_of_target: int) -> list[int]:
-    """Indices into HF's hidden_states tuple (0 = embeddings, L = final post-norm state).
+    """Indices into HF's hidden_states tuple (0 = embeddings, L = final post-norm state): the kind's default
+    (KindSpec.feature_layers)."""
+    return kind_spec(kind).feature_layers(int(num_layers_of_target))
 
-    EAGLE-3: three distinct ascending ids in 1..L-1, the only ones every serving engine captures (they capture the
-    input of a decoder layer, residual included, so neither the embeddings 0 nor our post-norm L; docs/exports.md).
-    From L = 7 on this is [2, L // 2, L - 3], the EAGLE-3 repo's hardcoded layers and vLLM / SGLang's default
-    ([2, 15, 27] for SmolLM2); below that [2, L // 2, L - 3] repeats or reverses ids ([2, 2, 1] at L = 4), so
-    4 <= L <= 6 spreads [1, L // 2, L - 1] instead. L < 4 has no three such ids."""
-    L = int(num_layers_of_target)
-    if kind in ("medusa", "eagle"):
-        return [L]
-    if kind in ("eagle3", "peagle"):
-        if L >= 7:
-            return [2, L // 2, L - 3]
-        if L >= 4:
-            return [1, L // 2, L - 1]
-        raise SpecheadsError(f"head.feature_layers: EAGLE-3 fuses 3 distinct target layers in 1..L-1 and this "
-                             f"target has L = {L}; give head.feature_layers explicitly")
-    if kind in BLOCK_KINDS:
-        return [2, L // 2, L - 3] if L >= 7 else default_feature_layers("eagle3", L)  # speculators' default
-    raise SpecheadsError(f"head.kind: {kind!r} is not one of {list(HEAD_KINDS)}")
+
+def final_layer(L: int) -> list[int]:
+    """The final post-norm state only: heads that read h_L (Medusa, EAGLE)."""
+    return [int(L)]
+
+
+def fused_layers(L: int) -> list[int]:
+    """Three fused layers (EAGLE-3 and the heads built like it): three distinct ascending ids in 1..L-1, the only
+    ones every serving engine captures (they capture the input of a decoder layer, residual included, so neither
+    the embeddings 0 nor our post-norm L; docs/exports.md). From L = 7 on this is [2, L // 2, L - 3], the EAGLE-3
+    repo's hardcoded layers, vLLM / SGLang's and speculators' default ([2, 15, 27] for SmolLM2); below that
+    [2, L // 2, L - 3] repeats or reverses ids ([2, 2, 1] at L = 4), so 4 <= L <= 6 spreads [1, L // 2, L - 1]
+    instead. L < 4 has no three such ids."""
+    L = int(L)
+    if L >= 7:
+        return [2, L // 2, L - 3]
+    if L >= 4:
+        return [1, L // 2, L - 1]
+    raise SpecheadsError(f"head.feature_layers: EAGLE-3 fuses 3 distinct target layers in 1..L-1 and this "
+                         f"target has L = {L}; give head.feature_layers explicitly")
 
 
 @dataclass
@@ -190,7 +164,8 @@ class HeadConfig:
         for i in layers:
             if not 0 <= i <= target.num_layers:
                 raise SpecheadsError(f"head.feature_layers: {i} is outside 0..{target.num_layers} for {target.name}")
-        if spec.kind in ("medusa", "eagle") and layers != [target.num_layers]:
+        ks = kind_spec(spec.kind)
+        if ks.final_state_only and layers != [target.num_layers]:
             raise SpecheadsError(f"head.feature_layers: {spec.kind} reads the final state only ([{target.num_layers}])")
         dv = spec.draft_vocab_size
         if dv is not None and dv > target.vocab_size:
@@ -200,9 +175,10 @@ class HeadConfig:
         d = dataclasses.asdict(spec)
         d["feature_layers"] = layers
         d["draft_vocab_size"] = dv
-        if spec.kind in BLOCK_KINDS:
-            d["mask_token_id"] = _block_fits(spec, target)
-        elif spec.kind == "peagle":
+        if ks.block_positions and target.max_positions is not None and spec.block_size + 1 >= target.max_positions:
+            raise SpecheadsError(f"head.block_size: {spec.block_size} does not fit the {target.max_positions} "
+                                 f"positions of {target.name}")
+        if ks.mask_token:
             d["mask_token_id"] = _mask_token(spec, target)
         return cls(kind=spec.kind, target_name=target.name, hidden_size=target.hidden_size,
                    vocab_size=target.vocab_size, feature_layers=layers, fingerprint=target.fingerprint(),
@@ -224,8 +200,8 @@ class HeadConfig:
             raise SpecheadsError(f"{where}: missing key {missing[0]!r}")
         if d["format_version"] != FORMAT_VERSION:
             raise SpecheadsError(f"{where}: format_version {d['format_version']!r}, this build reads {FORMAT_VERSION}")
-        if d["kind"] not in HEAD_KINDS:
-            raise SpecheadsError(f"{where}: key 'kind': {d['kind']!r} is not one of {list(HEAD_KINDS)}")
+        if d["kind"] not in kind_names():
+            raise SpecheadsError(f"{where}: key 'kind': {d['kind']!r} is not one of {list(kind_names())}")
         spec_names = [f.name for f in dataclasses.fields(HeadSpec)]
         bad = [k for k in d["spec"] if k not in spec_names] if isinstance(d["spec"], dict) else ["spec"]
         if bad:
@@ -262,16 +238,6 @@ def _check_config_values(d: dict, where: str) -> None:
     for key in ("kind", "draft_vocab_size", "feature_layers"):
         if getattr(spec, key) != d[key]:
             raise SpecheadsError(f"{where}: key 'spec.{key}' is {getattr(spec, key)!r} but {key!r} is {d[key]!r}")
-
-
-def _block_fits(spec: HeadSpec, target) -> int:
-    """A DSpark block must fit the target's positions and vocab: returns the resolved mask token id (explicit,
-    else the tokenizer's mask, pad, eos or unk token, as speculators' resolve_mask_token_id falls back; 0 without
-    a tokenizer)."""
-    if target.max_positions is not None and spec.block_size + 1 >= target.max_positions:
-        raise SpecheadsError(f"head.block_size: {spec.block_size} does not fit the {target.max_positions} positions "
-                             f"of {target.name}")
-    return _mask_token(spec, target)
 
 
 def _mask_token(spec: HeadSpec, target) -> int:
@@ -482,7 +448,7 @@ def check_target(config: HeadConfig, target, where: str) -> None:
     if outside:
         raise SpecheadsError(f"{cfg_file}: key 'feature_layers': {outside} outside 0..{L} ({target.name!r} has {L} "
                              f"layers; {L} = the final post-norm state)")
-    if config.kind in ("medusa", "eagle") and config.feature_layers != [L]:
+    if kind_spec(config.kind).final_state_only and config.feature_layers != [L]:
         raise SpecheadsError(f"{cfg_file}: key 'feature_layers': a {config.kind} head reads the final state only "
                              f"([{L}]), not {config.feature_layers}")
 
@@ -534,11 +500,8 @@ def load_state_checked(head: nn.Module, tensors: dict[str, torch.Tensor], path: 
 
 
 def head_class(kind: str) -> type[DraftHead]:
-    """The DraftHead subclass of `kind`, imported from its module (HEAD_CLASSES)."""
-    if kind not in HEAD_CLASSES:
-        raise SpecheadsError(f"head.kind: {kind!r} is not one of {list(HEAD_KINDS)}")
-    module, name = HEAD_CLASSES[kind]
-    return getattr(importlib.import_module(module), name)
+    """The DraftHead subclass of `kind` (its registered KindSpec.head)."""
+    return kind_spec(kind).head
 
 
 def build_head(spec: HeadSpec, target, token_counts=None, dtype: torch.dtype = torch.float32) -> DraftHead:

@@ -34,7 +34,9 @@ import torch
 from torch import nn
 
 from specheads.heads.base import HeadConfig
-from specheads.heads.dspark import DSparkHead
+from specheads.heads.dspark import BLOCK_KIND, DSparkHead, check_block
+from specheads.heads.kinds import KindSpec, register_kind
+from specheads.utils import SpecheadsError
 
 
 class DominoHead(DSparkHead):
@@ -99,3 +101,33 @@ class DominoHead(DSparkHead):
         """DSparkHead.forward's teacher-forced blocks -> (base logits [B,A,K',V'], corrected logits [B,A,K',V'],
         confidence logits [B,A,K'] or None): the loss blends the two (train/kinds/domino.py)."""
         return self.base_and_final(*self.block_states(features, input_ids, anchors, attention_mask))
+
+
+def check_domino(spec) -> None:
+    """The head: section of a Domino head: a DFlash block (check_block) whose GRU is the sequential stage."""
+    check_block(spec)
+    for name in ("domino_gru_hidden", "domino_emb_dim"):
+        if getattr(spec, name) < 1:
+            raise SpecheadsError(f"head.{name}: must be >= 1, got {getattr(spec, name)}")
+    if not 0 <= spec.domino_prefix_len <= spec.num_drafts:
+        raise SpecheadsError(f"head.domino_prefix_len: must be in 0..{spec.num_drafts} (the drafts), got "
+                             f"{spec.domino_prefix_len}")
+    if spec.markov_rank != 0:
+        raise SpecheadsError(f"head.markov_rank: Domino's GRU is its sequential stage; set head.markov_rank 0 "
+                             f"(got {spec.markov_rank})")
+    if not spec.sample_from_anchor:
+        raise SpecheadsError("head.sample_from_anchor: Domino is built for SpecForge's shift_label true (slot j "
+                             "predicts x_{p+1+j}): set it true")
+    if spec.anchor_features:
+        raise SpecheadsError("head.anchor_features: not built for Domino")
+
+
+KIND = register_kind(KindSpec(
+    name="domino", head=DominoHead, label="a Domino head", train_step="specheads.train.kinds.domino:KIND",
+    drafter="specheads.infer.drafters.domino:KIND", check=check_domino, formats=("specforge",),
+    refused={"speculators": "speculators 0.9.0 has no Domino model (its DFlash reads no prefix_gru / embed_proj); "
+                            "export specforge or native"},
+    example={"block_size": 4, "markov_rank": 0, "confidence_head": False, "domino_gru_hidden": 16,
+             "domino_emb_dim": 8, "mask_token_id": 5},
+    example_train={"block.domino_lambda_start": 0.5},
+    **{**BLOCK_KIND, "exporter": "specheads.heads.export.domino:export_domino"}))

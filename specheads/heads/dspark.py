@@ -71,7 +71,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from specheads.heads.base import DraftHead, HeadConfig
+from specheads.heads.base import DraftHead, HeadConfig, fused_layers
+from specheads.heads.kinds import KindSpec, register_kind
+from specheads.utils import SpecheadsError
 from specheads.heads.eagle import RotaryCache
 from specheads.target import full_attention_rope
 
@@ -229,6 +231,7 @@ class BlockCache:
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
     fused: torch.Tensor | None = None  # [B,S,D] fused rows c, kept only for head.anchor_features
+    ids: list[int] | None = None  # the sequence so far, set by the drafter (BlockHead caches carry it; unread here)
 
     @property
     def length(self) -> int:
@@ -457,3 +460,28 @@ class DSparkHead(DraftHead):
         z = torch.zeros(1, cfg.num_key_value_heads, 0, cfg.head_dim, device=dev, dtype=self.head_dtype)
         fused = torch.zeros(1, 0, self.config.hidden_size, device=dev, dtype=self.head_dtype)
         return BlockContext([(z, z) for _ in self.layers], fused if self.anchor_proj is not None else None)
+
+
+def check_block(spec) -> None:
+    """The head: section of a DSpark / DFlash block head (HeadSpec): the block drafts something, the Markov and
+    confidence heads fit together."""
+    if spec.block_size < (1 if spec.sample_from_anchor else 2):
+        raise SpecheadsError(f"head.block_size: {spec.block_size} drafts nothing with sample_from_anchor "
+                             f"{str(spec.sample_from_anchor).lower()} (the anchor slot only drafts when true)")
+    if spec.markov_rank < 0:
+        raise SpecheadsError(f"head.markov_rank: must be >= 0 (0 = no Markov head), got {spec.markov_rank}")
+    if spec.confidence_head and spec.confidence_with_markov and spec.markov_rank == 0:
+        raise SpecheadsError("head.confidence_with_markov: needs head.markov_rank > 0 (set it false, or "
+                             "confidence_head false for plain DFlash)")
+
+
+# The DSpark / DFlash block kinds' shared declaration (Domino's KindSpec replaces what differs, heads/domino.py).
+BLOCK_KIND = dict(
+    family="block", feature_layers=fused_layers, default_loss="soft_ce:{w_ce},l1:{w_l1}", confidence=True,
+    mask_token=True, block_positions=True, exporter="specheads.heads.export.dspark:export_block_head")
+KIND = register_kind(KindSpec(
+    name="dspark", head=DSparkHead, label="a DSpark head", train_step="specheads.train.kinds.block:KIND",
+    drafter="specheads.infer.drafters.dspark:KIND",
+    check=check_block, switches={"anchor_features": "a DSpark block-drafter switch"},
+    formats=("speculators", "specforge"), gguf="specheads.heads.gguf:DSPARK_DRAFT",
+    example={"block_size": 4, "markov_rank": 16, "mask_token_id": 5}, **BLOCK_KIND))

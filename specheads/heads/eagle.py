@@ -25,7 +25,8 @@ import inspect
 import torch
 from torch import nn
 
-from specheads.heads.base import DraftHead, HeadConfig, causal_mask_4d, last_row
+from specheads.heads.base import DraftHead, HeadConfig, causal_mask_4d, final_layer, last_row
+from specheads.heads.kinds import KindSpec, register_kind
 
 
 def decoder_config(target_config: dict, num_layers: int):
@@ -124,3 +125,9 @@ class EagleHead(DraftHead):
         last row only with last_only: the drafter reads only that row after feeding newly accepted rows);
         appends N entries."""
         return self._run(hidden, tokens, position_ids, attention_mask.to(self.head_dtype), cache, last_only)
+
+
+KIND = register_kind(KindSpec(
+    name="eagle", head=EagleHead, family="tree", label="an EAGLE head", feature_layers=final_layer,
+    final_state_only=True, train_step="specheads.train.kinds.eagle:KIND",
+    drafter="specheads.infer.drafters.eagle:EAGLE_KIND", formats=("eagle", "eagle-vllm")))

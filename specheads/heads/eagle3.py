@@ -39,7 +39,8 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from specheads.heads.base import (DraftHead, HeadConfig, build_draft_vocab, causal_mask_4d,  # noqa: F401 (re-export)
-                                  last_row)
+                                  fused_layers, last_row)
+from specheads.heads.kinds import KindSpec, register_kind
 from specheads.heads.eagle import RotaryCache, build_layers
 from specheads.target import full_attention_rope
 
@@ -170,3 +171,17 @@ class Eagle3Head(DraftHead):
         step: pre-norm, post-norm with norm_output; logits [B,N,V'], or [B,1,V'] for the last row with last_only);
         appends N entries to `cache`."""
         return self._step(hidden, tokens, position_ids, attention_mask.to(self.head_dtype), cache, last_only)
+
+
+def speculators_needs_target(fmt: str, cfg: HeadConfig) -> bool:
+    """speculators reads the token embedding from the checkpoint: its export carries the target's
+    (export/common.py target_embedding)."""
+    return fmt == "speculators"
+
+
+KIND = register_kind(KindSpec(
+    name="eagle3", head=Eagle3Head, family="tree", label="an EAGLE-3 head", feature_layers=fused_layers, bias=False,
+    train_step="specheads.train.kinds.eagle3:KIND", drafter="specheads.infer.drafters.eagle:EAGLE3_KIND",
+    switches={name: "an EAGLE-3 (EAGLE-3.1) switch" for name in EAGLE31_SWITCHES},
+    formats=("eagle3", "speculators"), needs_target=speculators_needs_target, gguf="specheads.heads.gguf:EAGLE3_DRAFT",
+    example={"draft_vocab_size": 100}))

@@ -68,6 +68,7 @@ from safetensors import safe_open
 from specheads.heads.base import CONFIG_NAME, WEIGHTS_NAME, HeadConfig, read_head_config, read_safetensors
 from specheads.heads.eagle3 import eagle31_switches
 from specheads.heads.export import check_block_exportable, export_head
+from specheads.heads.kinds import kind_spec, kinds, resolve
 from specheads.target import full_attention_rope, resolve_target_path, target_fingerprint
 from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json, cache_root, read_json
 
@@ -391,26 +392,35 @@ def _dspark_notes(cfg: HeadConfig, head_dir: Path) -> dict:
     return notes
 
 
-DRAFT_KINDS: dict[str, DraftKind] = {
-    "eagle3": DraftKind("eagle3", "draft-eagle3", "eagle3", _eagle3_check_head, _eagle3_converter_config,
-                        _eagle3_check_gguf),
-    "dspark": DraftKind("speculators", "draft-dspark", "dflash", _dspark_check_head, _dspark_converter_config,
-                        _dspark_check_gguf, _dspark_notes),
-}
+# How the kinds llama.cpp drafts with reach it; a kind's KindSpec.gguf names its entry ("specheads.heads.gguf:...")
+EAGLE3_DRAFT = DraftKind("eagle3", "draft-eagle3", "eagle3", _eagle3_check_head, _eagle3_converter_config,
+                         _eagle3_check_gguf)
+DSPARK_DRAFT = DraftKind("speculators", "draft-dspark", "dflash", _dspark_check_head, _dspark_converter_config,
+                         _dspark_check_gguf, _dspark_notes)
 
 
 # ----------------------------------------------------------------------------------------------- the export
-# kinds llama.cpp cannot draft with, and why (the refusal names it)
-NOT_DRAFTED = {"peagle": "the pinned converter (llama.cpp 0c1e570) maps no P-EAGLE model: its EAGLE-3 graph "
-                         "drafts one token per pass and has no mask_hidden / mask-token rows"}
+def draft_kinds() -> dict[str, DraftKind]:
+    """Head kind -> its DraftKind, for the kinds llama.cpp drafts with (KindSpec.gguf)."""
+    return {k: resolve(s.gguf) for k, s in kinds().items() if s.gguf}
+
+
+def __getattr__(name: str):
+    """DRAFT_KINDS and NOT_DRAFTED (kind -> why llama.cpp cannot draft with it): views of the kind registry."""
+    if name == "DRAFT_KINDS":
+        return draft_kinds()
+    if name == "NOT_DRAFTED":
+        return {k: s.not_drafted for k, s in kinds().items() if s.not_drafted}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _draft_kind(cfg: HeadConfig, head_dir: Path) -> DraftKind:
-    if cfg.kind not in DRAFT_KINDS:
-        why = f" ({NOT_DRAFTED[cfg.kind]})" if cfg.kind in NOT_DRAFTED else ""
+    ks, drafted = kind_spec(cfg.kind), draft_kinds()
+    if cfg.kind not in drafted:
+        why = f" ({ks.not_drafted})" if ks.not_drafted else ""
         raise SpecheadsError(f"--format gguf: {head_dir} holds a {cfg.kind} head; llama.cpp drafts with "
-                             f"{sorted(DRAFT_KINDS)} heads{why}")
-    return DRAFT_KINDS[cfg.kind]
+                             f"{sorted(drafted)} heads{why}")
+    return drafted[cfg.kind]
 
 
 def resolve_head_target(cfg: HeadConfig, head_dir: Path, target: str | None = None) -> Path:
@@ -479,11 +489,11 @@ def draft_gguf(head_dir: str | Path, target: str | None = None, outtype: str = D
 def spec_type_of(draft: Path) -> str:
     """llama-server --spec-type for a draft GGUF, from its architecture."""
     arch = gguf_metadata(draft)[0].get("general.architecture")
-    for kind in DRAFT_KINDS.values():
+    for kind in draft_kinds().values():
         if kind.arch == arch:
             return kind.spec_type
     raise SpecheadsError(f"{draft}: GGUF architecture {arch!r} is not a draft specheads drives "
-                         f"({[k.arch for k in DRAFT_KINDS.values()]})")
+                         f"({[k.arch for k in draft_kinds().values()]})")
 
 
 def export_gguf(head_dir: str | Path, out_dir: str | Path, target: str | None = None, with_target: bool = False,

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specheads.heads.base import DraftHead, HeadConfig
+from specheads.heads.base import DraftHead, HeadConfig, final_layer
+from specheads.heads.kinds import KindSpec, register_kind
 
 
 class ResidualStack(nn.Module):
@@ -78,3 +79,15 @@ class MedusaHead(DraftHead):
         if self.lm_heads is None:
             return self.target_lm_logits(hs)  # [K,B,T,V']
         return torch.stack([lm(h) for lm, h in zip(self.lm_heads, hs)], dim=0)
+
+
+def _needs_target(fmt: str, cfg: HeadConfig) -> bool:
+    """vLLM's Medusa wants one projection per head: a shared lm_head is written as copies of the target's rows."""
+    return fmt == "medusa-vllm" and cfg.head_spec.medusa_lm_head == "shared"
+
+
+KIND = register_kind(KindSpec(
+    name="medusa", head=MedusaHead, family="tree", label="a Medusa head", feature_layers=final_layer,
+    final_state_only=True, lora=True, train_step="specheads.train.kinds.medusa:KIND",
+    drafter="specheads.infer.drafters.medusa:KIND", formats=("medusa-vllm",), needs_target=_needs_target,
+    example={"num_heads": 3}))

@@ -36,10 +36,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specheads.heads.base import HeadConfig, causal_mask_4d
+from specheads.heads.base import HeadConfig, causal_mask_4d, fused_layers
 from specheads.kvcache import select_columns
 from specheads.heads.eagle import build_layers
-from specheads.heads.eagle3 import Eagle3Head, eagle3_layer_config
+from specheads.heads.eagle3 import Eagle3Head, eagle3_layer_config, speculators_needs_target
+from specheads.heads.kinds import KindSpec, register_kind
 
 
 class PEagleCache:
@@ -165,3 +166,18 @@ class PEagleHead(Eagle3Head):
     def draft_blocks(self, caches: list[PEagleCache], anchor_tokens: list[int], pick=None):
         """draft_block per row -> (logits [R,K,V'], None); rows differ in their pending rows, one pass each."""
         return torch.stack([self.draft_block(c, a)[0] for c, a in zip(caches, anchor_tokens)]), None
+
+
+KIND = register_kind(KindSpec(
+    name="peagle", head=PEagleHead, family="block", label="a P-EAGLE head", feature_layers=fused_layers, bias=False,
+    default_loss="kl",  # speculators' P-EAGLE compute_metrics: kl_div over every sampled row
+    num_drafts=lambda spec: spec.num_depths, mask_token=True, train_step="specheads.train.kinds.peagle:KIND",
+    drafter="specheads.infer.drafters.peagle:KIND", formats=("speculators",),
+    writers={"speculators": "specheads.heads.export.peagle:write_peagle"},
+    unread_by={"speculators/vllm": "vLLM 0.34 refuses P-EAGLE (speculators/algos.py update_peagle: 'P-EAGLE "
+                                   "(parallel drafting EAGLE-3) is not supported'); 0.32-0.33 served it through "
+                                   "PeagleLlamaForCausalLM, which is not checked here"},
+    needs_target=speculators_needs_target,
+    example={"num_layers": 2, "num_depths": 4, "mask_token_id": 5},
+    not_drafted="the pinned converter (llama.cpp 0c1e570) maps no P-EAGLE model: its EAGLE-3 graph drafts one token "
+                "per pass and has no mask_hidden / mask-token rows"))

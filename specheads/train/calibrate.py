@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from specheads.heads.base import BLOCK_KINDS, load_head
+from specheads.heads.base import load_head
+from specheads.heads.kinds import kind_spec
 from specheads.train.confidence import BlockEvalAccumulator, calibrated_probs, conditional_rows, ece
 from specheads.train.dataset import split_batches
 from specheads.train.kinds.block import block_draft_outputs
@@ -159,10 +160,15 @@ def calibrate_head(head_dir, target, batches, layers, cfg, get_hidden=None) -> d
     return report
 
 
+def has_confidence_head(spec) -> bool:
+    """The head (a HeadSpec) carries a confidence head: its kind has one (KindSpec.confidence) and it is on."""
+    return kind_spec(spec.kind).confidence and spec.confidence_head
+
+
 def calibrate_run(recipe, target, val_ds, collate_fn, layers, extract_fn=None) -> dict | None:
     """After training a block head with a confidence head: calibrate `best/` and `final/` on the held-out split
     (every held-out sample) and write <output_dir>/calibration.json. Main process only (no collectives)."""
-    if recipe.head.kind not in BLOCK_KINDS or not recipe.head.confidence_head or int(os.environ.get("RANK", "0")) != 0:
+    if not has_confidence_head(recipe.head) or int(os.environ.get("RANK", "0")) != 0:
         return None
     if val_ds is None or len(val_ds) == 0:
         log.warning("calibration: no held-out samples; the confidences stay uncalibrated")

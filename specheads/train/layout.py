@@ -24,7 +24,7 @@ OVERWRITE_HINT = "rerun with `specheads prepare --overwrite` to replace this run
 def resolve_layers(num_layers: int, layers: Sequence[int] | None = None, kind: str | None = None) -> list[int]:
     """Layers to store: explicit `layers` or the kind's default, plus L (always stored), sorted, unique."""
     L = num_layers
-    wanted = list(layers) if layers is not None else default_feature_layers(kind or "eagle", L)
+    wanted = list(layers) if layers is not None else default_feature_layers(kind, L) if kind else [L]
     for i in wanted:
         if not isinstance(i, int) or not 0 <= i <= L:
             raise SpecheadsError(f"features.layers: {i!r} is out of range 0..{L} (0 = embeddings, {L} = final "

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from specheads.heads.kinds import kind_spec, kinds
 from specheads.train.teacher import TargetRows
 
 DECAY = 0.8  # per-head / per-step weight 0.8^k (Medusa paper λ_k; EAGLE-3 TTT step weight)
@@ -92,16 +93,6 @@ LOSS_TERMS = ("soft_ce", "kl", "tv", "l1", "lk_alpha", "lk_lambda")  # the formu
 METRIC_NAMES = {"soft_ce": "ce"}  # a term's metric name (the others keep their own): ce_0, tv_0, lk_alpha_0, ...
 LOSS_SYNTAX = "NAME or NAME:WEIGHT,NAME:WEIGHT,... (e.g. tv, or soft_ce:0.1,tv:0.9)"
 
-# train.loss unset: each kind's own objective, from its paper / reference code
-DEFAULT_LOSS = {
-    "medusa": "soft_ce",  # train.medusa.soft_labels: soft CE against the target over V' (Medusa-2's self-distillation)
-    "eagle": "soft_ce",  # EAGLE-1 paper: the classification term (weight train.eagle.w_ce) beside the regression
-    "eagle3": "soft_ce",  # EAGLE-3 repo / SpecForge: soft CE over the draft vocabulary per TTT step
-    "dspark": "soft_ce:{w_ce},l1:{w_l1}",  # DeepSpec: 0.1 CE + 0.9 L1 (train.block.w_ce / w_l1)
-    "peagle": "kl",  # speculators' P-EAGLE compute_metrics: kl_div over every sampled row
-}
-
-
 def parse_loss(text: str, allow_zero: bool = False) -> tuple[tuple[str, float], ...]:
     """'tv' | 'soft_ce:0.1,tv:0.9' -> (('soft_ce', 0.1), ('tv', 0.9)). A term without a weight weighs 1.
     Raises ValueError naming what is wrong (unknown term, bad or negative weight, repeated term, all weights 0)."""
@@ -147,10 +138,11 @@ class DistillLoss:
 @functools.lru_cache(maxsize=64)
 def resolve_loss(kind: str, loss: str | None = None, eta: float = LK_ETA, w_ce: float = BLOCK_W_CE,
                  w_l1: float = BLOCK_W_L1) -> DistillLoss:
-    """train.loss, or the kind's default (DEFAULT_LOSS; dspark's from train.block.w_ce / w_l1)."""
+    """train.loss, or the kind's default (its KindSpec.default_loss, from its paper / reference code; the block
+    kinds' from train.block.w_ce / w_l1)."""
     if loss is not None:
         return DistillLoss(parse_loss(loss), eta)
-    text = DEFAULT_LOSS[kind].format(w_ce=w_ce, w_l1=w_l1)
+    text = kind_spec(kind).default_loss.format(w_ce=w_ce, w_l1=w_l1)
     return DistillLoss(parse_loss(text, allow_zero=True), eta)
 
 
@@ -470,3 +462,10 @@ def dspark_loss(logits: torch.Tensor, conf_logits: torch.Tensor | None, target_l
                 if conf_logits is not None:
                     metrics[f"conf_{j}"] = float(torch.sigmoid(conf_logits[:, j][m].float()).mean())
     return LossOutput(total, metrics)
+
+
+def __getattr__(name: str):
+    """DEFAULT_LOSS: kind name -> its train.loss default (KindSpec.default_loss), a view kept for importers."""
+    if name == "DEFAULT_LOSS":
+        return {k: s.default_loss for k, s in kinds().items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
+from specheads.heads.kinds import kind_spec, kinds_where
 from specheads.train import steps
 from specheads.train.lora import (LoraSettings, Medusa2Model, add_adapters, kl_to_teacher, param_groups,
                                   save_adapters, save_merged_target)
@@ -53,8 +54,9 @@ class Medusa2(HeadOnly):
     def __init__(self, trainer, settings):
         super().__init__(trainer, settings)
         t = trainer
-        if t.kind != "medusa":
-            raise SpecheadsError(f"train.lora.enabled: Medusa-2 adapters need head.kind medusa, not {t.kind!r}")
+        if not kind_spec(t.kind).lora:
+            raise SpecheadsError(f"train.lora.enabled: Medusa-2 adapters need head.kind "
+                                 f"{' or '.join(kinds_where(lora=True))}, not {t.kind!r}")
         if t.recipe.features.mode != "online" or "hidden" in t.collate_fn([t.train_ds[0]]):
             raise SpecheadsError("train.lora.enabled: the features depend on the adapters; set features.mode=online")
 

@@ -125,7 +125,7 @@ class TrainConfig:
     noise: float = 0.2
     # The distillation objective (losses.py, docs/training.md "The loss family"): NAME or NAME:WEIGHT,... over
     # soft_ce | kl | tv | l1 | lk_alpha | lk_lambda, e.g. "tv" or "soft_ce:0.1,tv:0.9". None = the kind's own
-    # (losses.DEFAULT_LOSS: soft CE; DSpark / DFlash block.w_ce x CE + block.w_l1 x L1)
+    # (its KindSpec.default_loss: soft CE; DSpark / DFlash block.w_ce x CE + block.w_l1 x L1)
     loss: str | None = None
     lk_eta: float = 3.0  # LK^λ: λ = exp(-lk_eta x mean acceptance) (arXiv 2602.23881's best; SpecForge --kl-decay)
     num_workers: int = 0  # DataLoader workers (0: features are already tensors; workers cost RAM per process)

@@ -44,7 +44,7 @@ class LossSettings:
                    medusa=cfg.medusa, block=cfg.block, peagle=cfg.peagle, generator=generator)
 
     def distill(self, kind: str) -> DistillLoss:
-        """The resolved distillation loss of `kind` (losses.DEFAULT_LOSS when train.loss is unset)."""
+        """The resolved distillation loss of `kind` (its KindSpec.default_loss when train.loss is unset)."""
         return resolve_loss(kind, self.loss, self.lk_eta, self.block.w_ce, self.block.w_l1)
 
 

@@ -47,10 +47,11 @@ from tqdm.auto import tqdm
 
 import specheads.target
 from specheads.config import config_to_dict, format_config, renamed_keys, save_config
-from specheads.heads.base import BLOCK_KINDS, build_head
+from specheads.heads.base import build_head
+from specheads.heads.kinds import kinds_where
 from specheads.train import checkpoint
 from specheads.train.accel import build_accelerator, flat_config
-from specheads.train.calibrate import calibrate_run
+from specheads.train.calibrate import calibrate_run, has_confidence_head
 from specheads.train.checkpoint import CKPT_DIR, TrainState, list_checkpoints
 from specheads.train.data import is_val
 from specheads.train.dataset import (FeatureDataset, TokenDataset, assistant_token_counts, collate, eval_indices,
@@ -551,9 +552,9 @@ def run_training(recipe, resume: bool = False, target=None) -> TrainResult:
 def recalibrate_run(recipe, target=None) -> dict:
     """`specheads train --calibrate-only`: the confidence calibration of a trained DSpark run fitted again on its
     held-out split (best/ and final/ rewritten atomically, calibration.json); checkpoints and summary untouched."""
-    if recipe.head.kind not in BLOCK_KINDS or not recipe.head.confidence_head:
-        raise SpecheadsError("--calibrate-only: the recipe's head has no confidence head (head.kind dspark or "
-                             "domino with head.confidence_head true)")
+    if not has_confidence_head(recipe.head):
+        raise SpecheadsError(f"--calibrate-only: the recipe's head has no confidence head (head.kind "
+                             f"{' or '.join(kinds_where(confidence=True))} with head.confidence_head true)")
     out = Path(recipe.output_dir)
     if not any((out / n / "model.safetensors").exists() for n in ("best", "final")):
         raise SpecheadsError(f"--calibrate-only: {out} has no trained head (best/ or final/); train it first")

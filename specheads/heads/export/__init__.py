@@ -11,6 +11,7 @@ One module per format family, each naming the loaders it matches:
 - eagle3.py: EAGLE-3, `eagle3` (SGLang, vLLM, llama.cpp; the EAGLE-3 repo opt-in);
 - speculators.py: EAGLE-3, `speculators` (speculators, and vLLM through it);
 - dspark.py: DSpark / DFlash block heads, `speculators` (dspark / dflash) and `specforge` (SpecForge, SGLang);
+- domino.py: Domino's SpecForge keys on that block export (its KindSpec.exporter);
 - medusa.py: `medusa-vllm` (vLLM);
 - repos.py: FasterDecoding Medusa checkpoints (EAGLE repo folders have the eagle / eagle3 layouts);
 - common.py: what several loaders read alike (rope_theta, d2t offsets, the verifier's name).
@@ -25,7 +26,7 @@ from specheads.heads.export.dspark import (
     BLOCK_LOADERS, BLOCK_TYPES, check_block_exportable, export_block_head, import_block_tensors,
 )
 from specheads.heads.export.registry import (
-    BLOCK_FORMATS, FORMATS, KIND_OF_FORMAT, READERS, WRITERS, detect_format, export_head, import_head, needs_target,
+    BLOCK_FORMATS, FORMATS, READERS, WRITERS, detect_format, export_head, import_head, needs_target,
 )
 
 __all__ = [
@@ -34,3 +35,11 @@ __all__ = [
     "consumer_problems", "consumers_of", "detect_format", "export_block_head", "export_head", "import_block_tensors",
     "import_head", "legacy_rope_keys", "needs_target", "resolve_verifier",
 ]
+
+
+def __getattr__(name: str):
+    """KIND_OF_FORMAT: a view of the kind registry (export/registry.py), kept for importers."""
+    if name == "KIND_OF_FORMAT":
+        from specheads.heads.export import registry
+        return registry.KIND_OF_FORMAT
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from specheads.heads.base import HeadConfig
 from specheads.heads.export.eagle3 import eagle31_problems
+from specheads.heads.kinds import kind_spec
 from specheads.utils import SpecheadsError
 
 # (format, consumer) -> the loader, as error messages name it.
@@ -31,14 +32,14 @@ LOADERS = {
     ("medusa-vllm", "vllm"): "vLLM's Medusa",
 }
 OPT_IN = {("eagle3", "eagle-repo")}  # checked only when named: the repo captures hardcoded layers, no config ids
-# (format, head kind) -> the consumers that read that kind at all (default: every consumer of the format)
-KIND_CONSUMERS = {("speculators", "peagle"): ["speculators"]}
 
 
 def consumers_of(fmt: str, default_only: bool = False, kind: str | None = None) -> list[str]:
-    """The consumers of `fmt` (default_only: without the opt-in ones; kind: only those that read that head kind)."""
+    """The consumers of `fmt` (default_only: without the opt-in ones; kind: only those that read that head kind,
+    i.e. not in its KindSpec.unread_by)."""
     out = [c for f, c in LOADERS if f == fmt and not (default_only and (f, c) in OPT_IN)]
-    return [c for c in out if c in KIND_CONSUMERS.get((fmt, kind), out)]
+    unread = kind_spec(kind).unread_by if kind is not None else {}
+    return [c for c in out if f"{fmt}/{c}" not in unread]
 
 
 def consumer_problems(fmt: str, consumer: str, cfg: HeadConfig) -> list[str]:
@@ -51,10 +52,9 @@ def consumer_problems(fmt: str, consumer: str, cfg: HeadConfig) -> list[str]:
         return _medusa_problems(cfg)
     if fmt not in ("eagle3", "speculators"):
         return []
-    if cfg.kind == "peagle" and consumer not in KIND_CONSUMERS.get((fmt, "peagle"), [consumer]):
-        return ["vLLM 0.34 refuses P-EAGLE (speculators/algos.py update_peagle: 'P-EAGLE (parallel drafting "
-                "EAGLE-3) is not supported'); 0.32-0.33 served it through PeagleLlamaForCausalLM, which is not "
-                "checked here"]
+    unread = kind_spec(cfg.kind).unread_by.get(f"{fmt}/{consumer}")
+    if unread:
+        return [unread]
     out = eagle31_problems(fmt, consumer, cfg)  # llama.cpp and the EAGLE-3 repo build no EAGLE-3.1 switch
     if spec.resolved_bias() and consumer != "sglang":
         out.append("its fc has no bias and this head was trained with one (head.bias true)")

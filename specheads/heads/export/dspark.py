@@ -9,16 +9,16 @@
   specforge/modeling/draft/dflash.py, dspark.py) and SGLang's DFlash loader (python/sglang/srt/models/dflash.py):
   a flat Qwen3 config + block_size, num_target_layers, dflash_config {target_layer_ids (ours - 1),
   mask_token_id}, DSpark fields; the same tensors, full vocabulary only (SpecForge drafts through the target's
-  lm_head). A Domino head (heads/domino.py) is SpecForge's DominoDraftModel (specforge/modeling/draft/domino.py,
-  configs/qwen3-8b-domino.json): the DFlash config with architectures [DominoDraftModel], top-level emb_dim and
-  dflash_config {projector_type domino, emb_dim, gru_hidden_dim, pure_draft_prefix_len, shift_label true}, plus
-  its prefix_gru.weight_ih_l0 / weight_hh_l0 and embed_proj.0 / embed_proj.2 tensors (our names are its names).
+  lm_head). A Domino head (heads/domino.py) is SpecForge's DominoDraftModel: written through export/domino.py's
+  keys (export_block_head's specforge_fields), read back here (dflash_config.projector_type domino), with its
+  prefix_gru.weight_ih_l0 / weight_hh_l0 and embed_proj.0 / embed_proj.2 tensors (our names are its names).
 Our tensor names are speculators' (heads/dspark.py), so nothing is renamed; d2t is written as offsets.
 """
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -76,7 +76,8 @@ def _speculators_block_config(cfg: HeadConfig, verifier: str | None) -> dict:
     return config
 
 
-def _specforge_block_config(cfg: HeadConfig, where: str) -> dict:
+def _specforge_block_config(cfg: HeadConfig, where: str,
+                            own_fields: Callable[[dict, HeadSpec, str], None] | None = None) -> dict:
     """SpecForge's DFlashDraftModel / DSparkDraftModel (specforge/modeling/draft/dflash.py, dspark.py; SpecForge
     0.2.0 = main a6b6b02 there) read a Qwen3 config (model_type qwen3: AutoConfig and SGLang's start-up load it),
     block_size, num_target_layers and dflash_config: target_layer_ids in z-lab's convention (hidden_states[id + 1],
@@ -91,7 +92,7 @@ def _specforge_block_config(cfg: HeadConfig, where: str) -> dict:
                              "SpecForge's DFlash / DSpark use the target's full vocabulary "
                              "(head.draft_vocab_size null)")
     kind = _block_type(spec)
-    if cfg.kind != "domino":  # Domino says its alignment itself (shift_label true, _domino_fields)
+    if own_fields is None:  # a kind with fields of its own says its alignment itself (Domino: shift_label true)
         _check_specforge_slots(spec, kind, where)
     config = _block_layer_dict(cfg)
     ids = [i - 1 for i in cfg.feature_layers]
@@ -105,8 +106,8 @@ def _specforge_block_config(cfg: HeadConfig, where: str) -> dict:
         heads, gqa = _block_head_fields(spec), config["num_key_value_heads"] < config["num_attention_heads"]
         config["dflash_config"].update(projector_type="dspark", attention_mode="gqa" if gqa else "mha", **heads)
         config.update(heads)
-    if cfg.kind == "domino":
-        _domino_fields(config, spec, where)
+    if own_fields is not None:
+        own_fields(config, spec, where)
     return config
 
 
@@ -123,18 +124,6 @@ def _check_specforge_slots(spec: HeadSpec, kind: str, where: str) -> None:
             "for the other alignment; export speculators (its sample_from_anchor key) or keep the native folder")
 
 
-def _domino_fields(config: dict, spec: HeadSpec, where: str) -> None:
-    """SpecForge DominoDraftModel's keys (configs/qwen3-8b-domino.json; _init_draft_head reads them)."""
-    if spec.confidence_head:
-        raise SpecheadsError(f"--format specforge: {where} has a confidence head; SpecForge's DominoDraftModel has "
-                             "none (head.confidence_head false)")
-    config["architectures"] = ["DominoDraftModel"]
-    config["emb_dim"] = spec.domino_emb_dim
-    config["dflash_config"].update(projector_type="domino", emb_dim=spec.domino_emb_dim,
-                                   gru_hidden_dim=spec.domino_gru_hidden,
-                                   pure_draft_prefix_len=spec.domino_prefix_len, shift_label=True)
-
-
 def check_block_exportable(cfg: HeadConfig, flag: str, consumer: str, where: str) -> None:
     """One SpecheadsError naming the consumer when it cannot run this dspark head: the anchor-features variant
     (head.anchor_features) adds W_a c_{p-1} to the anchor slot's input, and the engines build the block's input
@@ -147,9 +136,12 @@ def check_block_exportable(cfg: HeadConfig, flag: str, consumer: str, where: str
                              "generate / bench run it), or train one with head.anchor_features false for the engines")
 
 
-def export_block_head(cfg: HeadConfig, sd: dict, fmt: str, out_dir, where: str, verifier: str | None) -> Path:
+def export_block_head(cfg: HeadConfig, sd: dict, fmt: str, out_dir, where: str, verifier: str | None,
+                      specforge_fields: Callable[[dict, HeadSpec, str], None] | None = None) -> Path:
     """A dspark head in speculators' or SpecForge's layout: same tensor names as ours (heads/dspark.py), d2t as
-    offsets; the calibration (temperatures and biases) has no slot in either format and stays in the native folder."""
+    offsets; the calibration (temperatures and biases) has no slot in either format and stays in the native folder.
+    specforge_fields(config, spec, where): a block kind's own SpecForge keys, which then say its alignment too
+    (Domino: export/domino.py)."""
     check_block_exportable(cfg, f"--format {fmt}", BLOCK_LOADERS[fmt], where)
     check_keys(sd, list(head_class(cfg.kind)(cfg).state_dict()), where)
     tensors = {k: v for k, v in sd.items() if k not in ("d2t", "t2d", "conf_temperature", "conf_bias")}
@@ -158,7 +150,7 @@ def export_block_head(cfg: HeadConfig, sd: dict, fmt: str, out_dir, where: str, 
         if cfg.draft_vocab_size:  # speculators registers d2t/t2d (offsets) and keeps lm_head only when V' < V
             tensors.update(d2t=d2t_offsets(sd["d2t"]), t2d=sd["t2d"].to(torch.bool))
     else:
-        config = _specforge_block_config(cfg, where)
+        config = _specforge_block_config(cfg, where, specforge_fields)
     with atomic_dir(out_dir) as tmp:
         atomic_write_json(tmp / CONFIG_NAME, config)
         write_safetensors(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt", "specheads_export": fmt})

@@ -9,7 +9,8 @@ proposal of speculative_tokens = head.num_depths, verifier}; tensors fc.weight, 
 layers.{i}.*, norm.weight, lm_head.weight, mask_hidden [1, 1, F·D], embed_tokens.weight (the target's, mask token
 row included: speculators reads the checkpoint's and never fills it from the verifier, export/common.py
 target_embedding) [, d2t offsets, t2d when V' < V]. fc's column blocks and mask_hidden's blocks follow the
-ascending layer order the engines concatenate the aux states in. GGUF: refused (heads/gguf.py DRAFT_KINDS; llama.cpp's pinned converter has no P-EAGLE).
+ascending layer order the engines concatenate the aux states in. GGUF: refused (KindSpec.not_drafted,
+heads/peagle.py; llama.cpp's pinned converter has no P-EAGLE).
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import dataclasses
 import torch
 
 from specheads.heads.base import HeadConfig, HeadSpec
-from specheads.heads.export.common import native_name, need, speculators_section, speculators_tensors
+from specheads.heads.export.common import (native_name, need, speculators_section, speculators_tensors,
+                                           target_embedding)
 from specheads.heads.export.eagle3 import _ascending, ascending_fc, eagle3_llama_dict, read_eagle3_layer
 from specheads.utils import SpecheadsError
 
@@ -29,9 +31,11 @@ def ascending_mask_hidden(cfg: HeadConfig, sd: dict) -> torch.Tensor:
     return torch.cat([m[..., j * D:(j + 1) * D] for j in _ascending(cfg)], dim=-1)
 
 
-def write_peagle(cfg: HeadConfig, sd: dict, expected: list[str], verifier: str = "", embed=None, **_
-                 ) -> tuple[dict, dict, list[str]]:
-    """`embed`: the target's token embedding (export/common.py target_embedding)."""
+def write_peagle(cfg: HeadConfig, sd: dict, expected: list[str], verifier: str = "", target=None,
+                 where: str = "the head", **_) -> tuple[dict, dict, list[str]]:
+    """The speculators writer of a P-EAGLE head (its KindSpec.writers; drafts per pass: head.num_depths), with the
+    target's token embedding (export/common.py target_embedding)."""
+    embed = target_embedding(cfg, sd, target, "speculators", where)
     spec = cfg.head_spec
     layer = eagle3_llama_dict(cfg)
     layer.pop("architectures", None)

@@ -19,21 +19,19 @@ from specheads.heads.base import (
 )
 from specheads.heads.export.common import SPECULATIVE_TOKENS, check_keys, resolve_verifier
 from specheads.heads.export.consumers import check_consumers
-from specheads.heads.export.dspark import export_block_head, read_specforge
+from specheads.heads.export.dspark import read_specforge
 from specheads.heads.export.eagle import read_eagle, read_eagle_vllm, write_eagle, write_eagle_vllm
 from specheads.heads.export.eagle3 import read_eagle3, write_eagle3
 from specheads.heads.export.medusa import read_medusa_vllm, write_medusa_vllm
 from specheads.heads.export.repos import EAGLE_REPO_LAYOUTS, import_rope, read_medusa_repo
 from specheads.heads.export.speculators import read_speculators, write_speculators
+from specheads.heads.kinds import kind_spec, kinds, resolve
 from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json, read_json
 
 log = logging.getLogger(__package__)  # the package's one logger, specheads.heads.export
 
 FORMATS = ("native", "eagle", "eagle-vllm", "eagle3", "speculators", "medusa-vllm", "specforge",
            "gguf")  # gguf: heads/gguf.py
-KIND_OF_FORMAT = {"eagle": "eagle", "eagle-vllm": "eagle", "eagle3": "eagle3", "speculators": "eagle3",
-                  "medusa-vllm": "medusa", "specforge": "dspark"}
-OTHER_KINDS = {"speculators": ("peagle",)}  # more kinds a format's writer takes (export/peagle.py)
 BLOCK_FORMATS = ("speculators", "specforge")  # the formats a dspark head exports to (speculators: dspark / dflash)
 _SKIP_ON_IMPORT = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")  # target's, not ours
 
@@ -65,14 +63,14 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target=None
     cfg = read_head_config(head_dir)
     sd = read_safetensors(head_dir / WEIGHTS_NAME)
     where = str(head_dir / WEIGHTS_NAME)
-    if cfg.kind == "domino" and fmt == "speculators":  # heads/domino.py; SpecForge's layout is written below
-        raise SpecheadsError("--format speculators: speculators 0.9.0 has no Domino model (its DFlash reads no "
-                             "prefix_gru / embed_proj); export specforge or native")
-    if cfg.kind in ("dspark", "domino") and fmt in BLOCK_FORMATS:
-        return export_block_head(cfg, sd, fmt, out_dir, where, verifier_name_or_path)
-    if fmt != "native" and cfg.kind not in (KIND_OF_FORMAT[fmt], *OTHER_KINDS.get(fmt, ())):
-        needs = " or ".join((KIND_OF_FORMAT[fmt], *OTHER_KINDS.get(fmt, ())))
-        raise SpecheadsError(f"--format {fmt}: needs a {needs} head, {head_dir} holds a {cfg.kind} head")
+    ks = kind_spec(cfg.kind)
+    if fmt != "native" and fmt not in ks.formats:  # the kind's KindSpec says the formats it is written in
+        if fmt in ks.refused:
+            raise SpecheadsError(f"--format {fmt}: {ks.refused[fmt]}")
+        raise SpecheadsError(f"--format {fmt}: needs a {' or '.join(kinds_of_format(fmt))} head, {head_dir} holds "
+                             f"a {cfg.kind} head")
+    if fmt != "native" and ks.exporter is not None:  # the kind writes its formats itself (DSpark / DFlash blocks)
+        return resolve(ks.exporter)(cfg, sd, fmt, out_dir, where, verifier_name_or_path)
     # Every key our own head would have must be present (a truncated export is worse than none).
     expected = list(head_class(cfg.kind)(cfg).state_dict())  # built on CPU: small next to the checkpoint itself
     check_keys(sd, expected, where)
@@ -82,8 +80,9 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target=None
     else:
         chosen = check_consumers(fmt, cfg, consumers, str(head_dir))
         verifier, note = resolve_verifier(cfg, verifier_name_or_path)
-        config, tensors, required = WRITERS[fmt](cfg, sd, expected, target=target, where=str(head_dir),
-                                                 verifier=verifier, speculative_tokens=speculative_tokens)
+        writer = resolve(ks.writers[fmt]) if fmt in ks.writers else WRITERS[fmt]  # the kind's own, or the format's
+        config, tensors, required = writer(cfg, sd, expected, target=target, where=str(head_dir), verifier=verifier,
+                                           speculative_tokens=speculative_tokens)
         check_keys(tensors, required, f"export {fmt}")
         config["specheads"] = {"format": fmt, "consumers": chosen, "head_target": cfg.target_name,
                                "verifier": verifier, "feature_layers": sorted(cfg.feature_layers)}
@@ -100,13 +99,23 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target=None
 def needs_target(head_dir: str | Path, fmt: str) -> bool:
     """Whether exporting `head_dir` as `fmt` writes tensors of the target: its token embedding in speculators'
     EAGLE-3 / P-EAGLE layout (export/common.py target_embedding), its lm_head rows for a Medusa head that shares it
-    (export/medusa.py). `specheads export` then loads the head's own target when --target is not given."""
-    if fmt not in ("speculators", "medusa-vllm"):
-        return False
+    (export/medusa.py): the kind's KindSpec.needs_target. `specheads export` then loads the head's own target when
+    --target is not given."""
     cfg = read_head_config(Path(head_dir))
-    if fmt == "speculators":
-        return cfg.kind in ("eagle3", "peagle")
-    return cfg.kind == "medusa" and cfg.head_spec.medusa_lm_head == "shared"
+    ks = kind_spec(cfg.kind)
+    return fmt in ks.formats and ks.needs_target is not None and ks.needs_target(fmt, cfg)
+
+
+def kinds_of_format(fmt: str) -> tuple[str, ...]:
+    """The head kinds written in `fmt` (their KindSpec.formats name it)."""
+    return tuple(k for k, s in kinds().items() if fmt in s.formats)
+
+
+def __getattr__(name: str):
+    """KIND_OF_FORMAT: format -> the kinds written in it, a view of the kind registry (kept for importers)."""
+    if name == "KIND_OF_FORMAT":
+        return {fmt: kinds_of_format(fmt) for fmt in FORMATS if kinds_of_format(fmt)}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def detect_format(src: Path, config: dict) -> str:

@@ -17,6 +17,7 @@ import re
 
 from specheads.heads.base import HeadConfig, HeadSpec
 from specheads.heads.export.common import check_dims, need
+from specheads.heads.medusa import MedusaHead
 from specheads.utils import SpecheadsError
 
 EAGLE_REPO_LAYOUTS = ("eagle", "eagle3")  # the layouts the EAGLE repos save, whose RoPE base import_rope reads
@@ -54,7 +55,7 @@ def read_medusa_repo(config: dict, sd: dict, target, where: str, w: str) -> tupl
     if own and len(own) < K:
         raise SpecheadsError(f"{w}: heads {own} have a vocab projection ('{{h}}.{n}.weight') and the others not; a "
                              "checkpoint has it on every head (medusa_model.py) or on none (medusa_model_legacy.py)")
-    spec = HeadSpec(kind="medusa", num_heads=K, num_layers=n, medusa_lm_head="per_head" if own else "shared",
+    spec = HeadSpec(kind=MedusaHead.kind, num_heads=K, num_layers=n, medusa_lm_head="per_head" if own else "shared",
                     bias=any(k.endswith("linear.bias") for k in sd))
     return spec, tensors
 

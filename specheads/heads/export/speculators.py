@@ -21,7 +21,7 @@ from specheads.heads.export.dspark import BLOCK_TYPES, import_block_tensors
 from specheads.heads.export.eagle3 import (
     ascending_fc, ascending_fc_norm, eagle3_llama_dict, eagle31_config, read_eagle3_layer,
 )
-from specheads.heads.export.peagle import read_peagle, write_peagle
+from specheads.heads.export.peagle import read_peagle
 from specheads.utils import SpecheadsError
 
 
@@ -29,8 +29,6 @@ def write_speculators(cfg: HeadConfig, sd: dict, expected: list[str], verifier: 
                       speculative_tokens: int = SPECULATIVE_TOKENS, target=None, where: str = "the head",
                       **_) -> tuple[dict, dict, list[str]]:
     embed = target_embedding(cfg, sd, target, "speculators", where)
-    if cfg.kind == "peagle":  # its drafts per pass are head.num_depths
-        return write_peagle(cfg, sd, expected, verifier=verifier, embed=embed)
     layer = eagle3_llama_dict(cfg)
     layer.pop("architectures", None)
     ids, fc = ascending_fc(cfg, sd)

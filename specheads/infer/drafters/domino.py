@@ -6,4 +6,4 @@ from __future__ import annotations
 from specheads.infer.drafters.dspark import _dspark
 from specheads.infer.drafters.registry import DrafterKind, register_drafter
 
-register_drafter(DrafterKind("domino", "block", "a Domino head", _dspark, default_tree="auto", head=True))
+KIND = register_drafter(DrafterKind("domino", "block", "a Domino head", _dspark, default_tree="auto", head=True))

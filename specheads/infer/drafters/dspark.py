@@ -32,8 +32,10 @@ class DSparkDrafter(ScoredDrafter):
     name = "dspark"
     SIBLING_PRIOR = 0.15  # P(the first draft's rank-1 token is right | its rank-0 token is not), before outcomes
 
-    def __init__(self, head, scheduler: Scheduler | None = None, num_tokens: int | None = None, siblings: int = 2):
+    def __init__(self, head, scheduler: Scheduler | None = None, num_tokens: int | None = None, siblings: int = 2,
+                 name: str | None = None):
         self.head, self.scheduler = head, scheduler
+        self.name = name or self.name  # the source its proposals report (the serving kind's drafter name)
         self.k = head.num_drafts if num_tokens is None else min(int(num_tokens), head.num_drafts)  # drafts per step
         self.siblings = int(siblings) if scheduler is not None else 0  # alternatives to the first draft
         self.sibling_rates = Rates(lambda j: (self.SIBLING_PRIOR, PRIOR_STRENGTH))
@@ -67,6 +69,8 @@ class DSparkDrafter(ScoredDrafter):
     @torch.no_grad()
     def candidates(self, ctx: DraftContext) -> Candidates:
         root, k = ctx.ids[-1], min(self.k, ctx.max_depth)
+        if self.cache is not None:
+            self.cache.ids = ctx.ids  # the sequence so far, root last (a P-EAGLE cache pairs its new rows with it)
         if self.cache is None or k <= 0:
             return Candidates(chain_tree(root, []), [1.0], self.name)
         self.catch_up()
@@ -152,6 +156,7 @@ class DSparkDrafter(ScoredDrafter):
             if len(rows) < 2:
                 continue
             for i in rows:
+                drafters[i].cache.ids = ctxs[i].ids
                 drafters[i].catch_up()
                 assert drafters[i].cache.length == len(ctxs[i].ids) - 1, (drafters[i].cache.length, len(ctxs[i].ids))
             head = drafters[rows[0]].head
@@ -176,4 +181,4 @@ def _dspark(target, head, spec: TreeSpec, scheduler: Scheduler | None = None) ->
     return DSparkDrafter(head, num_tokens=spec.num_tokens)
 
 
-register_drafter(DrafterKind("dspark", "block", "a DSpark head", _dspark, default_tree="auto", head=True))
+KIND = register_drafter(DrafterKind("dspark", "block", "a DSpark head", _dspark, default_tree="auto", head=True))

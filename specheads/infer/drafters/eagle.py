@@ -137,6 +137,7 @@ def _eagle(target, head, spec: TreeSpec) -> Drafter:
     return EagleDrafter(head, depth=spec.depth, top_k=spec.top_k, total_tokens=spec.total_tokens)
 
 
-for _kind in (DrafterKind("eagle", "dynamic", "an EAGLE head", _eagle, default_tree="5,8,48", head=True),
-              DrafterKind("eagle3", "dynamic", "an EAGLE-3 head", _eagle, default_tree="5,8,48", head=True)):
-    register_drafter(_kind)
+EAGLE_KIND = register_drafter(DrafterKind("eagle", "dynamic", "an EAGLE head", _eagle, default_tree="5,8,48",
+                                         head=True))
+EAGLE3_KIND = register_drafter(DrafterKind("eagle3", "dynamic", "an EAGLE-3 head", _eagle, default_tree="5,8,48",
+                                          head=True))

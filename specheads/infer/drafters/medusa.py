@@ -46,4 +46,4 @@ def _medusa(target, head, spec: TreeSpec) -> Drafter:
     return MedusaDrafter(head, choices=[list(c) for c in spec.choices])
 
 
-register_drafter(DrafterKind("medusa", "static", "a Medusa head", _medusa, default_tree="default", head=True))
+KIND = register_drafter(DrafterKind("medusa", "static", "a Medusa head", _medusa, default_tree="default", head=True))

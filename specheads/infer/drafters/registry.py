@@ -1,11 +1,13 @@
 """The drafter registry: one entry per head kind (config.kind) or training-free drafter (--drafter), naming its
 family once (treespec.FAMILIES: which --tree forms it takes, whether --tree auto applies) and how to build it.
-Each kind's module registers itself with register_drafter; build.build_drafter is the one constructor."""
+Each drafter's module registers itself with register_drafter; a head kind's KindSpec (heads/kinds.py) names the
+one it serves with; build.build_drafter is the one constructor."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
+from specheads.heads.kinds import kinds, resolve
 from specheads.infer.engine.protocol import Drafter
 from specheads.infer.treespec import FAMILIES, MAX_TREE_DEPTH, TreeLimits, TreeSpec, parse_tree_spec
 from specheads.utils import SpecheadsError
@@ -35,11 +37,13 @@ def register_drafter(kind: DrafterKind) -> DrafterKind:
 
 def drafter_kind(name: str, head: bool = False) -> DrafterKind:
     """The registry entry of a head kind (head=True) or a training-free drafter (--drafter NAME)."""
+    if head:  # a head kind serves with the drafter its KindSpec names
+        ks = kinds().get(name)
+        if ks is None:
+            raise SpecheadsError(f"head kind {name!r} has no drafter (head kinds: {', '.join(kinds())})")
+        return resolve(ks.drafter)
     kind = DRAFTERS.get(name)
-    if kind is None or kind.head != head:
-        if head:
-            raise SpecheadsError(f"head kind {name!r} has no drafter (drafters with heads: "
-                                 f"{', '.join(k for k, v in DRAFTERS.items() if v.head)})")
+    if kind is None or kind.head:
         free = [k for k, v in DRAFTERS.items() if not v.head]
         raise SpecheadsError(f"--drafter {name}: expected {', '.join(free)} (or --head DIR for a trained head)")
     return kind
@@ -51,7 +55,7 @@ def tree_limits(head=None) -> TreeLimits:
     cfg = getattr(head, "config", head)
     if cfg is None:
         return TreeLimits()
-    kind = DRAFTERS.get(getattr(cfg, "kind", None))
+    kind = kinds().get(getattr(cfg, "kind", None))
     if kind is not None and kind.family == "block":
         return TreeLimits(max_rank=int(cfg.draft_vocab_size or cfg.vocab_size), max_depth=int(cfg.head_spec.num_drafts))
     return TreeLimits(max_rank=int(cfg.draft_vocab_size or cfg.vocab_size))

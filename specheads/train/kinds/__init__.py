@@ -1,19 +1,20 @@
-"""The head kinds training knows, one file each: its training step (loss) and its evaluation step (drafts).
-
-Adding a kind: a module defining `KIND = HeadKind(name, loss, drafts)` (kinds/base.py) and one line below.
+"""The head kinds' training steps, one file each: its training step (loss) and its evaluation step (drafts), as a
+`HeadKind` (kinds/base.py). A head kind's KindSpec (heads/kinds.py) names its step ("module:KIND"); `head_kind`
+looks it up there, so adding a kind edits nothing here.
 """
 from __future__ import annotations
 
-from specheads.train.kinds import block, domino, eagle, eagle3, medusa, peagle
+from specheads.heads.kinds import kind_spec, kinds, resolve
 from specheads.train.kinds.base import HeadKind
-from specheads.utils import SpecheadsError
-
-KINDS: dict[str, HeadKind] = {k.name: k for k in (medusa.KIND, eagle.KIND, eagle3.KIND, block.KIND,
-                                                 domino.KIND, peagle.KIND)}
 
 
 def head_kind(name: str) -> HeadKind:
-    """The registered kind `name` (head.kind), or one SpecheadsError naming the known ones."""
-    if name not in KINDS:
-        raise SpecheadsError(f"head.kind: {name!r} is not one of {list(KINDS)}")
-    return KINDS[name]
+    """The training step of the registered kind `name` (head.kind), or one SpecheadsError naming the known ones."""
+    return resolve(kind_spec(name).train_step)
+
+
+def __getattr__(name: str):
+    """KINDS: kind name -> HeadKind, a view of the registry (kept for importers)."""
+    if name == "KINDS":
+        return {k: resolve(s.train_step) for k, s in kinds().items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

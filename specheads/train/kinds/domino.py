@@ -38,7 +38,7 @@ def loss(head, batch: dict, h_in: torch.Tensor, h_last: torch.Tensor, target, se
     side = (batch["target_greedy"], batch["target_lse"]) if has_sidecar(batch) else None
     tgt, lse, ok = block.block_targets(inner, target, h_last, anchors, valid, cfg.full_vocab, side)
     keep = avalid
-    args = dict(gamma=cfg.gamma, alpha=cfg.confidence_alpha, loss=settings.distill("dspark"),
+    args = dict(gamma=cfg.gamma, alpha=cfg.confidence_alpha, loss=settings.distill("domino"),
                 weighting=cfg.weighting, dpace_alpha=cfg.dpace_alpha)
     fin = dspark_loss(final[keep], None if conf is None else conf[keep], tgt[keep], lse[keep], ok[keep],
                       valid[keep], **args)

@@ -31,6 +31,7 @@ import torch
 
 from specheads.heads.base import load_head, read_head_config
 from specheads.heads.gguf import draft_gguf, find_tools, spec_type_of, target_gguf
+from specheads.heads.kinds import kind_spec
 from specheads.infer.bench.llamacpp.pmin import Block, calibration_blocks, choose_p_min, step_seconds, verify_curve
 from specheads.infer.bench.llamacpp.server import LlamaServer, default_threads
 from specheads.infer.bench.names import (LLAMACPP_NGRAM, LLAMACPP_PLAIN, LLAMACPP_PREFIX, PROMPT_LOOKUP_MAX_NGRAM,
@@ -114,14 +115,15 @@ def build_llamacpp_method(name: str, target, options, calib_ids: list[list[int]]
         draft = draft_gguf(src, target=None if src.endswith(".gguf") else target.name, outtype=outtype)
         spec_args = ("--spec-type", spec_type_of(draft))
         cfg = None if src.endswith(".gguf") else read_head_config(Path(src))
+        ks = None if cfg is None else kind_spec(cfg.kind)
         n_max = options.llamacpp_draft_max
-        if n_max is None and cfg is not None and cfg.kind == "dspark":  # a block head runs its whole block
+        if n_max is None and ks is not None and ks.family == "block":  # a block head runs its whole block
             n_max = cfg.head_spec.num_drafts
         if n_max is not None:
             spec_args += ("--spec-draft-n-max", str(int(n_max)))
         info.update(head=src, draft_gguf=str(draft), draft_max=int(n_max) if n_max is not None else 3)
         p_min = options.llamacpp_p_min
-        if p_min is None and cfg is not None and cfg.kind == "dspark" and cfg.head_spec.confidence_head:
+        if p_min is None and ks is not None and ks.confidence and cfg.head_spec.confidence_head:
             choice = tune_p_min(src, target, model, draft, spec_args, int(n_max), threads, calib_ids or [])
             p_min, info["p_min_choice"] = choice.p_min, choice.to_dict()
         if p_min is not None:
