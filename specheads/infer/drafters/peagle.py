@@ -4,7 +4,7 @@ or a fixed number of drafts is sent. The DSpark drafter's proposal, scheduling a
 only tells the head's cache the sequence so far, since a true row t pairs the target feature f_t with x_{t+1}."""
 from __future__ import annotations
 
-from specheads.infer.drafters.dspark import DSparkDrafter
+from specheads.infer.drafters.dspark import DSparkDrafter, block_drafter
 from specheads.infer.drafters.registry import DrafterKind, register_drafter
 from specheads.infer.engine.protocol import DraftContext, Drafter
 from specheads.infer.scheduling.acceptance import Candidates
@@ -33,10 +33,7 @@ class PEagleDrafter(DSparkDrafter):
 
 
 def _peagle(target, head, spec: TreeSpec, scheduler: Scheduler | None = None) -> Drafter:
-    """`auto`: the per-step scheduler chooses the prefix; K: the first K drafts of every pass."""
-    if spec.mode == "auto":
-        return PEagleDrafter(head, scheduler=scheduler)
-    return PEagleDrafter(head, num_tokens=spec.num_tokens)
+    return block_drafter(PEagleDrafter, head, spec, scheduler)
 
 
 register_drafter(DrafterKind("peagle", "block", "a P-EAGLE head", _peagle, default_tree="auto", head=True))
