@@ -223,3 +223,28 @@ def test_tree_specs_and_build(tiny):
     assert fixed.tree_nodes == 12 and fixed.scheduler is None and fixed.siblings == 0
     sched = build_drafter(tiny, head, "tree:auto", scheduler=Scheduler(FLAT, 1e-3))
     assert sched.tree_nodes == 0 and sched.scheduler is not None and sched.siblings == 0
+
+
+def test_teacher_forced_block_tree_lengths_by_hand():
+    """train/blocktree_eval.py scores the tree greedy_tree builds: the same two positions as by hand above at every
+    row; the target's tokens (0, 2) are ranks (0, 1), in the 4-node tree; (2, .) and (1, .) are not, until a
+    fifth node adds rank 1 at the root."""
+    from specheads.train.blocktree_eval import BlockTreeAccumulator, block_tree_lengths
+
+    T = 8
+    pos = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.6, 0.2, 0.15]]).log()  # [K, V']
+    steps = [pos[k].expand(1, T, 4).clone() for k in range(2)]  # K [B,T,V']
+    conf = torch.tensor([0.8, 0.5]).view(2, 1, 1).expand(2, 1, T)
+    target = torch.tensor([[9, 0, 2, 1, 3, 0, 1, 1]])  # row j: the target's greedy token j+1
+    mask = torch.ones(1, T, dtype=torch.long)
+    acc, start = block_tree_lengths(steps, conf, target, mask, None, 4)
+    assert acc[0, :4].tolist() == [3, 1, 1, 1] and bool(start[0, 0])
+    acc5, _ = block_tree_lengths(steps, conf, target, mask, None, 5)
+    assert acc5[0, :4].tolist() == [3, 1, 2, 1]  # row 2: (1,) now in the tree, (1, rank 2) still not
+    chain, _ = block_tree_lengths(steps, torch.ones(2, 1, T), target, mask, None, 2)
+    assert chain[0, :4].tolist() == [2, 1, 1, 1]  # confident: the tree is the chain, row 0's rank 1 is a miss
+    a = BlockTreeAccumulator(4)
+    a.add(steps, conf, target, mask, None)
+    m = a.metrics()
+    assert m["tau_blocktree"] == pytest.approx(float(acc[start].float().mean()))
+    assert m["tau_blocktree_walk"] >= 1.0 and m["blocktree_nodes"] == 4

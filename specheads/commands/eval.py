@@ -22,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="target dtype (default bf16, as the recipes extract features; heldout:RUN: the run's)")
     p.add_argument("--tree-width", type=int, default=2, help="simulated tree: branching per depth (default 2)")
     p.add_argument("--tree-depth", type=int, default=4, help="simulated tree: depth (default 4)")
+    p.add_argument("--block-tree-nodes", type=int, default=16,
+                   help="block heads: draft nodes of the best-first tree over the block scored beside the chain "
+                        "(tau_blocktree, tau_blocktree_walk: what `--tree tree:N` serves; default 16, 0 = off)")
     p.add_argument("--device", default=None)
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
 
@@ -36,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
                         ("--tree-depth", args.tree_depth)):
         if value < 1:
             raise SpecheadsError(f"{flag} {value}: must be at least 1")
+    if args.block_tree_nodes < 0:
+        raise SpecheadsError(f"--block-tree-nodes {args.block_tree_nodes}: must be at least 0 (0 = off)")
     if args.dataset.startswith("heldout:"):
         from specheads.train.heldout import evaluate_head_on_heldout, heldout_recipe
 
@@ -52,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         target = load_target(args.target or "smollm2-135m", dtype=dtype, device=args.device)
         head = load_head(args.head, target).eval()
         figures = evaluate_head_on_prompts(target, head, prompts, args.max_new_tokens, args.tree_width,
-                                           args.tree_depth, dataset=args.dataset)
+                                           args.tree_depth, dataset=args.dataset,
+                                           block_tree_nodes=args.block_tree_nodes)
     result = {"head": args.head, "kind": head.config.kind, "dataset": args.dataset,
               "max_new_tokens": args.max_new_tokens, **figures}
     print(json.dumps(result) if args.json else table(result))
