@@ -248,3 +248,26 @@ def test_teacher_forced_block_tree_lengths_by_hand():
     m = a.metrics()
     assert m["tau_blocktree"] == pytest.approx(float(acc[start].float().mean()))
     assert m["tau_blocktree_walk"] >= 1.0 and m["blocktree_nodes"] == 4
+
+
+def test_scheduler_keeps_a_best_first_prefix_of_the_block_tree():
+    """The scheduler ranks nodes by the builder's estimates: whatever size it chooses, it keeps the best nodes, a
+    connected tree whose every parent's children are a prefix of its ranks (sampling draws them in that order)."""
+    from specheads.infer.scheduling.step import choose_nodes
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 32, generator=g) * 3  # [K, V']
+    cand = greedy_tree(_Fake(), DraftContext(ids=[7, 9]), logits, [0.9, 0.7, 0.6, 0.5], 4, 64)
+    order = sorted(range(1, len(cand.p)), key=lambda i: -cand.p[i])
+    sizes = set()
+    for fixed in (0.0, 0.5, 2.0, 8.0):
+        keep = choose_nodes(cand.p, cand.tree.parents.tolist(), FLAT, fixed).keep
+        sizes.add(len(keep))
+        assert sorted(keep[1:]) == sorted(order[:len(keep) - 1])  # the best len(keep) - 1 nodes
+        sub = cand.tree.select(torch.tensor(keep))
+        kids = cand.tree.children_lists()
+        for i in keep:
+            kept = [c for c in kids[i] if c in keep]
+            assert kept == kids[i][:len(kept)]  # a prefix of the parent's children (rank order)
+        assert len(sub) == len(keep)
+    assert len(sizes) > 1  # the step's fixed cost moves the choice
