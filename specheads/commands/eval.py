@@ -5,6 +5,7 @@ import argparse
 import json
 
 from specheads.commands import args as shared
+from specheads.utils import SpecheadsError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,6 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     shared.add_dtype(p, default=None, why="default bfloat16, as the recipes extract features; heldout:RUN: the run's")
     shared.add_eval_tree(p)
     shared.add_device(p)
+    p.add_argument("--block-tree-nodes", type=int, default=16,
+                   help="block heads: draft nodes of the best-first tree over the block scored beside the chain "
+                        "(tau_blocktree, tau_blocktree_walk: what `--tree tree:N` serves; default 16, 0 = off)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
 
 
@@ -31,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
 
     shared.check_max_new_tokens(args.max_new_tokens)
     tree_depth, tree_width = shared.eval_tree(args)
+    if args.block_tree_nodes < 0:
+        raise SpecheadsError(f"--block-tree-nodes {args.block_tree_nodes}: must be at least 0 (0 = off)")
     if args.dataset.startswith("heldout:"):
         from specheads.train.heldout import evaluate_head_on_heldout, heldout_recipe
 
@@ -47,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         target = load_target(args.target or "smollm2-135m", dtype=dtype, device=args.device)
         head = load_head(args.head, target).eval()
         figures = evaluate_head_on_prompts(target, head, prompts, args.max_new_tokens, tree_width, tree_depth,
-                                           dataset=args.dataset)
+                                           dataset=args.dataset, block_tree_nodes=args.block_tree_nodes)
     result = {"head": args.head, "kind": head.config.kind, "dataset": args.dataset,
               "max_new_tokens": args.max_new_tokens, **figures}
     print(json.dumps(result) if args.json else table(result))

@@ -124,4 +124,6 @@ def given_tree_record(kind: str, family: str, spec: TreeSpec) -> dict[str, Any]:
         tree.update(total_tokens=spec.total_tokens, depth=spec.depth, top_k=spec.top_k)
     elif spec.mode == "static":
         tree.update(choices=[list(c) for c in spec.choices], total_tokens=len(spec.choices))
+    elif spec.mode == "blocktree" and spec.total_tokens:  # a fixed tree over the block (tree:N)
+        tree.update(total_tokens=spec.total_tokens)
     return tree

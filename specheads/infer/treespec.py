@@ -9,7 +9,8 @@ each drafter's family once):
   ranks), `default` = tree.DEFAULT_MEDUSA_CHOICES, or `auto`;
 - block (DSpark / DFlash block heads): `auto` = the per-step scheduler (infer/scheduling/step.py: each step verifies the
   prefix of the block that pays on this machine), or a fixed number of draft tokens per step, `K` or `chain:K`
-  (1..the head's drafts per block);
+  (1..the head's drafts per block); `tree:N` = the best-first tree over the block's per-position top ranks
+  (drafters/blocktree.py, DDTree) of N draft nodes, `tree:auto` = the per-step scheduler choosing from it;
 - tokens (prompt lookup, draft model): draft tokens per step, a chain, e.g. `8`;
 - none (plain decoding): drafts nothing, takes no `--tree`.
 Sizes are bounded (TreeLimits): a spec the head or the machine cannot hold is one SpecheadsError naming the flag,
@@ -37,12 +38,14 @@ FAMILIES = {
     "static": f"chain:K (K 1..{MAX_TREE_DEPTH}) or JSON rank paths such as [[0],[0,0],[1]] (Medusa static tree: "
               f"ranks 0..{MAX_TOP_K - 1} and below the draft vocabulary, at most {MAX_TREE_NODES} paths), default, "
               f"or auto",
-    "block": "auto (the per-step scheduler: the prefix of each block that pays on this machine) or a fixed number "
-             "of draft tokens per step, K or chain:K (K 1..the head's drafts per block)",
+    "block": "auto (the per-step scheduler: the prefix of each block that pays on this machine), a fixed number "
+             "of draft tokens per step, K or chain:K (K 1..the head's drafts per block), or a tree over the block, "
+             f"tree:N (the best-first tree of N 1..{MAX_TREE_NODES} draft nodes) or tree:auto (the scheduler "
+             "chooses from it)",
     "tokens": f"a number of draft tokens per step, 1..{MAX_TREE_DEPTH} (e.g. 8)",
     "none": "no --tree (plain decoding drafts nothing)",
 }
-TREE_MODES = ("auto", "static", "dynamic", "tokens", "none")
+TREE_MODES = ("auto", "static", "dynamic", "tokens", "blocktree", "none")
 TREE_NAMES = {"dynamic": "EAGLE-2 dynamic tree", "static": "static Medusa tree"}  # how summaries name the trees
 
 
@@ -65,7 +68,7 @@ class TreeSpec:
     choices: tuple[tuple[int, ...], ...] = ()  # static: rank paths, parents first (tree.normalize_choices)
     depth: int = 0  # dynamic: expansion steps
     top_k: int = 0  # dynamic: children per expanded node and frontier width
-    total_tokens: int = 0  # dynamic: draft nodes kept (root excluded)
+    total_tokens: int = 0  # dynamic: draft nodes kept (root excluded); blocktree: draft nodes (0 = scheduled)
     num_tokens: int = 0  # tokens: chain length per step
     text: str = ""
 
@@ -91,6 +94,16 @@ class TreeSpec:
         return cls("tokens", num_tokens=num_tokens, text=text or str(num_tokens))
 
     @classmethod
+    def block_tree(cls, total_tokens: int, text: str = "") -> "TreeSpec":
+        """A tree over a block head's drafts: total_tokens draft nodes, best first; 0 = the scheduler chooses."""
+        return cls("blocktree", total_tokens=total_tokens, text=text or f"tree:{total_tokens or 'auto'}")
+
+    @property
+    def scheduled(self) -> bool:
+        """A block head's per-step scheduler chooses what to verify (`auto`, `tree:auto`)."""
+        return self.mode == "auto" or (self.mode == "blocktree" and not self.total_tokens)
+
+    @classmethod
     def none(cls) -> "TreeSpec":
         return cls("none")
 
@@ -101,6 +114,9 @@ class TreeSpec:
             return f"{TREE_NAMES['static']}, {len(self.choices)} nodes"
         if self.mode == "tokens":
             return f"a chain of up to {self.num_tokens} draft tokens"
+        if self.mode == "blocktree":
+            size = f"{self.total_tokens} nodes" if self.total_tokens else "chosen per step (auto)"
+            return f"best-first tree over the block, {size}"
         return {"auto": "chosen for this machine (auto)", "none": "no draft (plain decoding)"}[self.mode]
 
     def to_dict(self) -> dict[str, Any]:
@@ -124,7 +140,13 @@ def parse_tree_spec(text: str, family: str, *, drafter: str = "this drafter", li
         if family == "tokens":
             raise bad("automatic tree choice is for heads that draft trees")
         return TreeSpec.auto()
-    if family == "tokens" or (family == "block" and not raw.startswith("chain:")):
+    if family == "block" and raw.startswith("tree:"):
+        n = raw.split(":", 1)[1].strip()
+        nodes = 0 if n == "auto" else _whole(n, bad, "expected tree:N or tree:auto")
+        if n != "auto":
+            _within(nodes, 1, limits.max_nodes, "the tree's draft nodes N", bad)
+        spec = TreeSpec.block_tree(nodes, text=raw)
+    elif family == "tokens" or (family == "block" and not raw.startswith("chain:")):
         spec = TreeSpec.tokens(_whole(raw, bad, "expected a whole number of tokens"), text=raw)
     elif family == "block":
         spec = TreeSpec.tokens(_whole(raw.split(":", 1)[1].strip(), bad, "expected chain:K with K a whole number"),
@@ -144,7 +166,7 @@ def parse_tree_spec(text: str, family: str, *, drafter: str = "this drafter", li
     return check_tree_spec(spec, family, drafter=drafter, limits=limits, flag=flag)
 
 
-FAMILY_MODES = {"dynamic": ("dynamic", "auto"), "static": ("static", "auto"), "block": ("tokens", "auto"),
+FAMILY_MODES = {"dynamic": ("dynamic", "auto"), "static": ("static", "auto"), "block": ("tokens", "auto", "blocktree"),
                 "tokens": ("tokens",), "none": ("none",)}
 
 
@@ -166,6 +188,8 @@ def check_tree_spec(spec: TreeSpec, family: str, *, drafter: str = "this drafter
         _check_paths(list(spec.choices), limits, bad)
     elif spec.mode == "tokens":
         _within(spec.num_tokens, 1, limits.max_depth, "the number of draft tokens", bad)
+    elif spec.mode == "blocktree" and spec.total_tokens:
+        _within(spec.total_tokens, 1, limits.max_nodes, "the tree's draft nodes N", bad)
     return spec
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specheads.train.blocktree_eval import BlockTreeAccumulator
 from specheads.train.confidence import BlockEvalAccumulator
 from specheads.train.losses import accepted_lengths, step_correct
 from specheads.train.steps import draft_outputs
@@ -50,11 +51,14 @@ class EvalConfig:
     dev_max_new_tokens: int = 256  # tokens per answer: `specheads bench`'s default --max-new-tokens
     # DSpark: cut the block where the calibrated survival prod c_i falls below each threshold (a probability)
     conf_threshold: float | list[float] = field(default_factory=lambda: [0.3, 0.5, 0.7])
+    # block heads: draft nodes of the best-first tree over the block scored beside the chain (tau_blocktree,
+    # tau_blocktree_walk; train/blocktree_eval.py, served as `--tree tree:N`); 0 = off
+    block_tree_nodes: int = 16
 
     def __post_init__(self) -> None:
         check_values("eval", self, {"every_steps": ">=0", "max_samples": ">=1|None", "batch_size": ">=1", "topk": ">=1",
                                     "tree_width": ">=1", "tree_depth": ">=1", "eagle_steps": ">=1",
-                                    "dev_prompts": ">=0", "dev_max_new_tokens": ">=1"})
+                                    "dev_prompts": ">=0", "dev_max_new_tokens": ">=1", "block_tree_nodes": ">=0"})
         names = [f"{d}{m}" for d in ("", "dev_") for m in EvalAccumulator.RATIOS]
         if self.select not in names:
             raise SpecheadsError(f"eval.select: {self.select!r} is not one of {names}")
@@ -138,7 +142,8 @@ def evaluate(kind: str, head, batches, target, layers, head_layers, cfg: EvalCon
     """
     was_training = head.training
     head.eval()
-    acc = blk = None
+    acc = blk = tree = None
+    block_head = hasattr(getattr(head, "module", head), "draft_blocks") and cfg.block_tree_nodes > 0
     try:
         for batch in batches:
             if get_hidden is not None:
@@ -147,6 +152,9 @@ def evaluate(kind: str, head, batches, target, layers, head_layers, cfg: EvalCon
             if acc is None:
                 acc = EvalAccumulator(len(d.steps))
             acc.add(d.steps, d.target_greedy, batch["loss_mask"], d.d2t, cfg)
+            if block_head:  # the best-first tree over the block, as the drafter builds it
+                tree = tree or BlockTreeAccumulator(cfg.block_tree_nodes)
+                tree.add(d.steps, d.confidence, d.target_greedy, batch["loss_mask"], d.d2t)
             if d.confidence is not None:  # per-draft acceptance against the calibrated confidences
                 blk = blk or BlockEvalAccumulator(len(d.steps), cfg.conf_threshold)
                 valid, top1, _ = step_correct(d.steps, d.target_greedy, batch["loss_mask"], d.d2t, topk=1)
@@ -159,4 +167,7 @@ def evaluate(kind: str, head, batches, target, layers, head_layers, cfg: EvalCon
         acc.sums = reduce(acc.sums.to(torch.float64)).cpu()
         if blk is not None:
             blk.sums = reduce(blk.sums.to(torch.float64)).cpu()
-    return {**acc.metrics(cfg), **(blk.metrics() if blk is not None else {})}
+        if tree is not None:
+            tree.sums = reduce(tree.sums.to(torch.float64)).cpu()
+    return {**acc.metrics(cfg), **(blk.metrics() if blk is not None else {}),
+            **(tree.metrics() if tree is not None else {})}

@@ -61,15 +61,17 @@ def answer_batches(target, prompts: list[BenchPrompt], layers: list[int], max_ne
 
 
 def evaluate_head_on_prompts(target, head, prompts: list[BenchPrompt], max_new_tokens: int = 64,
-                             tree_width: int = 2, tree_depth: int = 4, dataset: str = "") -> dict[str, Any]:
+                             tree_width: int = 2, tree_depth: int = 4, dataset: str = "",
+                             block_tree_nodes: int = 16) -> dict[str, Any]:
     """Metrics of `head` on the target's answers to `prompts` (train/evaluate.py's, rounded to 4 places), with
-    the rows counted. `dataset` names the prompts in errors (--dataset)."""
+    the rows counted. `dataset` names the prompts in errors (--dataset). block_tree_nodes: a block head's
+    best-first tree scored beside its chain (`--tree tree:N`; 0 = off)."""
     from specheads.train.evaluate import EvalConfig, evaluate
 
     kind = head.config.kind
     layers = resolve_layers(target.num_layers, head.config.feature_layers, kind)
     batches = answer_batches(target, prompts, layers, max_new_tokens, dataset)
-    cfg = EvalConfig(tree_width=tree_width, tree_depth=tree_depth)
+    cfg = EvalConfig(tree_width=tree_width, tree_depth=tree_depth, block_tree_nodes=block_tree_nodes)
     metrics = evaluate(kind, head, batches, target, layers, list(head.config.feature_layers), cfg)
     answer_tokens = int(sum(int(b["loss_mask"].sum()) for b in batches))
     return {"prompts": len(batches), "answer_tokens": answer_tokens, **{k: round(v, 4) for k, v in metrics.items()}}

@@ -252,7 +252,7 @@ def build_head_method(target, options: MethodOptions, resolver: HeadResolver, he
     methods, so that a head's methods load it and run the `--tree auto` probe once."""
     r = resolver.resolve(head_dir)
     tree = r.tree
-    block_auto = r.family == "block" and r.spec.mode == "auto"
+    block_auto = r.family == "block" and r.spec.scheduled
     scheduler = resolver.scheduler() if lookup or r.family == "block" else None
     drafter = build_drafter(target, r.head, r.spec, lookup=lookup, lookup_ngram=PROMPT_LOOKUP_MAX_NGRAM,
                             acceptance=r.acceptance, scheduler=scheduler)

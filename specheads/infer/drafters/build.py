@@ -27,14 +27,14 @@ def build_drafter(target, head_or_name, spec: TreeSpec | str | None = None, *, l
         spec = check_tree_spec(spec, kind.family, drafter=kind.label, limits=tree_limits(head))
     else:
         spec = parse_tree(spec, name, head)
-    if spec.mode == "auto" and kind.family != "block":
+    if spec.scheduled and kind.family != "block":
         raise ValueError("build_drafter: resolve --tree auto with autotree.choose_tree_for_head first")
     check_lookup(lookup)
     if kind.check is not None:
         kind.check(target)
-    if scheduler is None and (lookup or (kind.family == "block" and spec.mode == "auto")):
+    if scheduler is None and (lookup or (kind.family == "block" and spec.scheduled)):
         scheduler = Scheduler.for_target(target, pricing=pricing)  # one for the head and any lookup merged in
-    if kind.family == "block":  # scheduled per step (its `auto`)
+    if kind.family == "block":  # scheduled per step (its `auto`, `tree:auto`)
         options["scheduler"] = scheduler
     drafter = kind.build(target, head, spec, **options)
     if lookup:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from specheads.infer.drafters.blocktree import AUTO_NODES, chain_nodes, greedy_tree, sampled_tree
 from specheads.infer.drafters.registry import DrafterKind, register_drafter
 from specheads.infer.drafters.scored import ScoredDrafter, emitted_tokens
 from specheads.infer.engine.protocol import DraftContext, Drafter
@@ -28,16 +29,22 @@ class DSparkDrafter(ScoredDrafter):
     pass. With a scheduler and greedy decoding the first draft also gets `siblings` alternatives (ranks 1.. of its
     logits) as children of the root, a small tree the scheduler verifies only where they pay: sibling j's estimate
     is (1 - a_1) * prod_{i<j} (1 - r_i) * r_j with r_j = P(rank j is the target's token | ranks < j were not),
-    learned per request (prior SIBLING_PRIOR)."""
+    learned per request (prior SIBLING_PRIOR). tree_nodes (`--tree tree:N` / `tree:auto`): instead of the chain,
+    the best-first tree over the block's per-position top ranks (blocktree.py, DDTree) of N draft nodes, or with
+    a scheduler (0) of up to blocktree.AUTO_NODES of which the scheduler verifies the part that pays."""
     name = "dspark"
     SIBLING_PRIOR = 0.15  # P(the first draft's rank-1 token is right | its rank-0 token is not), before outcomes
 
     def __init__(self, head, scheduler: Scheduler | None = None, num_tokens: int | None = None, siblings: int = 2,
-                 name: str | None = None):
+                 tree_nodes: int | None = None, name: str | None = None):
         self.head, self.scheduler = head, scheduler
         self.name = name or self.name  # the source its proposals report (the serving kind's drafter name)
         self.k = head.num_drafts if num_tokens is None else min(int(num_tokens), head.num_drafts)  # drafts per step
-        self.siblings = int(siblings) if scheduler is not None else 0  # alternatives to the first draft
+        self.tree_nodes = None if tree_nodes is None else int(tree_nodes)  # None: the chain; 0: scheduled tree
+        if self.tree_nodes == 0 and scheduler is None:
+            raise ValueError("DSparkDrafter: tree_nodes=0 (the scheduled tree) needs a scheduler")
+        scheduled_chain = scheduler is not None and self.tree_nodes is None
+        self.siblings = int(siblings) if scheduled_chain else 0  # alternatives to the first draft (the chain's)
         self.sibling_rates = Rates(lambda j: (self.SIBLING_PRIOR, PRIOR_STRENGTH))
         self.feature_layers = list(head.config.feature_layers)
         self.cache = None
@@ -75,7 +82,19 @@ class DSparkDrafter(ScoredDrafter):
             return Candidates(chain_tree(root, []), [1.0], self.name)
         self.catch_up()
         assert self.cache.length == len(ctx.ids) - 1, (self.cache.length, len(ctx.ids))
+        if self.tree_nodes is not None:
+            return self._tree_candidates(ctx, k)
         return self._candidates(ctx, *self._block(ctx, k))
+
+    def _tree_candidates(self, ctx: DraftContext, k: int) -> Candidates:
+        """The best-first tree over one block pass (blocktree.py): tree_nodes draft nodes, or AUTO_NODES for the
+        scheduler to choose from."""
+        budget = self.tree_nodes or AUTO_NODES
+        if ctx.sampling.greedy:
+            logits, conf = self.head.draft_block(self.cache, ctx.ids[-1])  # [K', V'], [K'] | None
+            return greedy_tree(self, ctx, logits, None if conf is None else conf.tolist(), k, budget)
+        drafts, conf, q, _ = self._block(ctx, k)
+        return sampled_tree(self, ctx, drafts, conf, q, budget)
 
     def _candidates(self, ctx: DraftContext, drafts: list[int], conf: list[float] | None,
                     q: torch.Tensor | None, sibs: list[int] = ()) -> Candidates:
@@ -124,6 +143,13 @@ class DSparkDrafter(ScoredDrafter):
         return drafts, None if conf is None else conf.tolist(), q, []
 
     def learn(self, cand, truth) -> None:
+        if self.tree_nodes is not None:  # a block tree: the chain's per-depth rates only (ranks >= 1 read the block)
+            if self.head.confidence_head is None:
+                chain = set(chain_nodes(cand.tree))
+                for node, ok in outcomes(cand.tree, truth):
+                    if node in chain:
+                        self.depth_rates.add(int(cand.tree.depth[node]), ok)
+            return
         parents = cand.tree.parents.tolist()
         sibs = [i for i in range(2, len(parents)) if parents[i] == 0]  # the first draft's siblings, rank order
         if self.head.confidence_head is None:
@@ -163,8 +189,12 @@ class DSparkDrafter(ScoredDrafter):
             logits, conf = head.draft_blocks([drafters[i].cache for i in rows], [ctxs[i].ids[-1] for i in rows])
             for r, i in enumerate(rows):
                 d, k = drafters[i], min(drafters[i].k, ctxs[i].max_depth)
-                drafts = head.to_target_ids(logits[r, :k].argmax(-1)).tolist()
-                cand = d._candidates(ctxs[i], drafts, None if conf is None else conf[r].tolist(), None)
+                conf_r = None if conf is None else conf[r].tolist()
+                if d.tree_nodes is not None:  # a fixed-size block tree (blocktree.py)
+                    cand = greedy_tree(d, ctxs[i], logits[r], conf_r, k, d.tree_nodes)
+                else:
+                    drafts = head.to_target_ids(logits[r, :k].argmax(-1)).tolist()
+                    cand = d._candidates(ctxs[i], drafts, conf_r, None)
                 d.pending, d.report = (cand, True), None
                 trees[i] = cand.tree
         return [t if t is not None else d.propose(c) for t, d, c in zip(trees, drafters, ctxs)]
@@ -174,11 +204,19 @@ class DSparkDrafter(ScoredDrafter):
 
 
 
-def _dspark(target, head, spec: TreeSpec, scheduler: Scheduler | None = None) -> Drafter:
-    """`auto`: the per-step scheduler chooses the prefix; K: the first K drafts of every block."""
+def block_drafter(cls, head, spec: TreeSpec, scheduler: Scheduler | None = None) -> Drafter:
+    """A block drafter of class `cls` for `--tree`: `auto`: the per-step scheduler chooses the prefix; K: the first
+    K drafts of every block; `tree:N`: the best-first block tree of N draft nodes; `tree:auto`: the scheduler
+    chooses from the best-first tree (blocktree.py)."""
     if spec.mode == "auto":
-        return DSparkDrafter(head, scheduler=scheduler)
-    return DSparkDrafter(head, num_tokens=spec.num_tokens)
+        return cls(head, scheduler=scheduler)
+    if spec.mode == "blocktree":
+        return cls(head, scheduler=scheduler if not spec.total_tokens else None, tree_nodes=spec.total_tokens)
+    return cls(head, num_tokens=spec.num_tokens)
+
+
+def _dspark(target, head, spec: TreeSpec, scheduler: Scheduler | None = None) -> Drafter:
+    return block_drafter(DSparkDrafter, head, spec, scheduler)
 
 
 KIND = register_drafter(DrafterKind("dspark", "block", "a DSpark head", _dspark, default_tree="auto", head=True))
