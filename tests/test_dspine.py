@@ -207,7 +207,7 @@ def test_refine_and_align_losses_by_hand():
     feats = torch.tensor([[[[1.0, 0.0], [0.0, 2.0]]], [[[1.0, 1.0], [0.0, -1.0]]]])  # [n=2,N=1,K'=2,r=2]
     codes = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
     a = align_loss(feats, codes, w)  # layer 0: 0, 0; layer 1: 1 - 1/√2, 2
-    torch.testing.assert_close(a, ((1 - 2 ** -0.5) * 1.0 + 2.0 * 0.5) / 1.5)
+    assert float(a) == pytest.approx(((1 - 2 ** -0.5) * 1.0 + 2.0 * 0.5) / 1.5, rel=1e-6)
 
 
 def test_schedule_reaches_specforge_endpoints():
