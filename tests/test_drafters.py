@@ -69,7 +69,7 @@ def test_build_drafter_for_every_registered_kind(tiny):
         drafter_kind("eagle3")
     # one family per kind, named once
     assert {k: v.family for k, v in DRAFTERS.items()} == {
-        "medusa": "static", "eagle": "dynamic", "eagle3": "dynamic", "dspark": "block", "domino": "block",
+        "medusa": "static", "eagle": "dynamic", "eagle3": "dynamic", "dspark": "block", "domino": "block", "dspine": "block",
         "peagle": "block", "prompt-lookup": "tokens",
         "draft-model": "tokens", "recycling": "static", "plain": "none", "layer-skip": "block"}
 

@@ -1,5 +1,5 @@
-"""Draft heads of every kind (medusa, eagle, eagle3, peagle, dspark, domino; a DFlash head is a dspark head without
-its Markov and confidence heads): one file per kind over a common base (base.py), exports in export/ and gguf.py.
+"""Draft heads of every kind (medusa, eagle, eagle3, peagle, dspark, domino, dspine; a DFlash head is a dspark head
+without its Markov and confidence heads): one file per kind over a common base (base.py), exports in export/ and gguf.py.
 See docs/architecture.md."""
 from specheads.heads.base import (  # noqa: F401
     DraftHead, HeadConfig, HeadSpec, build_draft_vocab, build_head, default_feature_layers, load_head,

@@ -51,7 +51,7 @@ class HeadSpec:
     """The `head:` section of a recipe: what to build. Resolved against a target into a `HeadConfig`."""
 
     kind: str = "eagle3"  # medusa | eagle | eagle3 | dspark (DFlash: dspark with markov_rank 0, no confidence head)
-    # | domino | peagle
+    # | domino | dspine | peagle
     num_heads: int = 4  # Medusa: K heads (Medusa paper default 4 in the repo's training script)
     num_layers: int = 1  # residual blocks per Medusa head; decoder layers for EAGLE (EAGLE-1/3 use 1) and P-EAGLE
     draft_vocab_size: int | None = None  # reduced draft vocabulary (EAGLE-3 d2t/t2d); None = target vocab
@@ -79,6 +79,11 @@ class HeadSpec:
     domino_gru_hidden: int = 1024  # G, the GRU state (SpecForge gru_hidden_dim 1024)
     domino_emb_dim: int = 256  # E', the correction MLP's bottleneck (SpecForge emb_dim 256)
     domino_prefix_len: int = 1  # P, the first drafts left uncorrected (SpecForge pure_draft_prefix_len 1)
+    # DSpine (heads/dspine.py): adjacent causal injection on the DFlash backbone; SpecForge dspine_config
+    dspine_transfer_rank: int = 1024  # r, width of the token codes and per-layer readouts (SpecForge transfer_rank)
+    dspine_message_size: int = 512  # m, width of the gated message (SpecForge message_size 512)
+    dspine_top_k: int = 16  # candidates per draft that the predecessor refinement re-scores (SpecForge top_k 16)
+    dspine_write_std: float = 0.0  # init std of the per-layer writes (SpecForge: 0, the causal DFlash at start)
     # P-EAGLE (heads/peagle.py): K parallel depths = drafts per head pass (speculators PEagleArgs num_depths 8)
     num_depths: int = 8
 

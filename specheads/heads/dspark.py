@@ -117,6 +117,7 @@ class BlockAttention(nn.Module):
         self.o_proj = nn.Linear(self.H * self.hd, D, bias=False)
         self.q_norm = Qwen3RMSNorm(self.hd, eps=cfg.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.hd, eps=cfg.rms_norm_eps)
+        self.causal = False  # slots read every slot of their block (DFlash); True: slot k reads slots <= k (DSpine)
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [..., N, D] -> keys (normed, rotated) and values [..., Hkv, N, hd]; cos/sin [..., N, hd]."""
@@ -140,6 +141,8 @@ class BlockAttention(nn.Module):
         s_ctx = torch.einsum("bhakd,bhsd->bhaks", q, ck) * scale  # [B,H,A,K,S]
         s_ctx = s_ctx.masked_fill(~allowed[:, None, :, None, :], float("-inf"))
         s_blk = torch.einsum("bhakd,bhajd->bhakj", q, kb) * scale  # [B,H,A,K,K]: bidirectional in the block
+        if self.causal:  # ... or causal: slot k reads slots j <= k only
+            s_blk = s_blk.masked_fill(torch.ones(K, K, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
         p = torch.softmax(torch.cat([s_ctx, s_blk], -1).float(), dim=-1).to(q.dtype)
         S = ck.shape[-2]
         out = torch.einsum("bhaks,bhsd->bhakd", p[..., :S], cv) + torch.einsum("bhakj,bhajd->bhakd", p[..., S:], vb)

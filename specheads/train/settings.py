@@ -46,11 +46,27 @@ class BlockTrainConfig:
     # Domino: loss = (1 - λ) final + λ base, λ = lambda_start (1 - step / (ratio x steps)), then 0 (SpecForge)
     domino_lambda_start: float = 1.0  # λ at step 0 (SpecForge lambda_base_start 1.0)
     domino_lambda_decay_ratio: float = 0.5  # fraction of the run over which λ reaches 0 (SpecForge 0.5)
+    # DSpine (train/kinds/dspine.py; SpecForge DSpineConfig): alignment weight β ramped over the first steps, and
+    # the shallow layers' predecessors replaced by the data's tokens for a share of blocks early in the run
+    dspine_alignment_weight: float = 0.5  # β after the warm-up (SpecForge alignment_weight 0.5)
+    dspine_alignment_warmup: int = 146  # optimizer steps of β's linear ramp (SpecForge alignment_warmup_steps)
+    dspine_replace_layers: int = 3  # layers < this read the data's predecessor codes (SpecForge replacement_layers)
+    dspine_replace_prob: float = 0.5  # share of blocks replaced at the start (SpecForge replacement_probability)
+    dspine_replace_hold: float = 1 / 6  # run fraction kept at that share (SpecForge replacement_hold_ratio)
+    dspine_replace_end: float = 1 / 3  # run fraction where it reaches 0 (SpecForge replacement_end_ratio)
+    dspine_mass_threshold: float = 1e-4  # refinement L1 only where the target's candidate mass exceeds this
 
     def __post_init__(self) -> None:
         check_values("train.block", self, {"gamma": ">0", "w_ce": ">=0", "w_l1": ">=0", "confidence_alpha": ">=0",
                                            "max_anchors": ">=1", "dpace_alpha": "(0,1]",
-                                           "domino_lambda_start": "[0,1]", "domino_lambda_decay_ratio": "(0,1]"})
+                                           "domino_lambda_start": "[0,1]", "domino_lambda_decay_ratio": "(0,1]",
+                                           "dspine_alignment_weight": ">=0", "dspine_alignment_warmup": ">=0",
+                                           "dspine_replace_layers": ">=0", "dspine_replace_prob": "[0,1]",
+                                           "dspine_replace_hold": "[0,1)", "dspine_replace_end": "(0,1]",
+                                           "dspine_mass_threshold": "[0,1)"})
+        if self.dspine_replace_hold >= self.dspine_replace_end:
+            raise SpecheadsError(f"train.block.dspine_replace_hold: {self.dspine_replace_hold} must be below "
+                                 f"train.block.dspine_replace_end {self.dspine_replace_end}")
         if self.weighting not in BLOCK_WEIGHTINGS:
             raise SpecheadsError(f"train.block.weighting: must be one of {', '.join(BLOCK_WEIGHTINGS)}, "
                                  f"got {self.weighting!r}")

@@ -7,6 +7,7 @@ from specheads.infer.drafters.medusa import MedusaDrafter
 from specheads.infer.drafters.eagle import EagleDrafter
 from specheads.infer.drafters.dspark import DSparkDrafter
 import specheads.infer.drafters.domino  # noqa: F401  (registers the domino kind)
+import specheads.infer.drafters.dspine  # noqa: F401  (registers the dspine kind)
 from specheads.infer.drafters.peagle import PEagleDrafter
 from specheads.infer.drafters.prompt_lookup import PromptLookupDrafter
 from specheads.infer.drafters.draft_model import DraftModelDrafter, draft_model_source, truncated_draft_model
