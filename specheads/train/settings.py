@@ -30,8 +30,8 @@ class MedusaTrainConfig:
 
 @dataclass
 class BlockTrainConfig:
-    """train.block: the block drafters' (DSpark / DFlash, head.kind dspark; Domino; P-EAGLE reads weighting and
-    dpace_alpha) loss and sampling."""
+    """train.block: the block drafters' (DSpark / DFlash, head.kind dspark; Domino; DFlash2; P-EAGLE reads
+    weighting and dpace_alpha) loss and sampling."""
     gamma: float = 4.0  # DSpark / DFlash: draft j weighted exp(-j / gamma) (DeepSpec loss_decay_gamma 4)
     w_ce: float = 0.1  # DSpark / DFlash: soft CE against the target (DeepSpec ce_loss_alpha 0.1)
     w_l1: float = 0.9  # DSpark / DFlash: ||q - p||_1 = 2 TV (DeepSpec l1_loss_alpha 0.9)
@@ -46,11 +46,14 @@ class BlockTrainConfig:
     # Domino: loss = (1 - λ) final + λ base, λ = lambda_start (1 - step / (ratio x steps)), then 0 (SpecForge)
     domino_lambda_start: float = 1.0  # λ at step 0 (SpecForge lambda_base_start 1.0)
     domino_lambda_decay_ratio: float = 0.5  # fraction of the run over which λ reaches 0 (SpecForge 0.5)
+    # DFlash2: loss = unary block loss + selector_alpha · the selector's K-way CE (speculators selector_loss_alpha)
+    selector_alpha: float = 1.0
 
     def __post_init__(self) -> None:
         check_values("train.block", self, {"gamma": ">0", "w_ce": ">=0", "w_l1": ">=0", "confidence_alpha": ">=0",
                                            "max_anchors": ">=1", "dpace_alpha": "(0,1]",
-                                           "domino_lambda_start": "[0,1]", "domino_lambda_decay_ratio": "(0,1]"})
+                                           "domino_lambda_start": "[0,1]", "domino_lambda_decay_ratio": "(0,1]",
+                                           "selector_alpha": ">=0"})
         if self.weighting not in BLOCK_WEIGHTINGS:
             raise SpecheadsError(f"train.block.weighting: must be one of {', '.join(BLOCK_WEIGHTINGS)}, "
                                  f"got {self.weighting!r}")
