@@ -159,10 +159,11 @@ class DFlash2Head(DSparkHead):
         s, cfg = self.spec, self.layer_config
         self.layers = nn.ModuleList(DFlash2Layer(cfg, s.conv_kernel_size, s.conv_group_size)
                                     for _ in range(s.num_layers))
-        for m in self.layers.modules():  # as DSparkHead's backbone: normal(0, initializer_range), convs the identity
+        for m in self.layers.modules():  # as DSparkHead's backbone: normal(0, initializer_range)
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=cfg.initializer_range)
-            elif isinstance(m, LocalConv):
+        for m in self.layers.modules():  # then every convolution the identity (its projection zero)
+            if isinstance(m, LocalConv):
                 m.reset_parameters()
         self.candidate_selector = CandidateSelector(config.vocab_size, config.hidden_size, s.selector_rank,
                                                     s.selector_top_k, cfg.initializer_range)

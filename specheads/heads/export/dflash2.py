@@ -76,7 +76,7 @@ def read_dflash2(config: dict, sd: dict, target, where: str, w: str) -> tuple[He
     spec = HeadSpec(kind="dflash2", num_layers=int(need(layer, "num_hidden_layers", where)),
                     feature_layers=list(need(config, "aux_hidden_state_layer_ids", where)),
                     block_size=int(need(config, "block_size", where)), markov_rank=0, confidence_head=False,
-                    confidence_with_markov=False, sample_from_anchor=bool(config.get("sample_from_anchor", False)),
+                    sample_from_anchor=bool(config.get("sample_from_anchor", False)),
                     mask_token_id=config.get("mask_token_id"), **own)
     check_keys(sd, ["fc.weight", "hidden_norm.weight", "norm.weight", "candidate_selector.predecessor_codebook",
                     "candidate_selector.successor_codebook", "candidate_selector.hidden_projection.weight",
