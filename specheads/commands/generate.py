@@ -20,7 +20,7 @@ from specheads.utils import SpecheadsError
 def add_arguments(p) -> None:
     shared.add_target(p)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--head", help="head folder (medusa, eagle, eagle3, dspark, domino, dspine, peagle; native "
+    src.add_argument("--head", help="head folder (medusa, eagle, eagle3, dspark, domino, dspine, dflash2, peagle; native "
                                     "layout)")
     src.add_argument("--drafter", default=None,
                      help="training-free drafter: plain, prompt-lookup (default when no --head), draft-model, "

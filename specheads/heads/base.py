@@ -51,7 +51,7 @@ class HeadSpec:
     """The `head:` section of a recipe: what to build. Resolved against a target into a `HeadConfig`."""
 
     kind: str = "eagle3"  # medusa | eagle | eagle3 | dspark (DFlash: dspark with markov_rank 0, no confidence head)
-    # | domino | dspine | peagle
+    # | domino | dspine | peagle | dflash2
     num_heads: int = 4  # Medusa: K heads (Medusa paper default 4 in the repo's training script)
     num_layers: int = 1  # residual blocks per Medusa head; decoder layers for EAGLE (EAGLE-1/3 use 1) and P-EAGLE
     draft_vocab_size: int | None = None  # reduced draft vocabulary (EAGLE-3 d2t/t2d); None = target vocab
@@ -86,6 +86,12 @@ class HeadSpec:
     dspine_write_std: float = 0.0  # init std of the per-layer writes (SpecForge: 0, the causal DFlash at start)
     # P-EAGLE (heads/peagle.py): K parallel depths = drafts per head pass (speculators PEagleArgs num_depths 8)
     num_depths: int = 8
+    # DFlash2 (heads/dflash2.py): the DFlash backbone + a local dynamic convolution over the block and a top-k
+    # candidate selector; speculators' DFlash2SpeculatorConfig keys of the same names and defaults
+    conv_kernel_size: int = 2  # taps of each causal in-block convolution (speculators 2)
+    conv_group_size: int = 16  # hidden channels sharing one dynamic coefficient (speculators 16)
+    selector_rank: int = 256  # r of the selector's codebooks (speculators 256)
+    selector_top_k: int = 16  # unary candidates the selector reranks per draft (speculators 16)
 
     def __post_init__(self) -> None:
         ks = kind_spec(self.kind)

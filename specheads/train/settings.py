@@ -30,8 +30,8 @@ class MedusaTrainConfig:
 
 @dataclass
 class BlockTrainConfig:
-    """train.block: the block drafters' (DSpark / DFlash, head.kind dspark; Domino; P-EAGLE reads weighting and
-    dpace_alpha) loss and sampling."""
+    """train.block: the block drafters' (DSpark / DFlash, head.kind dspark; Domino; DFlash2; P-EAGLE reads
+    weighting and dpace_alpha) loss and sampling."""
     gamma: float = 4.0  # DSpark / DFlash: draft j weighted exp(-j / gamma) (DeepSpec loss_decay_gamma 4)
     w_ce: float = 0.1  # DSpark / DFlash: soft CE against the target (DeepSpec ce_loss_alpha 0.1)
     w_l1: float = 0.9  # DSpark / DFlash: ||q - p||_1 = 2 TV (DeepSpec l1_loss_alpha 0.9)
@@ -55,6 +55,8 @@ class BlockTrainConfig:
     dspine_replace_hold: float = 1 / 6  # run fraction kept at that share (SpecForge replacement_hold_ratio)
     dspine_replace_end: float = 1 / 3  # run fraction where it reaches 0 (SpecForge replacement_end_ratio)
     dspine_mass_threshold: float = 1e-4  # refinement L1 only where the target's candidate mass exceeds this
+    # DFlash2: loss = unary block loss + selector_alpha · the selector's K-way CE (speculators selector_loss_alpha)
+    selector_alpha: float = 1.0
 
     def __post_init__(self) -> None:
         check_values("train.block", self, {"gamma": ">0", "w_ce": ">=0", "w_l1": ">=0", "confidence_alpha": ">=0",
@@ -63,7 +65,7 @@ class BlockTrainConfig:
                                            "dspine_alignment_weight": ">=0", "dspine_alignment_warmup": ">=0",
                                            "dspine_replace_layers": ">=0", "dspine_replace_prob": "[0,1]",
                                            "dspine_replace_hold": "[0,1)", "dspine_replace_end": "(0,1]",
-                                           "dspine_mass_threshold": "[0,1)"})
+                                           "dspine_mass_threshold": "[0,1)", "selector_alpha": ">=0"})
         if self.dspine_replace_hold >= self.dspine_replace_end:
             raise SpecheadsError(f"train.block.dspine_replace_hold: {self.dspine_replace_hold} must be below "
                                  f"train.block.dspine_replace_end {self.dspine_replace_end}")

@@ -22,6 +22,7 @@ from specheads.heads.export.eagle3 import (
     ascending_fc, ascending_fc_norm, eagle3_llama_dict, eagle31_config, read_eagle3_layer,
 )
 from specheads.heads.export.peagle import read_peagle
+from specheads.heads.kinds import kinds, resolve
 from specheads.utils import SpecheadsError
 
 
@@ -53,9 +54,13 @@ def read_speculators(config: dict, sd: dict, target, where: str, w: str) -> tupl
         return import_block_tensors("speculators", config, sd, target, where, w)
     if config.get("speculators_model_type") == "peagle":
         return read_peagle(config, sd, target, where, w)
+    own = {t.partition(":")[2]: ref for s in kinds().values() for t, ref in s.readers.items()
+           if t.startswith("speculators:")}  # a kind's own layout (KindSpec.readers), e.g. dflash2
+    if config.get("speculators_model_type") in own:
+        return resolve(own[config["speculators_model_type"]])(config, sd, target, where, w)
     if config["speculators_model_type"] != "eagle3":
         raise SpecheadsError(f"{where}: speculators_model_type {config['speculators_model_type']!r}: only "
-                             "eagle3, peagle, dspark and dflash speculators are imported")
+                             f"{['eagle3', 'peagle', *BLOCK_TYPES, *own]} speculators are imported")
     layer = need(config, "transformer_layer_config", where)
     sd = {native_name(k): v for k, v in sd.items()}
     if any(k.startswith("layers.") for k in sd):
