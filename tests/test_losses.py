@@ -325,6 +325,7 @@ def test_train_config_validates_the_loss(tmp_path):
     from specheads.config import load_config
     from specheads.recipe import Recipe
     from specheads.train.settings import BlockTrainConfig, LoraTrainConfig, MedusaTrainConfig, TrainConfig
+    from specheads.train.kinds import head_kind
     from specheads.utils import SpecheadsError
 
     assert TrainConfig(loss="soft_ce:0.1,tv:0.9").loss == "soft_ce:0.1,tv:0.9"
@@ -335,11 +336,11 @@ def test_train_config_validates_the_loss(tmp_path):
     with pytest.raises(SpecheadsError, match=r"override 'train\.loss=tv'.*train\.block\.w_ce"):  # from flags too
         load_config(Recipe, None, ["train.loss=tv", "train.block.w_ce=1.0", "train.block.w_l1=0"])
     with pytest.raises(SpecheadsError, match=r"train\.medusa\.soft_labels"):
-        TrainConfig(loss="tv").check_loss_for("medusa")
-    TrainConfig(loss="tv", medusa=MedusaTrainConfig(soft_labels=True)).check_loss_for("medusa")
+        head_kind("medusa").check(TrainConfig(loss="tv"))  # the kind's own check of train: (train/kinds/medusa.py)
+    head_kind("medusa").check(TrainConfig(loss="tv", medusa=MedusaTrainConfig(soft_labels=True)))
     with pytest.raises(SpecheadsError, match=r"train\.lora\.enabled"):
-        TrainConfig(loss="tv", medusa=MedusaTrainConfig(soft_labels=True),
-                    lora=LoraTrainConfig(enabled=True)).check_loss_for("medusa")
+        head_kind("medusa").check(TrainConfig(loss="tv", medusa=MedusaTrainConfig(soft_labels=True),
+                                              lora=LoraTrainConfig(enabled=True)))
     with pytest.raises(SpecheadsError, match="lk_eta"):
         TrainConfig(lk_eta=-1.0)
 

@@ -181,15 +181,3 @@ class TrainConfig:
                                  f"train.block.w_l1 are {w_ce} / {w_l1} beside it; set them back to "
                                  f"{BLOCK_W_CE} / {BLOCK_W_L1} or write the mixture into train.loss "
                                  f"(e.g. soft_ce:{w_ce},l1:{w_l1})")
-
-    def check_loss_for(self, kind: str) -> None:
-        """train.loss against the head kind: Medusa's hard labels (and Medusa-2) train CE on the data's tokens."""
-        if self.loss is None or kind != "medusa":
-            return
-        lora = self.lora.enabled
-        if lora or not self.medusa.soft_labels:
-            what = ("Medusa-2 (train.lora.enabled) trains" if lora
-                    else "Medusa with train.medusa.soft_labels false trains")
-            raise SpecheadsError(f"train.loss: {what} CE on the data's tokens, not a distillation loss; set "
-                                 f"train.medusa.soft_labels=true{' and train.lora.enabled=false' if lora else ''} "
-                                 f"or drop train.loss")

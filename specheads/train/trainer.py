@@ -59,6 +59,7 @@ from specheads.train.dataset import (FeatureDataset, TokenDataset, assistant_tok
 from specheads.train.devset import dev_answers, dev_batches
 from specheads.train.evaluate import eval_summary, evaluate
 from specheads.train.features import extract_features
+from specheads.train.kinds import head_kind
 from specheads.train.layout import check_split, feature_layers_for, features_dir, tokens_dir
 from specheads.train.parts import HeadOnly, Medusa2
 from specheads.train.settings import TrainConfig
@@ -389,7 +390,9 @@ class Trainer:
         if resume and not ckpts:
             raise SpecheadsError(f"--resume: no checkpoint under {out / CKPT_DIR}")
         self._resume_changes = self._check_run_folder(resume)
-        cfg.check_loss_for(self.kind)
+        step = head_kind(self.kind)
+        if step.check is not None:
+            step.check(cfg)  # the kind's own checks of train: (Medusa's hard labels and train.loss)
         acc = self.accelerator = build_accelerator(cfg, out, self.recipe.seed)
         set_seed(self.recipe.seed)
         self.target.model.to(acc.device)

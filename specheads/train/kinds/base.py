@@ -37,6 +37,7 @@ class HeadKind:
     name: str
     loss: Callable
     drafts: Callable
+    check: Callable | None = None  # (TrainConfig) -> None or SpecheadsError: the kind's own checks of train:
 
 
 def split_features(hidden: torch.Tensor, layers: list[int], head_layers: list[int], final_layer: int):

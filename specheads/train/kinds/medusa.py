@@ -6,6 +6,7 @@ import torch
 from specheads.train.kinds.base import Drafts, HeadKind, draft_vocab, unwrap
 from specheads.train.losses import LossOutput, medusa_loss
 from specheads.train.teacher import target_greedy, target_rows
+from specheads.utils import SpecheadsError
 
 
 def loss(head, batch: dict, h_in: torch.Tensor, h_last: torch.Tensor, target, settings) -> LossOutput:
@@ -27,4 +28,17 @@ def drafts(head, batch: dict, h_in: torch.Tensor, h_last: torch.Tensor, target, 
     return Drafts(list(head(h_in.float()).unbind(0)), draft_vocab(unwrap(head)), targ)
 
 
-KIND = HeadKind("medusa", loss, drafts)
+def check(cfg) -> None:
+    """train.loss against Medusa: its hard labels (and Medusa-2) train CE on the data's tokens, not a distillation."""
+    if cfg.loss is None:
+        return
+    lora = cfg.lora.enabled
+    if lora or not cfg.medusa.soft_labels:
+        what = ("Medusa-2 (train.lora.enabled) trains" if lora
+                else "Medusa with train.medusa.soft_labels false trains")
+        raise SpecheadsError(f"train.loss: {what} CE on the data's tokens, not a distillation loss; set "
+                             f"train.medusa.soft_labels=true{' and train.lora.enabled=false' if lora else ''} "
+                             f"or drop train.loss")
+
+
+KIND = HeadKind("medusa", loss, drafts, check=check)
