@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from specheads.train.kinds.base import Drafts, HeadKind, draft_vocab, unwrap
+from specheads.train.kinds.base import Drafts, HeadKind, States, at_rows, draft_vocab, unwrap
 from specheads.train.losses import LossOutput, medusa_loss
 from specheads.train.teacher import target_greedy, target_rows
 
@@ -27,4 +27,10 @@ def drafts(head, batch: dict, h_in: torch.Tensor, h_last: torch.Tensor, target, 
     return Drafts(list(head(h_in.float()).unbind(0)), draft_vocab(unwrap(head)), targ)
 
 
-KIND = HeadKind("medusa", loss, drafts)
+def states(head, batch: dict, h_in: torch.Tensor, visited: States) -> torch.Tensor:
+    """On-policy replay: head k of the root's previous row drafts depth k (no head reads a drafted token)."""
+    logits = head(h_in.float(), heads=int(visited.depth.max()) + 1)  # [K,B,T,V']
+    return at_rows(list(logits.unbind(0)), visited)
+
+
+KIND = HeadKind("medusa", loss, drafts, states)
