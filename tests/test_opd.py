@@ -99,16 +99,39 @@ def test_greedy_rollout_collects_the_induced_states(tiny, kind):
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dspark"])
-def test_sampled_rollout_replays_the_distribution_each_draft_was_drawn_from(tiny, kind):
-    """Sampled at temperature 1 (no warping): the replayed distribution at every visited state, deeper ones
-    included, is the one the drafter drew that state's drafts from."""
+def test_replay_is_the_served_draft_at_every_depth(tiny, kind, monkeypatch):
+    """A verifier that accepts every first child (so random heads reach deep states): at every visited state, down
+    to depth 3 (past EAGLE-3's 2 TTT steps), the replay's argmax is the draft the drafter served there."""
+    import specheads.infer.engine.generate as engine
+    from specheads.infer.verify import Accepted
+
+    def accept_all(sampling, generator):
+        def verify(tree, logits):
+            nodes, parents = [0], tree.parents.tolist()
+            while (kids := [i for i in range(len(parents)) if parents[i] == nodes[-1]]):
+                nodes.append(kids[0])
+            return Accepted(nodes, int(logits[nodes[-1]].argmax()))
+        return verify
+
+    monkeypatch.setattr(engine, "verifier", lambda verification, sampling, generator: accept_all(sampling, generator))
     head = _head(tiny, kind)
+    r = rollout(tiny, head, _prompt(1), "chain:4", 20)
+    assert int(r.depth.max()) == 3 and bool(r.accepted[r.depth < 3].all())
+    seqs, h_in, st, _, _ = rollout_batch([r], "cpu")
+    assert torch.equal(head_kind(kind).states(head, seqs, h_in, st).argmax(-1), r.proposal)
+
+
+def test_sampled_rollout_replays_the_distribution_each_draft_was_drawn_from(tiny):
+    """A DSpark head sampling its drafts at temperature 1 (no warping): the replayed distribution at every visited
+    state, deeper ones included, is the one the drafter drew that state's drafts from. (EAGLE heads draft their
+    tree deterministically also when sampling: the tests above cover them.)"""
+    head = _head(tiny, "dspark")
     seen_deep = False
     for seed in range(3):
         r = rollout(tiny, head, _prompt(seed), "chain:3", 24, temperature=1.0, seed=seed, keep_q=True)
         assert r.q is not None and r.q.shape[0] == len(r.root) > 0
         seqs, h_in, st, _, _ = rollout_batch([r], "cpu")
-        replay = torch.softmax(head_kind(kind).states(head, seqs, h_in, st).float(), -1)
+        replay = torch.softmax(head_kind("dspark").states(head, seqs, h_in, st).float(), -1)
         assert torch.allclose(replay, r.q, atol=1e-4)
         seen_deep |= bool((r.depth > 0).any())
     assert seen_deep, "no state below a root was visited: the test would not check deeper drafts"

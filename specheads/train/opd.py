@@ -41,7 +41,7 @@ from specheads.train.kinds import head_kind
 from specheads.train.kinds.base import unwrap
 from specheads.train.losses import LossOutput
 from specheads.train.parts import HeadOnly
-from specheads.train.rollout import rollout, rollout_batch
+from specheads.train.rollout import rollout, rollout_batch, rollout_drafter
 from specheads.train.trainer import Trainer, run_training
 from specheads.heads.kinds import kind_names, kind_spec, resolve
 from specheads.utils import SpecheadsError
@@ -137,6 +137,7 @@ class OpdParts(HeadOnly):
         super().__init__(trainer, settings)
         self.opd = trainer.cfg.opd
         self.step = check_opd_kind(trainer.kind)
+        rollout_drafter(trainer.target, trainer.head, self.opd.tree)  # train.opd.tree checked before any step
         self.gen = torch.Generator().manual_seed(trainer.recipe.seed)
 
     def generators(self) -> dict[str, torch.Generator]:
