@@ -36,8 +36,12 @@ def test_recipe_loads_and_names_its_command(path):
     recipe = load_config(Recipe, path)
     assert recipe.head.kind in kind_names()  # the registry (heads/kinds.py)
     names = {"dspark": ("dspark", "dflash")}.get(recipe.head.kind, (recipe.head.kind,))  # DFlash = dspark minus heads
-    assert path.stem.split("-")[0].startswith(("demo", "prepare") + names)
-    if recipe.head.kind == "dspark" and path.stem.split("-")[0] == "dflash":
+    stem = path.stem.split("-")
+    if recipe.train.stage == "opd":  # a stage over a trained head: opd-<kind>-..., starting from a head folder
+        assert stem[0] == "opd" and recipe.train.init_head
+        stem = stem[1:]
+    assert stem[0].startswith(("demo", "prepare") + names)
+    if recipe.head.kind == "dspark" and stem[0] == "dflash":
         assert recipe.head.markov_rank == 0 and not recipe.head.confidence_head
     if recipe.train.lora.enabled:
         assert recipe.head.kind == "medusa" and recipe.features.mode == "online"

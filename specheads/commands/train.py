@@ -1,5 +1,5 @@
-"""`specheads train --config RECIPE.yaml [key=value ...] [--resume | --calibrate-only]`: fit a draft head on a frozen
-target.
+"""`specheads train --config RECIPE.yaml [key=value ...] [--init-head DIR] [--resume | --calibrate-only]`: fit a draft
+head on a frozen target; with train.stage=opd, distil a trained head on-policy (train/opd.py).
 
 One process:            specheads train --config configs/eagle3-smollm2.yaml
 Several (DDP/DeepSpeed): accelerate launch --config_file configs/accelerate/<...>.yaml -m specheads train --config ...
@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint under <output_dir>/checkpoints (model, optimizer, "
                         "scheduler, RNG, data position)")
+    p.add_argument("--init-head", metavar="DIR", default=None,
+                   help="start from this trained head folder (train.init_head); the opd stage (train.stage=opd) "
+                        "needs one")
     p.add_argument("--calibrate-only", action="store_true",
                    help="a DSpark run already trained: fit its confidence calibration again on the held-out split "
                         "(best/ and final/, calibration.json); no training, the checkpoints and summary untouched")
@@ -34,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     from specheads.recipe import Recipe
     from specheads.runlock import run_lock
 
-    recipe = load_config(Recipe, args.config, args.overrides)
+    overrides = list(args.overrides) + ([f"train.init_head={args.init_head}"] if args.init_head else [])
+    recipe = load_config(Recipe, args.config, overrides)
     if args.calibrate_only and args.resume:
         raise SpecheadsError("--calibrate-only and --resume: choose one")
     with run_lock(recipe.output_dir, "train"):  # one writer per run folder (rank 0 holds it for all ranks)
@@ -51,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, recipe) -> None:
+    from specheads.train.opd import run_opd
     from specheads.train.trainer import recalibrate_run, run_training
 
     if args.calibrate_only:
@@ -60,7 +65,8 @@ def _run(args: argparse.Namespace, recipe) -> None:
                   f"{r['odd_before'].get('ece_max', float('nan')):.3f} -> {r['odd_after'].get('ece_max', float('nan')):.3f}"
                   f"; {recipe.output_dir}/calibration.json", flush=True)
         return
-    res = run_training(recipe, resume=args.resume)
+    run = run_opd if recipe.train.stage == "opd" else run_training
+    res = run(recipe, resume=args.resume)
     if int(os.environ.get("RANK", "0")) == 0:
         final = res.output_dir / "final"
         if res.best_dir is None and res.best_step is not None:  # the summary names only folders that exist

@@ -1,5 +1,6 @@
 """What differs between head-only training and Medusa-2, chosen once per run: the trainable module, its parameter
-groups, the schedule, the loss, the evaluated head and the export (`HeadOnly` or `Medusa2`)."""
+groups, the schedule, the loss, the evaluated head and the export (`HeadOnly` or `Medusa2`; the opd stage's
+`OpdParts` in train/opd.py); and the head a run starts from (`initial_head`, train.init_head)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,12 +8,13 @@ from pathlib import Path
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
+from specheads.heads.base import load_head
 from specheads.heads.kinds import kind_spec, kinds_where
 from specheads.train import steps
 from specheads.train.lora import (LoraSettings, Medusa2Model, add_adapters, kl_to_teacher, param_groups,
                                   save_adapters, save_merged_target)
 from specheads.train.losses import LossOutput, medusa_loss
-from specheads.utils import SpecheadsError
+from specheads.utils import SpecheadsError, read_json
 
 
 class HeadOnly:
@@ -38,6 +40,10 @@ class HeadOnly:
 
     def eval_head(self, acc, model):
         return model
+
+    def generators(self) -> dict[str, torch.Generator]:
+        """The loss's own random streams beyond the trainer's (saved in checkpoints, restored on resume)."""
+        return {}
 
     def export(self, model, path: Path) -> None:
         if hasattr(model, "save_pretrained"):
@@ -97,3 +103,17 @@ class Medusa2(HeadOnly):
     def finish(self, acc, model, out: Path) -> None:
         if self.t.cfg.lora.merge:
             save_merged_target(model, out / "merged-target")
+
+
+def initial_head(recipe, target):
+    """train.init_head: a trained head folder to start from, in fp32 (master weights), of the recipe's head.kind
+    (its own config, weights and draft vocabulary; a resumed run then restores its checkpoint over them)."""
+    folder = Path(recipe.train.init_head)
+    if not (folder / "config.json").is_file():
+        raise SpecheadsError(f"train.init_head {folder}: not a head folder (no config.json); give a trained head's "
+                             f"folder, e.g. <run>/best")
+    kind = read_json(folder / "config.json").get("kind")
+    if kind != recipe.head.kind:
+        raise SpecheadsError(f"train.init_head {folder}: holds a {kind} head, the recipe's head.kind is "
+                             f"{recipe.head.kind}; set head.kind={kind}")
+    return load_head(folder, target, dtype=torch.float32)

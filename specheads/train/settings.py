@@ -1,7 +1,7 @@
 """The recipe's `train:` section (`TrainConfig`): optimizer, schedule and the shared loss settings at its top level,
-one sub-section per head kind's own settings (`train.eagle`, `train.medusa`, `train.block`, `train.peagle`) and
-Medusa-2's LoRA
-(`train.lora`). Old flat spellings (`train.block_gamma`) are still read (`TrainConfig.RENAMED_KEYS`, config.py)."""
+one sub-section per head kind's own settings (`train.eagle`, `train.medusa`, `train.block`, `train.peagle`),
+Medusa-2's LoRA (`train.lora`) and the on-policy distillation stage (`train.stage: opd`, `train.opd`; train/opd.py).
+Old flat spellings (`train.block_gamma`) are still read (`TrainConfig.RENAMED_KEYS`, config.py)."""
 from __future__ import annotations
 
 import math
@@ -109,6 +109,29 @@ class LoraTrainConfig:
             raise SpecheadsError("train.lora.targets: needs at least one module name")
 
 
+STAGES = ("train", "opd")  # train.stage: ordinary training | on-policy distillation of a trained head (train/opd.py)
+
+
+@dataclass
+class OpdTrainConfig:
+    """train.opd: Draft-OPD rollouts (train.stage opd, train/opd.py). Each micro-batch takes train.batch_size
+    prompts of the training split; the head being trained drafts, the frozen target verifies (our engine), and the
+    loss supervises the draft states the rollout visited."""
+    max_new_tokens: int = 128  # tokens each rollout generates (the target's own answer, drafted by the head)
+    max_prompt_tokens: int = 384  # longer prompts keep their last tokens (the turn's end and the assistant header)
+    temperature: float = 0.0  # 0: greedy rollouts (exact target answers); > 0: sampled, lossless verification
+    tree: str | None = None  # the drafter's --tree during rollouts; None = the kind's default, a block head's
+    # `auto` read as its whole block (chain:K): a scheduled tree would time this machine, which no run should read
+    accepted_weight: float = 1.0  # forward KL(p || q) on states whose draft the target accepted
+    rejected_weight: float = 1.0  # reverse KL(q || p) on states whose drafts it rejected
+
+    def __post_init__(self) -> None:
+        check_values("train.opd", self, {"max_new_tokens": ">=1", "max_prompt_tokens": ">=2", "temperature": ">=0",
+                                         "accepted_weight": ">=0", "rejected_weight": ">=0"})
+        if self.accepted_weight + self.rejected_weight <= 0:
+            raise SpecheadsError("train.opd: accepted_weight and rejected_weight are both 0 (nothing to learn)")
+
+
 @dataclass
 class TrainConfig:
     # old flat key -> its key now (relative to train:); config.load_config reads the old ones with a warning and
@@ -147,12 +170,16 @@ class TrainConfig:
     loss: str | None = None
     lk_eta: float = 3.0  # LK^λ: λ = exp(-lk_eta x mean acceptance) (arXiv 2602.23881's best; SpecForge --kl-decay)
     num_workers: int = 0  # DataLoader workers (0: features are already tensors; workers cost RAM per process)
+    stage: str = "train"  # train | opd (on-policy distillation of init_head: train/opd.py, train.opd)
+    init_head: str | None = None  # a head folder to start from (its weights and draft vocabulary; head.kind must
+    # be its kind); the opd stage needs one. `specheads train --init-head DIR` sets it
     # each head kind's own settings (sections validated on their own; train.loss is checked against block below)
     eagle: EagleTrainConfig = field(default_factory=EagleTrainConfig)
     medusa: MedusaTrainConfig = field(default_factory=MedusaTrainConfig)
     block: BlockTrainConfig = field(default_factory=BlockTrainConfig)
     peagle: PEagleTrainConfig = field(default_factory=PEagleTrainConfig)
     lora: LoraTrainConfig = field(default_factory=LoraTrainConfig)
+    opd: OpdTrainConfig = field(default_factory=OpdTrainConfig)
 
     def __post_init__(self) -> None:
         check_values("train", self, {
@@ -160,6 +187,10 @@ class TrainConfig:
             "keep_last": ">=1", "log_every": ">=1", "lr": ">0", "max_steps": ">=1|None", "weight_decay": ">=0",
             "max_grad_norm": ">=0", "loss_decay": ">0", "noise": ">=0", "num_workers": ">=0", "lk_eta": ">=0"})
         self._check_loss()
+        if self.stage not in STAGES:
+            raise SpecheadsError(f"train.stage: {self.stage!r} is not one of {list(STAGES)}")
+        if self.stage == "opd" and self.lora.enabled:
+            raise SpecheadsError("train.stage opd: trains a head on a frozen target; set train.lora.enabled=false")
         if self.mixed_precision not in ("no", "bf16"):
             raise SpecheadsError(f"train.mixed_precision: {self.mixed_precision!r} is not one of ['no', 'bf16']")
         if self.tracker not in ("wandb", "tensorboard", "none"):

@@ -61,7 +61,7 @@ from specheads.train.evaluate import eval_summary, evaluate
 from specheads.train.features import extract_features
 from specheads.train.kinds import head_kind
 from specheads.train.layout import check_split, feature_layers_for, features_dir, tokens_dir
-from specheads.train.parts import HeadOnly, Medusa2
+from specheads.train.parts import HeadOnly, Medusa2, initial_head
 from specheads.train.settings import TrainConfig
 from specheads.train.steps import LossSettings
 from specheads.train.stopping import stop_requests, stopped
@@ -146,7 +146,7 @@ class Trainer:
         if run.state.step == 0 and self.recipe.eval.at_start:
             self._evaluate(run)
         bar = tqdm(total=run.total, initial=run.state.step, disable=not run.acc.is_local_main_process,
-                   desc=f"train {self.kind}", dynamic_ncols=True)
+                   desc=f"{self.cfg.stage} {self.kind}", dynamic_ncols=True)
         run.model.train()
         while run.state.step < run.total:
             for batch in self._epoch_batches(run):
@@ -401,7 +401,7 @@ class Trainer:
         # the noise has its own generator (one stream per process), so that no other draw shifts it
         noise = torch.Generator(device=acc.device).manual_seed(self.recipe.seed + acc.process_index)
         settings = LossSettings.from_config(cfg, generator=noise)
-        self.parts = Medusa2(self, settings) if cfg.lora.enabled else HeadOnly(self, settings)
+        self.parts = self._parts(settings)
         module = self.parts.module()
         opt = self._optimizer(acc, module)
         train_dl, val_dl = self._loaders()
@@ -415,13 +415,18 @@ class Trainer:
         # The schedule counts optimizer steps (stepped by hand, not prepared: accelerate would step it once per
         # process, which makes N processes and grad-accum N disagree).
         sched = self.parts.schedule(opt, min(cfg.warmup_steps, total), total)
-        run = _Run(acc, model, opt, sched, train_dl, val_dl, total, steps_per_epoch, TrainState(), {"noise": noise})
+        generators = {"noise": noise, **self.parts.generators()}  # saved in checkpoints, restored on resume
+        run = _Run(acc, model, opt, sched, train_dl, val_dl, total, steps_per_epoch, TrainState(), generators)
         if resume:
             run.state = checkpoint.load_checkpoint(acc, model, opt, sched, ckpts[-1], run.generators)
             log.info("resumed from %s (step %d)", ckpts[-1], run.state.step)
             self._resumed_from = ckpts[-1]
         self._start_logging(run, module, resume)
         return run
+
+    def _parts(self, settings):
+        """What differs between runs (parts.py): head-only training, or Medusa-2 with train.lora.enabled."""
+        return Medusa2(self, settings) if self.cfg.lora.enabled else HeadOnly(self, settings)
 
     def _check_run_folder(self, resume: bool) -> dict | None:
         """Resume: the recipe against the run's recorded one (settings that change what the checkpoints mean are
@@ -529,23 +534,28 @@ def load_training_data(recipe, target):
             extract_features)
 
 
-def run_training(recipe, resume: bool = False, target=None) -> TrainResult:
-    """What `specheads train` runs: load the target (frozen, recipe dtype), the prepared data, build (or resume) the
-    head, train. Every process calls this (accelerate launch)."""
+def run_training(recipe, resume: bool = False, target=None, trainer_class: type | None = None) -> TrainResult:
+    """What `specheads train` runs: load the target (frozen, recipe dtype), the prepared data, build the head (or
+    load train.init_head; a resume restores its checkpoint over it), train. Every process calls this (accelerate
+    launch). trainer_class: a Trainer subclass for another stage (train.stage opd: train/opd.run_opd passes its)."""
+    if recipe.train.stage != "train" and trainer_class is None:
+        raise SpecheadsError(f"train.stage {recipe.train.stage}: run it with `specheads train` (or "
+                             f"specheads.train.opd.run_opd), not run_training")
     if target is None:
         target = specheads.target.load_target(recipe.target.name, dtype=recipe.target.dtype,
                              trust_remote_code=recipe.target.trust_remote_code)
     train_ds, val_ds, collate_fn, layers, extract_fn = load_training_data(recipe, target)
     counts = None
-    if recipe.head.draft_vocab_size:  # chosen from the training split's assistant tokens (held-out rows excluded)
-        if isinstance(train_ds, FeatureDataset):
+    if recipe.head.draft_vocab_size and not recipe.train.init_head:  # chosen from the training split's assistant
+        if isinstance(train_ds, FeatureDataset):  # tokens (held-out rows excluded)
             counts = masked_token_counts(train_ds, target.vocab_size)
         else:
             counts = assistant_token_counts(train_ds.ds, target.vocab_size)
     set_seed(recipe.seed)  # the same initial head on every process
-    head = build_head(recipe.head, target, token_counts=counts)
-    trainer = Trainer(recipe, target, head, train_ds, val_ds, collate_fn=collate_fn, layers=layers,
-                      extract_fn=extract_fn)
+    head = initial_head(recipe, target) if recipe.train.init_head else build_head(recipe.head, target,
+                                                                                 token_counts=counts)
+    trainer = (trainer_class or Trainer)(recipe, target, head, train_ds, val_ds, collate_fn=collate_fn,
+                                         layers=layers, extract_fn=extract_fn)
     result = trainer.train(resume=resume)
     # DSpark: confidence temperatures on the held-out split
     calibrate_run(recipe, target, val_ds, collate_fn, layers, extract_fn)

@@ -26,18 +26,48 @@ class Drafts:
     confidence: torch.Tensor | None = None  # [K,B,T] calibrated probabilities (block heads with a confidence head)
 
 
+@dataclass
+class States:
+    """Draft states a rollout visited (train/opd.py): state s is the draft at depth[s] of the step whose root (the
+    last emitted token, position root[s] of batch row b[s]) started it; it predicts token root[s] + 1 + depth[s].
+    On the accepted path every earlier draft of that step equals the sequence's token, so a kind's teacher-forced
+    forward on the rolled-out sequence reproduces the served draft distribution there."""
+
+    b: torch.Tensor  # [S] long
+    root: torch.Tensor  # [S] long, >= 1 (a context row exists)
+    depth: torch.Tensor  # [S] long
+
+    def __len__(self) -> int:
+        return int(self.b.numel())
+
+
 @dataclass(frozen=True)
 class HeadKind:
-    """The training step and the evaluation step of one head kind.
+    """The training step and the evaluation step of one head kind, and (optional) its on-policy replay.
 
     loss(head, batch, h_in [B,T,F'*D], h_last [B,T,D], target, settings: steps.LossSettings) -> LossOutput
     drafts(head, batch, h_in, h_last, target, eagle_steps: int) -> Drafts
+    states(head, batch, h_in, states: States) -> logits [S,V'] with gradients: the draft distribution the kind
+        serves at each visited state, from its teacher-forced forward on the rolled-out sequences (train.stage
+        opd); None = the kind cannot replay its drafts exactly, and the opd stage refuses it
     `head` may be DDP / DeepSpeed-wrapped (`unwrap` reaches the head itself)."""
 
     name: str
     loss: Callable
     drafts: Callable
+    states: Callable | None = None
     check: Callable | None = None  # (TrainConfig) -> None or SpecheadsError: the kind's own checks of train:
+
+
+def at_rows(steps: list[torch.Tensor], states: States) -> torch.Tensor:
+    """Per-row step logits (step k at row t predicts token t+2+k: steps K [B,T,V']) at the visited states: the
+    step-`depth` logits of row root - 1 -> [S,V'] in the states' order."""
+    parts, order = [], []
+    for d in states.depth.unique().tolist():
+        idx = (states.depth == d).nonzero().flatten()
+        parts.append(steps[d][states.b[idx], states.root[idx] - 1])
+        order.append(idx)
+    return torch.cat(parts)[torch.cat(order).argsort()]
 
 
 def split_features(hidden: torch.Tensor, layers: list[int], head_layers: list[int], final_layer: int):

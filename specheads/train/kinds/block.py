@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specheads.train.kinds.base import Drafts, HeadKind, draft_vocab, split_features, unwrap
+from specheads.train.kinds.base import Drafts, HeadKind, States, draft_vocab, split_features, unwrap
 from specheads.train.losses import LossOutput, dspark_loss
 from specheads.train.teacher import has_sidecar, in_draft_vocab, lm_head_logits, target_greedy
 
@@ -166,4 +166,30 @@ def drafts(head, batch: dict, h_in: torch.Tensor, h_last: torch.Tensor, target, 
     return Drafts(steps, draft_vocab(inner), targ, conf)
 
 
-KIND = HeadKind("dspark", loss, drafts)
+def state_anchors(visited: States, batch_size: int):
+    """The visited states' roots as block anchors: (anchors [B,A] long, each row's distinct roots ascending, padded
+    with its first (valid: never read); slot [S], the state's anchor column)."""
+    rows = [visited.root[visited.b == b].unique() for b in range(batch_size)]  # sorted
+    A = max(1, max(int(r.numel()) for r in rows))
+    anchors = torch.ones(batch_size, A, dtype=torch.long, device=visited.root.device)
+    for b, r in enumerate(rows):
+        if r.numel():
+            anchors[b] = r[0]
+            anchors[b, :r.numel()] = r
+    slot = torch.zeros_like(visited.root)
+    for b, r in enumerate(rows):
+        m = visited.b == b
+        slot[m] = torch.searchsorted(r, visited.root[m])
+    return anchors, slot
+
+
+def states(head, batch: dict, h_in: torch.Tensor, visited: States) -> torch.Tensor:
+    """On-policy replay: the block anchored at each visited root, teacher-forced (draft j reads the sequence's
+    token p+j as its previous one, the drafted token wherever the target accepted the drafts before it) ->
+    [S,V'] at the visited states."""
+    anchors, slot = state_anchors(visited, batch["input_ids"].shape[0])
+    logits, _ = head(h_in.float(), batch["input_ids"], anchors, batch["attention_mask"])  # [B,A,K',V']
+    return logits[visited.b, slot, visited.depth]
+
+
+KIND = HeadKind("dspark", loss, drafts, states)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from specheads.train.kinds import block
-from specheads.train.kinds.base import HeadKind, unwrap
+from specheads.train.kinds.base import HeadKind, States, unwrap
 from specheads.train.losses import LossOutput, dspark_loss
 from specheads.train.teacher import has_sidecar
 
@@ -50,4 +50,11 @@ def loss(head, batch: dict, h_in: torch.Tensor, h_last: torch.Tensor, target, se
     return LossOutput((1.0 - lam) * fin.loss + lam * bas.loss, metrics)
 
 
-KIND = HeadKind("domino", loss, block.drafts)
+def states(head, batch: dict, h_in: torch.Tensor, visited: States) -> torch.Tensor:
+    """On-policy replay (kinds/block.states) with the corrected logits, the ones Domino serves."""
+    anchors, slot = block.state_anchors(visited, batch["input_ids"].shape[0])
+    _, final, _ = head(h_in.float(), batch["input_ids"], anchors, batch["attention_mask"])  # [B,A,K',V']
+    return final[visited.b, slot, visited.depth]
+
+
+KIND = HeadKind("domino", loss, block.drafts, states)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from specheads.train.kinds.base import Drafts, HeadKind, draft_vocab, noisy_features, unwrap
+from specheads.train.kinds.base import Drafts, HeadKind, States, at_rows, draft_vocab, noisy_features, unwrap
 from specheads.train.losses import LossOutput, eagle3_loss, shift_rows
 from specheads.train.teacher import target_greedy, target_rows
 
@@ -25,4 +25,13 @@ def drafts(head, batch: dict, h_in: torch.Tensor, h_last: torch.Tensor, target, 
     return Drafts(list(steps), draft_vocab(unwrap(head)), targ)
 
 
-KIND = HeadKind("eagle3", loss, drafts)
+def states(head, batch: dict, h_in: torch.Tensor, visited: States) -> torch.Tensor:
+    """On-policy replay: the TTT unroll as deep as the deepest visited draft (the unroll is the serving drafter's
+    computation along a chain, any depth: step k of row t reads the head's own outputs of steps < k of that row)
+    -> [S,V'] at the visited states. No feature noise: these are the states serving meets."""
+    depth = int(visited.depth.max()) + 1
+    steps = head(h_in.float(), shift_rows(batch["input_ids"], 1), batch["attention_mask"], steps=depth)
+    return at_rows(list(steps), visited)
+
+
+KIND = HeadKind("eagle3", loss, drafts, states)

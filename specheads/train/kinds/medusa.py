@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from specheads.train.kinds.base import Drafts, HeadKind, draft_vocab, unwrap
+from specheads.train.kinds.base import Drafts, HeadKind, States, at_rows, draft_vocab, unwrap
 from specheads.train.losses import LossOutput, medusa_loss
 from specheads.train.teacher import target_greedy, target_rows
 from specheads.utils import SpecheadsError
@@ -41,4 +41,10 @@ def check(cfg) -> None:
                              f"or drop train.loss")
 
 
-KIND = HeadKind("medusa", loss, drafts, check=check)
+def states(head, batch: dict, h_in: torch.Tensor, visited: States) -> torch.Tensor:
+    """On-policy replay: head k of the root's previous row drafts depth k (no head reads a drafted token)."""
+    logits = head(h_in.float(), heads=int(visited.depth.max()) + 1)  # [K,B,T,V']
+    return at_rows(list(logits.unbind(0)), visited)
+
+
+KIND = HeadKind("medusa", loss, drafts, states, check=check)

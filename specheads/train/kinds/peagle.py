@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from specheads.train.kinds import eagle3
-from specheads.train.kinds.base import HeadKind, draft_vocab, noisy_features, unwrap
+from specheads.train.kinds.base import HeadKind, States, at_rows, draft_vocab, noisy_features, unwrap
 from specheads.train.losses import (BLOCK_WEIGHTINGS, DPACE_ALPHA, LossOutput, distill_loss, dpace_position_weights,
                                     per_counted, shift_rows, step_mask, target_token_prob)
 from specheads.train.teacher import target_rows
@@ -145,6 +145,13 @@ def loss(head, batch: dict, h_in: torch.Tensor, h_last: torch.Tensor, target, se
                        settings.block.dpace_alpha)
 
 
+def states(head, batch: dict, h_in: torch.Tensor, visited: States) -> torch.Tensor:
+    """On-policy replay: every depth at every row (the forward without chains, the K drafts one pass gives at
+    inference, no depth reading a drafted token) -> [S,V'] at the visited states."""
+    out = head(h_in.float(), shift_rows(batch["input_ids"], 1), batch["attention_mask"])
+    return at_rows(list(out), visited)
+
+
 # evaluation: every depth at every row (the K drafts one pass gives at inference), teacher-forced on the features,
 # the same call as EAGLE-3's TTT steps (the head's forward without chains)
-KIND = HeadKind("peagle", loss, eagle3.drafts)
+KIND = HeadKind("peagle", loss, eagle3.drafts, states)
