@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal
@@ -352,11 +353,12 @@ class DraftHead(nn.Module):
         """Frozen target lm_head over the draft vocab: h [..., D] -> [..., V'] (V' = V without a draft vocab)."""
         w = self._get_frozen("lm_head").weight
         if self.d2t is not None:
-            # Gathering V' rows costs a V'xD copy: keep it while the frozen weight and the map stay the same.
-            key = (w.data_ptr(), w.device, self.d2t.device, self.d2t._version)
+            # Gathering V' rows costs a V'xD copy: keep it while the frozen weight (the object, not its address,
+            # which a freed weight hands to the next one) and the map stay the same.
+            key = (w._version, w.device, self.d2t.device, self.d2t._version)
             cached = self._frozen.get("lm_rows")
-            if cached is None or cached[0] != key:
-                cached = (key, w.detach()[self.d2t.to(w.device)])
+            if cached is None or cached[0] != key or cached[2]() is not w:
+                cached = (key, w.detach()[self.d2t.to(w.device)], weakref.ref(w))
                 self._frozen["lm_rows"] = cached  # plain dict entry: never a parameter, never saved
             w = cached[1]
         return self.linear(h.to(w.dtype), w)
