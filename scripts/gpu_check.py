@@ -144,30 +144,91 @@ def drafter_makers(target) -> dict:
     specs = {"medusa": HeadSpec(kind="medusa", num_heads=3), "eagle": HeadSpec(kind="eagle"),
              "eagle3": HeadSpec(kind="eagle3", draft_vocab_size=target.vocab_size // 4),
              "dspark": HeadSpec(kind="dspark", block_size=4)}
-    for kind, spec in specs.items():
-        head = build_head(spec, target, token_counts=counts if spec.draft_vocab_size else None).eval()
-        tree = "3,3,8" if kind.startswith("eagle") else None
+    from specheads.heads.kinds import kind_names, kind_spec
+
+    for kind in kind_names():  # every registered kind: the ones above, the rest from their declared example
+        ks = kind_spec(kind)
+        spec = specs.get(kind) or HeadSpec(kind=kind, **ks.example)
+        try:
+            head = build_head(spec, target, token_counts=counts if spec.draft_vocab_size else None).eval()
+        except Exception as e:  # noqa: BLE001 (recorded as that drafter's error)
+            makers[kind] = (lambda err=e: (_ for _ in ()).throw(err))
+            continue
+        tree = "3,3,8" if kind.startswith("eagle") else "3" if ks.family == "block" else None
         makers[kind] = (lambda h=head, tr=tree: build_drafter(target, h, tr))
     return makers
 
 
 def exactness(device: str, dtype: torch.dtype, n_prompts: int, new_tokens: int) -> dict:
-    """Per drafter: share of prompts whose greedy tokens equal HF generate's, τ, and errors (e.g. no drafter)."""
+    """Per drafter: share of prompts whose greedy tokens equal HF generate's, τ, and errors (e.g. no drafter); on
+    CUDA each drafter twice, the owned forward eager (--compile off) and through CUDA graphs ("+graphs")."""
     from specheads.infer.engine.generate import generate
 
     target = exact_target(device, dtype)
     ps = prompts(target.vocab_size, n_prompts)
     refs = [hf_greedy(target, p, new_tokens) for p in ps]
     out = {"dtype": str(dtype).replace("torch.", ""), "prompts": n_prompts, "new_tokens": new_tokens, "drafters": {}}
-    for name, make in drafter_makers(target).items():
-        try:
-            res = [generate(target, make(), p, max_new_tokens=new_tokens) for p in ps]
-        except Exception as e:  # noqa: BLE001 (one drafter's failure is its own record)
-            out["drafters"][name] = {"error": f"{type(e).__name__}: {e}"}
-            continue
-        fw = sum(r.stats.target_forwards for r in res)
-        out["drafters"][name] = {"identical": sum(r.ids == ref for r, ref in zip(res, refs)) / len(ps),
-                                 "tau": sum(r.stats.new_tokens for r in res) / max(fw, 1)}
+    modes = ("off", "on") if device == "cuda" else ("auto",)
+    for mode in modes:
+        target.compile = mode
+        for name, make in drafter_makers(target).items():
+            key = name + ("+graphs" if mode == "on" else "")
+            try:
+                res = [generate(target, make(), p, max_new_tokens=new_tokens) for p in ps]
+            except Exception as e:  # noqa: BLE001 (one drafter's failure is its own record)
+                out["drafters"][key] = {"error": f"{type(e).__name__}: {e}"}
+                continue
+            fw = sum(r.stats.target_forwards for r in res)
+            out["drafters"][key] = {"identical": sum(r.ids == ref for r, ref in zip(res, refs)) / len(ps),
+                                    "tau": sum(r.stats.new_tokens for r in res) / max(fw, 1)}
+    target.compile = "auto"
+    return out
+
+
+def decode_speed(shape_name: str, device: str, tiny: bool) -> dict:
+    """Tokens/s of one request (a 128-token prompt, 128 new tokens; tiny: 16 and 16) on a random-weight Llama of
+    the shape: HF generate, and plain decoding and prompt lookup through our loop with the owned forward eager
+    (--compile off) and through CUDA graphs (--compile on); `same_as_eager`: the graphed run's tokens equal the
+    eager run's (bf16: rounding may differ between the two attention lengths)."""
+    from specheads.infer.drafters import build_drafter
+    from specheads.infer.engine.generate import generate
+    from specheads.infer.engine.runner import runner_for
+
+    shape = (TINY_SHAPES if tiny else SHAPES)[shape_name]
+    target = shape_target(shape, device, torch.float32 if tiny else torch.bfloat16, shape_name)
+    n = 16 if tiny else 128
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, target.vocab_size, (n,), generator=g).tolist()
+    inputs = {"plain": prompt, "prompt-lookup": prompt[: n // 4] * 4}  # lookup drafts from a repetitive prompt
+
+    def timed(fn):
+        fn()  # warm-up (and graph capture)
+        sync(device)
+        t = time.perf_counter()
+        r = fn()
+        sync(device)
+        return r, time.perf_counter() - t
+
+    hf, s = timed(lambda: hf_greedy(target, prompt, n))
+    out = {"new_tokens": n, "hf_generate": {"tokens_per_s": n / s}, "methods": {}}
+    eager = {}
+    for mode in (("off",) if tiny else ("off", "on")):
+        target.compile = mode
+        for name, p in inputs.items():
+            r, s = timed(lambda: generate(target, build_drafter(target, name, "5" if name != "plain" else None), p,
+                                          max_new_tokens=n, ignore_eos=True))
+            rec = {"tokens_per_s": len(r.ids) / s, "tau": r.stats.new_tokens / max(r.stats.target_forwards, 1),
+                   "path": runner_for(target).compiled or "eager"}
+            if mode == "off":
+                eager[name] = r.ids
+            else:
+                rec["same_as_eager"] = r.ids == eager[name]
+                rec["speedup_vs_eager"] = rec["tokens_per_s"] / out["methods"][f"{name}/off"]["tokens_per_s"]
+            out["methods"][f"{name}/{mode}"] = rec
+    out["plain_eager_equals_hf"] = eager["plain"] == hf
+    del target
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
@@ -223,11 +284,17 @@ def verify_cost(shape_name: str, device: str, tiny: bool) -> dict:
     sizes = (1, 2, 4, 8, 16) if tiny else (1, 2, 4, 8, 16, 32, 64, 128)
     context = 64 if tiny else 1024
     verify = measure_verify_cost(target, sizes=sizes, context=context, repeats=2 if tiny else 5)
+    eager = None
+    if device == "cuda":  # the curve above ran through CUDA graphs (--compile auto); the eager one beside it
+        target.compile = "off"
+        eager = measure_verify_cost(target, sizes=sizes, context=context, repeats=5)
+        target.compile = "auto"
     rows = (1, 2, 4) if tiny else (1, 2, 4, 8, 16)
     surface = measure_batch_cost(target, rows=rows, tokens=(1, 2, 4) if tiny else (1, 2, 4, 8, 16),
                                  context=min(context, 512), repeats=2 if tiny else 3)
     out = {"shape": shape, "params_b": round(params / 1e9, 3), "dtype": str(target.dtype).replace("torch.", ""),
-           "attn_implementation": target.model.config._attn_implementation, "verify": verify, "batch": surface}
+           "attn_implementation": target.model.config._attn_implementation, "verify": verify, "batch": surface,
+           "verify_eager": eager}
     del target
     if device == "cuda":
         out["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
@@ -322,6 +389,7 @@ def main(argv=None) -> int:
               "carry the wheel (docs/gpu.md) and put /tmp/site first on PYTHONPATH", flush=True)
     check.section("exactness_fp32", exactness, device, torch.float32, n, new)
     check.section("verify_cost_llama-1b", verify_cost, "llama-1b", device, tiny)
+    check.section("decode_llama-1b", decode_speed, "llama-1b", device, tiny)
     check.section("training_bf16", training, device, tiny)
     surface = check.record["sections"]["verify_cost_llama-1b"].get("batch")
     cost = None
@@ -331,6 +399,7 @@ def main(argv=None) -> int:
         cost = batch_cost_fn({"batch": surface})
     check.section("batched_fp32", batched, device, torch.float32, n, new, cost)
     check.section("verify_cost_llama-8b", verify_cost, "llama-8b", device, tiny)
+    check.section("decode_llama-8b", decode_speed, "llama-8b", device, tiny)
     check.section("identical_bf16", lambda: {**exactness(device, torch.bfloat16, n, new),
                                              "batched": batched(device, torch.bfloat16, n, new, cost)["drafters"]})
     check.record["summary"] = summarize(check.record)

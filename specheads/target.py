@@ -41,6 +41,7 @@ class Target:
     tokenizer: Any
     name: str  # what the user asked for (alias, path or hub id); recorded in head configs
     engine: str = "auto"  # the decoding forward (infer/engine/runner.py): auto | owned | hf
+    compile: str = "auto"  # compiled steps of the owned forward (C++ kernels on a CPU, CUDA graphs): auto | on | off
 
     @property
     def config(self):

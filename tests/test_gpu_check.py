@@ -30,11 +30,16 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path):
     rec = json.loads((tmp_path / "gpu_check.json").read_text())
     sec = rec["sections"]
     assert rc == 0 and rec["schema"] == "specheads.gpu_check/1" and rec["mode"] == "tiny"
-    assert set(sec) == {"environment", "exactness_fp32", "verify_cost_llama-1b", "training_bf16", "batched_fp32",
-                        "verify_cost_llama-8b", "identical_bf16"}
+    assert set(sec) == {"environment", "exactness_fp32", "verify_cost_llama-1b", "decode_llama-1b", "training_bf16",
+                        "batched_fp32", "verify_cost_llama-8b", "decode_llama-8b", "identical_bf16"}
     assert all(v["ok"] for v in sec.values()) and rec["summary"]["failed_sections"] == []
     assert sec["environment"]["torch"] == torch.__version__ and sec["environment"]["transformers"]
-    assert {"plain", "prompt-lookup", "medusa", "eagle", "eagle3", "dspark"} <= set(sec["exactness_fp32"]["drafters"])
+    from specheads.heads.kinds import kind_names
+
+    assert {"plain", "prompt-lookup", *kind_names()} <= set(sec["exactness_fp32"]["drafters"])  # every kind
+    for shape in ("llama-1b", "llama-8b"):  # our loop's tokens/s beside HF generate's, the same greedy tokens
+        d = sec[f"decode_{shape}"]
+        assert d["plain_eager_equals_hf"] and d["methods"]["plain/off"]["tokens_per_s"] > 0
     _exact(sec["exactness_fp32"]["drafters"])  # fp32 greedy: every drafter equals HF generate
     _exact(sec["batched_fp32"]["drafters"])  # batched rows too, with and without the verify budget
     assert {"eagle3+sched", "prompt-lookup+sched"} <= set(sec["batched_fp32"]["drafters"])

@@ -69,6 +69,10 @@ def add_engine(p: argparse.ArgumentParser) -> None:
                    help="the target's decoding forward: owned = our Llama-family forward over a static KV cache "
                         "(bf16 on AVX512-BF16 CPUs: compiled kernels), hf = transformers' forward; auto (default) = "
                         "owned where the architecture is supported (infer/engine/runner.py); a log line says which")
+    p.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
+                   help="compiled steps of the owned forward: C++ kernels for bf16 targets on AVX512-BF16 CPUs "
+                        "(compiled once into the cache, ~30 s), captured CUDA graphs on a GPU; auto (default) = "
+                        "where available, on = refused where not, off = PyTorch's eager ops (a log line says which)")
 
 
 def add_plugin(p: argparse.ArgumentParser) -> None:

@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.dataset, args.limit, args.both_turns)
     dtype = shared.dtype_name(args.dtype)
     target = specheads.target.load_target(args.target, dtype=dtype, device=args.device)
-    target.engine = args.engine
+    target.engine, target.compile = args.engine, args.compile
     first_turn_ids(target, prompts, args.dataset)  # a prompt longer than the context window: refused before any run
     methods, extra = build_methods(names, target, options, calib_ids=calibration_ids(target.tokenizer, prompts))
     settings = BenchSettings(target=args.target, dataset=args.dataset, dtype=dtype, temperature=args.temperature,

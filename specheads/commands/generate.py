@@ -91,7 +91,7 @@ def build(args):
     if name == "layer-skip":
         options = {"skip": args.skip_layers}
     target = specheads.target.load_target(args.target, dtype=shared.dtype_name(args.dtype), device=args.device)
-    target.engine = args.engine
+    target.engine, target.compile = args.engine, args.compile
     if not args.head:
         return target, build_drafter(target, name, spec, lookup=args.lookup, pricing=args.pricing, **options)
     # a tree head's auto: probed on a few MT-bench questions spread over its categories

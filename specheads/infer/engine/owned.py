@@ -170,7 +170,7 @@ class OwnedLlama:
     cache: k, v [L, G, C, hd]; columns [0, length) hold the kept sequence, a forward writes its n tokens at
     [length, length + n) and `keep` moves the accepted ones down (rejected columns are simply written over later)."""
 
-    def __init__(self, model):
+    def __init__(self, model, use_kernels: bool = True):
         cfg = model.config
         dec = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.eps = float(cfg.rms_norm_eps)
@@ -191,7 +191,8 @@ class OwnedLlama:
                 mlp.down_proj.weight))
         self.dtype, self.device = self.embed.dtype, self.embed.device
         weights = [self.lm_head] + [w for lay in self.layers for w in (lay.qkv, lay.o, lay.gate_up, lay.down)]
-        self.ops = kernels.bf16_ops() if all(kernels.usable(w) for w in weights) else None  # bf16 + AVX512-BF16
+        self.ops = kernels.bf16_ops() if use_kernels and all(kernels.usable(w) for w in weights) else None  # bf16 +
+        # AVX512-BF16 (use_kernels False: --compile off, PyTorch's ops only)
         self.kernel = None if self.ops is None else self.ops.linear_bf16
         self.fused = self.ops is not None and self.hd % 16 == 0 and self.hd <= 1024 and all(
             lay.q_norm is None and lay.ln_in.numel() % 16 == 0 and lay.down.shape[1] % 16 == 0

@@ -15,6 +15,9 @@ which path runs:
 
 `runner_for(target)` picks the path once per target: `target.engine` "auto" (owned when the architecture is
 supported), "owned" (refused with the reason when it is not) or "hf"; one log line says which path runs.
+`target.compile` (--compile) says whether the owned path runs compiled code: on a CPU the C++ kernels
+(engine/kernels.py: bf16 targets on AVX512-BF16), on CUDA captured graphs of the decode and verify steps
+(engine/graphs.py); auto = where available, on = refused with the reason where not, off = PyTorch's eager ops.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from specheads.utils import SpecheadsError
 log = logging.getLogger(__name__)
 
 ENGINES = ("auto", "owned", "hf")  # --engine
+COMPILE = ("auto", "on", "off")  # --compile
 
 
 class HFRunner:
@@ -82,16 +86,23 @@ class OwnedRunner:
 
     name = "owned"
 
-    def __init__(self, target):
+    def __init__(self, target, compiled: bool = True):
         self.target = target
-        self.model = OwnedLlama(target.model)
+        cuda = next(target.model.parameters()).device.type == "cuda"
+        self.model = OwnedLlama(target.model, use_kernels=compiled and not cuda)
+        self.graphed = None
+        if compiled and cuda:
+            from specheads.infer.engine.graphs import GraphedOwned
+
+            self.graphed = GraphedOwned(self.model)
+        self.compiled = "CUDA graphs" if self.graphed else "C++ kernels" if self.model.ops is not None else ""
 
     @property
     def length(self) -> int:
         return self.model.length
 
     def reset(self, capacity: int) -> None:
-        self.model.reset(capacity)
+        (self.graphed or self.model).reset(capacity)
 
     def tree_inputs(self, tree):
         return (tree.depth + self.model.length).to(self.model.device), tree.ancestors()  # positions [N], [N, N]
@@ -99,7 +110,7 @@ class OwnedRunner:
     def forward(self, tokens: torch.Tensor, plan=None, layers: list[int] | None = None, logit_rows: str = "all"):
         start = self.model.length
         pos, allowed = plan or (torch.arange(start, start + tokens.numel(), device=self.model.device), None)
-        return self.model.forward(tokens, pos, allowed, layers, logit_rows)
+        return (self.graphed or self.model).forward(tokens, pos, allowed, layers, logit_rows)
 
     def keep(self, num_nodes: int, accepted) -> None:
         self.model.keep(num_nodes, [int(i) for i in accepted])
@@ -107,20 +118,30 @@ class OwnedRunner:
 
 def runner_for(target):
     """The target's runner, built once per target and engine choice (the owned path fuses weights once)."""
-    mode = getattr(target, "engine", "auto")
+    mode, comp = getattr(target, "engine", "auto"), getattr(target, "compile", "auto")
     if mode not in ENGINES:
         raise SpecheadsError(f"--engine {mode!r}: expected one of {', '.join(ENGINES)}")
+    if comp not in COMPILE:
+        raise SpecheadsError(f"--compile {comp!r}: expected one of {', '.join(COMPILE)}")
     cached = getattr(target, "_runner", None)
-    if cached is not None and cached[0] == mode:
+    if cached is not None and cached[0] == (mode, comp):
         return cached[1]
     why = owned_reason(target.model) if mode != "hf" else "asked for (--engine hf)"
     if mode == "owned" and why:
         raise SpecheadsError(f"--engine owned: target {target.name} cannot run the owned forward: {why}; "
                              "use --engine auto or hf")
-    runner = OwnedRunner(target) if not why else HFRunner(target)
+    if comp == "on" and why:
+        raise SpecheadsError(f"--compile on: target {target.name} runs the HF forward ({why}); nothing of ours "
+                             "to compile there: use --compile auto or off")
+    runner = OwnedRunner(target, compiled=comp != "off") if not why else HFRunner(target)
+    if comp == "on" and not runner.compiled:
+        raise SpecheadsError(f"--compile on: no compiled path for target {target.name} here (C++ kernels need a bf16 "
+                             "target on an AVX512-BF16 CPU with a compiler, SPECHEADS_KERNELS not off; CUDA graphs "
+                             "a CUDA target): use --compile auto or off")
     if why:
         log.info("target forward: HF %s (%s)", type(target.model).__name__, why)
     else:
-        log.info("target forward: owned %s path over a static KV cache", target.model.config.model_type)
-    target._runner = (mode, runner)
+        log.info("target forward: owned %s path over a static KV cache%s", target.model.config.model_type,
+                 f", {runner.compiled}" if runner.compiled else ", PyTorch ops")
+    target._runner = ((mode, comp), runner)
     return runner
