@@ -94,3 +94,17 @@ def test_eval_on_a_run_without_a_held_out_split_says_why(tmp_path, capsys):
         f"specheads eval: error: --dataset heldout:{run}: the run has no held-out split (data.val_fraction 0 in "
         f"{run / 'train_config.yaml'}), so there is nothing to score; give another --dataset (mt-bench, "
         f"sharegpt:START, a JSONL file)")
+
+
+def test_dev_answers_equal_hf_generate_greedy(tiny):
+    """The dev set's answers come from our plain decoding loop: in fp32 token for token HF generate's."""
+    import torch
+
+    from specheads.prompts import BenchPrompt
+    from specheads.train.head_eval import target_answers
+
+    tiny.tokenizer = ByteTok()
+    prompts = [BenchPrompt(id=f"p{i}", category="all", turns=[t], chat=False) for i, t in enumerate(("ab" * 5, "xyz"))]
+    for ids, answer in target_answers(tiny, prompts, max_new_tokens=24, progress=False):
+        ref = tiny.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+        assert answer == ref and len(answer) > 0

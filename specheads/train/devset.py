@@ -32,7 +32,8 @@ def dev_settings(recipe, target) -> dict:
     """What the cached answers depend on (a mismatch regenerates them)."""
     ecfg = recipe.eval
     return {"dataset": ecfg.dev_dataset, "prompts": ecfg.dev_prompts, "max_new_tokens": ecfg.dev_max_new_tokens,
-            "target": target.fingerprint(), "dtype": str(next(target.model.parameters()).dtype)}
+            "target": target.fingerprint(), "dtype": str(next(target.model.parameters()).dtype),
+            "answered_by": "plain decoding loop"}  # was HF generate: bf16 answers may differ in the last tokens
 
 
 def training_conversation_ids(recipe) -> set[str]:
