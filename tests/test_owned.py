@@ -222,6 +222,27 @@ def test_bf16_owned_forward_tracks_hf_bf16():
 
 
 @needs_kernels
+def test_a_long_bf16_prefill_attends_with_sdpa_and_tracks_hf():
+    """A prefill of more than PREFILL_ROWS tokens (after an earlier turn) attends with PyTorch's SDPA instead of
+    the one-by-one kernel: its last logits and the next step's agree with HF's bf16 forward to bf16 noise."""
+    from specheads.infer.engine.owned import PREFILL_ROWS
+
+    t = tiny_target(num_layers=3, hidden_size=64, dtype=torch.bfloat16)
+    r = OwnedRunner(t)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, t.vocab_size, (2 * PREFILL_ROWS + 7,), generator=g).tolist()
+    r.reset(len(prompt) + 8)
+    r.forward(torch.tensor(prompt[:5]), None, logit_rows="none")  # an earlier turn: the long prefill starts at 5
+    r.keep(5, range(5))
+    logits, _ = r.forward(torch.tensor(prompt[5:-1]), None, logit_rows="last")
+    r.keep(len(prompt) - 6, range(len(prompt) - 6))
+    step, _ = r.forward(torch.tensor(prompt[-1:]), None)
+    ref = t.model(input_ids=torch.tensor([prompt])).logits[0]
+    for got, want in ((logits[0], ref[-2]), (step[0], ref[-1])):
+        assert (got.float() - want.float()).abs().max() < 0.05 * want.float().abs().max()
+
+
+@needs_kernels
 def test_one_call_stack_gives_the_layer_loops_numbers():
     """kernels.stack_bf16 (every layer in one compiled call) runs the per-layer loop's ops in its order: the logits
     and the hidden states a head reads are the same bits, over a cache, for one row and for a tree."""

@@ -37,7 +37,8 @@ from specheads.utils import SpecheadsError
 log = logging.getLogger(__name__)
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-ROPE_TYPES = ("default", "linear", "llama3")  # position-independent inverse frequencies: a table is exact
+ROPE_TYPES = ("default", "linear", "llama3")
+PREFILL_ROWS = 64  # bf16 kernels: forwards of more token rows (prefill) attend with PyTorch's SDPA, not attend_bf16  # position-independent inverse frequencies: a table is exact
 
 
 def owned_reason(model) -> str:
@@ -348,7 +349,15 @@ class OwnedLlama:
         ops, n, hd = self.ops, xn.shape[0], self.hd
         qkv = self._linear(xn, lay.qkv, lay.qkv_bias)  # [n, (H + 2G) hd]
         q = ops.rope_write_bf16(qkv, cos, sin, self.k[i], self.v[i], start, self.H, self.G)  # [H, n, hd] fp32
-        attn = ops.attend_bf16(q, self.k[i], self.v[i], start + n, mask, hd ** -0.5)  # [n, H hd]
+        if n > PREFILL_ROWS:  # a prefill: PyTorch's blocked attention (the kernel computes all n x S scores one by
+            # one: 2.2x slower than HF's whole forward at 1,024 tokens, docs/results/prefill-paths)
+            end = start + n
+            o = F.scaled_dot_product_attention(q[None], self.k[i, :, :end][None], self.v[i, :, :end][None],
+                                               attn_mask=mask, is_causal=mask is None, scale=hd ** -0.5,
+                                               enable_gqa=self.G != self.H)  # [1, H, n, hd]
+            attn = o[0].transpose(0, 1).reshape(n, self.H * hd).to(self.dtype)
+        else:
+            attn = ops.attend_bf16(q, self.k[i], self.v[i], start + n, mask, hd ** -0.5)  # [n, H hd]
         return self._linear(attn, lay.o)
 
     def _mlp_fused(self, lay: _Layer, xn: torch.Tensor) -> torch.Tensor:
@@ -373,7 +382,8 @@ class OwnedLlama:
             return self._rms(x, self.norm), states
         x = x.contiguous()
         xn = self.ops.rms_bf16(x, self.layers[0].ln_in, self.eps)
-        if self._flat is not None:  # one compiled call for every layer, the same ops as the loop below
+        if self._flat is not None and x.shape[0] <= PREFILL_ROWS:  # one compiled call for every layer, the same ops
+            # as the loop below (a prefill's attention runs on PyTorch's, in the loop)
             keep = sorted(i for i in want if 0 < i < last)
             out = self.ops.stack_bf16(x, xn, self._flat, self.k, self.v, cos.contiguous(), sin.contiguous(), mask,
                                       start, self.H, self.G, self.eps, self.hd ** -0.5, keep, kernels.PACKED_MAX_ROWS)
