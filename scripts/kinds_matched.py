@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Every head kind on the same features for the same wall time, then served side by side in one bench run
-(issue 30's table, docs/training.md "Every kind at matched wall time").
+(issue 30's table, docs/training.md "Every kind at matched wall time"; issue 41's at serving length, each block
+kind as a chain and as a tree).
 
     specheads prepare --config configs/prepare-kinds-smollm2.yaml
     python scripts/kinds_matched.py --budget-s 180 --max-new-tokens 64 --out docs/results/kinds-matched
+    python scripts/kinds_matched.py --budget-s 180 --block-trees --out docs/results/kinds-matched-256   # issue 41
 
 Stages, each skipped when its output exists (a rerun resumes where it stopped):
 1. timing: each kind's recipe trains --timing-steps optimizer steps on the shared features (a throwaway run);
@@ -38,7 +40,20 @@ KINDS = [
     ("domino", "configs/domino-smollm2.yaml", [], "7"),
     ("peagle", "configs/peagle-smollm2.yaml", [], "7"),
     ("peagle-dpace", "configs/peagle-smollm2.yaml", ["train.block.weighting=dpace"], "7"),
+    ("dflash2", "configs/dflash2-smollm2.yaml", [], "7"),
+    ("dspine", "configs/dspine-smollm2.yaml", [], "7"),
+    ("lilicorr", "configs/lilicorr-smollm2.yaml", [], "7"),
 ]
+TREE = "-tree"  # label suffix of a block kind served as a tree over its block (--block-trees: --tree tree:auto)
+
+
+def served(kinds: list[tuple], block_trees: bool) -> list[tuple[str, str, str]]:
+    """(bench label, trained run label, --tree) per served method: every kind with its chain or tree, and with
+    block_trees each block kind (a block size for --tree) again as the scheduled tree over its block."""
+    out = [(k[0], k[0], k[3]) for k in kinds]
+    if block_trees:
+        out += [(k[0] + TREE, k[0], "tree:auto") for k in kinds if k[3] and k[3].isdigit()]
+    return out
 
 
 def _common(args, out_dir: Path) -> list[str]:
@@ -86,9 +101,9 @@ def bench(args, kinds: list[tuple]) -> dict:
     if not (out / "results.json").exists():
         cmd = [args.specheads, "bench", "--target", "smollm2-135m", "--dataset", "mt-bench", "--limit",
                str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--dtype", "bf16", "--out", str(out),
-               "--methods", ",".join(["vanilla"] + [f"head:{k[0]}" for k in kinds])]
-        for label, _, _, tree in kinds:
-            head = Path(args.runs) / label
+               "--methods", ",".join(["vanilla"] + [f"head:{m[0]}" for m in served(kinds, args.block_trees)])]
+        for label, run, tree in served(kinds, args.block_trees):
+            head = Path(args.runs) / run
             cmd += ["--head", f"{label}={head / 'best' if (head / 'best').exists() else head / 'final'}"]
             cmd += ["--tree", f"{label}={tree}"] if tree else []
         print("+", " ".join(cmd), flush=True)
@@ -100,8 +115,10 @@ def table_rows(args, kinds: list[tuple], sps: dict, res: dict) -> list[dict]:
     van = res["methods"]["vanilla"]["overall"]
     s_per_token = van["time_s"] / van["new_tokens"]
     rows = []
-    for label, recipe, extra, tree in kinds:
-        r = train_row(label, str(Path(args.runs) / label))
+    recipes = {k[0]: k[1:3] for k in kinds}
+    for label, run, tree in served(kinds, args.block_trees):
+        recipe, extra = recipes[run]
+        r = {**train_row(run, str(Path(args.runs) / run)), "label": label}
         m = res["methods"][f"head:{label}"]
         o, br = m["overall"], m.get("step_breakdown", {})
         steps = o["target_forwards"]
@@ -144,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dev-prompts", type=int, default=16)
     ap.add_argument("--dev-max-new-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=80, help="MT-bench first turns in the bench")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per prompt (serving's length)")
+    ap.add_argument("--block-trees", action="store_true",
+                    help="also serve each block kind as the scheduled tree over its block (label-tree)")
     ap.add_argument("--specheads", default="specheads")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)

@@ -189,3 +189,14 @@ def test_kinds_matched_prices_draft_cost_in_vanilla_forwards(tmp_path):
     assert "| eagle3 | 40 | 20.0 | 0.300 | 1.400 / 1.600 | 1.500 ± 0.040 | 0.25 | 1.60 | 1.20x |" in \
         (out / "kinds.md").read_text()
     assert json.loads((out / "bench.json").read_text())["num_prompts"] == 2
+
+
+def test_kinds_matched_serves_each_block_kind_as_chain_and_tree():
+    """issue 41's table: with --block-trees every block kind (a block size for --tree) is served twice from the
+    same trained run, as its chain and as the scheduled tree over its block; tree kinds once."""
+    km = _script("kinds_matched")
+    kinds = [("eagle3", "r", [], "2,2,6"), ("dspark", "r", [], "7"), ("dflash2", "r", [], "7")]
+    assert km.served(kinds, False) == [("eagle3", "eagle3", "2,2,6"), ("dspark", "dspark", "7"),
+                                       ("dflash2", "dflash2", "7")]
+    assert km.served(kinds, True)[3:] == [("dspark-tree", "dspark", "tree:auto"),
+                                          ("dflash2-tree", "dflash2", "tree:auto")]
