@@ -104,6 +104,11 @@ def bench(args, kinds: list[tuple]) -> dict:
                "--methods", ",".join(["vanilla"] + [f"head:{m[0]}" for m in served(kinds, args.block_trees)])]
         for label, run, tree in served(kinds, args.block_trees):
             head = Path(args.runs) / run
+            if label != run:  # bench keys trees by head folder: the tree variant reads the run through a link
+                link = Path(args.runs) / label
+                if not link.exists():
+                    link.symlink_to(run, target_is_directory=True)
+                head = link
             cmd += ["--head", f"{label}={head / 'best' if (head / 'best').exists() else head / 'final'}"]
             cmd += ["--tree", f"{label}={tree}"] if tree else []
         print("+", " ".join(cmd), flush=True)
@@ -123,7 +128,7 @@ def table_rows(args, kinds: list[tuple], sps: dict, res: dict) -> list[dict]:
         o, br = m["overall"], m.get("step_breakdown", {})
         steps = o["target_forwards"]
         draft_s = (br.get("seconds") or {}).get("draft")
-        r.update({"recipe": recipe, "overrides": extra, "tree": tree, "seconds_per_step": round(sps[label], 3),
+        r.update({"recipe": recipe, "overrides": extra, "tree": tree, "seconds_per_step": round(sps[run], 3),
                   "served_tau": o["tau"], "speedup": o["speedup"], "identical": o["identical"],
                   "draft_ms_per_step": None if draft_s is None else 1e3 * draft_s / steps,
                   "draft_cost_forwards": None if draft_s is None else draft_s / steps / s_per_token})
