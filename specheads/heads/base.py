@@ -52,7 +52,7 @@ class HeadSpec:
     """The `head:` section of a recipe: what to build. Resolved against a target into a `HeadConfig`."""
 
     kind: str = "eagle3"  # medusa | eagle | eagle3 | dspark (DFlash: dspark with markov_rank 0, no confidence head)
-    # | domino | dspine | peagle | dflash2
+    # | domino | dspine | peagle | dflash2 | lilicorr
     num_heads: int = 4  # Medusa: K heads (Medusa paper default 4 in the repo's training script)
     num_layers: int = 1  # residual blocks per Medusa head; decoder layers for EAGLE (EAGLE-1/3 use 1) and P-EAGLE
     draft_vocab_size: int | None = None  # reduced draft vocabulary (EAGLE-3 d2t/t2d); None = target vocab
@@ -93,6 +93,16 @@ class HeadSpec:
     conv_group_size: int = 16  # hidden channels sharing one dynamic coefficient (speculators 16)
     selector_rank: int = 256  # r of the selector's codebooks (speculators 256)
     selector_top_k: int = 16  # unary candidates the selector reranks per draft (speculators 16)
+    # LiLiCorr (heads/lilicorr.py): the DFlash backbone + a small transformer that rescores the block's top-k
+    # candidate lattice; ModelOpt's dflash_architecture_config keys of the same names
+    lilicorr_candidate_topk: int = 8  # k candidates per draft slot (vLLM / SGLang serve powers of two <= 16)
+    lilicorr_hidden_size: int = 0  # H, the lattice transformer's width; 0 = the target's hidden size D
+    lilicorr_num_layers: int = 2  # lattice transformer layers
+    lilicorr_num_heads: int = 8  # its attention heads (H divisible by them)
+    lilicorr_mlp_ratio: float = 2.0  # its MLP width / H
+    lilicorr_factor_dim: int = 128  # F, the width of the out / in factor vectors
+    lilicorr_vector_eps: float = 1e-6  # L2-normalisation epsilon of the factor vectors, in (0, 0.5)
+    lilicorr_logit_scale: float = 10.0  # λ, fixed: scores are λ · cosine
 
     def __post_init__(self) -> None:
         ks = kind_spec(self.kind)

@@ -57,6 +57,12 @@ class BlockTrainConfig:
     dspine_mass_threshold: float = 1e-4  # refinement L1 only where the target's candidate mass exceeds this
     # DFlash2: loss = unary block loss + selector_alpha · the selector's K-way CE (speculators selector_loss_alpha)
     selector_alpha: float = 1.0
+    # LiLiCorr: loss = block loss + w_ce · lattice CE + w_margin · hinge(margin) + w_pen · distractor penalty
+    # (ModelOpt dflash_lilicorr_w_ce / _w_margin / _w_pen / _margin; its "base" variant 0.25 / 0 / 0.25)
+    lilicorr_w_ce: float = 0.25
+    lilicorr_w_margin: float = 0.0
+    lilicorr_w_pen: float = 0.25
+    lilicorr_margin: float = 2.0
 
     def __post_init__(self) -> None:
         check_values("train.block", self, {"gamma": ">0", "w_ce": ">=0", "w_l1": ">=0", "confidence_alpha": ">=0",
@@ -65,7 +71,9 @@ class BlockTrainConfig:
                                            "dspine_alignment_weight": ">=0", "dspine_alignment_warmup": ">=0",
                                            "dspine_replace_layers": ">=0", "dspine_replace_prob": "[0,1]",
                                            "dspine_replace_hold": "[0,1)", "dspine_replace_end": "(0,1]",
-                                           "dspine_mass_threshold": "[0,1)", "selector_alpha": ">=0"})
+                                           "dspine_mass_threshold": "[0,1)", "selector_alpha": ">=0",
+                                           "lilicorr_w_ce": ">=0", "lilicorr_w_margin": ">=0",
+                                           "lilicorr_w_pen": ">=0", "lilicorr_margin": ">0"})
         if self.dspine_replace_hold >= self.dspine_replace_end:
             raise SpecheadsError(f"train.block.dspine_replace_hold: {self.dspine_replace_hold} must be below "
                                  f"train.block.dspine_replace_end {self.dspine_replace_end}")

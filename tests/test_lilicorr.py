@@ -1,0 +1,115 @@
+"""LiLiCorr heads (heads/lilicorr.py) on the tiny target: the draft logits are the lattice walk's scores on the
+backbone's top-k and -inf elsewhere (argmax = the walk), the served block equals the training forward walked
+greedily, a sampled walk follows the drawn tokens, the lattice loss by hand, and the refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specheads.heads import HeadSpec, build_head
+from specheads.train.kinds.lilicorr import chain_scores, lattice_loss
+from specheads.train.settings import BlockTrainConfig
+from specheads.utils import SpecheadsError
+
+D = 64
+BASE = dict(kind="lilicorr", feature_layers=[1, 2, 3], block_size=4, markov_rank=0, confidence_head=False,
+            sample_from_anchor=False, lilicorr_candidate_topk=4, lilicorr_hidden_size=32, lilicorr_num_layers=2,
+            lilicorr_num_heads=2, lilicorr_factor_dim=8, num_layers=1)
+
+
+def _head(tiny, seed=3, **kw):
+    head = build_head(HeadSpec(**{**BASE, **kw}), tiny)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return head
+
+
+def _inputs(T=20, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, T, 3 * D, generator=g), torch.randint(0, 256, (1, T), generator=g)
+
+
+def test_draft_logits_are_the_walk_on_the_candidates(tiny):
+    head = _head(tiny)
+    feats, ids = _inputs()
+    h, _ = head.block_states(feats, ids, torch.tensor([[7]]))
+    unary, cand, start, pair = head.lattice(h)
+    lg, conf = head.heads(h, ids[:, 7:8], greedy=True)
+    assert conf is None and lg.shape == (1, 1, 3, 256)
+    finite = torch.isfinite(lg[0, 0])
+    for j in range(3):  # S_j on C_j (the unary top-k), -inf elsewhere
+        assert set(finite[j].nonzero().flatten().tolist()) == set(cand[0, 0, j].tolist())
+    row = start[0, 0]
+    for j in range(3):  # the greedy walk by hand: S_{j+1} = pair_j(argmax S_j, ·)
+        assert torch.allclose(lg[0, 0, j, cand[0, 0, j]], row)
+        if j < 2:
+            row = pair[0, 0, j, int(row.argmax())]
+    cache = head.new_cache()
+    head.extend_context(cache, feats[0, :7])
+    served, _ = head.draft_block(cache, int(ids[0, 7]))
+    assert torch.allclose(served, lg[0, 0], atol=1e-5)
+    assert torch.equal(served.argmax(-1), lg[0, 0].argmax(-1))
+
+
+def test_a_sampled_walk_reads_the_drawn_tokens(tiny):
+    """pick(j, logits_j) -> the drawn token: draft j+1's row is the pair score leaving it, not the argmax."""
+    head = _head(tiny)
+    feats, ids = _inputs()
+    h, _ = head.block_states(feats, ids, torch.tensor([[9]]))
+    _, cand, start, pair = head.lattice(h)
+    lowest = lambda j, lj: lj.masked_fill(~torch.isfinite(lj), float("inf")).argmin(-1)  # the least likely candidate
+    lg, _ = head.heads(h, ids[:, 9:10], greedy=True, pick=lowest)
+    r0 = int(start[0, 0].argmin())
+    assert torch.allclose(lg[0, 0, 1, cand[0, 0, 1]], pair[0, 0, 0, r0])
+
+
+def test_anchor_row_matters_and_is_zero_before_any_context(tiny):
+    head = _head(tiny)
+    feats, ids = _inputs()
+    h = head.block_states(feats, ids, torch.tensor([[5]]))[0]
+    assert h.shape[2] == 5  # K = 4 slots + c_{p-1}
+    c = head.project_features(feats)
+    assert torch.allclose(h[0, 0, 4], c[0, 4])
+    empty = head.new_cache()
+    lg, _ = head.draft_block(empty, 3)  # p = 0: no context row, a = 0
+    assert torch.isfinite(lg).sum(-1).tolist() == [4, 4, 4]
+
+
+def test_lattice_loss_by_hand():
+    start = torch.tensor([[1.0, 2.0, 0.0]])  # N = 1, k = 3, K' = 2
+    pair = torch.tensor([[[[0.0, 1.0, 2.0], [3.0, 0.0, 0.0], [0.0, 0.0, 1.0]]]])
+    cand = torch.tensor([[[10, 11, 12], [20, 21, 22]]])
+    y = torch.tensor([[11, 20]])  # ranks 1 then 0
+    valid = torch.ones(1, 2, dtype=torch.bool)
+    tgt = torch.zeros(1, 2, 30)
+    tgt[0, 0, 11], tgt[0, 0, 10], tgt[0, 1, 20], tgt[0, 1, 22] = 2.0, 1.0, 1.0, 4.0
+    cfg = BlockTrainConfig(lilicorr_w_ce=1.0, lilicorr_w_margin=1.0, lilicorr_w_pen=1.0, lilicorr_margin=2.0)
+    z = chain_scores(start, pair, torch.tensor([[1, 0]]))
+    assert torch.equal(z[0, 1], pair[0, 0, 1])  # the row leaving y_0's rank
+    ce = -(torch.log_softmax(start[0], -1)[1] + torch.log_softmax(pair[0, 0, 1], -1)[0])
+    hinge = torch.relu(2.0 - (2.0 - 1.0)) + torch.relu(2.0 - (3.0 - 0.0))
+    p0, p1 = torch.softmax(start[0], -1), torch.softmax(pair[0, 0, 1], -1)
+    pen = p0[0] * 1.0 + p0[2] * 2.0 + p1[1] * 1.0 + p1[2] * 0.0  # relu(T(y) - T(c)), 0 at y and above it
+    total, m = lattice_loss(start, pair, cand, y, valid, tgt, cfg)
+    assert torch.allclose(total, (ce + hinge + pen) / 2)
+    y_miss = torch.tensor([[13, 20]])  # y_0 not a candidate: the chain stops, nothing supervised
+    total, m = lattice_loss(start, pair, cand, y_miss, valid, tgt, cfg)
+    assert float(total) == 0.0 and m["lat_supervised"] == 0.0
+    total, m = lattice_loss(start, pair, cand, y, torch.tensor([[True, False]]), tgt, cfg)
+    assert m["lat_supervised"] == 0.0  # a block trains only when all its drafts are valid (ModelOpt)
+
+
+@pytest.mark.parametrize("bad, msg", [
+    (dict(sample_from_anchor=True), "sample_from_anchor"), (dict(markov_rank=8), "markov_rank"),
+    (dict(draft_vocab_size=64), "draft_vocab_size"), (dict(lilicorr_vector_eps=0.7), "vector_eps"),
+    (dict(lilicorr_candidate_topk=0), "candidate_topk")])
+def test_refusals(bad, msg):
+    with pytest.raises(SpecheadsError, match=msg):
+        HeadSpec(**{**BASE, **bad})
+
+
+def test_heads_must_divide_the_width(tiny):
+    with pytest.raises(SpecheadsError, match="lilicorr_num_heads"):
+        build_head(HeadSpec(**{**BASE, "lilicorr_num_heads": 3}), tiny)
