@@ -89,7 +89,7 @@ def test_lattice_loss_by_hand():
     z = chain_scores(start, pair, torch.tensor([[1, 0]]))
     assert torch.equal(z[0, 1], pair[0, 0, 1])  # the row leaving y_0's rank
     ce = -(torch.log_softmax(start[0], -1)[1] + torch.log_softmax(pair[0, 0, 1], -1)[0])
-    hinge = torch.relu(2.0 - (2.0 - 1.0)) + torch.relu(2.0 - (3.0 - 0.0))
+    hinge = max(0.0, 2.0 - (2.0 - 1.0)) + max(0.0, 2.0 - (3.0 - 0.0))  # margin 2 minus (y's score - best other)
     p0, p1 = torch.softmax(start[0], -1), torch.softmax(pair[0, 0, 1], -1)
     pen = p0[0] * 1.0 + p0[2] * 2.0 + p1[1] * 1.0 + p1[2] * 0.0  # relu(T(y) - T(c)), 0 at y and above it
     total, m = lattice_loss(start, pair, cand, y, valid, tgt, cfg)
