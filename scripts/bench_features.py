@@ -14,8 +14,8 @@ alternated round by round so that machine load hits them alike:
 and the ratios extract/bare and offline/bare (the issue's target: >= 0.9), by wall clock and by this process's CPU
 time (steadier when other jobs share the cores). The offline variant writes one small shard per call, so its fixed
 costs (fsync, manifest) weigh more here than with real 262k-token shards.
-Then regeneration: our bucketed greedy loop (finished rows dropped) against transformers' batched `generate`
-(left padding) on the same prompts and caps, new tokens/s and the ratio.
+Then regeneration: regenerate.decode_answers (the engine's batched plain decoding, every prompt a row) against
+transformers' batched `generate` (left padding) on the same prompts and caps, new tokens/s and the ratio.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def main() -> int:
     from specheads.train.data import load_conversations, tokenize_conversations
     from specheads.train.features import FeatureConfig, extract_features, write_features
     from specheads.train.layout import resolve_layers
-    from specheads.train.regenerate import regenerate_batch
+    from specheads.train.regenerate import decode_answers
 
     target = load_target(args.target, dtype=args.dtype)
     tok = target.tokenizer
@@ -115,7 +115,8 @@ def main() -> int:
     eos = set(target.eos_token_ids)
 
     def ours():
-        out = regenerate_batch(target, prompts, args.regen_new)
+        work = [(i, p, args.regen_new, 0) for i, p in enumerate(prompts)]  # one batch of every prompt
+        out = [a for _, a in decode_answers(target, work, batch_size=len(prompts))]
         return out, sum(len(x) for x in out)
 
     def hf():

@@ -1,5 +1,5 @@
 """The one module that edits a transformers KV cache (a DynamicCache of transformers 5.x layer objects): the target's
-(the engine, regeneration, the cost profile) and a head's own draft cache (P-EAGLE's `select_columns`, the drafters'
+(the engine, which regeneration runs too, the cost profile) and a head's own draft cache (P-EAGLE's `select_columns`, the drafters'
 `drop_tail`). A leaf: it imports only utils, so heads/, infer/ and train/ all edit caches through it.
 
 Every layer holds keys / values [B, H, S, hd]; S runs along dim -2. What the engine does to them:
@@ -7,9 +7,9 @@ Every layer holds keys / values [B, H, S, hd]; S runs along dim -2. What the eng
   `tree_attention_mask`, then after the forward `keep_accepted` (prefix + accepted nodes; crop() only removes a
   tail, it cannot drop rejected siblings in between); `drop_tail` rewinds a tail (a drafter's own cache);
   `select_columns` keeps chosen columns (a head's draft cache);
-- many rows (`generate_batch`, regeneration): `buffered_cache` / `new_batch_cache`, whose layers write each forward
+- many rows (`generate_batch`): `buffered_cache` / `new_batch_cache`, whose layers write each forward
   in place into buffers with spare columns (BufferedLayer: a rejected or finished column is simply overwritten
-  later, as gpt-fast's KVCache does); `keep_accepted_rows`, `merge_caches` (rows joining, right- or left-padded),
+  later, as gpt-fast's KVCache does); `keep_accepted_rows`, `merge_caches` (rows joining, right-padded),
   `select_rows` (rows leaving, columns cut), `cache_columns`.
 A transformers release that changes the layers' internals is met here and nowhere else.
 """
@@ -205,20 +205,18 @@ def keep_accepted_rows(cache, cols: int, lengths: Sequence[int], accepted: Seque
     return new
 
 
-def _pad_columns(x: torch.Tensor, cols: int, left: bool) -> torch.Tensor:
-    """x [b, H, S, hd] padded with zeros to `cols` columns, on the left or the right."""
+def _pad_columns(x: torch.Tensor, cols: int) -> torch.Tensor:
+    """x [b, H, S, hd] padded with zeros on the right to `cols` columns."""
     n = cols - x.shape[2]
     if n == 0:
         return x
-    zeros = x.new_zeros(*x.shape[:2], n, x.shape[3])
-    return torch.cat([zeros, x] if left else [x, zeros], dim=2)
+    return torch.cat([x, x.new_zeros(*x.shape[:2], n, x.shape[3])], dim=2)
 
 
-def merge_caches(live, fresh, live_rows: int, fresh_rows: int, left_padded: bool = False) -> None:
-    """Append `fresh`'s rows below `live`'s (in place in `live`), both padded with zeros to the longer one's
-    columns: on the right for left-aligned rows (the batched loop: nothing moves, the masks hide the padding), on
-    the left for right-aligned ones (regeneration: RoPE is applied before caching and positions are per row, so a
-    row's entries may move right). A layer no forward has written yet (prompts of one token) counts as 0 columns."""
+def merge_caches(live, fresh, live_rows: int, fresh_rows: int) -> None:
+    """Append `fresh`'s rows below `live`'s (in place in `live`), both padded with zeros on the right to the longer
+    one's columns (the batched loop's rows are left-aligned: nothing moves, the masks hide the padding). A layer no
+    forward has written yet (prompts of one token) counts as 0 columns."""
     for a, b in zip(live.layers, fresh.layers):
         ka, kb = _written(a), _written(b)
         if ka is None and kb is None:
@@ -229,7 +227,7 @@ def merge_caches(live, fresh, live_rows: int, fresh_rows: int, left_padded: bool
         def padded(layer, x, rows: int, values: bool) -> torch.Tensor:
             if x is None:
                 return like.new_zeros(rows, like.shape[1], cols, like.shape[3])
-            return _pad_columns(layer.values if values else x, cols, left_padded)
+            return _pad_columns(layer.values if values else x, cols)
 
         keys = torch.cat([padded(a, ka, live_rows, False), padded(b, kb, fresh_rows, False)])
         values = torch.cat([padded(a, ka, live_rows, True), padded(b, kb, fresh_rows, True)])
@@ -238,12 +236,12 @@ def merge_caches(live, fresh, live_rows: int, fresh_rows: int, left_padded: bool
         a.keys, a.values = keys, values
 
 
-def select_rows(cache, keep: Sequence[int], stop: int | None = None, start: int = 0) -> None:
-    """Keep the rows `keep` (batch indices, in order; one copy) and the columns [start, stop) (a view): the
-    batched loop cuts to its longest kept row (stop), regeneration drops leading columns no kept row uses (start)."""
+def select_rows(cache, keep: Sequence[int], stop: int | None = None) -> None:
+    """Keep the rows `keep` (batch indices, in order; one copy) and the columns [0, stop) (a view): the batched
+    loop cuts to its longest kept row."""
     for layer in cache.layers:
         if _written(layer) is None:
             continue
         sel = torch.as_tensor(keep, dtype=torch.long, device=layer.keys.device)
-        layer.keys = layer.keys.index_select(0, sel)[:, :, start:stop]
-        layer.values = layer.values.index_select(0, sel)[:, :, start:stop]
+        layer.keys = layer.keys.index_select(0, sel)[:, :, :stop]
+        layer.values = layer.values.index_select(0, sel)[:, :, :stop]

@@ -186,36 +186,6 @@ def test_batch_edits_equal_fresh_caches():
     assert_rows(model, cache, rows)
 
 
-def test_left_padded_merge_and_leading_columns_equal_fresh_caches():
-    """Regeneration's layout: right-aligned rows (left padding), merged left-padded, leading columns cut."""
-    model = tiny_target().model
-    a, b = [3, 4, 5, 6, 7, 8], [9, 10]
-
-    def left_padded(rows):
-        cache, _ = buffered_cache(model)
-        T = max(len(r) for r in rows)
-        ids, mask = torch.zeros(len(rows), T, dtype=torch.long), torch.zeros(len(rows), T, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, T - len(r):], mask[i, T - len(r):] = torch.tensor(r), 1
-        with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), cache=cache,
-                  use_cache=True)
-        return cache
-
-    cache = left_padded([a])
-    merge_caches(cache, left_padded([b]), 1, 1, left_padded=True)
-    select_rows(cache, [1], start=4)  # b alone: its 2 columns are the last 2 of 6
-    ref = fresh(model, b)
-    for layer, rl in zip(cache.layers, ref.layers):
-        torch.testing.assert_close(layer.keys, rl.keys, atol=ATOL, rtol=0)
-        torch.testing.assert_close(layer.values, rl.values, atol=ATOL, rtol=0)
-    with torch.no_grad():  # the buffered layer writes the next column in place
-        got = model(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[2]]), cache=cache,
-                    use_cache=True).logits[0, -1]
-        want = model(input_ids=torch.tensor([b + [5]])).logits[0, -1]
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
-
-
 def test_buffered_layer_writes_in_place_and_keeps_a_cut_tail():
     model = tiny_target().model
     cache = new_batch_cache(model)

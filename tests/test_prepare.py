@@ -115,41 +115,6 @@ def _greedy_one_by_one(target, prompt, cap):
     return ref
 
 
-def test_regenerate_batch_equals_one_by_one_greedy(tiny):
-    from specheads.train.regenerate import regenerate_batch
-
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 9, 5, 4, 6, 2, 8, 3, 7, 5)]
-    caps = [4, 2, 5, 1, 3, 6, 2, 4, 5, 1]  # finished rows linger until 1/8 of the batch is done, then are dropped
-    got = regenerate_batch(tiny, prompts, caps)
-    for p, cap, out in zip(prompts, caps, got):
-        assert out == _greedy_one_by_one(tiny, p, cap)
-
-
-def test_generate_stream_refills_and_equals_one_by_one_greedy(tiny):
-    """Rows join a batch already decoding (its cache left-padded to the longer one), leave it when done, and a
-    key queued while iterating (a next turn) is picked up: every answer is still the plain greedy one."""
-    from collections import deque
-
-    from specheads.train.regenerate import generate_stream
-
-    g = torch.Generator().manual_seed(1)
-    prompts = {k: torch.randint(3, 256, (n,), generator=g).tolist() for k, n in enumerate((3, 12, 5, 20, 2, 7))}
-    caps = {0: 2, 1: 9, 2: 4, 3: 1, 4: 6, 5: 3}
-    work = deque((k, prompts[k], caps[k]) for k in range(5))
-    got, order = {}, []
-    for key, answer in generate_stream(tiny, work, batch_size=3, refill_below=1.0):
-        got[key] = answer
-        order.append(key)
-        if key == 0:  # queued mid-stream, longer than every live row's cache
-            work.append((5, prompts[5] + [7] * 14, caps[5]))
-    assert sorted(got) == list(range(6))
-    assert order.index(0) < order.index(1)  # rows ended while others decoded (key 1 has the longest cap)
-    for k in range(5):
-        assert got[k] == _greedy_one_by_one(tiny, prompts[k], caps[k]), k
-    assert got[5] == _greedy_one_by_one(tiny, prompts[5] + [7] * 14, caps[5])
-
-
 def test_regenerate_resumes_by_id_and_survives_cut_line(tiny_chat, tmp_path):
     from specheads.train.data import load_conversations
     from specheads.train.regenerate import regenerate

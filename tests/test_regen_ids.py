@@ -60,7 +60,7 @@ def test_prepare_trains_on_the_generated_ids_single_and_multi_turn(tiny_chat, tm
     import datasets
 
     from specheads.train.prepare import prepare
-    from specheads.train.regenerate import regenerate_batch
+    from specheads.infer.engine.generate import generate
 
     tok = tiny_chat.tokenizer
     eot = tok.convert_tokens_to_ids("<|im_end|>")
@@ -81,7 +81,7 @@ def test_prepare_trains_on_the_generated_ids_single_and_multi_turn(tiny_chat, tm
             assert m["content"] == tok.decode(ids, skip_special_tokens=True)  # the text is kept to read
             assert span == ids + [eot]  # token for token what the target generated, then the template's end
             prompt = list(tokens[cid]["input_ids"][:start])
-            assert regenerate_batch(tiny_chat, [prompt], len(ids))[0] == ids  # the prompt it answered
+            assert generate(tiny_chat, None, prompt, max_new_tokens=len(ids)).ids == ids  # the prompt it answered
     for cid in ("c4", "c5"):  # the source's replies: re-encoded text, as before
         assert [tok.decode(x) for _, x in _spans(tokens[cid])] == [f"Answer {cid[1]}.<|im_end|>"]
 

@@ -49,11 +49,12 @@ class DataConfig:
     val_fraction: float = 0.02  # held-out share for evaluation (chosen by a hash of the conversation id)
     regenerate: bool = False  # replace assistant turns with the target's own answers (self-distillation)
     regen_max_new_tokens: int = 512  # tokens per regenerated answer (cap; also bounded by max_length)
-    regen_batch_size: int = 32  # rows decoding together (refilled with waiting prompts as rows finish)
+    regen_batch_size: int = 32  # rows of the engine's batched loop (refilled as rows finish; HF forward); 1 = the
+    # one-row loop (the target's own forward path: owned, compiled on a bf16 CPU target); also answers per fsync
     regen_temperature: float = 0.0  # 0 = greedy (the default: the head learns the target's argmax)
     regen_top_p: float = 1.0  # nucleus cut when sampling (1.0 = off)
     regen_max_turns: int | None = None  # regenerate (and keep) only the first N exchanges; None = all (a next turn
-    # joins the refilled batch as soon as its previous answer is done)
+    # is decoded in the next wave of its group of conversations, train/regenerate.answer_in_groups)
     regen_conversations: int | None = None  # regenerate only the first N kept conversations; the rest keep the
     # source's replies (None = all). Mixes cheap extra data in: extraction ~1,100 tok/s vs regeneration ~250 on 2 cores
     regen_dtype: str | None = None  # target dtype for regeneration (None = target.dtype). Which is faster depends

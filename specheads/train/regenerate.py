@@ -1,35 +1,36 @@
 """Self-distillation: replace assistant turns with the target's own answers.
 
-`regenerate(target, conversations, out_jsonl, ...)` feeds every conversation's next prompt (its history with the
-answers already regenerated) to one continuously refilled decoding batch (`generate_stream`); a conversation is
-appended to the JSONL output (one line `{"id", "messages"}`, flushed and fsynced every `batch_size` conversations)
-once all its turns are done, so a killed run keeps every finished conversation and a rerun skips their ids (a cut
-last line is ignored and rewritten). Each regenerated answer keeps its text (to read) and the ids the target
-generated (`token_ids`): tokenisation trains on those ids, since decoding then re-encoding changes tokens (measured:
-28 of 190 capped answers came back longer), and a conversation's next prompt is built from them the same way
-(`history_prompt_ids`), so the tokens trained on are the tokens the target saw and wrote. `read_regenerated` reads
-the file back for prepare (a file written before ids were stored is re-encoded from its text, as before).
+`regenerate(target, conversations, out_jsonl, ...)` has the target answer every conversation's turns through the
+engine's own plain decoding (`decode_answers`: the drafter that drafts nothing, `build_drafter(target, "plain")`):
+- batch_size 1, or a target with sliding-window layers: the one-row loop (infer/engine/generate.generate), which
+  runs the target's own forward path (engine/runner.runner_for: the owned forward where the architecture is
+  supported, compiled on a bf16 CPU target or a CUDA one; the HF forward otherwise); each answer ends on its own;
+- batch_size > 1: the batched loop (infer/engine/batch.generate_batch, the HF forward) with batch_size rows; a
+  finished row leaves and the next waiting prompt joins.
+Greedy output equals HF generate's greedy output in fp32 on either path (tests/test_regenerate.py).
+Conversations go to the engine in groups (`GROUP_ROWS` x batch_size, in order of their first prompt's length:
+length bucketing); a group's answers are decoded in waves, one turn of every conversation still open a wave (a
+conversation's next prompt is its history with the answers already regenerated). A conversation is appended to the
+JSONL output (one line `{"id", "messages"}`, flushed and fsynced every `batch_size` conversations) once all its
+turns are done, so a killed run keeps every finished conversation and a rerun skips their ids (a cut last line is
+ignored and rewritten); a kill loses at most the group being decoded. Each regenerated answer keeps its text (to
+read) and the ids the target generated (`token_ids`): tokenisation trains on those ids, since decoding then
+re-encoding changes tokens (measured: 28 of 190 capped answers came back longer), and a conversation's next prompt
+is built from them the same way (`history_prompt_ids`), so the tokens trained on are the tokens the target saw and
+wrote. `read_regenerated` reads the file back for prepare (a file written before ids were stored is re-encoded from
+its text, as before).
 A call that appended answers leaves the file in the source's order at its end (`canonical_order`, one atomic
 rewrite): conversations finish in an order that depends on the batch, which differs after a kill and a rerun, and
-the file's order is the tokens', shards' and so the trained head's order. Sampling (temperature > 0) draws each
-answer from a generator of its own, seeded by (seed, conversation id, turn): a resumed run samples what the
-uninterrupted one sampled. So a regeneration killed and rerun ends as one uninterrupted run, order included.
-
-Efficiency on CPU: a decode step has a large fixed cost (measured when this loop was written: 63 ms for 8 rows,
-187 ms for 64, SmolLM2 bf16, 2 cores), so the batch is kept full: when fewer than `REFILL_BELOW` x batch_size rows
-are still decoding, the next waiting prompts are prefilled (one left-padded forward, last position's logits only)
-and merged into the live batch, whose cache is left-padded to the longer of the two (RoPE is applied before caching
-and positions are given per row, so moving a row's entries right changes nothing). Finished rows are decoded along,
-ignored, until `COMPACT_AT` of the batch has finished, then dropped in one copy (cache, mask, positions, and the
-cache columns no live row uses).
-Cache layers write each step in place (specheads/kvcache.py BufferedLayer). Prompts wait in order of their length
-(length bucketing).
-Measured once, when it was written: 245 tokens/s against 216 for the chunked loop before it (192 ShareGPT first
-turns, bf16, 64 rows; docs/architecture.md).
-A conversation stops at the first turn whose prompt already fills `max_length` (what follows would be truncated
-away by tokenisation).
+the file's order is the tokens', shards' and so the trained head's order. Sampling (temperature > 0, top_p as HF
+generate applies it: infer/verify.target_probs) draws each answer from a generator of its own, seeded by
+(seed, conversation id, turn) (`answer_seed`): its tokens do not depend on the rows it shares a batch with, so a
+resumed run samples what the uninterrupted one sampled. So a regeneration killed and rerun ends as one
+uninterrupted run, order included.
+The end-of-sequence token that stops an answer is not kept; an answer is capped at max_new_tokens and at what is
+left of max_length after its prompt. A conversation stops at the first turn whose prompt already fills
+`max_length` (what follows would be truncated away by tokenisation).
 Plain text (data.mode text): `regenerate_texts` continues the first data.regen_prefix_tokens tokens of each window
-in the same refilled batch and stores token ids (`read_regenerated_texts` reads them back).
+the same way and stores token ids (`read_regenerated_texts` reads them back).
 """
 from __future__ import annotations
 
@@ -37,14 +38,13 @@ import json
 import logging
 import os
 import time
-from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Hashable, Iterator, Sequence
+from typing import Callable, Hashable, Iterator, Sequence
 
-import torch
-
-from specheads.kvcache import buffered_cache, merge_caches, select_rows
+from specheads.infer.drafters.build import build_drafter
+from specheads.infer.engine.batch import generate_batch
+from specheads.infer.engine.generate import generate
+from specheads.kvcache import buffered_cache
 from specheads.target import chat_prompt_ids
 from specheads.train.data import (chat_tokenizer, conversation_features, load_conversations, render_segments,
                                   special_tokens, tokenize_texts)
@@ -53,164 +53,68 @@ from specheads.utils import SpecheadsError, atomic_write_text, bounded_lines
 
 log = logging.getLogger(__name__)
 
-# Refill the batch when fewer rows than this fraction of batch_size are decoding: a quarter of the batch at a time
-# is prefilled beside the live rows (a prefill token costs ~1/5 of a decode token here, so refills are cheap).
-REFILL_BELOW = 0.75
+# Conversations per engine call, in multiples of batch_size: the batched loop refills its rows from the group's
+# waiting prompts and drains at the group's end; a kill loses at most the group being decoded.
+GROUP_ROWS = 8
+
+Work = tuple[Hashable, list[int], int, int]  # (key, prompt token ids, max new tokens, sampling seed)
 
 
-@dataclass
-class _Batch:
-    """The rows decoding together. b rows, L cache columns (left-padded). A finished row stays (key None, its
-    tokens ignored) until `compact` drops the finished rows in one copy of the cache."""
-
-    cache: Any  # transformers DynamicCache, [b, heads, L, head_dim] per layer
-    mask: torch.Tensor  # [b,L] 1 where the column holds the row's token
-    pos: torch.Tensor  # [b] position of the token fed next
-    tok: torch.Tensor  # [b] token fed next (already part of its row's answer)
-    keys: list  # the work key of each row; None once it has finished
-
-    @property
-    def live(self) -> int:
-        return sum(k is not None for k in self.keys)
-
-    def compact(self) -> None:
-        """Keep the live rows, then cut the leading columns that no kept row uses."""
-        rows = [r for r, k in enumerate(self.keys) if k is not None]
-        sel = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
-        self.mask, self.pos, self.tok = self.mask[sel], self.pos[sel], self.tok[sel]
-        self.keys = [self.keys[r] for r in rows]
-        first = int(self.mask.any(0).int().argmax())  # first column some row uses
-        self.mask = self.mask[:, first:]
-        select_rows(self.cache, rows, start=first)
-
-    def merge(self, other: "_Batch") -> None:
-        """Append other's live rows after dropping both batches' finished ones; the shorter cache is left-padded to
-        the longer one's length."""
-        for batch in (self, other):
-            if batch.live < len(batch.keys):
-                batch.compact()
-        L = max(self.mask.shape[1], other.mask.shape[1])  # the caches' columns
-
-        def lpad(x: torch.Tensor) -> torch.Tensor:
-            return x if x.shape[1] == L else torch.cat([x.new_zeros(x.shape[0], L - x.shape[1]), x], dim=1)
-
-        merge_caches(self.cache, other.cache, len(self.keys), len(other.keys), left_padded=True)
-        self.mask = torch.cat([lpad(self.mask), lpad(other.mask)], dim=0)
-        self.pos = torch.cat([self.pos, other.pos])
-        self.tok = torch.cat([self.tok, other.tok])
-        self.keys = self.keys + other.keys
+def one_row(target, batch_size: int) -> bool:
+    """Whether regeneration decodes one row at a time (the engine's one-row loop): batch_size 1, or a target with
+    sliding-window layers (the batched loop cannot share columns between rows of different lengths)."""
+    return batch_size <= 1 or not buffered_cache(target.model)[1]
 
 
-# Drop finished rows (one copy of the cache) once this fraction of the batch has finished: until then they are
-# decoded along and ignored (a row adds ~2-3 ms to a ~200 ms step of 64 rows here; a copy costs ~16 ms a layer).
-COMPACT_AT = 0.125
+def decoding_path(target, batch_size: int) -> str:
+    """What the log line says runs."""
+    if one_row(target, batch_size):
+        why = "" if batch_size <= 1 else f" (sliding-window layers: batch_size {batch_size} not used)"
+        return f"the engine's one-row loop, the target's own forward path{why}"
+    return f"the engine's batched loop, {batch_size} rows, HF forward"
 
 
-@torch.no_grad()
-def generate_stream(target, work: deque, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
-                    generator: torch.Generator | None = None, refill_below: float = REFILL_BELOW,
-                    seeds: Callable[[Hashable], int] | None = None) -> Iterator[tuple[Hashable, list[int]]]:
-    """Continue prompts from `work` (a deque of (key, prompt token ids, max new tokens)) and yield (key, new tokens)
-    as each answer ends (an end-of-sequence token, not included, or its cap). At most `batch_size` rows decode
-    together; the caller may append to `work` while iterating (e.g. a conversation's next turn). Greedy when
-    temperature == 0. refill_below=0 fills the batch only when it is empty (plain batched generation). Sampling
-    draws from `generator`, or with `seeds` from one generator per answer seeded `seeds(key)` when it starts (its
-    tokens then do not depend on which rows share its batch)."""
-    model, dev = target.model, target.device
+def decode_answers(target, work: Sequence[Work], batch_size: int, temperature: float = 0.0, top_p: float = 1.0
+                   ) -> Iterator[tuple[Hashable, list[int]]]:
+    """Continue every (key, prompt ids, max new tokens, seed) of `work` by the target's plain decoding through the
+    engine and yield (key, new tokens without the end-of-sequence token that stopped them). Greedy at temperature
+    0; sampling draws each answer from a generator seeded with its own seed. One-row loop (`one_row`): each answer
+    is yielded as it ends; batched loop: batch_size rows, the answers in work's order once all have ended."""
     eos = set(target.eos_token_ids)
-    answers: dict[Hashable, list[int]] = {}
-    caps: dict[Hashable, int] = {}
-    gens: dict[Hashable, torch.Generator] = {}  # per answer, with `seeds` when sampling
-    live: _Batch | None = None
-    can_merge = True  # False for sliding-window caches (see kvcache.buffered_cache)
+    plain = lambda: build_drafter(target, "plain")  # noqa: E731 (one drafter per row)
 
-    def advance(batch: _Batch, logits: torch.Tensor) -> list[tuple[Hashable, list[int]]]:
-        """Pick each row's next token; rows that end are returned (and compacted away in bulk, see COMPACT_AT)."""
-        rows = [gens.get(k) for k in batch.keys] if gens else None
-        tok = _pick(logits, temperature, top_p, generator, rows)  # [b]
-        done = []
-        for r, key in enumerate(batch.keys):
-            if key is None:
-                continue
-            t = int(tok[r])
-            if t not in eos:
-                answers[key].append(t)
-            if t in eos or len(answers[key]) >= caps[key]:
-                done.append((key, answers.pop(key)))
-                gens.pop(key, None)
-                batch.keys[r] = None
-        batch.tok = tok
-        finished = len(batch.keys) - batch.live
-        if finished and (finished >= COMPACT_AT * len(batch.keys) or not batch.live):
-            batch.compact()
-        return done
+    def stripped(ids: list[int], reason: str) -> list[int]:
+        return ids[:-1] if reason == "eos" and ids and ids[-1] in eos else list(ids)
 
-    while True:
-        b = 0 if live is None else live.live
-        if work and (b == 0 or (can_merge and b < refill_below * batch_size)):
-            new = [work.popleft() for _ in range(min(batch_size - b, len(work)))]
-            T = max(len(p) for _, p, _ in new)
-            ids = torch.zeros(len(new), T, dtype=torch.long)
-            mask = torch.zeros(len(new), T, dtype=torch.long)
-            for r, (key, p, cap) in enumerate(new):  # left padding: every row's next token lands in one column
-                ids[r, T - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-                mask[r, T - len(p):] = 1
-                answers[key], caps[key] = [], int(cap)
-                if seeds is not None and temperature > 0:
-                    gens[key] = torch.Generator().manual_seed(seeds(key))
-            ids, mask = ids.to(dev), mask.to(dev)
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [n,T]
-            cache, mergeable = buffered_cache(model)
-            can_merge = can_merge and mergeable
-            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                        logits_to_keep=1)
-            fresh = _Batch(cache, mask, pos[:, -1] + 1, pos.new_zeros(len(new)), [k for k, _, _ in new])
-            yield from advance(fresh, out.logits[:, -1].float())
-            if fresh.live:
-                if b == 0:
-                    live = fresh
-                else:
-                    live.merge(fresh)
-            continue
-        if b == 0:
-            return
-        live.mask = torch.cat([live.mask, live.mask.new_ones(len(live.keys), 1)], dim=1)
-        out = model(input_ids=live.tok[:, None], attention_mask=live.mask, position_ids=live.pos[:, None],
-                    cache=live.cache, use_cache=True)
-        live.pos = live.pos + 1
-        yield from advance(live, out.logits[:, -1].float())
+    if one_row(target, batch_size):
+        for key, prompt, cap, seed in work:
+            res = generate(target, plain(), input_ids=list(prompt), max_new_tokens=int(cap),
+                           temperature=temperature, top_p=top_p, seed=seed)
+            yield key, stripped(res.ids, res.stats.stop_reason)
+        return
+    if not work:
+        return
+    res = generate_batch(target, plain, [list(p) for _, p, _, _ in work], [int(c) for _, _, c, _ in work],
+                         batch_size=batch_size, temperature=temperature, top_p=top_p, seed=[s for *_, s in work])
+    for (key, *_), row in zip(work, res.rows):
+        yield key, stripped(row.ids, row.stats.stop_reason)
 
 
-def regenerate_batch(target, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int] | int,
-                     temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None
-                     ) -> list[list[int]]:
-    """Continue each prompt (token ids), all in one batch, until an end-of-sequence token or its own
-    `max_new_tokens`. Returns the new tokens per prompt, without the end token. Greedy when temperature == 0.
-    (Regeneration's decoder, plain batched; the speculative one is infer/engine/batch.generate_batch.)"""
-    B = len(prompts)
-    caps = [int(max_new_tokens)] * B if isinstance(max_new_tokens, int) else [int(c) for c in max_new_tokens]
-    work = deque((i, p, c) for i, (p, c) in enumerate(zip(prompts, caps)))
-    got = dict(generate_stream(target, work, max(B, 1), temperature, top_p, generator, refill_below=0.0))
-    return [got[i] for i in range(B)]
-
-
-def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator, rows=None) -> torch.Tensor:
-    """[B] next tokens: argmax, or a sample; `rows`: one generator per row (None for a finished row), each row
-    sampled on the CPU from its own."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits / temperature, dim=-1)  # [B,V]
-    if top_p < 1.0:
-        sp, si = probs.sort(dim=-1, descending=True)
-        cut = sp.cumsum(-1) - sp > top_p
-        sp = sp.masked_fill(cut, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, si, sp)
-    if rows is None:
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    host = probs.float().cpu()
-    picked = [torch.multinomial(host[r], 1, generator=g)[0] if g is not None else host.new_zeros((), dtype=torch.long)
-              for r, g in enumerate(rows)]
-    return torch.stack(picked).to(logits.device)
+def answer_in_groups(target, n: int, begin: Callable[[int, list], None],
+                     answered: Callable[[int, list[int], list], None], batch_size: int, temperature: float = 0.0,
+                     top_p: float = 1.0) -> None:
+    """Answer items 0..n-1 in groups of GROUP_ROWS x batch_size: `begin(j, work)` appends item j's first Work (or
+    nothing: it is already complete); `answered(j, answer, work)` takes its answer and may append its next Work (a
+    conversation's next turn), decoded in the group's next wave."""
+    size = GROUP_ROWS * max(batch_size, 1)
+    for lo in range(0, n, size):
+        work: list[Work] = []
+        for j in range(lo, min(lo + size, n)):
+            begin(j, work)
+        while work:
+            wave, work = work, []
+            for j, answer in decode_answers(target, wave, batch_size, temperature, top_p):
+                answered(j, answer, work)
 
 
 def answer_seed(seed: int, key: str, turn: int) -> int:
@@ -266,18 +170,31 @@ def _drop_partial_tail(path: Path) -> None:
 
 class _Answers:
     """The conversations still to answer, their regenerated histories so far, and the JSONL they are written to
-    (flushed and fsynced every `sync_every` conversations, so a kill loses at most that many)."""
+    (flushed and fsynced every `sync_every` conversations, so a kill loses at most that many). `begin` and
+    `answered` are answer_in_groups' callbacks; `seed` seeds each sampled answer (answer_seed)."""
 
     def __init__(self, todo: list[dict], tok, f, max_length: int, max_new_tokens: int, max_turns: int | None,
-                 sync_every: int, on_done):
-        self.todo, self.tok, self.f = todo, tok, f
+                 sync_every: int, on_done, seed: int = 0):
+        self.todo, self.tok, self.f, self.seed = todo, tok, f, seed
         self.max_length, self.max_new_tokens, self.max_turns = max_length, max_new_tokens, max_turns
         self.hist: list[list[dict]] = [[] for _ in todo]  # regenerated conversation so far
         self.specials = special_tokens(tok)  # for history_prompt_ids, found once
         self.cursor = [0] * len(todo)  # next source message index to copy
         self.sync_every, self.unsynced, self.on_done = sync_every, 0, on_done
 
-    def queue_next_turn(self, j: int, work: deque) -> bool:
+    def begin(self, j: int, work: list) -> None:
+        """Queue conversation j's first answer, or write it out when it has none to give."""
+        if not self.queue_next_turn(j, work):
+            self.finish(j)
+
+    def answered(self, j: int, answer: list[int], work: list) -> None:
+        """Keep conversation j's answer, then queue its next turn or write it out."""
+        self.hist[j].append({"role": "assistant", "content": self.tok.decode(answer, skip_special_tokens=True),
+                             "token_ids": [int(t) for t in answer]})
+        self.cursor[j] += 1
+        self.begin(j, work)
+
+    def queue_next_turn(self, j: int, work: list) -> bool:
         """Copy the prompts before conversation j's next answer into its history and queue that answer;
         False when the conversation is complete (no more answers, max_turns reached, or no room left)."""
         msgs, hist = self.todo[j]["messages"], self.hist[j]
@@ -295,13 +212,9 @@ class _Answers:
         room = min(self.max_new_tokens, self.max_length - len(ids))
         if room <= 0:  # the prompt alone fills max_length: later turns would be cut anyway
             return False
-        work.append((j, ids, room))
+        turn = sum(m["role"] == "assistant" for m in hist)  # this answer's own stream: its conversation and turn
+        work.append((j, ids, room, answer_seed(self.seed, str(self.todo[j]["conversation_id"]), turn)))
         return True
-
-    def answered(self, j: int, answer: list[int]) -> None:
-        self.hist[j].append({"role": "assistant", "content": self.tok.decode(answer, skip_special_tokens=True),
-                             "token_ids": [int(t) for t in answer]})
-        self.cursor[j] += 1
 
     def finish(self, j: int) -> None:
         if any(m["role"] == "assistant" for m in self.hist[j]):
@@ -374,7 +287,8 @@ def regenerate(target, conversations, out_path: str | os.PathLike, max_length: i
                seed: int = 0, progress: bool = True, max_turns: int | None = None) -> dict:
     """Regenerate every conversation's assistant turns into `out_path` (JSONL); resumable by conversation id.
     `conversations`: Dataset/list with conversation_id and messages. `max_turns`: keep only the first N exchanges
-    (1 = single-turn samples). Returns stats (tokens generated, tokens/s)."""
+    (1 = single-turn samples). `batch_size`: the batched loop's rows (1 = the one-row loop; see the module
+    docstring) and the conversations between two fsyncs. Returns stats (tokens generated, tokens/s)."""
     from tqdm.auto import tqdm
 
     tok = chat_tokenizer(target.tokenizer, None, target.name)  # one clear error when there is no template
@@ -386,25 +300,20 @@ def regenerate(target, conversations, out_path: str | os.PathLike, max_length: i
     todo = sorted((r for r in rows if r["conversation_id"] not in done), key=_first_prompt_chars)  # length buckets
     stats = {"conversations": len(rows), "already_done": len(rows) - len(todo), "regenerated": 0,
              "new_tokens": 0, "seconds": 0.0}
-    log.info("regenerate: %d conversations (%d already in %s), %s, max %d new tokens per answer, %d rows decoding",
+    log.info("regenerate: %d conversations (%d already in %s), %s, max %d new tokens per answer, %s",
              len(rows), stats["already_done"], out_path, "greedy" if temperature <= 0 else f"T={temperature}",
-             max_new_tokens, batch_size)
+             max_new_tokens, decoding_path(target, batch_size))
     bar = tqdm(total=len(todo), unit="conv", desc="regenerate", disable=not progress)
-    t0, work = time.perf_counter(), deque()
+    t0 = time.perf_counter()
     with open(out_path, "a", encoding="utf-8") as f:
-        answers = _Answers(todo, tok, f, max_length, max_new_tokens, max_turns, batch_size, lambda: bar.update(1))
-        for j in range(len(todo)):
-            if not answers.queue_next_turn(j, work):
-                answers.finish(j)
-        def seeds(j: int) -> int:  # this answer's own stream: its conversation and turn
-            turn = sum(m["role"] == "assistant" for m in answers.hist[j])
-            return answer_seed(seed, str(todo[j]["conversation_id"]), turn)
+        answers = _Answers(todo, tok, f, max_length, max_new_tokens, max_turns, batch_size, lambda: bar.update(1),
+                           seed)
 
-        for j, answer in generate_stream(target, work, batch_size, temperature, top_p, seeds=seeds):
-            answers.answered(j, answer)
+        def answered(j: int, answer: list[int], work: list) -> None:
             stats["new_tokens"] += len(answer)
-            if not answers.queue_next_turn(j, work):
-                answers.finish(j)
+            answers.answered(j, answer, work)
+
+        answer_in_groups(target, len(todo), answers.begin, answered, batch_size, temperature, top_p)
         answers.sync()
     bar.close()
     if todo:  # answers were appended in the batch's order: put the file in the source's, as one run leaves it
@@ -423,10 +332,10 @@ def regenerate_texts(target, samples, out_path: str | os.PathLike, prefix_tokens
                      max_new_tokens: int = 512, batch_size: int = 32, temperature: float = 0.0, top_p: float = 1.0,
                      seed: int = 0, progress: bool = True) -> dict:
     """data.mode text: keep the first `prefix_tokens` tokens of each sample (Dataset[conversation_id, input_ids])
-    as the prompt and let the target continue it, up to max_length tokens in all, in one refilled batch
-    (`generate_stream`). Appends `{"id", "input_ids" (prompt + continuation), "prompt_tokens", "text"}` lines to
-    `out_path`, fsynced every `batch_size` samples; resumable by id. The end-of-sequence token that stops an answer
-    is not kept (generate_stream drops it). Returns the same stats as `regenerate`."""
+    as the prompt and let the target continue it, up to max_length tokens in all, through the engine as
+    `regenerate` does (`answer_in_groups`, `batch_size` rows). Appends `{"id", "input_ids" (prompt + continuation),
+    "prompt_tokens", "text"}` lines to `out_path`, fsynced every `batch_size` samples; resumable by id. The
+    end-of-sequence token that stops an answer is not kept. Returns the same stats as `regenerate`."""
     from tqdm.auto import tqdm
 
     out_path = Path(out_path)
@@ -435,17 +344,20 @@ def regenerate_texts(target, samples, out_path: str | os.PathLike, prefix_tokens
     done = read_done_ids(out_path)
     rows = [(c, list(ids)[:prefix_tokens]) for c, ids in zip(samples["conversation_id"], samples["input_ids"])]
     todo = [r for r in rows if r[0] not in done]
-    todo.sort(key=lambda r: len(r[1]))  # equal prompt lengths batch together (little left padding)
-    work = deque((j, p, min(max_new_tokens, max_length - len(p))) for j, (_, p) in enumerate(todo))
+    todo.sort(key=lambda r: len(r[1]))  # equal prompt lengths batch together (little padding)
     stats = {"conversations": len(rows), "already_done": len(rows) - len(todo), "regenerated": 0, "new_tokens": 0,
              "seconds": 0.0}
-    log.info("regenerate text: %d samples (%d already in %s), prompts of %d tokens, %s", len(rows),
-             stats["already_done"], out_path, prefix_tokens, "greedy" if temperature <= 0 else f"T={temperature}")
+    log.info("regenerate text: %d samples (%d already in %s), prompts of %d tokens, %s, %s", len(rows),
+             stats["already_done"], out_path, prefix_tokens, "greedy" if temperature <= 0 else f"T={temperature}",
+             decoding_path(target, batch_size))
     bar = tqdm(total=len(todo), unit="sample", desc="regenerate", disable=not progress)
     t0 = time.perf_counter()
     with open(out_path, "a", encoding="utf-8") as f:
-        for j, answer in generate_stream(target, work, batch_size, temperature, top_p,
-                                         seeds=lambda j: answer_seed(seed, str(todo[j][0]), 0)):
+        def begin(j: int, work: list) -> None:
+            cid, prompt = todo[j]
+            work.append((j, prompt, min(max_new_tokens, max_length - len(prompt)), answer_seed(seed, str(cid), 0)))
+
+        def answered(j: int, answer: list[int], work: list) -> None:
             cid, prompt = todo[j]
             ids = prompt + [int(t) for t in answer]
             f.write(json.dumps({"id": cid, "input_ids": ids, "prompt_tokens": len(prompt),
@@ -456,6 +368,8 @@ def regenerate_texts(target, samples, out_path: str | os.PathLike, prefix_tokens
             if stats["regenerated"] % batch_size == 0:
                 f.flush()
                 os.fsync(f.fileno())
+
+        answer_in_groups(target, len(todo), begin, answered, batch_size, temperature, top_p)
         f.flush()
         os.fsync(f.fileno())
     bar.close()
