@@ -13,8 +13,8 @@ from specheads.heads import HeadSpec, build_head
 from specheads.heads.base import read_head_config
 from specheads.heads.dflash2_gguf import DFLASH2_DRAFT, converter_config
 from specheads.utils import SpecheadsError
-from test_llamacpp import (FEATURES, V, _cut_threshold, _tie, _walk, needs_tools, smol_cache,  # noqa: F401
-                           tiny_smol)
+from test_llamacpp import (FEATURES, REPEAT, _cut_threshold, _tie, _walk, needs_tools, repeat_smol,  # noqa: F401
+                           smol_cache, tiny_smol)
 
 K_BLOCK = 4
 SPEC = dict(kind="dflash2", block_size=K_BLOCK, markov_rank=0, confidence_head=False, sample_from_anchor=False,
@@ -139,3 +139,63 @@ def test_dflash2_llamacpp_drafts_are_our_drafts_and_greedy_equals_plain(tiny_smo
     assert any(cut < head.num_drafts for _, cut, *_ in steps)  # the selector probability cut a block short
     assert (sum(n for *_, n, _ in steps), sum(acc for *_, acc in steps)) == (
         reply["timings"]["draft_n"], reply["timings"]["draft_n_accepted"])
+
+
+def _selector_made_head(target, root):
+    """A DFlash2 head on the repeat target whose every draft is REPEAT, chosen by the selector over a better unary
+    candidate: attention and MLP outputs zero (each drafting slot's state is the mask embedding's, the same for all),
+    the final norm's dimension-0 weight set so that the target's lm_head ranks REPEAT third, and the codebooks give
+    the pair (REPEAT, REPEAT) a bonus of 50 through W_h h (W_h reads dimension 0 only, h_0 > 0)."""
+    torch.manual_seed(3)
+    head = build_head(HeadSpec(feature_layers=FEATURES, **SPEC), target)
+    seen = []
+    hook = head.norm.register_forward_hook(lambda m, i, o: seen.append(i[0]))
+    with torch.no_grad():
+        for layer in head.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        cache = head.new_cache()
+        head.extend_context(cache, torch.zeros(2, len(FEATURES) * target.hidden_size))
+        head.draft_block(cache, REPEAT)
+        hook.remove()
+        z = seen[0].reshape(-1, seen[0].shape[-1])[-1]  # a drafting slot's pre-norm state (all equal)
+        lm = target.lm_head.weight
+        head.norm.weight[0] = 0.0
+        others = lm @ head.norm(z)
+        top = others.topk(3).values
+        per_unit = lm[REPEAT, 0] * z[0] / z.pow(2).mean().add(target.config.rms_norm_eps).sqrt()
+        head.norm.weight[0] = float((top[1] + top[2]) / 2 / per_unit)  # U(REPEAT) between the 2nd and 3rd
+        h = head.norm(z)
+        unary, sel = lm @ h, head.candidate_selector
+        assert unary.argmax() != REPEAT and REPEAT in unary.topk(4).indices and h[0] > 0
+        sel.hidden_projection.weight.zero_()
+        sel.hidden_projection.weight[:, 0] = 1.0
+        sel.predecessor_codebook[REPEAT] = 1.0
+        sel.successor_codebook[REPEAT] = 50.0 / (head.spec.selector_rank * float(h[0]))
+        logits, _ = head.draft_block(cache, REPEAT)
+        assert logits.argmax(-1).tolist() == [REPEAT] * head.num_drafts
+    head.save_pretrained(root / "repeat-dflash2")
+    return head, root / "repeat-dflash2"
+
+
+@needs_tools
+def test_dflash2_selector_choice_is_llamacpps_and_every_draft_is_accepted(repeat_smol):
+    """The repeat target and a head whose drafts are REPEAT only through its selector (the unary top-1 is another
+    token): llama.cpp drafts REPEAT too, so every draft is accepted: 25 tokens = the prefill's 1 + 6 steps of 3
+    accepted drafts + 1, 18 of 18 drafts accepted, as our walk says."""
+    from specheads.heads.gguf import draft_gguf, target_gguf
+    from specheads.infer.bench.llamacpp import LlamaServer
+
+    folder, target, _ = repeat_smol
+    head, head_dir = _selector_made_head(target, folder.parent)
+    model = target_gguf(str(folder), "f32")
+    draft = draft_gguf(head_dir, target=str(folder), outtype="f32")
+    ids, n_predict = target.tokenizer("Hello there, how are you?")["input_ids"], 25
+    steps = list(_walk(_our_blocks(head, target, ids + [REPEAT] * n_predict, len(ids)), ids + [REPEAT] * n_predict,
+                       len(ids), n_predict, 0.0))
+    assert [(n, acc) for *_, n, acc in steps] == [(3, 3)] * 6
+    args = ("--spec-type", "draft-dflash", "--spec-draft-n-max", str(head.num_drafts))
+    with LlamaServer(model, draft, args) as spec:
+        reply = spec.complete(ids, n_predict)
+    assert reply["tokens"] == [REPEAT] * n_predict
+    assert (reply["timings"]["draft_n"], reply["timings"]["draft_n_accepted"]) == (18, 18)
