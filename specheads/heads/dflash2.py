@@ -41,8 +41,9 @@ verifier vocabulary), the DSpark Markov and confidence heads, the anchor-feature
 Tensor names follow speculators' DFlash2DraftModel (`layers.{i}.attention_conv.base_kernel`,
 `layers.{i}.attention_conv.kernel_projection.weight`, `layers.{i}.mlp_conv.*`,
 `candidate_selector.predecessor_codebook`, `candidate_selector.successor_codebook`,
-`candidate_selector.hidden_projection.weight`). Shapes: B batch, A anchors (blocks), K slots, K' drafts, D hidden,
-V vocab, G groups, k taps / candidates (said where), r selector rank.
+`candidate_selector.hidden_projection.weight`); llama.cpp runs it as written from them (heads/dflash2_gguf.py).
+Shapes: B batch, A anchors (blocks), K slots, K' drafts, D hidden, V vocab, G groups, k taps / candidates (said
+where), r selector rank.
 """
 from __future__ import annotations
 
@@ -242,10 +243,7 @@ KIND = register_kind(KindSpec(
     readers={"speculators:dflash2": "specheads.heads.export.dflash2:read_dflash2"},
     refused={"specforge": "SpecForge 0.2.0 has no DFlash2 draft model (its DFlash reads no attention_conv / "
                           "candidate_selector tensors); export speculators or native"},
-    not_drafted="specheads does not write DFlash2 GGUFs yet: the pinned llama.cpp converts DFlash2 only from z-lab's "
-                "flat DFlash2DraftModel layout (dflash_config with the conv / selector keys) and runs it as the dflash "
-                "architecture DSpark drafts also use (--spec-type draft-dflash, slot 0 = the bonus token); export "
-                "speculators or native",
+    gguf="specheads.heads.dflash2_gguf:DFLASH2_DRAFT",  # llama.cpp's dflash architecture, --spec-type draft-dflash
     example={"block_size": 4, "markov_rank": 0, "confidence_head": False, "sample_from_anchor": False,
              "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4,
              "mask_token_id": 5},

@@ -6,6 +6,8 @@ PyPI sdist llama-cpp-python==0.3.36), then read back and checked against the hea
     -> runs/x/gguf/draft.gguf (+ target.gguf), gguf_export.json
     llama-server -m target.gguf -md draft.gguf --spec-type draft-eagle3 --spec-draft-n-max 3
     llama-server -m target.gguf -md draft.gguf --spec-type draft-dspark --spec-draft-n-max K'   (a dspark head)
+    llama-server -m target.gguf -md draft.gguf --spec-type draft-dflash --spec-draft-n-max K'   (a dflash2 head:
+    its DraftKind and checks are heads/dflash2_gguf.py)
 
 The converter takes an HF-style draft folder plus `--target-model-dir` (tokenizer, vocab, target sizes). We write
 that folder ourselves (the eagle3 layout of heads/export/eagle3.py, then the keys the converter reads set
@@ -253,6 +255,7 @@ class DraftKind:
     converter_config: Callable[[HeadConfig, dict], dict]  # (head config, exported config.json) -> config.json
     check_gguf: Callable[[HeadConfig, dict, dict, Path], None]  # (head config, metadata, tensors, path)
     notes: Callable[[HeadConfig, Path], dict] = lambda cfg, head_dir: {}  # gguf_export.json extras: server_args
+    marker: str = ""  # a metadata key only this kind's drafts carry: tells kinds of one architecture apart
 
 
 def _rope_theta(cfg: HeadConfig) -> float:
@@ -308,7 +311,7 @@ DSPARK_ENGINE = "llama.cpp's DSpark draft (converter conversion/qwen.py DSparkMo
 
 def _dspark_check_head(cfg: HeadConfig, head_dir: Path) -> None:
     """What llama.cpp's DFlash / DSpark graph cannot run, refused with the reason (file:line in vendor/llama.cpp)."""
-    spec, tc, L = cfg.head_spec, cfg.target_config, int(cfg.target_config["num_hidden_layers"])
+    spec = cfg.head_spec
     check_block_exportable(cfg, "--format gguf", DSPARK_ENGINE, str(head_dir))
     problems = []
     if spec.markov_rank and spec.markov_head_type != "vanilla":
@@ -317,6 +320,16 @@ def _dspark_check_head(cfg: HeadConfig, head_dir: Path) -> None:
     if spec.confidence_head and not spec.confidence_with_markov:
         problems.append("its confidence head reads h_k alone and llama.cpp's reads [h_k ; W1[x_prev]] "
                         "(conf_proj of D + rank inputs, loaded beside a Markov head: src/models/dflash.cpp:126-134)")
+    problems += dflash_backbone_problems(cfg)
+    if problems:
+        raise SpecheadsError(f"--format gguf: {head_dir}: {DSPARK_ENGINE} cannot run this head: "
+                             + "; ".join(problems))
+
+
+def dflash_backbone_problems(cfg: HeadConfig) -> list[str]:
+    """What the block backbone of llama.cpp's dflash architecture (DSpark, DFlash, DFlash2) cannot run."""
+    tc, L = cfg.target_config, int(cfg.target_config["num_hidden_layers"])
+    problems = []
     if L in cfg.feature_layers:
         problems.append(f"feature layer {L} is our final post-norm state, and llama.cpp feeds the pre-norm state "
                         "for that id")
@@ -327,9 +340,7 @@ def _dspark_check_head(cfg: HeadConfig, head_dir: Path) -> None:
     if rope not in ("default", "linear", "yarn"):
         problems.append(f"RoPE type {rope!r}: the converter writes the scaling of linear / yarn only "
                         "(conversion/base.py:1462-1494)")
-    if problems:
-        raise SpecheadsError(f"--format gguf: {head_dir}: {DSPARK_ENGINE} cannot run this head: "
-                             + "; ".join(problems))
+    return problems
 
 
 def _dspark_converter_config(cfg: HeadConfig, config: dict) -> dict:
@@ -488,10 +499,11 @@ def draft_gguf(head_dir: str | Path, target: str | None = None, outtype: str = D
 
 def spec_type_of(draft: Path) -> str:
     """llama-server --spec-type for a draft GGUF, from its architecture."""
-    arch = gguf_metadata(draft)[0].get("general.architecture")
-    for kind in draft_kinds().values():
-        if kind.arch == arch:
-            return kind.spec_type
+    meta = gguf_metadata(draft)[0]
+    arch = meta.get("general.architecture")
+    same = [k for k in draft_kinds().values() if k.arch == arch]  # a marked kind first, when its key is there
+    for kind in [k for k in same if k.marker and k.marker in meta] + [k for k in same if not k.marker]:
+        return kind.spec_type
     raise SpecheadsError(f"{draft}: GGUF architecture {arch!r} is not a draft specheads drives "
                          f"({[k.arch for k in draft_kinds().values()]})")
 

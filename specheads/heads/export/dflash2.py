@@ -10,8 +10,8 @@ sample_from_anchor, sliding_window_non_causal (true, DFlash2's default; our laye
 never reads it), conv_kernel_size, conv_group_size, selector_rank, selector_top_k, speculators_config {algorithm
 dflash2, greedy proposal of K' drafts, verifier}; tensors fc, hidden_norm, layers.{i}.* with attention_conv.* and
 mlp_conv.*, norm, candidate_selector.* (our names are its names). The calibration buffers (conf_temperature,
-conf_bias: unused by DFlash2) stay in the native folder. SpecForge and GGUF: the KindSpec's refusals
-(heads/dflash2.py).
+conf_bias: unused by DFlash2) stay in the native folder. SpecForge: the KindSpec's refusal (heads/dflash2.py);
+GGUF: this layout is the converter's input, its config.json rewritten flat (heads/dflash2_gguf.py).
 """
 from __future__ import annotations
 
