@@ -13,6 +13,7 @@ from specheads.heads import HeadSpec, build_head
 from specheads.heads.base import read_head_config
 from specheads.heads.dflash2_gguf import DFLASH2_DRAFT, converter_config
 from specheads.utils import SpecheadsError
+from test_llamacpp import _our_blocks as _llamacpp_blocks  # noqa: E402
 from test_llamacpp import (FEATURES, REPEAT, _cut_threshold, _tie, _walk, needs_tools, repeat_smol,  # noqa: F401
                            smol_cache, tiny_smol)
 
@@ -90,23 +91,10 @@ def test_dflash2_export_gguf_reads_back_every_tensor(tiny_smol, dflash2_head, tm
 
 
 def _our_blocks(head, target, seq: list[int], start: int) -> dict:
-    """Our draft_block at every anchor a >= start of seq -> {a: (draft tokens, top-2 score margins, the selector's
-    probability of each chosen token)}."""
-    with torch.no_grad():
-        hs = target.model(torch.tensor([seq]), output_hidden_states=True).hidden_states
-        f = torch.cat([hs[i] for i in FEATURES], -1)[0]
-        out = {}
-        for a in range(start, len(seq)):
-            cache = head.new_cache()
-            head.extend_context(cache, f[:a])
-            logits, _ = head.draft_block(cache, seq[a])  # [K', V]: S on the candidates, -inf elsewhere
-            top = logits.topk(2, -1).values
-            out[a] = (logits.argmax(-1).tolist(), (top[:, 0] - top[:, 1]).tolist(),
-                      logits.softmax(-1).amax(-1).tolist())
-    return out
+    """test_llamacpp's, the last member the selector's probability of each chosen token."""
+    return _llamacpp_blocks(head, target, seq, start, third=lambda logits, _: logits.softmax(-1).amax(-1).tolist())
 
 
-@needs_tools
 def test_dflash2_llamacpp_drafts_are_our_drafts_and_greedy_equals_plain(tiny_smol, dflash2_head):
     """llama.cpp's draft-dflash with our converted DFlash2 head: greedy output equals llama.cpp plain; every step's
     draft length (the block cut at the first selector probability below a p-min chosen in a gap of ours) and

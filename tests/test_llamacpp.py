@@ -307,9 +307,9 @@ def _logged_blocks(log: str) -> list[list[int]]:
     return blocks
 
 
-def _our_blocks(head, target, seq: list[int], start: int) -> dict:
+def _our_blocks(head, target, seq: list[int], start: int, third=None) -> dict:
     """Our draft_block at every anchor a >= start of seq (context seq[:a], the target's own features) ->
-    {a: (draft tokens, top-2 logit margins, confidences or None)}."""
+    {a: (draft tokens, top-2 logit margins, confidences or None)}; third(logits, confidences) replaces the last."""
     with torch.no_grad():
         hs = target.model(torch.tensor([seq]), output_hidden_states=True).hidden_states
     f = torch.cat([hs[i] for i in FEATURES], -1)[0]
@@ -320,7 +320,7 @@ def _our_blocks(head, target, seq: list[int], start: int) -> dict:
         logits, conf = head.draft_block(cache, seq[a])
         top = logits.topk(2, -1).values
         out[a] = (head.to_target_ids(logits.argmax(-1)).tolist(), (top[:, 0] - top[:, 1]).tolist(),
-                  None if conf is None else conf.tolist())
+                  third(logits, conf) if third else None if conf is None else conf.tolist())
     return out
 
 

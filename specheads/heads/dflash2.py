@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from specheads.heads.base import HeadConfig
-from specheads.heads.dspark import BLOCK_KIND, BlockLayer, DSparkHead, check_block
+from specheads.heads.dspark import BLOCK_KIND, BlockLayer, DSparkHead, check_block, refuse_block_extras
 from specheads.heads.kinds import KindSpec, register_kind
 from specheads.utils import SpecheadsError
 
@@ -217,14 +217,8 @@ def check_dflash2(spec) -> None:
     if spec.conv_kernel_size > spec.block_size:
         raise SpecheadsError(f"head.conv_kernel_size: {spec.conv_kernel_size} taps exceed the block's "
                              f"{spec.block_size} slots (head.block_size)")
-    if spec.markov_rank != 0 or spec.confidence_head:
-        raise SpecheadsError("head.markov_rank / head.confidence_head: DFlash2's selector is its sequential stage "
-                             "and it has no confidence head; set head.markov_rank 0 and head.confidence_head false")
-    if spec.draft_vocab_size is not None:
-        raise SpecheadsError("head.draft_vocab_size: DFlash2 drafts over the full vocabulary (its selector's "
-                             "codebooks and speculators' DFlash2DraftModel need it); set it null")
-    if spec.anchor_features:
-        raise SpecheadsError("head.anchor_features: not built for DFlash2")
+    refuse_block_extras(spec, "DFlash2", "selector", "drafts over the full vocabulary (its selector's codebooks and "
+                        "speculators' DFlash2DraftModel need it)")
 
 
 def check_head_config(cfg: HeadConfig) -> None:

@@ -488,3 +488,16 @@ KIND = register_kind(KindSpec(
     check=check_block, switches={"anchor_features": "a DSpark block-drafter switch"},
     formats=("speculators", "specforge"), gguf="specheads.heads.gguf:DSPARK_DRAFT",
     example={"block_size": 4, "markov_rank": 16, "mask_token_id": 5}, **BLOCK_KIND))
+
+
+def refuse_block_extras(spec, label: str, stage: str, vocab_why: str) -> None:
+    """What a DFlash-lineage kind with its own sequential stage (DFlash2's selector, LiLiCorr's lattice) does not
+    build: DSpark's Markov and confidence heads, a draft vocabulary (vocab_why: why it needs the full one), the
+    anchor-features variant."""
+    if spec.markov_rank != 0 or spec.confidence_head:
+        raise SpecheadsError(f"head.markov_rank / head.confidence_head: {label}'s {stage} is its sequential stage "
+                             "and it has no confidence head; set head.markov_rank 0 and head.confidence_head false")
+    if spec.draft_vocab_size is not None:
+        raise SpecheadsError(f"head.draft_vocab_size: {label} {vocab_why}; set it null")
+    if spec.anchor_features:
+        raise SpecheadsError(f"head.anchor_features: not built for {label}")

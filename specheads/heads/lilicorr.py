@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specheads.heads.base import HeadConfig
-from specheads.heads.dspark import BLOCK_KIND, BlockContext, DSparkHead, check_block
+from specheads.heads.dspark import BLOCK_KIND, BlockContext, DSparkHead, check_block, refuse_block_extras
 from specheads.heads.kinds import KindSpec, register_kind
 from specheads.utils import SpecheadsError
 
@@ -265,14 +265,8 @@ def check_lilicorr(spec) -> None:
     if spec.sample_from_anchor:
         raise SpecheadsError("head.sample_from_anchor: LiLiCorr's lattice covers the K-1 slots after the anchor "
                              "(DFlash's layout); set it false")
-    if spec.markov_rank != 0 or spec.confidence_head:
-        raise SpecheadsError("head.markov_rank / head.confidence_head: LiLiCorr's lattice is its sequential stage "
-                             "and it has no confidence head; set head.markov_rank 0 and head.confidence_head false")
-    if spec.draft_vocab_size is not None:
-        raise SpecheadsError("head.draft_vocab_size: LiLiCorr ranks candidates over the full vocabulary (every "
-                             "engine's LiLiCorr loader needs the target's); set it null")
-    if spec.anchor_features:
-        raise SpecheadsError("head.anchor_features: not built for LiLiCorr")
+    refuse_block_extras(spec, "LiLiCorr", "lattice", "ranks candidates over the full vocabulary (every engine's "
+                        "LiLiCorr loader needs the target's)")
 
 
 def check_head_config(cfg: HeadConfig) -> None:

@@ -125,8 +125,7 @@ class GraphedOwned:
 
     def reset(self, capacity: int) -> None:
         need = -(-(capacity + BUCKETS[-1]) // ROUND) * ROUND  # pad rows write up to a bucket past the tree
-        self.m.reset(need)
-        self.m._rope_table(need)
+        self.m.reset(need)  # the RoPE table too: no graph's positions outgrow it
 
     def forward(self, tokens, positions, allowed, layers=None, logit_rows="all"):
         m, n = self.m, tokens.numel()

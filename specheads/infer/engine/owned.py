@@ -353,8 +353,8 @@ class OwnedLlama:
             # one: 2.2x slower than HF's whole forward at 1,024 tokens, docs/results/prefill-paths)
             end = start + n
             o = F.scaled_dot_product_attention(q[None], self.k[i, :, :end][None], self.v[i, :, :end][None],
-                                               attn_mask=mask, is_causal=mask is None, scale=hd ** -0.5,
-                                               enable_gqa=self.G != self.H)  # [1, H, n, hd]
+                                               attn_mask=mask, scale=hd ** -0.5,
+                                               enable_gqa=self.G != self.H)  # [1, H, n, hd]; mask [n, S + n]
             attn = o[0].transpose(0, 1).reshape(n, self.H * hd).to(self.dtype)
         else:
             attn = ops.attend_bf16(q, self.k[i], self.v[i], start + n, mask, hd ** -0.5)  # [n, H hd]
