@@ -433,7 +433,8 @@ class Trainer:
         refused); returns the allowed changes, None without a record. A fresh run: no trained run's outputs here."""
         if resume:
             return checkpoint.check_resume_settings(self.output_dir, config_to_dict(self.recipe),
-                                                    renamed_keys(type(self.recipe)))
+                                                    renamed_keys(type(self.recipe),
+                                                                 data=config_to_dict(self.recipe)))
         checkpoint.check_fresh_start(self.output_dir)
         return None
 

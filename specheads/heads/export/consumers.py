@@ -65,7 +65,7 @@ def _medusa_problems(cfg: HeadConfig) -> list[str]:
     """vLLM 0.12-0.32 (0.33 removed Medusa) build each head's lm_head over the full vocabulary and read a draft
     vocabulary only as one lm_head shared by every head (original_lm_head, export/medusa.py)."""
     spec = cfg.head_spec
-    if not cfg.draft_vocab_size or spec.medusa_lm_head != "per_head":
+    if not cfg.draft_vocab_size or spec.options.lm_head != "per_head":
         return []
     return [f"vLLM 0.12-0.32 build each head's lm_heads.{{h}} over the full vocabulary (ParallelLMHead(vocab_size), "
             f"its weight_loader asserts the rows) and read a draft vocabulary only as one lm_head shared by every "

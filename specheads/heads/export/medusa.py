@@ -25,13 +25,13 @@ from specheads.utils import SpecheadsError
 def write_medusa_vllm(cfg: HeadConfig, sd: dict, expected: list[str], target=None, where: str = "",
                       **_) -> tuple[dict, dict, list[str]]:
     spec = cfg.head_spec
-    K, n = spec.num_heads, spec.num_layers
-    one_head = spec.medusa_lm_head == "shared" and bool(cfg.draft_vocab_size)  # vLLM's original_lm_head
+    K, n = spec.options.num_heads, spec.num_layers
+    one_head = spec.options.lm_head == "shared" and bool(cfg.draft_vocab_size)  # vLLM's original_lm_head
     config = {"architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": K, "num_hidden_layers": n,
               "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "truncated_vocab_size": cfg.out_vocab,
               "medusa_fc_bias": spec.resolved_bias(), "original_lm_head": one_head}
     tensors = {k: v for k, v in sd.items() if k.startswith("blocks.")}
-    if spec.medusa_lm_head == "shared":
+    if spec.options.lm_head == "shared":
         if target is None:
             raise SpecheadsError("--format medusa-vllm: this head shares the target lm_head; give --target so "
                                  "its rows can be written as the projections vLLM reads")
