@@ -8,7 +8,7 @@ are checked against the field types and by each dataclass's `__post_init__`;
 Nested dataclasses are sections (`train.block.gamma=3`). A section that renamed keys lists them in a class attribute
 `RENAMED_KEYS = {old: new}` (keys relative to the section, `new` may be dotted): an old key in a file or an override
 is read as its new one, with one warning line naming old -> new; the same setting under both names is an error.
-A section whose keys depend on its contents (heads/spec.py HeadSpec: the kind's own section is named after
+A section whose keys depend on its contents (heads/headspec.py HeadSpec: the kind's own section is named after
 head.kind) gives them with the classmethods `section_keys(data) -> {key: type}` and `section_renames(data) ->
 {old: new}` (instead of its fields and RENAMED_KEYS), a `SELECTOR` field that picks them (its overrides are
 applied first), and writes itself with `to_section()`.

@@ -1,5 +1,5 @@
 """Common base for draft heads: what a head folder records (`HeadConfig`; the recipe section `HeadSpec` is
-heads/spec.py's), the module base (`DraftHead`: binds the frozen target parts by reference, saves/loads
+heads/headspec.py's), the module base (`DraftHead`: binds the frozen target parts by reference, saves/loads
 safetensors), and what every kind shares;
 what differs between kinds is each kind's KindSpec (heads/kinds.py), looked up here, never named.
 
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from specheads.heads.kinds import kind_names, kind_spec, kinds, kinds_where
-from specheads.heads.spec import HeadSpec
+from specheads.heads.headspec import HeadSpec
 from specheads.utils import (SpecheadsError, atomic_dir, atomic_write_json, atomic_write_text, read_json,
                              read_text_bounded, sha256_file)
 

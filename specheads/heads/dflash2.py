@@ -56,7 +56,7 @@ from specheads.heads.base import HeadConfig
 from specheads.heads.dspark import (BLOCK_KIND, BlockLayer, BlockOptions, DSparkHead, check_block,
                                     refuse_block_extras)
 from specheads.heads.kinds import KindSpec, register_kind
-from specheads.heads.spec import at_least_one
+from specheads.heads.headspec import at_least_one
 from specheads.utils import SpecheadsError
 
 

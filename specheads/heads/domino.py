@@ -39,7 +39,7 @@ from torch import nn
 from specheads.heads.base import HeadConfig
 from specheads.heads.dspark import BLOCK_KIND, BlockOptions, DSparkHead, check_block
 from specheads.heads.kinds import KindSpec, register_kind
-from specheads.heads.spec import at_least_one
+from specheads.heads.headspec import at_least_one
 from specheads.utils import SpecheadsError
 
 

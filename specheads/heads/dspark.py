@@ -74,7 +74,7 @@ from torch import nn
 
 from specheads.heads.base import DraftHead, HeadConfig, fused_layers
 from specheads.heads.kinds import KindSpec, register_kind
-from specheads.heads.spec import at_least_one
+from specheads.heads.headspec import at_least_one
 from specheads.utils import SpecheadsError
 from specheads.heads.eagle import RotaryCache
 from specheads.target import full_attention_rope
@@ -85,7 +85,7 @@ class BlockOptions:
     kinds built on it extend (Domino, DSpine, DFlash2, LiLiCorr). DFlash = markov_rank 0 and confidence_head false:
     the same head without its two small heads."""
 
-    FLAT_KEYS: ClassVar[dict[str, str]] = {}  # old flat head: key -> field, where one was renamed (heads/spec.py)
+    FLAT_KEYS: ClassVar[dict[str, str]] = {}  # old flat head: key -> field, where one was renamed (heads/headspec.py)
     block_size: int = 7  # K slots per block incl. the anchor (DeepSpec dspark_qwen3_4b: 7; speculators' default 8)
     markov_rank: int = 256  # r of the Markov logit bias W2·W1[x_prev] (DeepSpec / speculators: 256); 0 = none
     markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"  # DeepSpec default vanilla

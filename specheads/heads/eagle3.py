@@ -42,7 +42,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from specheads.heads.base import (DraftHead, HeadConfig, build_draft_vocab, causal_mask_4d,  # noqa: F401 (re-export)
                                   fused_layers, last_row)
 from specheads.heads.kinds import KindSpec, register_kind
-from specheads.heads.spec import at_least_one
+from specheads.heads.headspec import at_least_one
 from specheads.heads.eagle import RotaryCache, build_layers
 from specheads.target import full_attention_rope
 

@@ -84,7 +84,7 @@ class KindSpec:
     mask_token: bool = False  # embeds a mask token (head.mask_token_id resolved against the tokenizer)
     block_positions: bool = False  # a block of head.block_size slots must fit the target's positions
     options: type | None = None  # the dataclass of its own head: settings, the recipe's head.<name> section and
-    # HeadSpec.options (heads/spec.py); None: it has none. A variant's extends its parent's (DominoOptions)
+    # HeadSpec.options (heads/headspec.py); None: it has none. A variant's extends its parent's (DominoOptions)
     check: Callable[[Any], None] | None = None  # HeadSpec -> None or SpecheadsError: the kind's own spec checks
     formats: tuple[str, ...] = ()  # export formats it writes and reads (besides native)
     unread_by: Mapping[str, str] = field(default_factory=dict)  # "format/consumer" -> why that consumer of one of

@@ -57,7 +57,7 @@ from specheads.heads.base import HeadConfig
 from specheads.heads.dspark import (BLOCK_KIND, BlockContext, BlockOptions, DSparkHead, check_block,
                                     refuse_block_extras)
 from specheads.heads.kinds import KindSpec, register_kind
-from specheads.heads.spec import at_least_one
+from specheads.heads.headspec import at_least_one
 from specheads.utils import SpecheadsError
 
 NUM_FEATURES = 5  # φ: [ℓ, exp ℓ, ℓ - ℓ_0, rank fraction, is top-1]

@@ -24,7 +24,7 @@ from torch import nn
 
 from specheads.heads.base import DraftHead, HeadConfig, final_layer
 from specheads.heads.kinds import KindSpec, register_kind
-from specheads.heads.spec import at_least_one
+from specheads.heads.headspec import at_least_one
 
 
 @dataclass

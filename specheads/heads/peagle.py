@@ -43,7 +43,7 @@ from specheads.kvcache import select_columns
 from specheads.heads.eagle import build_layers
 from specheads.heads.eagle3 import Eagle3Head, eagle3_layer_config, speculators_needs_target
 from specheads.heads.kinds import KindSpec, register_kind
-from specheads.heads.spec import at_least_one
+from specheads.heads.headspec import at_least_one
 
 
 @dataclass
