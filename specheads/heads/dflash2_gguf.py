@@ -56,7 +56,8 @@ def check_head(cfg: HeadConfig, head_dir: Path) -> None:
     check_block_exportable(cfg, "--format gguf", ENGINE, str(head_dir))
     problems = dflash_backbone_problems(cfg)
     if spec.options.sample_from_anchor:
-        problems.append("head.sample_from_anchor is true, and llama.cpp's DFlash2 walk drafts from slot 1 of a "
+        problems.append(f"{spec.key('sample_from_anchor')} is true, and llama.cpp's DFlash2 walk drafts from slot 1 "
+                        "of a "
                         "block whose slot 0 is the bonus token (common/speculative.cpp:1205-1210, :1241)")
     k = spec.options.selector_top_k
     if cfg.hidden_size < k * (k + 1):
@@ -89,7 +90,8 @@ def check_gguf(cfg: HeadConfig, meta: dict, tensors: dict, path: Path) -> None:
     for key, want in [("general.architecture", "dflash"), ("dflash.target_layers", list(cfg.feature_layers)),
                       ("dflash.block_size", spec.options.block_size), ("dflash.attention.causal", False),
                       ("tokenizer.ggml.mask_token_id", spec.mask_token_id), ("dflash.block_count", spec.num_layers),
-                      ("dflash.embedding_length", D), *((f"dflash.{k}", int(getattr(spec.options, k))) for k in OWN_KEYS)]:
+                      ("dflash.embedding_length", D),
+                      *((f"dflash.{k}", int(getattr(spec.options, k))) for k in OWN_KEYS)]:
         _expect(meta, key, want, path)
     _expect(meta, "dflash.rope.freq_base", _rope_theta(cfg), path, close=True)
     _expect(meta, "dflash.attention.layer_norm_rms_epsilon", float(cfg.target_config["rms_norm_eps"]), path,

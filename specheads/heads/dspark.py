@@ -43,8 +43,8 @@ target's features of rows 0..p-1 only (keys/values), and x_p only through its em
 verification the target has computed the features of x_p and of the accepted drafts: they are appended to the
 context cache as true rows, and the bonus token becomes the next anchor.
 
-Anchor-reads-features variant (`head.anchor_features: true`; not the reference design, no engine runs it). In the
-reference the last target state c_{p-1} reaches the block only as one key/value among the p context rows, while
+Anchor-reads-features variant (`head.dspark.anchor_features: true`; not the reference design, no engine runs it).
+In the reference the last target state c_{p-1} reaches the block only as one key/value among the p context rows, while
 EAGLE-3's row reads [E(x_{t+1}) ; g_t] directly (and P-EAGLE's depth-0 row likewise, its later depths a learned
 mask vector). The variant puts c_{p-1} into the anchor slot's input, the slots after it unchanged:
 
@@ -234,7 +234,8 @@ class ConfidenceHead(nn.Module):
 @dataclass
 class BlockContext:
     """The target context the blocks read: per layer (keys normed and rotated, values) [B,Hkv,S,hd], and with
-    head.anchor_features the fused rows c [B,S,D] (the anchor slot reads c_{p-1}). Reads as the list of layers."""
+    head.dspark.anchor_features the fused rows c [B,S,D] (the anchor slot reads c_{p-1}). Reads as the list of
+    layers."""
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     fused: torch.Tensor | None = None
@@ -256,7 +257,7 @@ class BlockCache:
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
-    fused: torch.Tensor | None = None  # [B,S,D] fused rows c, kept only for head.anchor_features
+    fused: torch.Tensor | None = None  # [B,S,D] fused rows c, kept only for head.dspark.anchor_features
     ids: list[int] | None = None  # the sequence so far, set by the drafter (BlockHead caches carry it; unread here)
 
     @property
@@ -323,7 +324,7 @@ class DSparkHead(DraftHead):
 
     def context_kv(self, features: torch.Tensor, start: int = 0) -> BlockContext:
         """features [B,N,F*D] of context rows start..start+N-1 -> per layer (keys, values) [B,Hkv,N,hd] (+ the
-        fused rows [B,N,D] with head.anchor_features)."""
+        fused rows [B,N,D] with head.dspark.anchor_features)."""
         c = self.project_features(features)
         pos = torch.arange(start, start + c.shape[1], device=c.device).expand(c.shape[0], -1)
         cos, sin = self._rope(c, pos)
@@ -334,7 +335,8 @@ class DSparkHead(DraftHead):
         """W_a c_{p-1} [B,A,D] for blocks anchored at anchors [B,A] (0 where p = 0: no context row)."""
         c = ctx.fused
         if c is None:
-            raise RuntimeError("DSparkHead: head.anchor_features needs the fused rows (context_kv's BlockContext)")
+            raise RuntimeError("DSparkHead: head.dspark.anchor_features needs the fused rows (context_kv's "
+                               "BlockContext)")
         if c.shape[1] == 0:
             return c.new_zeros(*anchors.shape, c.shape[-1])
         rows = (anchors - 1).clamp(min=0)

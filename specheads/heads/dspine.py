@@ -19,11 +19,11 @@ x_{p+k} (the DFlash alignment: K-1 drafts). Layer i = 0..n-1 of the backbone, th
 rms(u) = ||u|| / √D. C [V, r] are fixed token codes (the buffer `transfer_codes`), computed once from the target's
 lm_head W [V, D] (SpecForge initialize_transfer_space): ŵ_v = W_v / ||W_v||, μ = mean_v ŵ_v, P [D, r] and λ the top
 r eigenvectors / eigenvalues of Σ_v (ŵ_v - μ)(ŵ_v - μ)ᵀ, C_v = normalize((ŵ_v - μ) P / √λ); every R_i starts as Pᵀ
-(learned after), W_i and G_p start at 0 (the head starts as the causal DFlash backbone; head.dspine_write_std > 0
+(learned after), W_i and G_p start at 0 (the head starts as the causal DFlash backbone; head.dspine.write_std > 0
 draws W_i from N(0, std²) instead).
 
 Predecessor refinement (SpecForge `refine` / `transition_scores`, the drafts served): draft k re-scores its top-k
-candidates b (k = head.dspine_top_k, from U_k) with the LAST layer's injection redone on the token a chosen before
+candidates b (k = head.dspine.top_k, from U_k) with the LAST layer's injection redone on the token a chosen before
 it (the anchor for the first draft) in place of the predicted feature:
 
     ĥ_k(a)  = RMSNorm(u_k + rms(u_k) · W_{n-1}(σ(G_r f_k + G_p √r C[a] + b) ⊙ M √r C[a]))   u = u^{n-1}, f = f^{n-1}
@@ -132,7 +132,7 @@ class DSpineHead(DSparkHead):
         s, D, V = self.spec, config.hidden_size, config.vocab_size
         r = int(s.options.transfer_rank)
         if not 1 <= r <= min(D, V - 1):
-            raise SpecheadsError(f"head.dspine_transfer_rank: {r} must be within 1..{min(D, V - 1)} (the target's "
+            raise SpecheadsError(f"{s.key('transfer_rank')}: {r} must be within 1..{min(D, V - 1)} (the target's "
                                  f"hidden size {D} and vocab {V} - 1 bound the codes' principal directions)")
         for layer in self.layers:
             layer.self_attn.causal = True  # slot k reads slots <= k (SpecForge causal_block)
@@ -157,7 +157,7 @@ class DSpineHead(DSparkHead):
         vals, vecs = torch.linalg.eigh(cov)
         vals, vecs = vals[-r:], vecs[:, -r:]  # [r], [D,r]: the top r principal directions
         if not bool(torch.isfinite(vals).all()) or bool((vals <= 0).any()):
-            raise SpecheadsError(f"head.dspine_transfer_rank: the target's lm_head has fewer than {r} positive "
+            raise SpecheadsError(f"head.dspine.transfer_rank: the target's lm_head has fewer than {r} positive "
                                  "principal directions; lower it")
         for start in range(0, w.shape[0], chunk):
             n = F.normalize(w[start:start + chunk].float(), dim=-1)

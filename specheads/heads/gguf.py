@@ -43,7 +43,7 @@ DSpark / DFlash heads (the speculators dspark layout, then the keys below) are r
 - Qwen3 layers with q/k norms (src/models/dflash.cpp:234-235), NeoX RoPE (src/llama-model.cpp:3179-3185), the
   context's keys/values from RMSNorm(fc(features)) without the input norm (:606-640), as ours; confidence
   sigmoid(conf_proj [h_k ; W1[x_prev]] + b) on the final-normed hidden (:368-381, :797-800).
-Refused: EAGLE-3.1 heads (head.fc_norm / head.norm_output: the converter maps no `fc_norm.*` tensor, and
+Refused: EAGLE-3.1 heads (head.eagle3.fc_norm / norm_output: the converter maps no `fc_norm.*` tensor, and
 src/models/eagle3.cpp has only the one `norm_before_fc` norm and feeds its pre-norm state to the next step, :286),
 gated / rnn Markov heads, a confidence head without the Markov input, feature layer L, activations
 other than SiLU (no hidden_act is written), RoPE scaling the converter does not write, and the anchor-features

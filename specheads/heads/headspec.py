@@ -177,4 +177,8 @@ def _options(ks, options: Any, keys: dict[str, Any]) -> Any:
             raise SpecheadsError(f"head.{kind}: {e}") from None
     if type(base) is not cls:
         raise SpecheadsError(f"head.{kind}: expected its settings as {cls.__name__}, got {type(base).__name__}")
+    both = [k for k in moved if section is not None and (not isinstance(section, dict) or k in section)]
+    if both:
+        raise SpecheadsError(f"head.{next(o for o, n in own.items() if n == both[0])} and head.{kind}.{both[0]}: "
+                             f"the same setting under its old and its new name; keep only head.{kind}.{both[0]}")
     return dataclasses.replace(base, **moved) if moved else base

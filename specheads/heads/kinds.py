@@ -79,10 +79,10 @@ class KindSpec:
     bias: bool = True  # fc / ResBlock bias when head.bias is null
     default_loss: str = "soft_ce"  # train.loss when unset ({w_ce} / {w_l1}: train.block weights)
     num_drafts: Callable[[Any], int] | None = None  # HeadSpec -> drafts per pass (None: the block's K slots)
-    confidence: bool = False  # head.confidence_head applies (a per-draft acceptance predictor, calibrated)
+    confidence: bool = False  # head.<kind>.confidence_head applies (a per-draft acceptance predictor, calibrated)
     lora: bool = False  # trains LoRA adapters on the target beside the head (Medusa-2: train.lora.enabled)
     mask_token: bool = False  # embeds a mask token (head.mask_token_id resolved against the tokenizer)
-    block_positions: bool = False  # a block of head.block_size slots must fit the target's positions
+    block_positions: bool = False  # a block of head.<kind>.block_size slots must fit the target's positions
     options: type | None = None  # the dataclass of its own head: settings, the recipe's head.<name> section and
     # HeadSpec.options (heads/headspec.py); None: it has none. A variant's extends its parent's (DominoOptions)
     check: Callable[[Any], None] | None = None  # HeadSpec -> None or SpecheadsError: the kind's own spec checks

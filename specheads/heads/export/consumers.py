@@ -69,7 +69,7 @@ def _medusa_problems(cfg: HeadConfig) -> list[str]:
         return []
     return [f"vLLM 0.12-0.32 build each head's lm_heads.{{h}} over the full vocabulary (ParallelLMHead(vocab_size), "
             f"its weight_loader asserts the rows) and read a draft vocabulary only as one lm_head shared by every "
-            f"head (original_lm_head), and this head has its own projection per head (head.medusa_lm_head per_head) "
+            f"head (original_lm_head), and this head has its own projection per head (head.medusa.lm_head per_head) "
             f"over a {cfg.draft_vocab_size}-token draft vocabulary, which no full-vocabulary rows reproduce "
             f"(vLLM <= 0.11 read it; 0.33 removed Medusa)"]
 

@@ -17,7 +17,7 @@ def specforge_fields(config: dict, spec: HeadSpec, where: str) -> None:
     """SpecForge DominoDraftModel's keys (configs/qwen3-8b-domino.json; _init_draft_head reads them)."""
     if spec.options.confidence_head:
         raise SpecheadsError(f"--format specforge: {where} has a confidence head; SpecForge's DominoDraftModel has "
-                             "none (head.confidence_head false)")
+                             f"none ({spec.key('confidence_head')} false)")
     config["architectures"] = ["DominoDraftModel"]
     config["emb_dim"] = spec.options.emb_dim
     config["dflash_config"].update(projector_type="domino", emb_dim=spec.options.emb_dim,

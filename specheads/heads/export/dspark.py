@@ -119,7 +119,8 @@ def _check_specforge_slots(spec: HeadSpec, kind: str, where: str) -> None:
     want = kind == "dspark"
     if spec.options.sample_from_anchor != want:
         raise SpecheadsError(
-            f"--format specforge: {where} has head.sample_from_anchor {str(spec.options.sample_from_anchor).lower()}; "
+            f"--format specforge: {where} has {spec.key('sample_from_anchor')} "
+            f"{str(spec.options.sample_from_anchor).lower()}; "
             f"SpecForge's {'DSpark' if want else 'DFlash'}DraftModel reads slot k as the draft of "
             f"{'x_(p+k+1) (true)' if want else 'x_(p+k), the anchor slot drafting nothing (false)'} and has no key "
             "for the other alignment; export speculators (its sample_from_anchor key) or keep the native folder")
@@ -130,11 +131,12 @@ def check_block_exportable(cfg: HeadConfig, flag: str, consumer: str, where: str
     (head.anchor_features) adds W_a c_{p-1} to the anchor slot's input, and the engines build the block's input
     from token embeddings alone ([x_p, m, ..., m]), with no tensor or config key for anchor_proj."""
     if cfg.head_spec.options.anchor_features:
+        key = cfg.head_spec.key("anchor_features")
         raise SpecheadsError(f"{flag}: {where}: {consumer} cannot run this head: it was trained with "
-                             "head.anchor_features (the anchor slot reads the fused target features of the last "
+                             f"{key} (the anchor slot reads the fused target features of the last "
                              "context row through anchor_proj.weight), and that engine builds the block's input "
                              "from the token embeddings alone; the native folder keeps the head (specheads "
-                             "generate / bench run it), or train one with head.anchor_features false for the engines")
+                             f"generate / bench run it), or train one with {key} false for the engines")
 
 
 def export_block_head(cfg: HeadConfig, sd: dict, fmt: str, out_dir, where: str, verifier: str | None,

@@ -5,7 +5,7 @@ SpeculatorModel.from_pretrained), whose config vLLM reads on its speculators pat
 speculators_model_type peagle, architectures [PEagleSpeculator], transformer_layer_config (a Llama config with
 num_hidden_layers = head.num_layers), eagle_aux_hidden_state_layer_ids ascending, mask_token_id,
 embed_requires_grad false (our embedding is the target's, frozen), speculators_config {algorithm peagle, greedy
-proposal of speculative_tokens = head.num_depths, verifier}; tensors fc.weight, layers.0.* (our midlayer.*),
+proposal of speculative_tokens = head.peagle.num_depths, verifier}; tensors fc.weight, layers.0.* (our midlayer.*),
 layers.{i}.*, norm.weight, lm_head.weight, mask_hidden [1, 1, F·D], embed_tokens.weight (the target's, mask token
 row included: speculators reads the checkpoint's and never fills it from the verifier, export/common.py
 target_embedding) [, d2t offsets, t2d when V' < V]. fc's column blocks and mask_hidden's blocks follow the
@@ -33,8 +33,8 @@ def ascending_mask_hidden(cfg: HeadConfig, sd: dict) -> torch.Tensor:
 
 def write_peagle(cfg: HeadConfig, sd: dict, expected: list[str], verifier: str = "", target=None,
                  where: str = "the head", **_) -> tuple[dict, dict, list[str]]:
-    """The speculators writer of a P-EAGLE head (its KindSpec.writers; drafts per pass: head.num_depths), with the
-    target's token embedding (export/common.py target_embedding)."""
+    """The speculators writer of a P-EAGLE head (its KindSpec.writers; drafts per pass: head.peagle.num_depths), with
+    the target's token embedding (export/common.py target_embedding)."""
     embed = target_embedding(cfg, sd, target, "speculators", where)
     spec = cfg.head_spec
     layer = eagle3_llama_dict(cfg)
