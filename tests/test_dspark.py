@@ -444,8 +444,9 @@ def test_export_import_round_trip_bit_exact(tiny, tmp_path, fmt, kw):
     export_head(tmp_path / "h", fmt, tmp_path / "out")
     back = import_head(tmp_path / "out", tiny)
     assert back.kind == "dspark" and back.spec.options.block_size == 4 and back.config.feature_layers == [1, 2, 3]
-    for k in ("markov_rank", "markov_head_type", "confidence_head", "sample_from_anchor", "mask_token_id",
-              "num_layers", "draft_vocab_size"):
+    for k in ("markov_rank", "markov_head_type", "confidence_head", "sample_from_anchor"):
+        assert getattr(back.spec.options, k) == getattr(head.spec.options, k), k
+    for k in ("mask_token_id", "num_layers", "draft_vocab_size"):
         assert getattr(back.spec, k) == getattr(head.spec, k), k
     _same_state(head, back, skip=("conf_temperature", "conf_bias"))
     assert bool((back.conf_temperature == 1).all()) and bool((back.conf_bias == 0).all())
