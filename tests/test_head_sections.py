@@ -116,6 +116,7 @@ def test_a_section_of_another_kind_and_unknown_keys_are_refused(tmp_path):
     assert HeadSpec(kind="medusa", block_size=7, ttt_steps=7) == HeadSpec(kind="medusa")
     with pytest.raises(SpecheadsError, match=r"head\.ttt_steps: a setting of eagle3 heads, not of a Medusa head"):
         load_config(Recipe, None, ["head.kind=medusa", "head.ttt_steps=3"])
+    assert load_config(Recipe, None, ["head.kind=medusa", "head.ttt_steps=7"]).head == HeadSpec(kind="medusa")
     with pytest.raises(SpecheadsError, match=r"expected its settings as DFlash2Options, got DominoOptions"):
         HeadSpec(kind="dflash2", options=DominoOptions())
 

@@ -148,7 +148,7 @@ class HeadConfig:
         bad = [k for k in d["spec"] if k not in spec_keys] if isinstance(d["spec"], dict) else ["spec"]
         if bad:
             raise SpecheadsError(f"{where}: unknown key 'spec.{bad[0]}'")
-        spec = _check_config_values(d, where)
+        spec = _check_config_values({**d, "spec": HeadSpec.drop_unread(d["spec"])}, where)
         return cls(**{**d, "spec": spec.to_section()})  # an old folder's flat spec read in today's form
 
 

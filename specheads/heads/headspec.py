@@ -12,9 +12,10 @@ Old flat spellings. Before the kind sections every setting sat at head:'s top le
 `head.domino_gru_hidden`), and head folders wrote their config.json "spec" and runs their train_config.yaml so.
 Such a key is still read: a key of head.kind's options goes to its section (`flat_keys`: the field's name, or the
 old name its class's FLAT_KEYS gives, e.g. domino_gru_hidden -> gru_hidden; config.load_config warns once,
-old -> new, through `section_renames`). A flat key that only another kind has is dropped when it holds its default
-(every old folder and written recipe held all of them, whatever its kind) and refused otherwise. The same flat
-keyword arguments build a spec in Python (`HeadSpec(kind="dspark", block_size=3)`), without the warning.
+old -> new, through `section_renames`). A flat key that only another kind has was never read: a recipe or Python
+drops it at its default (every written recipe held all of them, whatever its kind) and refuses another value (a
+setting the head would not have); a head folder drops it whatever its value (`drop_unread`). The same flat keyword
+arguments build a spec in Python (`HeadSpec(kind="dspark", block_size=3)`), without the warning.
 """
 from __future__ import annotations
 
@@ -104,6 +105,13 @@ class HeadSpec:
         if not isinstance(kind, str) or kind not in kind_names():
             return {}
         return {old: f"{kind}.{new}" for old, new in flat_keys(kind_spec(kind).options).items()}
+
+    @classmethod
+    def drop_unread(cls, data: dict) -> dict:
+        """A head folder's "spec" without the old flat keys that only other kinds have (never read, whatever their
+        value; an old folder held every kind's)."""
+        own = cls.section_renames(data)
+        return {k: v for k, v in data.items() if k in own or k not in all_flat_keys()}
 
 
 def at_least_one(spec: HeadSpec, *names: str) -> None:
