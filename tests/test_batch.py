@@ -23,29 +23,11 @@ from specheads.target import tiny_target
 from specheads.utils import SpecheadsError
 
 FLAT = {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2, 32: 1.4}  # a hand-made cost profile: nothing measured
+from helpers import Recording
 from test_generate import OracleTreeDrafter, hf_greedy
 
 # Small sequential forwards: one intra-op thread is several times faster than two on a shared CPU.
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class Recording(Drafter):
-    """Wraps a drafter and records every tree it proposes (tokens, parents)."""
-
-    def __init__(self, inner, log):
-        self.inner, self.log, self.feature_layers = inner, log, inner.feature_layers
-
-    def reset(self, prompt_ids, features):
-        self.log.clear()
-        self.inner.reset(prompt_ids, features)
-
-    def propose(self, ctx):
-        tree = self.inner.propose(ctx)
-        self.log.append((tree.tokens.tolist(), tree.parents.tolist()))
-        return tree
-
-    def observe(self, tree, accepted, features):
-        self.inner.observe(tree, accepted, features)
 
 
 def mixed_prompts(vocab, n, seed=0):

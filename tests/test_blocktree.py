@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specheads.heads.base import HeadSpec, build_head
-from specheads.infer.drafters import DraftContext, Drafter, DSparkDrafter, PEagleDrafter, build_drafter, parse_tree
+from specheads.infer.drafters import DraftContext, DSparkDrafter, PEagleDrafter, build_drafter, parse_tree
 from specheads.infer.drafters.blocktree import best_first, chain_nodes, greedy_tree, rank_factors, sampled_tree
 from specheads.infer.engine.batch import generate_batch
 from specheads.infer.engine.generate import generate
@@ -18,6 +18,7 @@ from specheads.infer.scheduling.step import Scheduler
 from specheads.infer.treespec import TreeSpec
 from specheads.infer.verify import SamplingParams, target_probs, verify_sampling
 from specheads.utils import SpecheadsError
+from helpers import Recording
 from test_sampling_stats import assert_same, markov_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -103,24 +104,6 @@ def _block_heads(target):
     }
 
 
-class _Trees(Drafter):
-    """Records the width of every proposed tree (its most children of one node)."""
-
-    def __init__(self, inner, log):
-        self.inner, self.log, self.feature_layers = inner, log, inner.feature_layers
-
-    def reset(self, prompt_ids, features):
-        self.inner.reset(prompt_ids, features)
-
-    def propose(self, ctx):
-        tree = self.inner.propose(ctx)
-        self.log.append((tree.tokens.tolist(), tree.parents.tolist()))
-        return tree
-
-    def observe(self, tree, accepted, features):
-        self.inner.observe(tree, accepted, features)
-
-
 def _drafter(kind, head, nodes):
     cls = PEagleDrafter if kind == "peagle" else DSparkDrafter
     return cls(head, scheduler=Scheduler(FREE, 1e-3, pricing="profile") if nodes == 0 else None, tree_nodes=nodes)
@@ -139,7 +122,8 @@ def test_greedy_block_trees_equal_hf_generate_alone_and_batched(tiny, kind):
         alone = []
         for p, ref in zip(ps, refs):
             alone.append([])
-            assert generate(tiny, _Trees(_drafter(kind, head, nodes), alone[-1]), p, max_new_tokens=14).ids == ref
+            drafter = Recording(_drafter(kind, head, nodes), alone[-1], clear_on_reset=False)
+            assert generate(tiny, drafter, p, max_new_tokens=14).ids == ref
         assert any(max(par.count(i) for i in range(len(par))) > 1 for log in alone for _, par in log), nodes
         if nodes:
             assert all(len(tok) == 7 for log in alone for tok, _ in log[:-1])  # the fixed budget, every step
@@ -147,7 +131,7 @@ def test_greedy_block_trees_equal_hf_generate_alone_and_batched(tiny, kind):
 
         def row():
             logs.append([])
-            return _Trees(_drafter(kind, head, nodes), logs[-1])
+            return Recording(_drafter(kind, head, nodes), logs[-1], clear_on_reset=False)
 
         res = generate_batch(tiny, row, ps, 14, batch_size=2)
         assert [r.ids for r in res.rows] == refs
@@ -201,7 +185,7 @@ def test_end_to_end_block_tree_sampling(kind):
         p2 = target_probs(target.model(torch.tensor([prompt + [x] for x in range(V)])).logits[:, -1], sampling)
     counts, branched = torch.zeros(V * V), 0
     log = []
-    drafter = _Trees(_drafter(kind, head, 0), log)
+    drafter = Recording(_drafter(kind, head, 0), log, clear_on_reset=False)
     for s in range(n):
         res = generate(target, drafter, prompt, max_new_tokens=2, temperature=1.0, top_k=4, seed=s, ignore_eos=True)
         counts[res.ids[0] * V + res.ids[1]] += 1

@@ -16,8 +16,8 @@ import torch
 
 from specheads.heads import HeadSpec, build_head
 from specheads.heads.base import read_head_config, read_safetensors
-from specheads.heads.gguf import (DRAFT_KINDS, _dspark_converter_config, _eagle3_converter_config, find_tools,
-                                  gguf_metadata, llamacpp_root)
+from specheads.heads.eagle3_gguf import converter_config as _eagle3_converter_config
+from specheads.heads.gguf import DRAFT_KINDS, _dspark_converter_config, find_tools, gguf_metadata, llamacpp_root
 from specheads.utils import SpecheadsError
 
 V, D, L = 49152, 64, 4  # SmolLM2's vocabulary (its tokenizer), a tiny body

@@ -197,5 +197,6 @@ KIND = register_kind(KindSpec(
     name="eagle3", head=Eagle3Head, family="tree", label="an EAGLE-3 head", feature_layers=fused_layers, bias=False,
     train_step="specheads.train.kinds.eagle3:KIND", drafter="specheads.infer.drafters.eagle:EAGLE3_KIND",
     options=Eagle3Options, check=lambda spec: at_least_one(spec, "ttt_steps"),
-    formats=("eagle3", "speculators"), needs_target=speculators_needs_target, gguf="specheads.heads.gguf:EAGLE3_DRAFT",
+    formats=("eagle3", "speculators"), needs_target=speculators_needs_target,
+    gguf="specheads.heads.eagle3_gguf:EAGLE3_DRAFT",
     example={"draft_vocab_size": 100}))

@@ -4,7 +4,8 @@ PyPI sdist llama-cpp-python==0.3.36), then read back and checked against the hea
 
     specheads export --head runs/x/final --format gguf --out runs/x/gguf [--target-gguf]
     -> runs/x/gguf/draft.gguf (+ target.gguf), gguf_export.json
-    llama-server -m target.gguf -md draft.gguf --spec-type draft-eagle3 --spec-draft-n-max 3
+    llama-server -m target.gguf -md draft.gguf --spec-type draft-eagle3 --spec-draft-n-max 3   (an eagle3 head:
+    its DraftKind and checks are heads/eagle3_gguf.py)
     llama-server -m target.gguf -md draft.gguf --spec-type draft-dspark --spec-draft-n-max K'   (a dspark head)
     llama-server -m target.gguf -md draft.gguf --spec-type draft-dflash --spec-draft-n-max K'   (a dflash2 head:
     its DraftKind and checks are heads/dflash2_gguf.py)
@@ -68,7 +69,6 @@ import torch
 from safetensors import safe_open
 
 from specheads.heads.base import CONFIG_NAME, WEIGHTS_NAME, HeadConfig, read_head_config, read_safetensors
-from specheads.heads.eagle3 import eagle31_switches
 from specheads.heads.export import check_block_exportable, export_head
 from specheads.heads.kinds import kind_spec, kinds, resolve
 from specheads.target import full_attention_rope, resolve_target_path, target_fingerprint
@@ -264,48 +264,6 @@ def _rope_theta(cfg: HeadConfig) -> float:
     return float(rope.get("rope_theta", tc.get("rope_theta", 10000.0)))
 
 
-def _eagle3_check_head(cfg: HeadConfig, head_dir: Path) -> None:
-    L = int(cfg.target_config["num_hidden_layers"])
-    if len(cfg.feature_layers) != 3:
-        raise SpecheadsError(f"--format gguf: {head_dir} reads {len(cfg.feature_layers)} feature layers; llama.cpp's "
-                             "EAGLE-3 reads exactly 3")
-    if max(cfg.feature_layers) >= L:
-        raise SpecheadsError(f"--format gguf: {head_dir} reads feature layer {L} (the final post-norm state); "
-                             "llama.cpp feeds the pre-norm state for that id, so the draft would read other features")
-    if cfg.head_spec.resolved_bias():
-        raise SpecheadsError(f"--format gguf: {head_dir} has an fc bias; llama.cpp's EAGLE-3 fc has none")
-    on = eagle31_switches(cfg.head_spec)
-    if on:
-        raise SpecheadsError(f"--format gguf: {head_dir} is an EAGLE-3.1 head ({', '.join('head.' + n for n in on)}); "
-                             "llama.cpp's EAGLE-3 has no per-layer fc norms (its converter maps no fc_norm.* tensor, "
-                             "src/models/eagle3.cpp has only the one norm_before_fc) and feeds its pre-norm state "
-                             "to the next step (src/models/eagle3.cpp:286)")
-
-
-def _eagle3_converter_config(cfg: HeadConfig, config: dict) -> dict:
-    config = dict(config)
-    config.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, draft_vocab_size=cfg.out_vocab,
-                  eagle_aux_hidden_state_layer_ids=list(cfg.feature_layers),  # hidden-states ids: ours
-                  target_hidden_size=cfg.hidden_size, norm_before_residual=False, norm_before_fc=False)
-    return config
-
-
-def _eagle3_check_gguf(cfg: HeadConfig, meta: dict, tensors: dict, path: Path) -> None:
-    _expect(meta, "general.architecture", "eagle3", path)
-    _expect(meta, "eagle3.target_layers", list(cfg.feature_layers), path)
-    _expect(meta, "eagle3.target_hidden_size", cfg.hidden_size, path)
-    _expect(meta, "eagle3.rope.freq_base", _rope_theta(cfg), path, close=True)
-    _expect(meta, "eagle3.attention.layer_norm_rms_epsilon", float(cfg.target_config["rms_norm_eps"]), path,
-            close=True)
-    _expect(meta, "eagle3.norm_before_residual", False, path)
-    for name in ("fc.weight", "output.weight", "blk.0.attn_norm_2.weight", "d2t"):
-        if name not in tensors:
-            raise SpecheadsError(f"{path}: tensor {name!r} missing from the converted draft")
-    if int(tensors["output.weight"].shape[-1]) != cfg.out_vocab:
-        raise SpecheadsError(f"{path}: output.weight has {tensors['output.weight'].shape[-1]} rows, the head's "
-                             f"draft vocabulary {cfg.out_vocab}")
-
-
 DSPARK_ENGINE = "llama.cpp's DSpark draft (converter conversion/qwen.py DSparkModel, runtime src/models/dflash.cpp)"
 
 
@@ -406,9 +364,8 @@ def _dspark_notes(cfg: HeadConfig, head_dir: Path) -> dict:
     return notes
 
 
-# How the kinds llama.cpp drafts with reach it; a kind's KindSpec.gguf names its entry ("specheads.heads.gguf:...")
-EAGLE3_DRAFT = DraftKind("eagle3", "draft-eagle3", "eagle3", _eagle3_check_head, _eagle3_converter_config,
-                         _eagle3_check_gguf)
+# How the kinds llama.cpp drafts with reach it; a kind's KindSpec.gguf names its entry: DSpark's here, EAGLE-3's in
+# heads/eagle3_gguf.py, DFlash2's in heads/dflash2_gguf.py
 DSPARK_DRAFT = DraftKind("speculators", "draft-dspark", "dflash", _dspark_check_head, _dspark_converter_config,
                          _dspark_check_gguf, _dspark_notes)
 

@@ -47,6 +47,13 @@ FAMILIES = {
 }
 TREE_MODES = ("auto", "static", "dynamic", "tokens", "blocktree", "none")
 TREE_NAMES = {"dynamic": "EAGLE-2 dynamic tree", "static": "static Medusa tree"}  # how summaries name the trees
+STATIC_TREES = {"default": DEFAULT_MEDUSA_CHOICES}  # --tree words that name a static tree (rank paths); a static
+# drafter's module may name its own (name_static_tree)
+
+
+def name_static_tree(word: str, paths: Sequence[Sequence[int]]) -> None:
+    """Make `--tree WORD` stand for the static tree `paths` (e.g. the Medusa drafter's name for its default)."""
+    STATIC_TREES[word] = paths
 
 
 @dataclass(frozen=True)
@@ -156,7 +163,7 @@ def parse_tree_spec(text: str, family: str, *, drafter: str = "this drafter", li
                                for x in raw.split(","))
         spec = TreeSpec.dynamic(depth, top_k, total, text=raw)
     else:
-        paths = [tuple(c) for c in DEFAULT_MEDUSA_CHOICES] if family == "static" and raw in ("default", "medusa") \
+        paths = [tuple(c) for c in STATIC_TREES[raw]] if family == "static" and raw in STATIC_TREES \
             else _rank_paths(raw, limits, bad)
         _check_paths(paths, limits, bad)
         if family == "static":

@@ -27,6 +27,7 @@ from specheads.heads.dspark import block_layer_config
 from specheads.heads.export.common import (
     HUB_IDS, absolute_d2t, check_dims, check_keys, d2t_offsets, need, speculators_section, t2d_of,
 )
+from specheads.heads.export.formats import Format, register_format, register_variant, variants
 from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json
 
 log = logging.getLogger(__package__)  # the package's one logger, specheads.heads.export
@@ -176,8 +177,9 @@ def _block_spec(fmt: str, config: dict, target, where: str) -> HeadSpec:
         heads, dspark = _specforge_heads(config, dfc)
         mask, sfa = dfc.get("mask_token_id"), config.get("sample_from_anchor", dspark)
     check_dims(layer, target, where)
-    if fmt == "specforge" and dfc.get("projector_type") not in (None, "dflash", "dspark"):
-        return _domino_spec(config, dfc, layer, ids, target, where)
+    if fmt == "specforge" and dfc.get("projector_type") not in (None, "dflash", "dspark"):  # not a kind's own
+        raise SpecheadsError(f"{where}: dflash_config.projector_type {dfc.get('projector_type')!r} is not one "
+                             f"specheads reads ({', '.join(['dflash', *variants('specforge')])})")
     dv = int(config.get("draft_vocab_size") or target.vocab_size)
     rank, conf = int(heads.get("markov_rank", 256)), bool(heads.get("enable_confidence_head", True))
     return HeadSpec(kind="dspark", num_layers=int(need(layer, "num_hidden_layers", where)), feature_layers=ids,
@@ -207,29 +209,17 @@ def _specforge_heads(config: dict, dfc: dict) -> tuple[dict, bool]:
     return {"markov_rank": 0, "enable_confidence_head": False}, False
 
 
-def _domino_spec(config: dict, dfc: dict, layer: dict, ids: list[int], target, where: str) -> HeadSpec:
-    """A SpecForge DominoDraftModel config -> a domino HeadSpec (its shift_label false alignment is not built)."""
-    if dfc.get("projector_type") != "domino":
-        raise SpecheadsError(f"{where}: dflash_config.projector_type {dfc.get('projector_type')!r} is not one "
-                             "specheads reads (dflash, domino)")
-    if not dfc.get("shift_label", False):
-        raise SpecheadsError(f"{where}: a Domino head with shift_label false; specheads builds shift_label true "
-                             "only (heads/domino.py)")
-    return HeadSpec(kind="domino", num_layers=int(need(layer, "num_hidden_layers", where)), feature_layers=ids,
-                    block_size=int(need(config, "block_size", where)), markov_rank=0, confidence_head=False,
-                    confidence_with_markov=False, sample_from_anchor=True, mask_token_id=dfc.get("mask_token_id"),
-                    domino_gru_hidden=int(need(dfc, "gru_hidden_dim", where)),
-                    domino_emb_dim=int(need(dfc, "emb_dim", where)),
-                    domino_prefix_len=int(dfc.get("pure_draft_prefix_len", 0)))
-
-
 def import_block_tensors(fmt: str, config: dict, sd: dict, target, where: str, w: str) -> tuple[HeadSpec, dict]:
     """(HeadSpec, native state dict) of a speculators dspark / dflash or SpecForge DFlash / DSpark folder."""
-    spec = _block_spec(fmt, config, target, where)
+    return block_tensors(_block_spec(fmt, config, target, where), sd, target, w)
+
+
+def block_tensors(spec: HeadSpec, sd: dict, target, w: str, own_keys: tuple[str, ...] = ()) -> tuple[HeadSpec, dict]:
+    """(spec, native state dict) of a block folder read as `spec`: the block tensors checked (and `own_keys`, the
+    tensors of a kind's own layout, e.g. Domino's), d2t made absolute, the calibration uncalibrated."""
     check_keys(sd, ["fc.weight", "hidden_norm.weight", "norm.weight"], w)
-    if spec.kind == "domino":
-        check_keys(sd, ["prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.weight",
-                        "embed_proj.2.weight"], w)
+    if own_keys:
+        check_keys(sd, list(own_keys), w)
     tensors = {k: v for k, v in sd.items() if k not in ("d2t", "t2d")}
     if spec.draft_vocab_size:
         check_keys(sd, ["d2t", "lm_head.weight"], w)
@@ -241,4 +231,21 @@ def import_block_tensors(fmt: str, config: dict, sd: dict, target, where: str, w
 
 
 def read_specforge(config: dict, sd: dict, target, where: str, w: str) -> tuple[HeadSpec, dict]:
+    """A SpecForge folder: a kind's own projector type (dflash_config.projector_type, registered by its export
+    module: Domino's in export/domino.py) through its reader, DFlash / DSpark here."""
+    own = variants("specforge").get((config.get("dflash_config") or {}).get("projector_type"))
+    if own is not None:
+        return own(config, sd, target, where, w)
     return import_block_tensors("specforge", config, sd, target, where, w)
+
+
+def read_block_speculators(config: dict, sd: dict, target, where: str, w: str) -> tuple[HeadSpec, dict]:
+    """A speculators dspark / dflash folder."""
+    return import_block_tensors("speculators", config, sd, target, where, w)
+
+
+for _model_type in BLOCK_TYPES:
+    register_variant("speculators", _model_type, read_block_speculators)
+SPECFORGE = register_format(Format(
+    "specforge", rank=60, reader=read_specforge, detect_rank=20,  # written by the block kinds' exporters
+    detect=lambda config: "dflash_config" in config or config.get("model_type") == "dspark"))

@@ -19,6 +19,7 @@ from specheads.heads.base import HeadConfig, HeadSpec
 from specheads.heads.export.common import (
     check_dims, drop_zero_attention_biases, legacy_rope_keys, need, zero_attention_biases,
 )
+from specheads.heads.export.formats import Format, register_format
 from specheads.utils import SpecheadsError
 
 
@@ -96,3 +97,29 @@ def read_eagle_vllm(config: dict, sd: dict, target, where: str, w: str) -> tuple
         del tensors["layers.0.self_attn.o_proj.bias"]
         tensors["fc.bias"] = b.clone()
     return read_eagle(config, tensors, target, where, w)
+
+
+def eagle1_problems(fmt: str, consumer: str, cfg: HeadConfig) -> list[str]:
+    """Why an EAGLE-1 consumer cannot read the head: each builds Llama decoder layers only."""
+    if cfg.target_config.get("model_type") != "llama":
+        return [f"it builds Llama decoder layers and this head's layer is the target's "
+                f"{cfg.target_config.get('model_type')!r} layer"]
+    return []
+
+
+def _is_eagle_vllm(config: dict) -> bool:
+    return "eagle_fc_bias" in config or "EagleLlamaForCausalLM" in (config.get("architectures") or [])
+
+
+def _is_eagle(config: dict) -> bool:
+    """The plainest layout: any decoder config (detected last)."""
+    return "hidden_size" in config and "num_hidden_layers" in config
+
+
+EAGLE = register_format(Format(
+    "eagle", rank=10, writer=write_eagle, reader=read_eagle, detect=_is_eagle, detect_rank=90,
+    loaders={"sglang": "SGLang's LlamaForCausalLMEagle", "eagle-repo": "the EAGLE repo's EAGLE-1 model"},
+    problems=eagle1_problems, repo_rope=True))
+EAGLE_VLLM = register_format(Format(
+    "eagle-vllm", rank=20, writer=write_eagle_vllm, reader=read_eagle_vllm, detect=_is_eagle_vllm, detect_rank=50,
+    loaders={"vllm": "vLLM's EagleLlamaForCausalLM"}, problems=eagle1_problems))

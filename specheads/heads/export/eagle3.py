@@ -20,7 +20,10 @@ from specheads.heads.export.common import (
     absolute_d2t, check_dims, check_keys, d2t_offsets, drop_zero_attention_biases, legacy_rope_keys, t2d_of,
     zero_attention_biases,
 )
+from specheads.heads.export.formats import Format, register_format
 from specheads.utils import SpecheadsError
+
+SPECULATORS_TYPE = "eagle3"  # speculators_model_type of an EAGLE-3 head (export/speculators.py)
 
 
 def eagle3_llama_dict(cfg: HeadConfig) -> dict:
@@ -144,3 +147,47 @@ def read_eagle3_layer(config: dict, layer: dict, sd: dict, target, where: str, w
 
 def read_eagle3(config: dict, sd: dict, target, where: str, w: str) -> tuple[HeadSpec, dict]:
     return read_eagle3_layer(config, config, sd, target, where, w)
+
+
+def eagle3_problems(fmt: str, consumer: str, cfg: HeadConfig) -> list[str]:
+    """Why `consumer` cannot read an EAGLE-3 head exported as `fmt` (eagle3, or the EAGLE-3 speculators layout):
+    the EAGLE-3.1 switches it does not build, an fc bias (SGLang's fc alone has one), feature layers it cannot
+    feed."""
+    out = eagle31_problems(fmt, consumer, cfg)  # llama.cpp and the EAGLE-3 repo build no EAGLE-3.1 switch
+    if cfg.head_spec.resolved_bias() and consumer != "sglang":
+        out.append("its fc has no bias and this head was trained with one (head.bias true)")
+    return out + _layer_problems(consumer, list(cfg.feature_layers), int(cfg.target_config["num_hidden_layers"]))
+
+
+def _layer_problems(consumer: str, ids: list[int], L: int) -> list[str]:
+    """EAGLE-3 feature layers a consumer cannot feed. Engines capture the input of decoder layer i (residual
+    included) for each configured i, in layer order: ascending, once per layer. Unsorted ids are fine (export
+    reorders fc's blocks to the ascending order); the rest is not."""
+    out = []
+    if len(set(ids)) < len(ids):
+        out.append(f"it captures each target layer once, so the repeated feature layers {ids} cannot be fed")
+    if consumer != "speculators" and len(ids) != 3:
+        out.append(f"it builds fc for exactly 3 feature layers and this head reads {len(ids)} ({ids})")
+    if L in ids:
+        out.append(f"layer id {L} is our final post-norm state, which "
+                   + ("speculators reads as the last layer's pre-norm output" if consumer == "speculators"
+                      else "it never captures (it captures the inputs of layers 0..L-1)"))
+    if consumer in ("sglang", "vllm") and 0 in ids:
+        out.append("layer id 0 (the embeddings) is not captured: it adds the residual, which layer 0 has not got")
+    if consumer == "eagle-repo" and sorted(set(ids)) != sorted({2, L // 2, L - 3}):
+        out.append(f"it captures the hardcoded layers 2, L // 2, L - 3 = {sorted({2, L // 2, L - 3})} of the "
+                   f"target, not {ids}")
+    return out
+
+
+def _is_eagle3(config: dict) -> bool:
+    archs = config.get("architectures") or []
+    return "Eagle3" in " ".join(archs) or "draft_vocab_size" in config or "eagle_config" in config
+
+
+EAGLE3 = register_format(Format(
+    "eagle3", rank=30, writer=write_eagle3, reader=read_eagle3, detect=_is_eagle3, detect_rank=60,
+    loaders={"sglang": "SGLang's LlamaForCausalLMEagle3", "vllm": "vLLM's Eagle3LlamaForCausalLM",
+             "llama.cpp": "llama.cpp's EAGLE-3 converter", "eagle-repo": "the EAGLE-3 repo's model"},
+    opt_in=("eagle-repo",),  # checked only when named: the repo captures hardcoded layers, no config ids
+    problems=eagle3_problems, repo_rope=True))

@@ -19,6 +19,7 @@ import torch
 
 from specheads.heads.base import HeadConfig, HeadSpec, check_target
 from specheads.heads.export.common import check_dims, check_keys, need, t2d_of
+from specheads.heads.export.formats import Format, register_format
 from specheads.utils import SpecheadsError
 
 
@@ -82,3 +83,25 @@ def read_medusa_vllm(config: dict, sd: dict, target, where: str, w: str) -> tupl
         tensors["d2t"] = token_map
         tensors["t2d"] = t2d_of(token_map, target.vocab_size)
     return spec, tensors
+
+
+def medusa_vllm_problems(fmt: str, consumer: str, cfg: HeadConfig) -> list[str]:
+    """vLLM 0.12-0.32 (0.33 removed Medusa) build each head's lm_head over the full vocabulary and read a draft
+    vocabulary only as one lm_head shared by every head (original_lm_head, write_medusa_vllm)."""
+    spec = cfg.head_spec
+    if not cfg.draft_vocab_size or spec.options.lm_head != "per_head":
+        return []
+    return [f"vLLM 0.12-0.32 build each head's lm_heads.{{h}} over the full vocabulary (ParallelLMHead(vocab_size), "
+            f"its weight_loader asserts the rows) and read a draft vocabulary only as one lm_head shared by every "
+            f"head (original_lm_head), and this head has its own projection per head (head.medusa.lm_head per_head) "
+            f"over a {cfg.draft_vocab_size}-token draft vocabulary, which no full-vocabulary rows reproduce "
+            f"(vLLM <= 0.11 read it; 0.33 removed Medusa)"]
+
+
+def _is_medusa_vllm(config: dict) -> bool:
+    return config.get("model_type") == "medusa" or "num_heads" in config and "truncated_vocab_size" in config
+
+
+MEDUSA_VLLM = register_format(Format(
+    "medusa-vllm", rank=50, writer=write_medusa_vllm, reader=read_medusa_vllm, detect=_is_medusa_vllm,
+    detect_rank=30, loaders={"vllm": "vLLM's Medusa"}, problems=medusa_vllm_problems))

@@ -22,6 +22,7 @@ from specheads.heads.peagle import PEagleOptions
 from specheads.heads.export.common import (native_name, need, speculators_section, speculators_tensors,
                                            target_embedding)
 from specheads.heads.export.eagle3 import _ascending, ascending_fc, eagle3_llama_dict, read_eagle3_layer
+from specheads.heads.export.formats import register_variant
 from specheads.utils import SpecheadsError
 
 
@@ -74,3 +75,6 @@ def read_peagle(config: dict, sd: dict, target, where: str, w: str) -> tuple[Hea
     tensors.update(rest)
     tensors["mask_hidden"] = sd["mask_hidden"]
     return spec, tensors
+
+
+register_variant("speculators", "peagle", read_peagle)  # export/speculators.py dispatches on speculators_model_type

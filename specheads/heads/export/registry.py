@@ -1,5 +1,6 @@
-"""The formats and their dispatch: `export_head` writes a native head folder in a format (one writer per format,
-export/<family>.py), `import_head` detects a folder's layout and reads it back (one reader per layout). Consumer:
+"""The dispatch over the formats: `export_head` writes a native head folder in a format (the kind's own writer, else
+the format's: each family module, export/<family>.py, registers its `Format` with export/formats.py),
+`import_head` detects a folder's layout and reads it back (the registered format's reader). Consumer:
 `specheads export` (commands/export.py); the native format is our own (heads/base.py save_pretrained /
 load_head: HeadConfig and our state dict).
 
@@ -19,27 +20,21 @@ from specheads.heads.base import (
 )
 from specheads.heads.export.common import SPECULATIVE_TOKENS, check_keys, resolve_verifier
 from specheads.heads.export.consumers import check_consumers
-from specheads.heads.export.dspark import read_specforge
-from specheads.heads.export.eagle import read_eagle, read_eagle_vllm, write_eagle, write_eagle_vllm
-from specheads.heads.export.eagle3 import read_eagle3, write_eagle3
-from specheads.heads.export.medusa import read_medusa_vllm, write_medusa_vllm
-from specheads.heads.export.repos import EAGLE_REPO_LAYOUTS, import_rope, read_medusa_repo
-from specheads.heads.export.speculators import read_speculators, write_speculators
+from specheads.heads.export.formats import format_spec, formats, read_only_formats, writer_of, written_formats
+from specheads.heads.export.repos import import_rope
 from specheads.heads.kinds import kind_spec, kinds, resolve
 from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json, read_json
 
 log = logging.getLogger(__package__)  # the package's one logger, specheads.heads.export
 
-FORMATS = ("native", "eagle", "eagle-vllm", "eagle3", "speculators", "medusa-vllm", "specforge",
-           "gguf")  # gguf: heads/gguf.py
+NATIVE, GGUF = "native", "gguf"  # our own format (heads/base.py); llama.cpp's (heads/gguf.py, on an export from here)
 BLOCK_FORMATS = ("speculators", "specforge")  # the formats a dspark head exports to (speculators: dspark / dflash)
 _SKIP_ON_IMPORT = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")  # target's, not ours
 
-WRITERS = {"eagle": write_eagle, "eagle-vllm": write_eagle_vllm, "eagle3": write_eagle3,
-           "speculators": write_speculators, "medusa-vllm": write_medusa_vllm}
-READERS = {"eagle": read_eagle, "eagle-vllm": read_eagle_vllm, "medusa-vllm": read_medusa_vllm,
-           "medusa-repo": read_medusa_repo, "eagle3": read_eagle3, "speculators": read_speculators,
-           "specforge": read_specforge}
+
+def all_formats() -> tuple[str, ...]:
+    """The --format choices: native, the registered formats written through export/ in rank order, gguf."""
+    return (NATIVE, *written_formats(), GGUF)
 
 
 def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target=None,
@@ -54,9 +49,9 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target=None
     as their hub id). `consumers`: the readers to check the head against (default: the format's engines,
     `consumers_of(fmt, default_only=True)`); one that cannot read it is an error naming it and the reason.
     """
-    if fmt not in FORMATS:
-        raise SpecheadsError(f"--format: {fmt!r} is not one of {list(FORMATS)}")
-    if fmt == "gguf":  # heads/gguf.py builds on this package: it runs llama.cpp's converter on an eagle3 export
+    if fmt not in all_formats():
+        raise SpecheadsError(f"--format: {fmt!r} is not one of {list(all_formats())}")
+    if fmt == GGUF:  # heads/gguf.py builds on this package: it runs llama.cpp's converter on an eagle3 export
         raise SpecheadsError("--format gguf: written by specheads.heads.gguf.export_gguf (llama.cpp's converter), "
                              "as `specheads export --format gguf` does")
     head_dir = Path(head_dir)
@@ -64,23 +59,23 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target=None
     sd = read_safetensors(head_dir / WEIGHTS_NAME)
     where = str(head_dir / WEIGHTS_NAME)
     ks = kind_spec(cfg.kind)
-    if fmt != "native" and fmt not in ks.formats:  # the kind's KindSpec says the formats it is written in
+    if fmt != NATIVE and fmt not in ks.formats:  # the kind's KindSpec says the formats it is written in
         if fmt in ks.refused:
             raise SpecheadsError(f"--format {fmt}: {ks.refused[fmt]}")
         raise SpecheadsError(f"--format {fmt}: needs a {' or '.join(kinds_of_format(fmt))} head, {head_dir} holds "
                              f"a {cfg.kind} head")
-    if fmt != "native" and ks.exporter is not None:  # the kind writes its formats itself (DSpark / DFlash blocks)
+    if fmt != NATIVE and ks.exporter is not None:  # the kind writes its formats itself (DSpark / DFlash blocks)
         return resolve(ks.exporter)(cfg, sd, fmt, out_dir, where, verifier_name_or_path)
     # Every key our own head would have must be present (a truncated export is worse than none).
     expected = list(head_class(cfg.kind)(cfg).state_dict())  # built on CPU: small next to the checkpoint itself
     check_keys(sd, expected, where)
 
-    if fmt == "native":
+    if fmt == NATIVE:
         config, tensors = cfg.to_dict(), sd
     else:
         chosen = check_consumers(fmt, cfg, consumers, str(head_dir))
         verifier, note = resolve_verifier(cfg, verifier_name_or_path)
-        writer = resolve(ks.writers[fmt]) if fmt in ks.writers else WRITERS[fmt]  # the kind's own, or the format's
+        writer = resolve(ks.writers[fmt]) if fmt in ks.writers else writer_of(fmt)  # the kind's own, or the format's
         config, tensors, required = writer(cfg, sd, expected, target=target, where=str(head_dir), verifier=verifier,
                                            speculative_tokens=speculative_tokens)
         check_keys(tensors, required, f"export {fmt}")
@@ -112,30 +107,27 @@ def kinds_of_format(fmt: str) -> tuple[str, ...]:
 
 
 def __getattr__(name: str):
-    """KIND_OF_FORMAT: format -> the kinds written in it, a view of the kind registry (kept for importers)."""
+    """FORMATS (the --format choices), WRITERS / READERS (format -> its own writer / reader) and KIND_OF_FORMAT
+    (format -> the kinds written in it): views of the format and kind registries, kept for importers."""
+    if name == "FORMATS":
+        return all_formats()
+    if name == "WRITERS":
+        return {n: f.writer for n, f in formats().items() if f.writer is not None}
+    if name == "READERS":
+        return {n: f.reader for n, f in formats().items() if f.reader is not None}
     if name == "KIND_OF_FORMAT":
-        return {fmt: kinds_of_format(fmt) for fmt in FORMATS if kinds_of_format(fmt)}
+        return {fmt: kinds_of_format(fmt) for fmt in all_formats() if kinds_of_format(fmt)}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def detect_format(src: Path, config: dict) -> str:
+    """The layout of a folder from its config.json: native, else the first registered format (by detect_rank,
+    the more specific first) whose detect accepts it."""
     if "format_version" in config and "fingerprint" in config:
-        return "native"
-    if "speculators_model_type" in config:
-        return "speculators"
-    if "dflash_config" in config or config.get("model_type") == "dspark":
-        return "specforge"
-    if config.get("model_type") == "medusa" or "num_heads" in config and "truncated_vocab_size" in config:
-        return "medusa-vllm"
-    if "medusa_num_heads" in config:
-        return "medusa-repo"
-    archs = config.get("architectures") or []
-    if "eagle_fc_bias" in config or "EagleLlamaForCausalLM" in archs:
-        return "eagle-vllm"
-    if "Eagle3" in " ".join(archs) or "draft_vocab_size" in config or "eagle_config" in config:
-        return "eagle3"
-    if "hidden_size" in config and "num_hidden_layers" in config:
-        return "eagle"
+        return NATIVE
+    for f in sorted(formats().values(), key=lambda f: f.detect_rank):
+        if f.detect is not None and f.detect(config):
+            return f.name
     raise SpecheadsError(f"{src / CONFIG_NAME}: cannot tell the checkpoint format (no known keys)")
 
 
@@ -166,15 +158,16 @@ def import_head(src_dir: str | Path, target, fmt: str | None = None, rope_theta=
     if not isinstance(config, dict):
         raise SpecheadsError(f"{cpath}: expected a JSON object")
     fmt = fmt or detect_format(src, config)
-    if fmt == "native":
+    if fmt == NATIVE:
         return load_head(src, target)
-    if fmt not in READERS:
-        raise SpecheadsError(f"--format: {fmt!r} is not one of {list(FORMATS) + ['medusa-repo']}")
+    layout = format_spec(fmt)
+    if layout is None or layout.reader is None:
+        raise SpecheadsError(f"--format: {fmt!r} is not one of {list(all_formats()) + list(read_only_formats())}")
     wpath = _weights_file(src)
     sd = {k: v for k, v in read_safetensors(wpath).items() if k not in _SKIP_ON_IMPORT}
-    spec, tensors = READERS[fmt](config, sd, target, str(cpath), str(wpath))
+    spec, tensors = layout.reader(config, sd, target, str(cpath), str(wpath))
     cfg = HeadConfig.from_target(spec, target)
-    if fmt in EAGLE_REPO_LAYOUTS:
+    if layout.repo_rope:  # a layout the EAGLE repos save: their RoPE base may not be the target's
         cfg = import_rope(cfg, config, rope_theta, str(cpath))
     head = head_class(spec.kind)(cfg)
     load_state_checked(head, tensors, wpath)

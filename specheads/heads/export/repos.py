@@ -1,7 +1,7 @@
 """Checkpoints of the original research repos, imported as native heads. Loaders matched: FasterDecoding/Medusa's
 medusa/model/medusa_model.py and medusa_model_legacy.py (what medusa/train/train_legacy.py trains and saves);
 the EAGLE repos' folders (SafeAILab/EAGLE eagle/model/cnets1.py, cnets.py) have the `eagle` / `eagle3` layouts
-and are read by export/eagle.py and export/eagle3.py, their RoPE base by `import_rope` here: the repo builds its
+and are read by export/eagle.py and export/eagle3.py (their Format.repo_rope), their RoPE base by `import_rope` here: the repo builds its
 rotary embedding at `config.rope_theta` when the config has it, else at 10,000 (LlamaRotaryEmbedding's default;
 its own LLaMA-2 / Vicuna training configs omit the key), so a head imported at another base computes something
 else; a base that differs from the target's is refused unless `--rope-theta` says which to run.
@@ -17,10 +17,10 @@ import re
 
 from specheads.heads.base import HeadConfig, HeadSpec
 from specheads.heads.export.common import check_dims, need
+from specheads.heads.export.formats import Format, register_format
 from specheads.heads.medusa import MedusaHead
 from specheads.utils import SpecheadsError
 
-EAGLE_REPO_LAYOUTS = ("eagle", "eagle3")  # the layouts the EAGLE repos save, whose RoPE base import_rope reads
 REPO_ROPE_DEFAULT = 10000.0  # the EAGLE repo's base when its config has no rope_theta (cnets.py, cnets1.py)
 ROPE_CHOICES = ("checkpoint", "target")  # --rope-theta's words; a number is a base of its own
 
@@ -58,6 +58,11 @@ def read_medusa_repo(config: dict, sd: dict, target, where: str, w: str) -> tupl
     spec = HeadSpec(kind=MedusaHead.kind, num_heads=K, num_layers=n, medusa_lm_head="per_head" if own else "shared",
                     bias=any(k.endswith("linear.bias") for k in sd))
     return spec, tensors
+
+
+MEDUSA_REPO = register_format(Format(
+    "medusa-repo", rank=70, reader=read_medusa_repo, written=False,
+    detect=lambda config: "medusa_num_heads" in config, detect_rank=40))
 
 
 def checkpoint_rope_theta(config: dict) -> tuple[float, str]:

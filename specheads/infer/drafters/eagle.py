@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from specheads.heads.eagle import EagleHead
+from specheads.heads.eagle3 import Eagle3Head
 from specheads.infer.drafters.registry import DrafterKind, register_drafter
 from specheads.kvcache import drop_tail
 from specheads.infer.engine.protocol import DraftContext, Drafter
@@ -137,7 +139,7 @@ def _eagle(target, head, spec: TreeSpec) -> Drafter:
     return EagleDrafter(head, depth=spec.depth, top_k=spec.top_k, total_tokens=spec.total_tokens)
 
 
-EAGLE_KIND = register_drafter(DrafterKind("eagle", "dynamic", "an EAGLE head", _eagle, default_tree="5,8,48",
+EAGLE_KIND = register_drafter(DrafterKind(EagleHead.kind, "dynamic", "an EAGLE head", _eagle, default_tree="5,8,48",
                                          head=True))
-EAGLE3_KIND = register_drafter(DrafterKind("eagle3", "dynamic", "an EAGLE-3 head", _eagle, default_tree="5,8,48",
-                                          head=True))
+EAGLE3_KIND = register_drafter(DrafterKind(Eagle3Head.kind, "dynamic", "an EAGLE-3 head", _eagle,
+                                          default_tree="5,8,48", head=True))

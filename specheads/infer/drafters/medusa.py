@@ -7,7 +7,7 @@ import torch
 from specheads.infer.drafters.registry import DrafterKind, register_drafter
 from specheads.infer.engine.protocol import DraftContext, Drafter
 from specheads.infer.tree import DEFAULT_MEDUSA_CHOICES, DraftTree, chain_tree, normalize_choices, tree_from_choices
-from specheads.infer.treespec import TreeSpec
+from specheads.infer.treespec import TreeSpec, name_static_tree
 
 
 class MedusaDrafter(Drafter):
@@ -47,3 +47,4 @@ def _medusa(target, head, spec: TreeSpec) -> Drafter:
 
 
 KIND = register_drafter(DrafterKind("medusa", "static", "a Medusa head", _medusa, default_tree="default", head=True))
+name_static_tree(KIND.name, DEFAULT_MEDUSA_CHOICES)  # --tree medusa: the Medusa paper's tree, as --tree default

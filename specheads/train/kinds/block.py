@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from specheads.heads.dspark import DSparkHead
 from specheads.train.kinds.base import Drafts, HeadKind, States, draft_vocab, split_features, unwrap
 from specheads.train.losses import LossOutput, dspark_loss
 from specheads.train.teacher import has_sidecar, in_draft_vocab, lm_head_logits, target_greedy
@@ -98,7 +99,7 @@ def loss(head, batch: dict, h_in: torch.Tensor, h_last: torch.Tensor, target, se
     keep = avalid  # [B,A]: padding blocks leave the loss entirely
     return dspark_loss(logits[keep], None if conf is None else conf[keep], tgt[keep], lse[keep], ok[keep],
                        valid[keep], gamma=settings.block.gamma, alpha=settings.block.confidence_alpha,
-                       loss=settings.distill("dspark"), weighting=settings.block.weighting,
+                       loss=settings.distill(DSparkHead.kind), weighting=settings.block.weighting,
                        dpace_alpha=settings.block.dpace_alpha)
 
 
@@ -192,4 +193,4 @@ def states(head, batch: dict, h_in: torch.Tensor, visited: States) -> torch.Tens
     return logits[visited.b, slot, visited.depth]
 
 
-KIND = HeadKind("dspark", loss, drafts, states)
+KIND = HeadKind(DSparkHead.kind, loss, drafts, states)  # the dspark kind's step (its KindSpec.train_step)
