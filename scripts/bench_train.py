@@ -59,8 +59,8 @@ def per_kind(a, target) -> None:
     print(f"{'kind':8s} {'target fwd s':>12s} {'head step s':>12s} {'online tok/s':>12s} {'offline tok/s':>13s} "
           f"{'target share':>12s}")
     for kind in a.kinds:
-        spec = HeadSpec(kind=kind, num_heads=3, ttt_steps=a.ttt_steps,
-                        draft_vocab_size=a.draft_vocab if kind == "eagle3" else None)
+        own = {"medusa": {"num_heads": 3}, "eagle3": {"ttt_steps": a.ttt_steps}}.get(kind, {})  # head.<kind>
+        spec = HeadSpec(kind=kind, draft_vocab_size=a.draft_vocab if kind == "eagle3" else None, **own)
         head = build_head(spec, target)
         layers = sorted(set(head.config.feature_layers) | {L})
         opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)

@@ -318,8 +318,9 @@ def training(device: str, tiny: bool) -> dict:
     out = {"batch": B, "seq_len": T, "timed_steps": steps, "kinds": {}}
     L = target.num_layers
     for kind in HEAD_KINDS:
-        spec = HeadSpec(kind=kind, num_heads=3, ttt_steps=3 if tiny else 7,
-                        draft_vocab_size=min(8192, target.vocab_size // 4) if kind == "eagle3" else None)
+        own = {"medusa": {"num_heads": 3}, "eagle3": {"ttt_steps": 3 if tiny else 7}}.get(kind, {})  # head.<kind>
+        spec = HeadSpec(kind=kind, draft_vocab_size=min(8192, target.vocab_size // 4) if kind == "eagle3" else None,
+                        **own)
         head = build_head(spec, target, token_counts=torch.arange(float(target.vocab_size)))
         layers = sorted(set(head.config.feature_layers) | {L})
         opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)

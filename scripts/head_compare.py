@@ -33,6 +33,7 @@ def row(run: Path) -> dict:
                 hist[-1])
     cfg = _load(run / "best" / "config.json") or _load(run / "final" / "config.json")
     spec = cfg.get("spec", {})
+    spec = {**spec, **(spec.get(spec.get("kind")) or {})}  # the kind's own section (a flat spec: as it is)
     before, after = calib.get("odd_before", {}), calib.get("odd_after", {})
     surv = [v for k, v in after.items() if k.startswith("surv_ece_")]
     null = calib.get("odd_after_null", {})

@@ -8,6 +8,10 @@ are checked against the field types and by each dataclass's `__post_init__`;
 Nested dataclasses are sections (`train.block.gamma=3`). A section that renamed keys lists them in a class attribute
 `RENAMED_KEYS = {old: new}` (keys relative to the section, `new` may be dotted): an old key in a file or an override
 is read as its new one, with one warning line naming old -> new; the same setting under both names is an error.
+A section whose keys depend on its contents (heads/headspec.py HeadSpec: the kind's own section is named after
+head.kind) gives them with the classmethods `section_keys(data) -> {key: type}` and `section_renames(data) ->
+{old: new}` (instead of its fields and RENAMED_KEYS), a `SELECTOR` field that picks them (its overrides are
+applied first), and writes itself with `to_section()`.
 A YAML file may hold a top-level `command:` string (the command that runs it,
 torchtune style); it is documentation and is ignored here.
 """
@@ -100,12 +104,28 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
-def _from_dict(cls: type[T], data: dict, where: str) -> T:
+def _keys(cls: type, data: Any = None) -> dict[str, Any]:
+    """{key: type} a section of `cls` holding `data` takes: its fields, or its `section_keys` hook's."""
+    hook = getattr(cls, "section_keys", None)
+    if hook is not None:
+        return hook(data if isinstance(data, dict) else {})
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = [k for k in data if k not in fields]
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _renames(cls: type, data: Any = None) -> dict[str, str]:
+    """{old key: new} of a section of `cls` holding `data`: its `section_renames` hook's, or RENAMED_KEYS."""
+    hook = getattr(cls, "section_renames", None)
+    if hook is not None:
+        return hook(data if isinstance(data, dict) else {})
+    return getattr(cls, "RENAMED_KEYS", {})
+
+
+def _from_dict(cls: type[T], data: dict, where: str) -> T:
+    hints = _keys(cls, data)
+    unknown = [k for k in data if k not in hints]
     if unknown:
-        raise SpecheadsError(f"{where + ': ' if where else ''}unknown key(s) {unknown}; known keys: {sorted(fields)}")
+        raise SpecheadsError(f"{where + ': ' if where else ''}unknown key(s) {unknown}; known keys: {sorted(hints)}")
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
     try:
         obj = cls(**kwargs)
@@ -115,7 +135,14 @@ def _from_dict(cls: type[T], data: dict, where: str) -> T:
 
 
 def config_to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
+    """A config as plain data (dataclasses.asdict, except that a section with `to_section` writes itself)."""
+    if hasattr(cfg, "to_section"):
+        return cfg.to_section()
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        out[f.name] = config_to_dict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else _deepcopy(v)
+    return out
 
 
 def flatten_config(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -174,10 +201,10 @@ def _set_dotted(data: dict, cls: type, key: str, raw: str, flag: str) -> None:
     parts = key.split(".")
     cur_cls, cur = cls, data
     for i, p in enumerate(parts):
-        fields = {f.name: f for f in dataclasses.fields(cur_cls)}
+        fields = _keys(cur_cls, cur)
         if p not in fields:
             raise SpecheadsError(f"{flag}: unknown key {'.'.join(parts[: i + 1])!r}; known keys here: {sorted(fields)}")
-        tp = typing.get_type_hints(cur_cls)[p]
+        tp = fields[p]
         if i == len(parts) - 1:
             cur[p] = _coerce(_parse_override(raw, tp, flag), tp, flag)  # a bad value names the flag, not the file
         else:
@@ -189,13 +216,14 @@ def _set_dotted(data: dict, cls: type, key: str, raw: str, flag: str) -> None:
             cur_cls = tp
 
 
-def renamed_keys(cls: type, prefix: str = "") -> dict[str, str]:
-    """{old dotted key: new dotted key} over `cls` and its sections (their RENAMED_KEYS)."""
-    out = {f"{prefix}{old}": f"{prefix}{new}" for old, new in getattr(cls, "RENAMED_KEYS", {}).items()}
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if _is_dc_type(hints[f.name]):
-            out.update(renamed_keys(hints[f.name], f"{prefix}{f.name}."))
+def renamed_keys(cls: type, prefix: str = "", data: Any = None) -> dict[str, str]:
+    """{old dotted key: new dotted key} over `cls` and its sections (their RENAMED_KEYS); `data` (a config dict,
+    e.g. config_to_dict of the recipe) for the sections whose renames depend on their contents."""
+    data = data if isinstance(data, dict) else {}
+    out = {f"{prefix}{old}": f"{prefix}{new}" for old, new in _renames(cls, data).items()}
+    for name, tp in _keys(cls, data).items():
+        if _is_dc_type(tp):
+            out.update(renamed_keys(tp, f"{prefix}{name}.", data.get(name)))
     return out
 
 
@@ -206,8 +234,9 @@ def _both_names(old: str, new: str) -> SpecheadsError:
 def _upgrade(cls: type, data: dict, where: str, renames: list[tuple[str, str]]) -> dict:
     """A section's mapping with its old keys (cls.RENAMED_KEYS) moved to their new ones, sections recursively. An
     old name that is also a section now (`lora`) is old only when its value is not a mapping."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    old_map = getattr(cls, "RENAMED_KEYS", {})
+    hints = _keys(cls, data)
+    fields = set(hints)
+    old_map = _renames(cls, data)
     out, moved = {}, []
     for k, v in data.items():
         if k in old_map and not (k in fields and isinstance(v, dict)):
@@ -226,21 +255,31 @@ def _upgrade(cls: type, data: dict, where: str, renames: list[tuple[str, str]]) 
             raise _both_names(old, new)
         cur[last] = v
         renames.append((old, new))
-    hints = typing.get_type_hints(cls)
     for k, v in out.items():
         if k in fields and isinstance(v, dict) and _is_dc_type(hints[k]):
             out[k] = _upgrade(hints[k], v, f"{where}.{k}" if where else k, renames)
     return out
 
 
-def _field_type(cls: type, key: str) -> Any:
-    """The annotated type of dotted `key` in `cls`, or None when it names no field."""
+def _field_type(cls: type, key: str, data: Any = None) -> Any:
+    """The annotated type of dotted `key` in `cls` (holding `data`), or None when it names no field."""
     tp: Any = cls
     for p in key.split("."):
-        if not _is_dc_type(tp) or p not in {f.name for f in dataclasses.fields(tp)}:
+        keys = _keys(tp, data) if _is_dc_type(tp) else {}
+        if p not in keys:
             return None
-        tp = typing.get_type_hints(tp)[p]
+        tp, data = keys[p], data.get(p) if isinstance(data, dict) else None
     return tp
+
+
+def _selectors(cls: type, prefix: str = "") -> list[str]:
+    """Dotted keys of the SELECTOR fields of `cls`'s sections (a field that picks its section's other keys)."""
+    out = [f"{prefix}{cls.SELECTOR}"] if getattr(cls, "SELECTOR", None) else []
+    if getattr(cls, "section_keys", None) is None:
+        for name, tp in _keys(cls).items():
+            if _is_dc_type(tp):
+                out += _selectors(tp, f"{prefix}{name}.")
+    return out
 
 
 def upgrade_flat(flat: dict[str, Any], renamed: dict[str, str], where: str) -> dict[str, Any]:
@@ -283,21 +322,27 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
             raise SpecheadsError(f"{path}: expected a mapping at the top level")
         data = {k: v for k, v in loaded.items() if k not in DOC_KEYS}
     renames: list[tuple[str, str]] = []
+    data = _deepcopy(data)
+    selectors = _selectors(cls)
+    for ov in overrides:  # a selector first: the file's old keys are read for the section it picks
+        given, _, raw = ov.partition("=")
+        if given.strip() in selectors:
+            _set_dotted(data, cls, given.strip(), raw, f"override {ov!r}")
     try:
-        data = _upgrade(cls, _deepcopy(data), "", renames)
+        data = _upgrade(cls, data, "", renames)
     except SpecheadsError as e:
         raise SpecheadsError(f"{where}: {e}" if where else str(e)) from None
     said = [f"{old} -> {new} ({where})" for old, new in renames]
     flags: dict[str, str] = {}  # dotted key -> the override that set it
     spelled: dict[str, str] = {}  # dotted key -> how an override spelled it
-    renamed = renamed_keys(cls)
+    renamed = renamed_keys(cls, data=data)
     for ov in overrides:
         if "=" not in ov:
             raise SpecheadsError(f"override {ov!r}: expected key.sub=value")
         given, raw = ov.split("=", 1)
         given = given.strip()
         key = given
-        if given in renamed and not (_is_dc_type(_field_type(cls, given)) and raw.lstrip().startswith("{")):
+        if given in renamed and not (_is_dc_type(_field_type(cls, given, data)) and raw.lstrip().startswith("{")):
             key = renamed[given]
             said.append(f"{given} -> {key} (override {ov!r})")
         if spelled.get(key, given) != given:

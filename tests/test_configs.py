@@ -42,7 +42,7 @@ def test_recipe_loads_and_names_its_command(path):
         stem = stem[1:]
     assert stem[0].startswith(("demo", "prepare") + names)
     if recipe.head.kind == "dspark" and stem[0] == "dflash":
-        assert recipe.head.markov_rank == 0 and not recipe.head.confidence_head
+        assert recipe.head.options.markov_rank == 0 and not recipe.head.options.confidence_head
     if recipe.train.lora.enabled:
         assert recipe.head.kind == "medusa" and recipe.features.mode == "online"
     if recipe.train.deepspeed:

@@ -229,19 +229,19 @@ def test_sampling_is_lossless_end_to_end():
 
 
 def test_bad_specs_are_refused(tiny):
-    with pytest.raises(SpecheadsError, match="head.markov_rank / head.confidence_head"):
+    with pytest.raises(SpecheadsError, match=r"head\.dflash2\.markov_rank / head\.dflash2\.confidence_head"):
         HeadSpec(kind="dflash2", block_size=4)  # the DSpark defaults: Markov and confidence heads on
     with pytest.raises(SpecheadsError, match="head.draft_vocab_size: DFlash2 drafts over the full vocabulary"):
         HeadSpec(**{**BASE, "draft_vocab_size": 100})
-    with pytest.raises(SpecheadsError, match="head.conv_kernel_size: 5 taps exceed the block's 4 slots"):
+    with pytest.raises(SpecheadsError, match="head.dflash2.conv_kernel_size: 5 taps exceed the block's 4 slots"):
         HeadSpec(**{**BASE, "conv_kernel_size": 5})
-    with pytest.raises(SpecheadsError, match="head.selector_top_k: must be >= 1"):
+    with pytest.raises(SpecheadsError, match="head.dflash2.selector_top_k: must be >= 1"):
         HeadSpec(**{**BASE, "selector_top_k": 0})
-    with pytest.raises(SpecheadsError, match="head.conv_group_size: 24 does not divide the target's hidden size 64"):
+    with pytest.raises(SpecheadsError, match="head.dflash2.conv_group_size: 24 does not divide the target's hidden size 64"):
         build_head(HeadSpec(**{**BASE, "conv_group_size": 24}), tiny)
-    with pytest.raises(SpecheadsError, match="head.selector_top_k: 300 exceeds the vocabulary 256"):
+    with pytest.raises(SpecheadsError, match="head.dflash2.selector_top_k: 300 exceeds the vocabulary 256"):
         build_head(HeadSpec(**{**BASE, "selector_top_k": 300}), tiny)
-    with pytest.raises(SpecheadsError, match="head.anchor_features"):
+    with pytest.raises(SpecheadsError, match="head.dflash2.anchor_features"):
         HeadSpec(**{**BASE, "anchor_features": True})
 
 
@@ -304,7 +304,7 @@ def test_speculators_package_loads_and_runs_our_export(tiny, tmp_path, kw):
     assert got["class"] == "DFlash2DraftModel" and got["config"] == "DFlash2SpeculatorConfig"
     assert got["algorithm"] == "dflash2" and got["embed_is_verifier"] and got["loss_finite"]
     assert got["block_size"] == 4 and got["anchors"] == 4 and got["aux_ids"] == [1, 2, 3]
-    assert got["sample_from_anchor"] == s.sample_from_anchor and got["top_k"] == s.selector_top_k
-    assert got["conv"] == [s.conv_kernel_size, s.conv_group_size] and got["selector_rank"] == s.selector_rank
+    assert got["sample_from_anchor"] == s.options.sample_from_anchor and got["top_k"] == s.options.selector_top_k
+    assert got["conv"] == [s.options.conv_kernel_size, s.options.conv_group_size] and got["selector_rank"] == s.options.selector_rank
     assert got["same_candidates"] and got["verifier"] == str(tmp_path / "verifier")
     assert max(diffs.values()) < 1e-4, diffs

@@ -83,11 +83,11 @@ def test_base_weight_schedule_by_hand():
 
 @pytest.mark.parametrize("bad,match", [({"markov_rank": 8}, "markov_rank"),
                                        ({"sample_from_anchor": False}, "sample_from_anchor"),
-                                       ({"domino_prefix_len": 9}, "domino_prefix_len"),
-                                       ({"domino_gru_hidden": 0}, "domino_gru_hidden"),
+                                       ({"domino_prefix_len": 9}, "prefix_len"),
+                                       ({"domino_gru_hidden": 0}, "gru_hidden"),
                                        ({"anchor_features": True}, "anchor_features")])
 def test_bad_specs_give_one_clear_error(bad, match):
-    with pytest.raises(SpecheadsError, match=f"head.{match}"):
+    with pytest.raises(SpecheadsError, match=rf"head\.domino\.{match}"):
         HeadSpec(**{**BASE, **bad})
 
 

@@ -64,7 +64,7 @@ def test_training_forward_equals_draft_block(tiny, kw):
     assert cache.length == p
     logits, conf = head.draft_block(cache, ids[0, p])
     K = head.num_drafts
-    assert logits.shape == (K, head.config.out_vocab) and (conf is None) == (not head.spec.confidence_head)
+    assert logits.shape == (K, head.config.out_vocab) and (conf is None) == (not head.spec.options.confidence_head)
     drafted = head.to_target_ids(logits.argmax(-1))
     forced = ids.clone()
     forced[0, p + 1:p + 1 + K] = drafted  # the data continues with the drafts: teacher forcing = greedy chain
@@ -443,9 +443,10 @@ def test_export_import_round_trip_bit_exact(tiny, tmp_path, fmt, kw):
     head.save_pretrained(tmp_path / "h")
     export_head(tmp_path / "h", fmt, tmp_path / "out")
     back = import_head(tmp_path / "out", tiny)
-    assert back.kind == "dspark" and back.spec.block_size == 4 and back.config.feature_layers == [1, 2, 3]
-    for k in ("markov_rank", "markov_head_type", "confidence_head", "sample_from_anchor", "mask_token_id",
-              "num_layers", "draft_vocab_size"):
+    assert back.kind == "dspark" and back.spec.options.block_size == 4 and back.config.feature_layers == [1, 2, 3]
+    for k in ("markov_rank", "markov_head_type", "confidence_head", "sample_from_anchor"):
+        assert getattr(back.spec.options, k) == getattr(head.spec.options, k), k
+    for k in ("mask_token_id", "num_layers", "draft_vocab_size"):
         assert getattr(back.spec, k) == getattr(head.spec, k), k
     _same_state(head, back, skip=("conf_temperature", "conf_bias"))
     assert bool((back.conf_temperature == 1).all()) and bool((back.conf_bias == 0).all())
@@ -462,10 +463,10 @@ def test_anchor_features_head_stays_native_and_its_exports_are_refused(tiny, tmp
     for fmt, loader in [("speculators", "speculators. DSparkDraftModel"),
                         ("specforge", "SpecForge.s DSparkDraftModel")]:
         with pytest.raises(SpecheadsError, match=rf"--format {fmt}: .*{loader}.* cannot run this head: .*"
-                                                 "head.anchor_features"):
+                                                 "head.dspark.anchor_features"):
             export_head(tmp_path / "h", fmt, tmp_path / fmt)
         assert not (tmp_path / fmt).exists()
-    with pytest.raises(SpecheadsError, match="head.anchor_features: a DSpark block-drafter switch"):
+    with pytest.raises(SpecheadsError, match="head.anchor_features: a setting of .*dspark.* heads, not of an EAGLE-3"):
         HeadSpec(kind="eagle3", anchor_features=True)
 
 
@@ -508,7 +509,7 @@ def test_export_layouts_match_the_consumers_contracts(tiny, tmp_path):
     for kw, name in ((dict(sample_from_anchor=False), "DSparkDraftModel"),
                      (dict(markov_rank=0, confidence_head=False), "DFlashDraftModel")):  # SpecForge's alignments
         _head(tiny, **kw).save_pretrained(tmp_path / "a")
-        with pytest.raises(SpecheadsError, match=rf"--format specforge: .* head.sample_from_anchor .*{name} reads "
+        with pytest.raises(SpecheadsError, match=rf"--format specforge: .* head\.dspark\.sample_from_anchor .*{name} reads "
                                                  "slot k as the draft of"):
             export_head(tmp_path / "a", "specforge", tmp_path / "x")
 
@@ -516,16 +517,16 @@ def test_export_layouts_match_the_consumers_contracts(tiny, tmp_path):
 def test_bad_inputs_give_one_clear_error(tiny, tmp_path):
     from specheads.target import tiny_target
 
-    with pytest.raises(SpecheadsError, match="head.block_size: 1 drafts nothing"):
+    with pytest.raises(SpecheadsError, match="head.dspark.block_size: 1 drafts nothing"):
         HeadSpec(kind="dspark", block_size=1, sample_from_anchor=False)
-    with pytest.raises(SpecheadsError, match="head.block_size"):
+    with pytest.raises(SpecheadsError, match="head.dspark.block_size: must be >= 1"):
         HeadSpec(kind="dspark", block_size=0)
     positions = tiny.max_positions
-    with pytest.raises(SpecheadsError, match=f"head.block_size: .* does not fit the {positions} positions"):
+    with pytest.raises(SpecheadsError, match=f"head.dspark.block_size: .* does not fit the {positions} positions"):
         build_head(HeadSpec(kind="dspark", block_size=positions, feature_layers=[1, 2, 3]), tiny)
     with pytest.raises(SpecheadsError, match=r"head.feature_layers: 9 is outside 0..4"):
         build_head(HeadSpec(kind="dspark", feature_layers=[1, 9]), tiny)
-    with pytest.raises(SpecheadsError, match="head.confidence_with_markov: needs head.markov_rank > 0"):
+    with pytest.raises(SpecheadsError, match="head.dspark.confidence_with_markov: needs head.dspark.markov_rank > 0"):
         HeadSpec(kind="dspark", markov_rank=0)
     with pytest.raises(SpecheadsError, match="head.mask_token_id: 999 is outside the target vocab"):
         build_head(HeadSpec(kind="dspark", mask_token_id=999, feature_layers=[1, 2, 3]), tiny)
@@ -589,11 +590,11 @@ def test_speculators_package_loads_and_runs_our_export(tiny, tmp_path, kw):
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     diffs = got.pop("max_abs_diff")
-    kind = "dflash" if not head.spec.confidence_head and head.spec.markov_rank == 0 else "dspark"
+    kind = "dflash" if not head.spec.options.confidence_head and head.spec.options.markov_rank == 0 else "dspark"
     assert got["class"] == {"dspark": "DSparkDraftModel", "dflash": "DFlashDraftModel"}[kind]
     assert got["embed_is_verifier"]  # its load_verifier_weights overwrites the embedding (dflash/core.py)
     assert got["block_size"] == 4 and got["anchors"] == 4 and got["aux_ids"] == [1, 2, 3]
-    assert got["sample_from_anchor"] == head.spec.sample_from_anchor and got["verifier"] == str(tmp_path / "verifier")
+    assert got["sample_from_anchor"] == head.spec.options.sample_from_anchor and got["verifier"] == str(tmp_path / "verifier")
     assert set(diffs) == ({"logits", "targets", "conf"} if conf is not None else {"logits", "targets"})
     assert max(diffs.values()) < 1e-4, diffs
 
@@ -644,15 +645,15 @@ def test_specforge_builds_and_runs_our_export(tiny, tmp_path, kw):
     with torch.no_grad():
         logits, conf = head(f, toks, torch.tensor([anchors]))
     got, out = run_specforge_load(tmp_path / "sf", tiny, f, toks, anchors, tmp_path)
-    dspark = head.spec.markov_rank > 0 or head.spec.confidence_head
+    dspark = head.spec.options.markov_rank > 0 or head.spec.options.confidence_head
     assert got == {"ok": True, "class": "DSparkDraftModel" if dspark else "DFlashDraftModel", "config": "Qwen3Config",
                    "model_type": "qwen3", "checked": len(load_file(str(tmp_path / "sf" / "model.safetensors"))),
                    "block_size": 4, "anchors": 4, "target_layer_ids": [0, 1, 2], "mask_token_id": 0,
                    "markov_head": {"vanilla": "VanillaMarkovHead", "gated": "GatedMarkovHead", "rnn": "RNNMarkovHead",
-                                   None: "NoneType"}[head.spec.markov_head_type if head.spec.markov_rank else None],
-                   "confidence_head": head.spec.confidence_head,
-                   "confidence_head_with_markov": head.spec.confidence_head and head.spec.confidence_with_markov}
-    theirs = out["logits"][:, 0 if head.spec.sample_from_anchor else 1:]
+                                   None: "NoneType"}[head.spec.options.markov_head_type if head.spec.options.markov_rank else None],
+                   "confidence_head": head.spec.options.confidence_head,
+                   "confidence_head_with_markov": head.spec.options.confidence_head and head.spec.options.confidence_with_markov}
+    theirs = out["logits"][:, 0 if head.spec.options.sample_from_anchor else 1:]
     assert theirs.shape == logits[0].shape
     torch.testing.assert_close(theirs, logits[0], atol=1e-4, rtol=1e-4)
     assert torch.equal(theirs.argmax(-1), logits[0].argmax(-1))
@@ -675,7 +676,7 @@ def test_specforge_folders_of_our_earlier_layout_still_import(tiny, tmp_path):
     (tmp_path / "sf" / "config.json").write_text(json.dumps(old))
     back = import_head(tmp_path / "sf", tiny)
     _same_state(head, back, skip=("conf_temperature", "conf_bias"))
-    assert (back.spec.markov_head_type, back.spec.confidence_with_markov, back.spec.sample_from_anchor) == \
+    assert (back.spec.options.markov_head_type, back.spec.options.confidence_with_markov, back.spec.options.sample_from_anchor) == \
         ("rnn", False, True)
     for k in fields:  # SpecForge's own layout: the fields in dflash_config alone
         del cfg[k]
@@ -729,10 +730,10 @@ def test_specforge_export_as_sglang_reads_it(tiny, tmp_path, kw):
     cfg = json.loads((tmp_path / "sf" / "config.json").read_text())
     got, spec = _sglang_dspark_reading(cfg), head.spec
     want = {"block_size": 4, "target_layer_ids": [0, 1, 2], "mask_token_id": 0}
-    if spec.markov_rank:
-        want.update({"class": "DSparkDraftModel", "markov_rank": 16, "markov_head_type": spec.markov_head_type,
-                     "sample_from_anchor": True, "model_markov": (16, spec.markov_head_type),
-                     "confidence_head_with_markov": spec.confidence_with_markov})
+    if spec.options.markov_rank:
+        want.update({"class": "DSparkDraftModel", "markov_rank": 16, "markov_head_type": spec.options.markov_head_type,
+                     "sample_from_anchor": True, "model_markov": (16, spec.options.markov_head_type),
+                     "confidence_head_with_markov": spec.options.confidence_with_markov})
     else:
         want["class"] = "DFlashDraftModel"
     assert got == want
@@ -740,7 +741,7 @@ def test_specforge_export_as_sglang_reads_it(tiny, tmp_path, kw):
     extra = {"vanilla": set(), "gated": {"gate_proj.weight", "gate_proj.bias"},
              "rnn": {"joint_proj.weight", "joint_proj.bias"}}  # dspark.py VanillaMarkov / GatedMarkovHead / RNNHead
     markov = {k[len("markov_head."):] for k in keys if k.startswith("markov_head.")}
-    assert markov == ({"markov_w1.weight", "markov_w2.weight"} | extra[spec.markov_head_type] if spec.markov_rank
+    assert markov == ({"markov_w1.weight", "markov_w2.weight"} | extra[spec.options.markov_head_type] if spec.options.markov_rank
                       else set())
     conf = {k for k in keys if k.startswith("confidence_head.")}
-    assert conf == ({"confidence_head.proj.weight", "confidence_head.proj.bias"} if spec.confidence_head else set())
+    assert conf == ({"confidence_head.proj.weight", "confidence_head.proj.bias"} if spec.options.confidence_head else set())

@@ -122,7 +122,7 @@ def test_token_codes_and_readouts_from_the_target_lm_head(tiny):
     proj = (n - n.mean(0)) @ R.T  # the codes are these projections whitened per direction, then normalised
     scale = proj.std(0, unbiased=False)
     torch.testing.assert_close(codes, F.normalize(proj / scale, dim=-1), atol=1e-4, rtol=1e-4)
-    with pytest.raises(SpecheadsError, match="dspine_transfer_rank: 65 must be within 1..64"):
+    with pytest.raises(SpecheadsError, match=r"head\.dspine\.transfer_rank: 65 must be within 1..64"):
         build_head(HeadSpec(**{**BASE, "dspine_transfer_rank": 65}), tiny)
 
 
@@ -251,8 +251,8 @@ def test_train_step_replaces_and_moves_every_part(tiny):
 def test_spec_checks():
     for kw, msg in [({"sample_from_anchor": True}, "sample_from_anchor"), ({"markov_rank": 4}, "markov_rank"),
                     ({"confidence_head": True, "confidence_with_markov": False}, "confidence_head"),
-                    ({"dspine_top_k": 0}, "dspine_top_k"), ({"dspine_write_std": -1.0}, "dspine_write_std")]:
-        with pytest.raises(SpecheadsError, match=f"head.{msg}"):
+                    ({"dspine_top_k": 0}, "top_k"), ({"dspine_write_std": -1.0}, "write_std")]:
+        with pytest.raises(SpecheadsError, match=rf"head\.dspine\.{msg}"):
             HeadSpec(**{**BASE, **kw})
 
 

@@ -89,9 +89,9 @@ def test_switches_off_are_eagle3(tiny):
         torch.testing.assert_close(h, o, atol=1e-5, rtol=1e-5)  # the pre-norm state goes on
         torch.testing.assert_close(lg, logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(head(f, x, steps=1)[0], logits, atol=1e-5, rtol=1e-5)
-    for kind in (k for k in kind_names() if not set(ON) & set(kind_spec(k).switches)):  # every kind but EAGLE-3
+    for kind in (k for k in kind_names() if k != "eagle3"):  # every other kind: not one of its settings
         for name in ON:
-            with pytest.raises(SpecheadsError, match=f"head.{name}: an EAGLE-3 .* switch; head.kind is '{kind}'"):
+            with pytest.raises(SpecheadsError, match=f"head.{name}: a setting of eagle3 heads, not of "):
                 HeadSpec(kind=kind, **{**kind_spec(kind).example, name: True})  # a valid head of that kind
 
 
@@ -154,7 +154,7 @@ def test_training_moves_every_head_weight_and_not_the_target(tiny, tmp_path):
     assert {f"fc_norm.{i}.weight" for i in range(3)} <= changed
     assert res.steps == 2 and 1.0 <= res.history[-1]["tau_chain"]
     final = load_head(tmp_path / "final", tiny)
-    assert final.spec.fc_norm and final.spec.norm_output
+    assert final.spec.options.fc_norm and final.spec.options.norm_output
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -174,7 +174,7 @@ def test_native_save_load_round_trip(tiny, tmp_path):
     head = _head(tiny, **ON)
     head.save_pretrained(tmp_path / "h")
     spec = json.loads((tmp_path / "h" / "config.json").read_text())["spec"]
-    assert spec["fc_norm"] is True and spec["norm_output"] is True
+    assert spec["eagle3"]["fc_norm"] is True and spec["eagle3"]["norm_output"] is True
     back = load_head(tmp_path / "h", tiny)
     sd, sd2 = head.state_dict(), back.state_dict()
     assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
@@ -185,7 +185,7 @@ def test_native_save_load_round_trip(tiny, tmp_path):
     _head(tiny).save_pretrained(tmp_path / "old")
     cfg = json.loads((tmp_path / "old" / "config.json").read_text())
     for name in ON:
-        del cfg["spec"][name]
+        del cfg["spec"]["eagle3"][name]
     (tmp_path / "old" / "config.json").write_text(json.dumps(cfg))
     old = load_head(tmp_path / "old", tiny)
     assert old.fc_norm is None and not old.norm_output
@@ -203,7 +203,7 @@ def test_speculators_export_carries_both_and_imports_back(tiny, tmp_path):
     for i, j in enumerate([1, 2, 0]):  # layers [3, 1, 2]: ascending 1, 2, 3 are config positions 1, 2, 0
         assert torch.equal(sd[f"fc_norm.{i}.weight"], head.state_dict()[f"fc_norm.{j}.weight"])
     back = import_head(tmp_path / "s", tiny)
-    assert back.spec.fc_norm and back.spec.norm_output and back.config.feature_layers == [1, 2, 3]
+    assert back.spec.options.fc_norm and back.spec.options.norm_output and back.config.feature_layers == [1, 2, 3]
     f, x = _inputs()
     theirs = torch.cat([f.chunk(3, -1)[j] for j in (1, 2, 0)], -1)
     with torch.no_grad():
@@ -244,7 +244,7 @@ def test_consumers_that_cannot_carry_it_refuse_in_one_line(tiny, tmp_path, switc
     out = json.loads((tmp_path / "e" / "config.json").read_text())
     assert {n: out.get(n) for n in ON} == {n: switches.get(n) for n in ON}
     back = import_head(tmp_path / "e", tiny)
-    assert (back.spec.fc_norm, back.spec.norm_output) == (bool(switches.get("fc_norm")),
+    assert (back.spec.options.fc_norm, back.spec.options.norm_output) == (bool(switches.get("fc_norm")),
                                                           bool(switches.get("norm_output")))
     export_head(tmp_path / "h", "speculators", tmp_path / "s", target=tiny)  # speculators and vLLM >= 0.34
     assert json.loads((tmp_path / "s" / "config.json").read_text())["specheads"]["consumers"] == ["speculators",
@@ -309,7 +309,7 @@ def test_sglang_and_vllm_read_the_eagle31_export(tiny, tmp_path, switches, fmt):
 
 def test_recipe_turns_both_on():
     recipe = load_config(Recipe, ROOT / "configs" / "eagle31-smollm2.yaml")
-    assert recipe.head.kind == "eagle3" and recipe.head.fc_norm and recipe.head.norm_output
+    assert recipe.head.kind == "eagle3" and recipe.head.options.fc_norm and recipe.head.options.norm_output
     assert recipe.features.dir == "runs/eagle3-smollm2/features"
 
 

@@ -395,7 +395,7 @@ def test_medusa_shared_exports_target_rows(tiny, tmp_path):
     assert torch.equal(sd["lm_heads.0.weight"], tiny.lm_head.weight) and "lm_heads.1.weight" not in sd
     assert torch.equal(sd["token_map"], head.d2t)  # vLLM's token_map holds absolute target ids
     back = import_head(tmp_path / "out", tiny)
-    assert back.spec.medusa_lm_head == "shared" and torch.equal(back.d2t, head.d2t)
+    assert back.spec.options.lm_head == "shared" and torch.equal(back.d2t, head.d2t)
     h = torch.randn(1, 5, D)
     torch.testing.assert_close(back(h), head(h))
 
@@ -406,7 +406,7 @@ def test_medusa_own_projections_over_a_draft_vocab_refused_for_vllm(tiny, tmp_pa
     Medusa. One line, nothing written; the same head over the full vocabulary exports."""
     _trained(HeadSpec(kind="medusa", num_heads=2, medusa_lm_head="per_head", draft_vocab_size=50), tiny, tmp_path)
     with pytest.raises(SpecheadsError, match=r"--format medusa-vllm: .*vLLM's Medusa \(vllm\): vLLM 0.12-0.32 build "
-                                             r".*head.medusa_lm_head per_head.*50-token draft vocabulary.*no "
+                                             r".*head.medusa.lm_head per_head.*50-token draft vocabulary.*no "
                                              r"medusa-vllm consumer reads this head") as e:
         export_head(tmp_path / "h", "medusa-vllm", tmp_path / "x")
     assert "\n" not in str(e.value) and not (tmp_path / "x").exists()
@@ -588,8 +588,8 @@ def test_import_fasterdecoding_medusa(tiny, tmp_path, prefix, n, legacy):
     assert any(k.endswith(f".{n}.weight") for k in sd) is not legacy
     save_file(sd, str(src / "medusa_lm_head.safetensors"))
     head = import_head(src, tiny)
-    assert head.spec.num_heads == K and head.spec.num_layers == n and head.spec.resolved_bias()
-    assert head.spec.medusa_lm_head == ("shared" if legacy else "per_head")
+    assert head.spec.options.num_heads == K and head.spec.num_layers == n and head.spec.resolved_bias()
+    assert head.spec.options.lm_head == ("shared" if legacy else "per_head")
     if n > 1:
         assert head.blocks[0].layers[0].weight.data_ptr() != head.blocks[0].layers[1].weight.data_ptr()
     x = torch.randn(1, 3, D)

@@ -159,7 +159,7 @@ def _selector_made_head(target, root):
         sel.hidden_projection.weight.zero_()
         sel.hidden_projection.weight[:, 0] = 1.0
         sel.predecessor_codebook[REPEAT] = 1.0
-        sel.successor_codebook[REPEAT] = 50.0 / (head.spec.selector_rank * float(h[0]))
+        sel.successor_codebook[REPEAT] = 50.0 / (head.spec.options.selector_rank * float(h[0]))
         logits, _ = head.draft_block(cache, REPEAT)
         assert logits.argmax(-1).tolist() == [REPEAT] * head.num_drafts
     head.save_pretrained(root / "repeat-dflash2")

@@ -56,6 +56,29 @@ def test_declaration_is_consistent(kind, tiny):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_own_settings_are_a_recipe_section_named_after_the_kind(kind, tmp_path):
+    """The kind's options (KindSpec.options, declared in its module) are head.<kind> in a recipe: its example written
+    as a YAML section loads to the same spec, and writes back the same section."""
+    import dataclasses
+
+    import yaml
+
+    from specheads.config import config_to_dict, load_config
+    from specheads.recipe import Recipe
+
+    ks = kind_spec(kind)
+    spec = HeadSpec(kind=kind, **ks.example)
+    assert (spec.options is None) == (ks.options is None)
+    assert ks.options is None or (dataclasses.is_dataclass(ks.options) and type(spec.options) is ks.options)
+    section = spec.to_section()
+    assert set(section) - {"kind", "num_layers", "draft_vocab_size", "feature_layers", "bias", "mask_token_id"} == \
+        ({kind} if ks.options is not None else set())
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump({"head": section}))
+    recipe = load_config(Recipe, tmp_path / "r.yaml")
+    assert recipe.head == spec and config_to_dict(recipe)["head"] == section
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_save_load_round_trip(kind, tiny, tmp_path):
     head = make_head(tiny, kind)
     head.save_pretrained(tmp_path / "h")

@@ -111,5 +111,5 @@ def test_refusals(bad, msg):
 
 
 def test_heads_must_divide_the_width(tiny):
-    with pytest.raises(SpecheadsError, match="lilicorr_num_heads"):
+    with pytest.raises(SpecheadsError, match=r"head\.lilicorr\.num_heads"):
         build_head(HeadSpec(**{**BASE, "lilicorr_num_heads": 3}), tiny)

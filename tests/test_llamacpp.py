@@ -160,7 +160,7 @@ def test_dspark_converter_config_sets_every_key_the_converter_reads(tiny):
     (dict(markov_head_type="rnn"), "vanilla one only"),
     (dict(confidence_with_markov=False), r"reads \[h_k ; W1\[x_prev\]\]"),
     (dict(feature_layers=[1, 2, 4]), "pre-norm"),  # layer L: llama.cpp's is pre-norm
-    (dict(anchor_features=True), "head.anchor_features"),
+    (dict(anchor_features=True), "head.dspark.anchor_features"),
 ])
 def test_dspark_heads_llamacpp_cannot_run_are_refused(tiny, tmp_path, spec, msg):
     spec = {"kind": "dspark", "feature_layers": [1, 2, 3], "block_size": 3, "markov_rank": 8, **spec}
@@ -434,7 +434,7 @@ def test_dspark_llamacpp_drafts_are_our_drafts_and_greedy_equals_plain(tiny_smol
         want = plain.complete(ids, n_predict)["tokens"]
     seq = ids + want
     ours = _our_blocks(head, target, seq, len(ids))
-    p_min = _cut_threshold(ours, seq, len(ids), n_predict) if head.spec.confidence_head else 0.0
+    p_min = _cut_threshold(ours, seq, len(ids), n_predict) if head.spec.options.confidence_head else 0.0
     log_file = folder.parent / f"{which}-server.log"
     args = ("--spec-type", "draft-dspark", "--spec-draft-n-max", str(head.num_drafts),
             "--spec-draft-p-min", f"{p_min:.6f}", "-lv", "5")

@@ -274,7 +274,7 @@ def test_speculators_export_reads_back_bit_exact(tiny, tmp_path):
     assert "mask_hidden" in sd and "layers.0.hidden_norm.weight" in sd and "layers.1.mlp.up_proj.weight" in sd
     assert torch.equal(sd["mask_hidden"][..., :D], head.mask_hidden[..., D:2 * D].detach())  # layer 1 first
     back = import_head(tmp_path / "s", tiny)
-    assert back.kind == "peagle" and back.config.feature_layers == [1, 2, 3] and back.spec.num_depths == 4
+    assert back.kind == "peagle" and back.config.feature_layers == [1, 2, 3] and back.spec.options.num_depths == 4
     ours, theirs = head.state_dict(), back.state_dict()
     assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours if k not in
                                             ("fc.weight", "mask_hidden"))
@@ -328,8 +328,10 @@ def test_speculators_package_loads_and_runs_our_export(tmp_path):
 @pytest.mark.parametrize("bad,match", [(["train.peagle.cod_ratio=0"], r"train\.peagle\.cod_ratio"),
                                        (["train.peagle.cod_ratio=0.3", "train.peagle.cod_ratio_min=0.5"],
                                         "cod_ratio_min: 0.5 is above"),
-                                       (["head.num_depths=0"], "head.num_depths: must be >= 1"),
-                                       (["head.fc_norm=true"], "head.fc_norm: an EAGLE-3"),
+                                       (["head.num_depths=0"], r"head\.peagle\.num_depths: must be >= 1"),
+                                       (["head.fc_norm=true"], "head.fc_norm: a setting of eagle3 heads, not of a "
+                                                               "P-EAGLE head"),
+                                       (["head.peagle.fc_norm=true"], r"unknown key 'head\.peagle\.fc_norm'"),
                                        (["train.peagle.cod_rate=0.5"], "cod_rate")])
 def test_bad_settings_give_one_clear_error(tmp_path, bad, match):
     with pytest.raises(SpecheadsError, match=match):

@@ -174,7 +174,7 @@ def test_stage_configs_validate_in_their_dataclass(tmp_path, override, match):
      r"key 'feature_layers': \[9\] outside 0\.\.4"),
     (lambda c, w: c.update(feature_layers="1,2,3"), r"key 'feature_layers': expected a non-empty list"),
     (lambda c, w: c.update(draft_vocab_size=999), r"key 'draft_vocab_size': expected null or an integer in 1\.\.255"),
-    (lambda c, w: c.update(spec={**c["spec"], "ttt_steps": 0}), r"key 'spec': head\.ttt_steps: must be >= 1"),
+    (lambda c, w: c.update(spec={**c["spec"], "eagle3": {**c["spec"]["eagle3"], "ttt_steps": 0}}), r"key 'spec': head\.eagle3\.ttt_steps: must be >= 1"),
     (lambda c, w: c.update(spec={**c["spec"], "draft_vocab_size": 32}), r"key 'spec\.draft_vocab_size' is 32"),
     (lambda c, w: w.update(d2t=w["d2t"] + 300), r"key 'd2t': expected strictly increasing target ids in 0\.\.255"),
     (lambda c, w: w.update(d2t=w["d2t"].flip(0)), r"key 'd2t': expected strictly increasing"),

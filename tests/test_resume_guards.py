@@ -33,7 +33,7 @@ def _files(folder):
     (["train.lr=0.05"], "train.lr 0.01 -> 0.05"),
     (["train.grad_accum=2"], "train.grad_accum 1 -> 2"),
     (["data.max_length=64"], "data.max_length 2048 -> 64"),
-    (["head.num_heads=3"], "head.num_heads 2 -> 3"),
+    (["head.medusa.num_heads=3"], "head.medusa.num_heads 2 -> 3"),
     (["target.dtype=float32"], "target.dtype 'bfloat16' -> 'float32'"),
     (["features.layers=[1]"], "features.layers None -> [1]"),
 ], ids=["batch_size", "seed", "lr", "grad_accum", "data", "head", "target", "features"])

@@ -12,7 +12,10 @@ from specheads.heads.kinds import kind_names, unregister_kind
 
 TOY_MODULE = '''
 """A toy head kind: K residual linear maps on the target's final state, read out by the target's lm_head (a
-small Medusa without its stack). Served by the Medusa drafter class (composed, not subclassed)."""
+small Medusa without its stack). Served by the Medusa drafter class (composed, not subclassed). Its own setting
+is its options section, head.toy in a recipe."""
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -24,12 +27,19 @@ from specheads.train.kinds import medusa as medusa_steps
 from specheads.train.kinds.base import HeadKind
 
 
+@dataclass
+class ToyOptions:
+    """head.toy: the toy's own settings."""
+
+    num_heads: int = 3  # K residual maps
+
+
 class ToyHead(DraftHead):
     kind = "toy"
 
     def __init__(self, config):
         super().__init__(config)
-        D, self.num_heads = config.hidden_size, self.spec.num_heads
+        D, self.num_heads = config.hidden_size, self.spec.options.num_heads
         self.maps = nn.ModuleList(nn.Linear(D, D) for _ in range(self.num_heads))
 
     def forward(self, hidden, heads=None):
@@ -44,7 +54,7 @@ DRAFTER = register_drafter(DrafterKind("toy", "static", "a toy head",
                                        default_tree="default", head=True))
 KIND = register_kind(KindSpec(
     name="toy", head=ToyHead, family="tree", label="a toy head", feature_layers=final_layer, final_state_only=True,
-    train_step=f"{__name__}:STEP", drafter=f"{__name__}:DRAFTER", example={"num_heads": 2},
+    train_step=f"{__name__}:STEP", drafter=f"{__name__}:DRAFTER", options=ToyOptions, example={"toy": {"num_heads": 2}},
     not_drafted="a toy: llama.cpp has no graph for it"))
 '''
 
@@ -108,3 +118,26 @@ def test_a_kind_name_is_registered_once(toy):
     with pytest.raises(ValueError, match="register_kind medusa: already registered by specheads.heads.medusa"):
         register_kind(dataclasses.replace(toy.KIND, name="medusa"))
     assert kind_spec("medusa").head.__name__ == "MedusaHead"
+
+
+def test_toy_kind_declares_its_own_recipe_section(toy, tiny, tmp_path):
+    """The toy's options are a recipe section of its own (head.toy), from a file and from a dotted override, written
+    back in that form to config.json and read from it; no shared module names it."""
+    import json
+
+    from specheads.config import load_config
+    from specheads.heads import build_head, load_head
+    from specheads.recipe import Recipe
+    from specheads.utils import SpecheadsError
+
+    (tmp_path / "r.yaml").write_text("head:\n  kind: toy\n  toy:\n    num_heads: 2\n")
+    recipe = load_config(Recipe, tmp_path / "r.yaml", ["head.toy.num_heads=5"])
+    assert type(recipe.head.options).__name__ == "ToyOptions" and recipe.head.options.num_heads == 5
+    head = build_head(recipe.head, tiny)
+    assert len(head.maps) == 5
+    head.save_pretrained(tmp_path / "h")
+    spec = json.loads((tmp_path / "h" / "config.json").read_text())["spec"]
+    assert spec["toy"] == {"num_heads": 5} and "num_heads" not in spec
+    assert load_head(tmp_path / "h", tiny).spec.options.num_heads == 5
+    with pytest.raises(SpecheadsError, match=r"head\.toy: the section of kind toy, and head\.kind is 'medusa'"):
+        load_config(Recipe, None, ["head.kind=medusa", "head.toy.num_heads=2"])

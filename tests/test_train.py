@@ -27,7 +27,10 @@ def token_samples(n: int, T: int = 24, seed: int = 0) -> list[dict]:
 
 
 def make_recipe(tmp_path, *overrides: str) -> Recipe:
-    base = [f"output_dir={tmp_path}", "seed=0", "head.kind=medusa", "head.num_heads=2", "train.tracker=none",
+    """A small recipe: a Medusa head of 2 heads, or the kind an override picks (with that kind's defaults)."""
+    kinds = [o.split("=", 1)[1] for o in overrides if o.startswith("head.kind=")]
+    own = ["head.medusa.num_heads=2"] if not kinds or kinds[-1] == "medusa" else []
+    base = [f"output_dir={tmp_path}", "seed=0", "head.kind=medusa", *own, "train.tracker=none",
             "train.batch_size=2", "train.lr=1e-2", "train.warmup_steps=1", "train.log_every=1",
             "eval.every_steps=2", "eval.max_samples=4", "eval.batch_size=2"]
     return load_config(Recipe, None, base + list(overrides))

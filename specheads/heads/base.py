@@ -1,5 +1,6 @@
-"""Common base for draft heads: the recipe section (`HeadSpec`), what a head folder records (`HeadConfig`), the module
-base (`DraftHead`: binds the frozen target parts by reference, saves/loads safetensors), and what every kind shares;
+"""Common base for draft heads: what a head folder records (`HeadConfig`; the recipe section `HeadSpec` is
+heads/headspec.py's), the module base (`DraftHead`: binds the frozen target parts by reference, saves/loads
+safetensors), and what every kind shares;
 what differs between kinds is each kind's KindSpec (heads/kinds.py), looked up here, never named.
 
 A head folder is `config.json` (HeadConfig as JSON) + `model.safetensors` (the head's own weights only: the target's
@@ -16,14 +17,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Literal
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
 
 from specheads.heads.kinds import kind_names, kind_spec, kinds, kinds_where
+from specheads.heads.headspec import HeadSpec
 from specheads.utils import (SpecheadsError, atomic_dir, atomic_write_json, atomic_write_text, read_json,
                              read_text_bounded, sha256_file)
 
@@ -45,89 +47,6 @@ FORMAT_VERSION = 1  # bump when config.json or the key layout of model.safetenso
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 CHECKSUM_NAME = "model.safetensors.sha256"  # `sha256sum -c` format; checked on load when present
-
-
-@dataclass
-class HeadSpec:
-    """The `head:` section of a recipe: what to build. Resolved against a target into a `HeadConfig`."""
-
-    kind: str = "eagle3"  # medusa | eagle | eagle3 | dspark (DFlash: dspark with markov_rank 0, no confidence head)
-    # | domino | dspine | peagle | dflash2 | lilicorr
-    num_heads: int = 4  # Medusa: K heads (Medusa paper default 4 in the repo's training script)
-    num_layers: int = 1  # residual blocks per Medusa head; decoder layers for EAGLE (EAGLE-1/3 use 1) and P-EAGLE
-    draft_vocab_size: int | None = None  # reduced draft vocabulary (EAGLE-3 d2t/t2d); None = target vocab
-    feature_layers: list[int] | None = None  # None = the kind's default (docs/architecture.md)
-    bias: bool | None = None  # fc / ResBlock bias; None = the kind default (Medusa, EAGLE: on; EAGLE-3, P-EAGLE: off)
-    medusa_lm_head: Literal["shared", "per_head"] = "shared"  # shared frozen target lm_head, or per head (Medusa-1 repo)
-    ttt_steps: int = 7  # EAGLE-3 training-time-test unroll (EAGLE-3 repo default length 7)
-    # EAGLE-3.1 (speculators' Eagle3SpeculatorConfig keys of the same names; heads/eagle3.py): both false = EAGLE-3.
-    fc_norm: bool = False  # an RMSNorm on each captured target state before fc (one per feature layer)
-    norm_output: bool = False  # the head's post-norm state feeds its next step (EAGLE-3: the pre-norm state)
-    # DSpark / DFlash block drafter (heads/dspark.py; docs/training.md "DSpark"). DFlash = markov_rank 0 and
-    # confidence_head false: the same head without its two small heads.
-    block_size: int = 7  # K slots per block incl. the anchor (DeepSpec dspark_qwen3_4b: 7; speculators' default 8)
-    markov_rank: int = 256  # r of the Markov logit bias W2·W1[x_prev] (DeepSpec / speculators: 256); 0 = none
-    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"  # DeepSpec default vanilla
-    confidence_head: bool = True  # per-draft acceptance predictor c_k (DeepSpec / speculators: on)
-    confidence_with_markov: bool = True  # c_k reads [h_k ; W1[x_{k-1}]] (needs markov_rank > 0), else h_k only
-    sample_from_anchor: bool = True  # slot 0 (the anchor) drafts too: K drafts (DSpark); false: K-1 (DFlash)
-    mask_token_id: int | None = None  # token embedded at the block's mask slots (P-EAGLE: at depths >= 1); None =
-    # the tokenizer's mask / pad / eos / unk token
-    # The anchor slot also reads the fused target features of the last context row, E(x_p) + W_a c_{p-1} (as
-    # EAGLE-3's row reads [E(x_{t+1}); g_t]); false = the reference DSpark / DFlash design, which every engine runs.
-    anchor_features: bool = False
-    # Domino (heads/domino.py): the DFlash backbone + a GRU logit correction; SpecForge configs/qwen3-8b-domino.json
-    domino_gru_hidden: int = 1024  # G, the GRU state (SpecForge gru_hidden_dim 1024)
-    domino_emb_dim: int = 256  # E', the correction MLP's bottleneck (SpecForge emb_dim 256)
-    domino_prefix_len: int = 1  # P, the first drafts left uncorrected (SpecForge pure_draft_prefix_len 1)
-    # DSpine (heads/dspine.py): adjacent causal injection on the DFlash backbone; SpecForge dspine_config
-    dspine_transfer_rank: int = 1024  # r, width of the token codes and per-layer readouts (SpecForge transfer_rank)
-    dspine_message_size: int = 512  # m, width of the gated message (SpecForge message_size 512)
-    dspine_top_k: int = 16  # candidates per draft that the predecessor refinement re-scores (SpecForge top_k 16)
-    dspine_write_std: float = 0.0  # init std of the per-layer writes (SpecForge: 0, the causal DFlash at start)
-    # P-EAGLE (heads/peagle.py): K parallel depths = drafts per head pass (speculators PEagleArgs num_depths 8)
-    num_depths: int = 8
-    # DFlash2 (heads/dflash2.py): the DFlash backbone + a local dynamic convolution over the block and a top-k
-    # candidate selector; speculators' DFlash2SpeculatorConfig keys of the same names and defaults
-    conv_kernel_size: int = 2  # taps of each causal in-block convolution (speculators 2)
-    conv_group_size: int = 16  # hidden channels sharing one dynamic coefficient (speculators 16)
-    selector_rank: int = 256  # r of the selector's codebooks (speculators 256)
-    selector_top_k: int = 16  # unary candidates the selector reranks per draft (speculators 16)
-    # LiLiCorr (heads/lilicorr.py): the DFlash backbone + a small transformer that rescores the block's top-k
-    # candidate lattice; ModelOpt's dflash_architecture_config keys of the same names
-    lilicorr_candidate_topk: int = 8  # k candidates per draft slot (vLLM / SGLang serve powers of two <= 16)
-    lilicorr_hidden_size: int = 0  # H, the lattice transformer's width; 0 = the target's hidden size D
-    lilicorr_num_layers: int = 2  # lattice transformer layers
-    lilicorr_num_heads: int = 8  # its attention heads (H divisible by them)
-    lilicorr_mlp_ratio: float = 2.0  # its MLP width / H
-    lilicorr_factor_dim: int = 128  # F, the width of the out / in factor vectors
-    lilicorr_vector_eps: float = 1e-6  # L2-normalisation epsilon of the factor vectors, in (0, 0.5)
-    lilicorr_logit_scale: float = 10.0  # λ, fixed: scores are λ · cosine
-
-    def __post_init__(self) -> None:
-        ks = kind_spec(self.kind)
-        for name in ("num_heads", "num_layers", "ttt_steps", "block_size", "num_depths"):
-            if getattr(self, name) < 1:
-                raise SpecheadsError(f"head.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            raise SpecheadsError(f"head.draft_vocab_size: must be >= 1 or null, got {self.draft_vocab_size}")
-        if ks.check is not None:
-            ks.check(self)
-        if self.mask_token_id is not None and self.mask_token_id < 0:
-            raise SpecheadsError(f"head.mask_token_id: must be a token id >= 0 or null, got {self.mask_token_id}")
-        for other in kinds().values():  # a switch another kind owns stays off
-            for name, what in other.switches.items():
-                if getattr(self, name, False) and name not in ks.switches:
-                    raise SpecheadsError(f"head.{name}: {what}; head.kind is {self.kind!r}")
-
-    @property
-    def num_drafts(self) -> int:
-        """Drafted tokens per head pass (KindSpec.drafts: P-EAGLE's K depths; DSpark / DFlash: the K slots, less
-        the anchor slot unless it samples)."""
-        return kind_spec(self.kind).drafts(self)
-
-    def resolved_bias(self) -> bool:
-        return self.bias if self.bias is not None else kind_spec(self.kind).bias
 
 
 def default_feature_layers(kind: str, num_layers_of_target: int) -> list[int]:
@@ -194,11 +113,12 @@ class HeadConfig:
             raise SpecheadsError(f"head.draft_vocab_size: {dv} exceeds the target vocab {target.vocab_size}")
         if dv == target.vocab_size:
             dv = None
-        d = dataclasses.asdict(spec)
+        d = spec.to_section()
         d["feature_layers"] = layers
         d["draft_vocab_size"] = dv
-        if ks.block_positions and target.max_positions is not None and spec.block_size + 1 >= target.max_positions:
-            raise SpecheadsError(f"head.block_size: {spec.block_size} does not fit the {target.max_positions} "
+        K = spec.options.block_size if ks.block_positions else 0
+        if ks.block_positions and target.max_positions is not None and K + 1 >= target.max_positions:
+            raise SpecheadsError(f"{spec.key('block_size')}: {K} does not fit the {target.max_positions} "
                                  f"positions of {target.name}")
         if ks.mask_token:
             d["mask_token_id"] = _mask_token(spec, target)
@@ -224,16 +144,16 @@ class HeadConfig:
             raise SpecheadsError(f"{where}: format_version {d['format_version']!r}, this build reads {FORMAT_VERSION}")
         if d["kind"] not in kind_names():
             raise SpecheadsError(f"{where}: key 'kind': {d['kind']!r} is not one of {list(kind_names())}")
-        spec_names = [f.name for f in dataclasses.fields(HeadSpec)]
-        bad = [k for k in d["spec"] if k not in spec_names] if isinstance(d["spec"], dict) else ["spec"]
+        spec_keys = HeadSpec.section_keys(d["spec"]) if isinstance(d["spec"], dict) else {}
+        bad = [k for k in d["spec"] if k not in spec_keys] if isinstance(d["spec"], dict) else ["spec"]
         if bad:
             raise SpecheadsError(f"{where}: unknown key 'spec.{bad[0]}'")
-        _check_config_values(d, where)
-        return cls(**d)
+        spec = _check_config_values({**d, "spec": HeadSpec.drop_unread(d["spec"])}, where)
+        return cls(**{**d, "spec": spec.to_section()})  # an old folder's flat spec read in today's form
 
 
-def _check_config_values(d: dict, where: str) -> None:
-    """Types and ranges of a config.json that do not need the target (check_target does the rest)."""
+def _check_config_values(d: dict, where: str) -> HeadSpec:
+    """Types and ranges of a config.json that do not need the target (check_target does the rest) -> its spec."""
     from specheads.config import _from_dict
 
     def is_int(v) -> bool:
@@ -260,6 +180,7 @@ def _check_config_values(d: dict, where: str) -> None:
     for key in ("kind", "draft_vocab_size", "feature_layers"):
         if getattr(spec, key) != d[key]:
             raise SpecheadsError(f"{where}: key 'spec.{key}' is {getattr(spec, key)!r} but {key!r} is {d[key]!r}")
+    return spec
 
 
 def _mask_token(spec: HeadSpec, target) -> int:

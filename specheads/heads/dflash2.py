@@ -47,12 +47,16 @@ where), r selector rank.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from specheads.heads.base import HeadConfig
-from specheads.heads.dspark import BLOCK_KIND, BlockLayer, DSparkHead, check_block, refuse_block_extras
+from specheads.heads.dspark import (BLOCK_KIND, BlockLayer, BlockOptions, DSparkHead, check_block,
+                                    refuse_block_extras)
 from specheads.heads.kinds import KindSpec, register_kind
+from specheads.heads.headspec import at_least_one
 from specheads.utils import SpecheadsError
 
 
@@ -158,7 +162,7 @@ class DFlash2Head(DSparkHead):
         check_head_config(config)
         super().__init__(config)
         s, cfg = self.spec, self.layer_config
-        self.layers = nn.ModuleList(DFlash2Layer(cfg, s.conv_kernel_size, s.conv_group_size)
+        self.layers = nn.ModuleList(DFlash2Layer(cfg, s.options.conv_kernel_size, s.options.conv_group_size)
                                     for _ in range(s.num_layers))
         for m in self.layers.modules():  # as DSparkHead's backbone: normal(0, initializer_range)
             if isinstance(m, nn.Linear):
@@ -166,8 +170,8 @@ class DFlash2Head(DSparkHead):
         for m in self.layers.modules():  # then every convolution the identity (its projection zero)
             if isinstance(m, LocalConv):
                 m.reset_parameters()
-        self.candidate_selector = CandidateSelector(config.vocab_size, config.hidden_size, s.selector_rank,
-                                                    s.selector_top_k, cfg.initializer_range)
+        self.candidate_selector = CandidateSelector(config.vocab_size, config.hidden_size, s.options.selector_rank,
+                                                    s.options.selector_top_k, cfg.initializer_range)
 
     def heads(self, h: torch.Tensor, prev: torch.Tensor, greedy: bool = False, pick=None):
         """h [B,A,K,D] -> (draft logits [B,A,K',V]: the selector's S on the unary top-k, -inf elsewhere; None).
@@ -207,38 +211,51 @@ class DFlash2Head(DSparkHead):
         return unary, cand, self.candidate_selector.score(unary, hd, prev, cand), hit
 
 
+@dataclass
+class DFlash2Options(BlockOptions):
+    """head.dflash2: the DFlash block's settings (BlockOptions), a local dynamic convolution over the block and a
+    top-k candidate selector; speculators' DFlash2SpeculatorConfig keys of the same names and defaults."""
+
+    conv_kernel_size: int = 2  # taps of each causal in-block convolution (speculators 2)
+    conv_group_size: int = 16  # hidden channels sharing one dynamic coefficient (speculators 16)
+    selector_rank: int = 256  # r of the selector's codebooks (speculators 256)
+    selector_top_k: int = 16  # unary candidates the selector reranks per draft (speculators 16)
+
+
 def check_dflash2(spec) -> None:
     """The head: section of a DFlash2 head: a DFlash block (check_block) with its convolution and selector, and
     nothing of DSpark's."""
     check_block(spec)
-    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-        if getattr(spec, name) < 1:
-            raise SpecheadsError(f"head.{name}: must be >= 1, got {getattr(spec, name)}")
-    if spec.conv_kernel_size > spec.block_size:
-        raise SpecheadsError(f"head.conv_kernel_size: {spec.conv_kernel_size} taps exceed the block's "
-                             f"{spec.block_size} slots (head.block_size)")
+    o = spec.options
+    at_least_one(spec, "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    if o.conv_kernel_size > o.block_size:
+        raise SpecheadsError(f"{spec.key('conv_kernel_size')}: {o.conv_kernel_size} taps exceed the block's "
+                             f"{o.block_size} slots ({spec.key('block_size')})")
     refuse_block_extras(spec, "DFlash2", "selector", "drafts over the full vocabulary (its selector's codebooks and "
                         "speculators' DFlash2DraftModel need it)")
 
 
 def check_head_config(cfg: HeadConfig) -> None:
     """What needs the target's sizes: the groups divide the hidden size, the candidates fit the vocabulary."""
-    s = cfg.head_spec
+    spec = cfg.head_spec
+    s = spec.options
     if cfg.hidden_size % s.conv_group_size:
-        raise SpecheadsError(f"head.conv_group_size: {s.conv_group_size} does not divide the target's hidden size "
-                             f"{cfg.hidden_size}")
+        raise SpecheadsError(f"{spec.key('conv_group_size')}: {s.conv_group_size} does not divide the target's "
+                             f"hidden size {cfg.hidden_size}")
     if s.selector_top_k > cfg.vocab_size:
-        raise SpecheadsError(f"head.selector_top_k: {s.selector_top_k} exceeds the vocabulary {cfg.vocab_size}")
+        raise SpecheadsError(f"{spec.key('selector_top_k')}: {s.selector_top_k} exceeds the vocabulary "
+                             f"{cfg.vocab_size}")
 
 
 KIND = register_kind(KindSpec(
     name="dflash2", head=DFlash2Head, label="a DFlash2 head", train_step="specheads.train.kinds.dflash2:KIND",
-    drafter="specheads.infer.drafters.dflash2:KIND", check=check_dflash2, formats=("speculators",),
+    drafter="specheads.infer.drafters.dflash2:KIND", options=DFlash2Options, check=check_dflash2,
+    formats=("speculators",),
     readers={"speculators:dflash2": "specheads.heads.export.dflash2:read_dflash2"},
     refused={"specforge": "SpecForge 0.2.0 has no DFlash2 draft model (its DFlash reads no attention_conv / "
                           "candidate_selector tensors); export speculators or native"},
     gguf="specheads.heads.dflash2_gguf:DFLASH2_DRAFT",  # llama.cpp's dflash architecture, --spec-type draft-dflash
-    example={"block_size": 4, "markov_rank": 0, "confidence_head": False, "sample_from_anchor": False,
-             "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4,
-             "mask_token_id": 5},
+    example={"mask_token_id": 5, "dflash2": {"block_size": 4, "markov_rank": 0, "confidence_head": False,
+                                             "sample_from_anchor": False, "conv_kernel_size": 2,
+                                             "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}},
     **{**BLOCK_KIND, "confidence": False, "exporter": "specheads.heads.export.dflash2:export_dflash2"}))

@@ -55,10 +55,11 @@ def check_head(cfg: HeadConfig, head_dir: Path) -> None:
     spec = cfg.head_spec
     check_block_exportable(cfg, "--format gguf", ENGINE, str(head_dir))
     problems = dflash_backbone_problems(cfg)
-    if spec.sample_from_anchor:
-        problems.append("head.sample_from_anchor is true, and llama.cpp's DFlash2 walk drafts from slot 1 of a "
+    if spec.options.sample_from_anchor:
+        problems.append(f"{spec.key('sample_from_anchor')} is true, and llama.cpp's DFlash2 walk drafts from slot 1 "
+                        "of a "
                         "block whose slot 0 is the bonus token (common/speculative.cpp:1205-1210, :1241)")
-    k = spec.selector_top_k
+    k = spec.options.selector_top_k
     if cfg.hidden_size < k * (k + 1):
         problems.append(f"hidden size {cfg.hidden_size} < k(k+1) = {k * (k + 1)} for selector_top_k {k}: the "
                         "selector's k + k² scores are packed into one hidden-size row (src/models/dflash.cpp:149)")
@@ -75,10 +76,10 @@ def converter_config(cfg: HeadConfig, config: dict) -> dict:
     spec = cfg.head_spec
     flat = _block_layer_dict(cfg)
     flat.pop("is_causal", None)  # causal comes from dflash_config (conversion/qwen.py:749-753)
-    flat.update(architectures=["DFlash2DraftModel"], block_size=spec.block_size,
-                dflash_config={"block_size": spec.block_size, "mask_token_id": spec.mask_token_id,
+    flat.update(architectures=["DFlash2DraftModel"], block_size=spec.options.block_size,
+                dflash_config={"block_size": spec.options.block_size, "mask_token_id": spec.mask_token_id,
                                "target_layer_ids": [i - 1 for i in cfg.feature_layers], "causal": False,
-                               **{k: int(getattr(spec, k)) for k in OWN_KEYS}})
+                               **{k: int(getattr(spec.options, k)) for k in OWN_KEYS}})
     return flat
 
 
@@ -87,14 +88,15 @@ def check_gguf(cfg: HeadConfig, meta: dict, tensors: dict, path: Path) -> None:
     in the shape src/models/dflash.cpp:153-155, :254-257 load (ggml order: torch's reversed)."""
     spec, D, V = cfg.head_spec, cfg.hidden_size, cfg.vocab_size
     for key, want in [("general.architecture", "dflash"), ("dflash.target_layers", list(cfg.feature_layers)),
-                      ("dflash.block_size", spec.block_size), ("dflash.attention.causal", False),
+                      ("dflash.block_size", spec.options.block_size), ("dflash.attention.causal", False),
                       ("tokenizer.ggml.mask_token_id", spec.mask_token_id), ("dflash.block_count", spec.num_layers),
-                      ("dflash.embedding_length", D), *((f"dflash.{k}", int(getattr(spec, k))) for k in OWN_KEYS)]:
+                      ("dflash.embedding_length", D),
+                      *((f"dflash.{k}", int(getattr(spec.options, k))) for k in OWN_KEYS)]:
         _expect(meta, key, want, path)
     _expect(meta, "dflash.rope.freq_base", _rope_theta(cfg), path, close=True)
     _expect(meta, "dflash.attention.layer_norm_rms_epsilon", float(cfg.target_config["rms_norm_eps"]), path,
             close=True)
-    k, G, r = spec.conv_kernel_size, D // spec.conv_group_size, spec.selector_rank
+    k, G, r = spec.options.conv_kernel_size, D // spec.options.conv_group_size, spec.options.selector_rank
     shapes = {"fc.weight": None, "enc.output_norm.weight": None, "output_norm.weight": None,
               "selector_predecessor.weight": (r, V), "selector_successor.weight": (r, V),
               "selector_hidden.weight": (D, r)}
@@ -116,7 +118,8 @@ def check_gguf(cfg: HeadConfig, meta: dict, tensors: dict, path: Path) -> None:
 def notes(cfg: HeadConfig, head_dir: Path) -> dict:
     spec = cfg.head_spec
     return {"server_args": ["--spec-draft-n-max", str(spec.num_drafts)],
-            "block": f"--spec-draft-n-max {spec.num_drafts} runs the block as trained ({spec.block_size} slots, "
+            "block": f"--spec-draft-n-max {spec.num_drafts} runs the block as trained "
+                     f"({spec.options.block_size} slots, "
                      "slot 0 the bonus token); a smaller N decodes a shorter block, whose bidirectional attention "
                      "differs from training",
             "p_min": "--spec-draft-p-min P cuts the block at the first draft whose selector probability "

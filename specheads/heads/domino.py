@@ -30,12 +30,16 @@ Tensor names follow SpecForge's (`prefix_gru.weight_ih_l0`, `prefix_gru.weight_h
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 from torch import nn
 
 from specheads.heads.base import HeadConfig
-from specheads.heads.dspark import BLOCK_KIND, DSparkHead, check_block
+from specheads.heads.dspark import BLOCK_KIND, BlockOptions, DSparkHead, check_block
 from specheads.heads.kinds import KindSpec, register_kind
+from specheads.heads.headspec import at_least_one
 from specheads.utils import SpecheadsError
 
 
@@ -45,8 +49,8 @@ class DominoHead(DSparkHead):
     def __init__(self, config: HeadConfig):
         super().__init__(config)
         s, D = self.spec, config.hidden_size
-        G, Ep = int(s.domino_gru_hidden), int(s.domino_emb_dim)
-        self.prefix_len = int(s.domino_prefix_len)
+        G, Ep = int(s.options.gru_hidden), int(s.options.emb_dim)
+        self.prefix_len = int(s.options.prefix_len)
         self.prefix_gru = nn.GRU(input_size=D, hidden_size=G, num_layers=1, batch_first=True, bias=False)
         self.embed_proj = nn.Sequential(nn.Linear(D + G, Ep, bias=False), nn.SiLU(),
                                         nn.Linear(Ep, config.out_vocab, bias=False))
@@ -103,31 +107,42 @@ class DominoHead(DSparkHead):
         return self.base_and_final(*self.block_states(features, input_ids, anchors, attention_mask))
 
 
+@dataclass
+class DominoOptions(BlockOptions):
+    """head.domino: the DFlash block's settings (BlockOptions) and the GRU correction's sizes (SpecForge
+    configs/qwen3-8b-domino.json)."""
+
+    FLAT_KEYS: ClassVar[dict[str, str]] = {"domino_gru_hidden": "gru_hidden", "domino_emb_dim": "emb_dim",
+                                           "domino_prefix_len": "prefix_len"}
+    gru_hidden: int = 1024  # G, the GRU state (SpecForge gru_hidden_dim 1024)
+    emb_dim: int = 256  # E', the correction MLP's bottleneck (SpecForge emb_dim 256)
+    prefix_len: int = 1  # P, the first drafts left uncorrected (SpecForge pure_draft_prefix_len 1)
+
+
 def check_domino(spec) -> None:
     """The head: section of a Domino head: a DFlash block (check_block) whose GRU is the sequential stage."""
     check_block(spec)
-    for name in ("domino_gru_hidden", "domino_emb_dim"):
-        if getattr(spec, name) < 1:
-            raise SpecheadsError(f"head.{name}: must be >= 1, got {getattr(spec, name)}")
-    if not 0 <= spec.domino_prefix_len <= spec.num_drafts:
-        raise SpecheadsError(f"head.domino_prefix_len: must be in 0..{spec.num_drafts} (the drafts), got "
-                             f"{spec.domino_prefix_len}")
-    if spec.markov_rank != 0:
-        raise SpecheadsError(f"head.markov_rank: Domino's GRU is its sequential stage; set head.markov_rank 0 "
-                             f"(got {spec.markov_rank})")
-    if not spec.sample_from_anchor:
-        raise SpecheadsError("head.sample_from_anchor: Domino is built for SpecForge's shift_label true (slot j "
-                             "predicts x_{p+1+j}): set it true")
-    if spec.anchor_features:
-        raise SpecheadsError("head.anchor_features: not built for Domino")
+    o = spec.options
+    at_least_one(spec, "gru_hidden", "emb_dim")
+    if not 0 <= o.prefix_len <= spec.num_drafts:
+        raise SpecheadsError(f"{spec.key('prefix_len')}: must be in 0..{spec.num_drafts} (the drafts), got "
+                             f"{o.prefix_len}")
+    if o.markov_rank != 0:
+        raise SpecheadsError(f"{spec.key('markov_rank')}: Domino's GRU is its sequential stage; set it 0 "
+                             f"(got {o.markov_rank})")
+    if not o.sample_from_anchor:
+        raise SpecheadsError(f"{spec.key('sample_from_anchor')}: Domino is built for SpecForge's shift_label true "
+                             "(slot j predicts x_{p+1+j}): set it true")
+    if o.anchor_features:
+        raise SpecheadsError(f"{spec.key('anchor_features')}: not built for Domino")
 
 
 KIND = register_kind(KindSpec(
     name="domino", head=DominoHead, label="a Domino head", train_step="specheads.train.kinds.domino:KIND",
-    drafter="specheads.infer.drafters.domino:KIND", check=check_domino, formats=("specforge",),
+    drafter="specheads.infer.drafters.domino:KIND", options=DominoOptions, check=check_domino, formats=("specforge",),
     refused={"speculators": "speculators 0.9.0 has no Domino model (its DFlash reads no prefix_gru / embed_proj); "
                             "export specforge or native"},
-    example={"block_size": 4, "markov_rank": 0, "confidence_head": False, "domino_gru_hidden": 16,
-             "domino_emb_dim": 8, "mask_token_id": 5},
+    example={"mask_token_id": 5, "domino": {"block_size": 4, "markov_rank": 0, "confidence_head": False,
+                                            "gru_hidden": 16, "emb_dim": 8}},
     example_train={"block.domino_lambda_start": 0.5},
     **{**BLOCK_KIND, "exporter": "specheads.heads.export.domino:export_domino"}))

@@ -43,8 +43,8 @@ target's features of rows 0..p-1 only (keys/values), and x_p only through its em
 verification the target has computed the features of x_p and of the accepted drafts: they are appended to the
 context cache as true rows, and the bonus token becomes the next anchor.
 
-Anchor-reads-features variant (`head.anchor_features: true`; not the reference design, no engine runs it). In the
-reference the last target state c_{p-1} reaches the block only as one key/value among the p context rows, while
+Anchor-reads-features variant (`head.dspark.anchor_features: true`; not the reference design, no engine runs it).
+In the reference the last target state c_{p-1} reaches the block only as one key/value among the p context rows, while
 EAGLE-3's row reads [E(x_{t+1}) ; g_t] directly (and P-EAGLE's depth-0 row likewise, its later depths a learned
 mask vector). The variant puts c_{p-1} into the anchor slot's input, the slots after it unchanged:
 
@@ -67,15 +67,38 @@ Shapes: B batch, T sequence, A anchors (blocks), K slots, K' drafts, D hidden, V
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
 
 from specheads.heads.base import DraftHead, HeadConfig, fused_layers
 from specheads.heads.kinds import KindSpec, register_kind
+from specheads.heads.headspec import at_least_one
 from specheads.utils import SpecheadsError
 from specheads.heads.eagle import RotaryCache
 from specheads.target import full_attention_rope
+
+@dataclass
+class BlockOptions:
+    """head.dspark: the DSpark / DFlash block drafter's own settings (docs/training.md "DSpark"), which the block
+    kinds built on it extend (Domino, DSpine, DFlash2, LiLiCorr). DFlash = markov_rank 0 and confidence_head false:
+    the same head without its two small heads."""
+
+    FLAT_KEYS: ClassVar[dict[str, str]] = {}  # old flat head: key -> field, where one was renamed (heads/headspec.py)
+    block_size: int = 7  # K slots per block incl. the anchor (DeepSpec dspark_qwen3_4b: 7; speculators' default 8)
+    markov_rank: int = 256  # r of the Markov logit bias W2·W1[x_prev] (DeepSpec / speculators: 256); 0 = none
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"  # DeepSpec default vanilla
+    confidence_head: bool = True  # per-draft acceptance predictor c_k (DeepSpec / speculators: on)
+    confidence_with_markov: bool = True  # c_k reads [h_k ; W1[x_{k-1}]] (needs markov_rank > 0), else h_k only
+    sample_from_anchor: bool = True  # slot 0 (the anchor) drafts too: K drafts (DSpark); false: K-1 (DFlash)
+    # The anchor slot also reads the fused target features of the last context row, E(x_p) + W_a c_{p-1} (as
+    # EAGLE-3's row reads [E(x_{t+1}); g_t]); false = the reference DSpark / DFlash design, which every engine runs.
+    anchor_features: bool = False
+
+
+DSparkOptions = BlockOptions  # the dspark kind's own section is the block family's
+
 
 LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
               "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "rope_theta",
@@ -211,7 +234,8 @@ class ConfidenceHead(nn.Module):
 @dataclass
 class BlockContext:
     """The target context the blocks read: per layer (keys normed and rotated, values) [B,Hkv,S,hd], and with
-    head.anchor_features the fused rows c [B,S,D] (the anchor slot reads c_{p-1}). Reads as the list of layers."""
+    head.dspark.anchor_features the fused rows c [B,S,D] (the anchor slot reads c_{p-1}). Reads as the list of
+    layers."""
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     fused: torch.Tensor | None = None
@@ -233,7 +257,7 @@ class BlockCache:
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
-    fused: torch.Tensor | None = None  # [B,S,D] fused rows c, kept only for head.anchor_features
+    fused: torch.Tensor | None = None  # [B,S,D] fused rows c, kept only for head.dspark.anchor_features
     ids: list[int] | None = None  # the sequence so far, set by the drafter (BlockHead caches carry it; unread here)
 
     @property
@@ -260,17 +284,18 @@ class DSparkHead(DraftHead):
                 nn.init.normal_(m.weight, std=cfg.initializer_range)
         if config.draft_vocab_size:  # the target's rows of d2t, frozen (init_from_target fills them)
             self._modules["lm_head"] = nn.Linear(D, config.out_vocab, bias=False).requires_grad_(False)
-        self.markov_head = MarkovHead(config.vocab_size, config.out_vocab, s.markov_rank, D, s.markov_head_type) \
-            if s.markov_rank > 0 else None
-        self.confidence_head = ConfidenceHead(D + (s.markov_rank if s.confidence_with_markov else 0)) \
-            if s.confidence_head else None
+        o = s.options
+        self.markov_head = MarkovHead(config.vocab_size, config.out_vocab, o.markov_rank, D, o.markov_head_type) \
+            if s.options.markov_rank > 0 else None
+        self.confidence_head = ConfidenceHead(D + (s.options.markov_rank if s.options.confidence_with_markov else 0)) \
+            if s.options.confidence_head else None
         self.register_buffer("conf_temperature", torch.ones(s.num_drafts))  # T_k, fitted after training
         self.register_buffer("conf_bias", torch.zeros(s.num_drafts))  # β_k, fitted with T_k
         self._rope = RotaryCache(Qwen3RotaryEmbedding(cfg))
         self.mask_token_id = int(s.mask_token_id)
-        self.slot0 = 0 if s.sample_from_anchor else 1  # the slot of draft 0
+        self.slot0 = 0 if s.options.sample_from_anchor else 1  # the slot of draft 0
         self.anchor_proj = None
-        if s.anchor_features:  # built last: the other modules draw the same initial weights as the reference's
+        if s.options.anchor_features:  # built last: the other modules draw the same initial weights as the reference's
             self.anchor_proj = nn.Linear(D, D, bias=False)
             nn.init.zeros_(self.anchor_proj.weight)  # W_a = 0: the reference design at init
 
@@ -299,7 +324,7 @@ class DSparkHead(DraftHead):
 
     def context_kv(self, features: torch.Tensor, start: int = 0) -> BlockContext:
         """features [B,N,F*D] of context rows start..start+N-1 -> per layer (keys, values) [B,Hkv,N,hd] (+ the
-        fused rows [B,N,D] with head.anchor_features)."""
+        fused rows [B,N,D] with head.dspark.anchor_features)."""
         c = self.project_features(features)
         pos = torch.arange(start, start + c.shape[1], device=c.device).expand(c.shape[0], -1)
         cos, sin = self._rope(c, pos)
@@ -310,7 +335,8 @@ class DSparkHead(DraftHead):
         """W_a c_{p-1} [B,A,D] for blocks anchored at anchors [B,A] (0 where p = 0: no context row)."""
         c = ctx.fused
         if c is None:
-            raise RuntimeError("DSparkHead: head.anchor_features needs the fused rows (context_kv's BlockContext)")
+            raise RuntimeError("DSparkHead: head.dspark.anchor_features needs the fused rows (context_kv's "
+                               "BlockContext)")
         if c.shape[1] == 0:
             return c.new_zeros(*anchors.shape, c.shape[-1])
         rows = (anchors - 1).clamp(min=0)
@@ -321,7 +347,7 @@ class DSparkHead(DraftHead):
         """ctx: context_kv(...) of S rows; allowed [B,A,S] bool; anchor_tokens [B,A] target ids at positions
         anchors [B,A] -> h [B,A,K,D] (final-normed hidden of every slot)."""
         B, A = anchors.shape
-        K = self.spec.block_size
+        K = self.spec.options.block_size
         ids = torch.full((B, A, K), self.mask_token_id, dtype=torch.long, device=anchors.device)
         ids[..., 0] = anchor_tokens
         x = self.embed(ids)  # [B,A,K,D]
@@ -368,7 +394,7 @@ class DSparkHead(DraftHead):
         """c_k logits [B,A,K'] from [h_k ; W1[x_{k-1}]] (or h_k alone), before the temperatures."""
         if self.confidence_head is None:
             return None
-        x = torch.cat([hd, e.to(hd.dtype)], -1) if self.spec.confidence_with_markov else hd
+        x = torch.cat([hd, e.to(hd.dtype)], -1) if self.spec.options.confidence_with_markov else hd
         return self.confidence_head(x)
 
     # ----- training -----
@@ -468,14 +494,16 @@ class DSparkHead(DraftHead):
 def check_block(spec) -> None:
     """The head: section of a DSpark / DFlash block head (HeadSpec): the block drafts something, the Markov and
     confidence heads fit together."""
-    if spec.block_size < (1 if spec.sample_from_anchor else 2):
-        raise SpecheadsError(f"head.block_size: {spec.block_size} drafts nothing with sample_from_anchor "
-                             f"{str(spec.sample_from_anchor).lower()} (the anchor slot only drafts when true)")
-    if spec.markov_rank < 0:
-        raise SpecheadsError(f"head.markov_rank: must be >= 0 (0 = no Markov head), got {spec.markov_rank}")
-    if spec.confidence_head and spec.confidence_with_markov and spec.markov_rank == 0:
-        raise SpecheadsError("head.confidence_with_markov: needs head.markov_rank > 0 (set it false, or "
-                             "confidence_head false for plain DFlash)")
+    o = spec.options
+    at_least_one(spec, "block_size")
+    if o.block_size < (1 if o.sample_from_anchor else 2):
+        raise SpecheadsError(f"{spec.key('block_size')}: {o.block_size} drafts nothing with sample_from_anchor "
+                             f"{str(o.sample_from_anchor).lower()} (the anchor slot only drafts when true)")
+    if o.markov_rank < 0:
+        raise SpecheadsError(f"{spec.key('markov_rank')}: must be >= 0 (0 = no Markov head), got {o.markov_rank}")
+    if o.confidence_head and o.confidence_with_markov and o.markov_rank == 0:
+        raise SpecheadsError(f"{spec.key('confidence_with_markov')}: needs {spec.key('markov_rank')} > 0 (set it "
+                             f"false, or confidence_head false for plain DFlash)")
 
 
 # The DSpark / DFlash block kinds' shared declaration (Domino's KindSpec replaces what differs, heads/domino.py).
@@ -485,19 +513,20 @@ BLOCK_KIND = dict(
 KIND = register_kind(KindSpec(
     name="dspark", head=DSparkHead, label="a DSpark head", train_step="specheads.train.kinds.block:KIND",
     drafter="specheads.infer.drafters.dspark:KIND",
-    check=check_block, switches={"anchor_features": "a DSpark block-drafter switch"},
-    formats=("speculators", "specforge"), gguf="specheads.heads.gguf:DSPARK_DRAFT",
-    example={"block_size": 4, "markov_rank": 16, "mask_token_id": 5}, **BLOCK_KIND))
+    options=BlockOptions, check=check_block, formats=("speculators", "specforge"),
+    gguf="specheads.heads.gguf:DSPARK_DRAFT",
+    example={"mask_token_id": 5, "dspark": {"block_size": 4, "markov_rank": 16}}, **BLOCK_KIND))
 
 
 def refuse_block_extras(spec, label: str, stage: str, vocab_why: str) -> None:
     """What a DFlash-lineage kind with its own sequential stage (DFlash2's selector, LiLiCorr's lattice) does not
     build: DSpark's Markov and confidence heads, a draft vocabulary (vocab_why: why it needs the full one), the
     anchor-features variant."""
-    if spec.markov_rank != 0 or spec.confidence_head:
-        raise SpecheadsError(f"head.markov_rank / head.confidence_head: {label}'s {stage} is its sequential stage "
-                             "and it has no confidence head; set head.markov_rank 0 and head.confidence_head false")
+    o, rank, conf = spec.options, spec.key("markov_rank"), spec.key("confidence_head")
+    if o.markov_rank != 0 or o.confidence_head:
+        raise SpecheadsError(f"{rank} / {conf}: {label}'s {stage} is its sequential stage and it has no confidence "
+                             f"head; set {rank} 0 and {conf} false")
     if spec.draft_vocab_size is not None:
         raise SpecheadsError(f"head.draft_vocab_size: {label} {vocab_why}; set it null")
-    if spec.anchor_features:
-        raise SpecheadsError(f"head.anchor_features: not built for {label}")
+    if o.anchor_features:
+        raise SpecheadsError(f"{spec.key('anchor_features')}: not built for {label}")

@@ -19,11 +19,11 @@ x_{p+k} (the DFlash alignment: K-1 drafts). Layer i = 0..n-1 of the backbone, th
 rms(u) = ||u|| / √D. C [V, r] are fixed token codes (the buffer `transfer_codes`), computed once from the target's
 lm_head W [V, D] (SpecForge initialize_transfer_space): ŵ_v = W_v / ||W_v||, μ = mean_v ŵ_v, P [D, r] and λ the top
 r eigenvectors / eigenvalues of Σ_v (ŵ_v - μ)(ŵ_v - μ)ᵀ, C_v = normalize((ŵ_v - μ) P / √λ); every R_i starts as Pᵀ
-(learned after), W_i and G_p start at 0 (the head starts as the causal DFlash backbone; head.dspine_write_std > 0
+(learned after), W_i and G_p start at 0 (the head starts as the causal DFlash backbone; head.dspine.write_std > 0
 draws W_i from N(0, std²) instead).
 
 Predecessor refinement (SpecForge `refine` / `transition_scores`, the drafts served): draft k re-scores its top-k
-candidates b (k = head.dspine_top_k, from U_k) with the LAST layer's injection redone on the token a chosen before
+candidates b (k = head.dspine.top_k, from U_k) with the LAST layer's injection redone on the token a chosen before
 it (the anchor for the first draft) in place of the predicted feature:
 
     ĥ_k(a)  = RMSNorm(u_k + rms(u_k) · W_{n-1}(σ(G_r f_k + G_p √r C[a] + b) ⊙ M √r C[a]))   u = u^{n-1}, f = f^{n-1}
@@ -49,15 +49,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specheads.heads.base import HeadConfig
-from specheads.heads.dspark import BLOCK_KIND, DSparkHead, check_block
+from specheads.heads.dspark import BLOCK_KIND, BlockOptions, DSparkHead, check_block
 from specheads.heads.kinds import KindSpec, register_kind
+from specheads.heads.headspec import at_least_one
 from specheads.utils import SpecheadsError
 
 
@@ -129,15 +130,15 @@ class DSpineHead(DSparkHead):
     def __init__(self, config: HeadConfig):
         super().__init__(config)
         s, D, V = self.spec, config.hidden_size, config.vocab_size
-        r = int(s.dspine_transfer_rank)
+        r = int(s.options.transfer_rank)
         if not 1 <= r <= min(D, V - 1):
-            raise SpecheadsError(f"head.dspine_transfer_rank: {r} must be within 1..{min(D, V - 1)} (the target's "
+            raise SpecheadsError(f"{s.key('transfer_rank')}: {r} must be within 1..{min(D, V - 1)} (the target's "
                                  f"hidden size {D} and vocab {V} - 1 bound the codes' principal directions)")
         for layer in self.layers:
             layer.self_attn.causal = True  # slot k reads slots <= k (SpecForge causal_block)
-        self.injection = AdjacentInjection(D, s.num_layers, r, int(s.dspine_message_size), float(s.dspine_write_std))
+        self.injection = AdjacentInjection(D, s.num_layers, r, int(s.options.message_size), float(s.options.write_std))
         self.register_buffer("transfer_codes", torch.zeros(V, r))  # C, fixed: init_from_target fills it
-        self.top_k = min(int(s.dspine_top_k), config.out_vocab)
+        self.top_k = min(int(s.options.top_k), config.out_vocab)
 
     @torch.no_grad()
     def init_from_target(self, chunk: int = 4096) -> None:
@@ -156,7 +157,7 @@ class DSpineHead(DSparkHead):
         vals, vecs = torch.linalg.eigh(cov)
         vals, vecs = vals[-r:], vecs[:, -r:]  # [r], [D,r]: the top r principal directions
         if not bool(torch.isfinite(vals).all()) or bool((vals <= 0).any()):
-            raise SpecheadsError(f"head.dspine_transfer_rank: the target's lm_head has fewer than {r} positive "
+            raise SpecheadsError(f"head.dspine.transfer_rank: the target's lm_head has fewer than {r} positive "
                                  "principal directions; lower it")
         for start in range(0, w.shape[0], chunk):
             n = F.normalize(w[start:start + chunk].float(), dim=-1)
@@ -177,7 +178,7 @@ class DSpineHead(DSparkHead):
         SpineStates. forced: AdjacentInjection's (training); features: keep every layer's post-injection
         features f(z^i) [n,B,A,K,r] (the alignment loss)."""
         B, A = anchors.shape
-        K = self.spec.block_size
+        K = self.spec.options.block_size
         ids = torch.full((B, A, K), self.mask_token_id, dtype=torch.long, device=anchors.device)
         ids[..., 0] = anchor_tokens
         x = self.embed(ids)  # [B,A,K,D]
@@ -233,7 +234,7 @@ class DSpineHead(DSparkHead):
         allowed = torch.arange(T, device=anchors.device) < anchors[..., None]  # [B,A,T]: rows before the anchor
         if attention_mask is not None:
             allowed = allowed & attention_mask.bool()[:, None, :]
-        idx = (anchors[..., None] + torch.arange(self.spec.block_size, device=anchors.device)).clamp(max=T - 1)
+        idx = (anchors[..., None] + torch.arange(self.spec.options.block_size, device=anchors.device)).clamp(max=T - 1)
         toks = input_ids.gather(1, idx.flatten(1)).view(idx.shape)  # [B,A,K]: x_{p+k}
         forced = None if replace is None else (self.code(toks[..., :-1]), replace[0], int(replace[1]))
         states = self.blocks(ctx, allowed, toks[..., 0], anchors, forced=forced, features=True)
@@ -243,36 +244,49 @@ class DSpineHead(DSparkHead):
         return SpineOutput(base, cand, self.scores(ud, toks[..., :-1], cand), states.features[:, :, :, 1:])
 
 
+@dataclass
+class DSpineOptions(BlockOptions):
+    """head.dspine: the DFlash block's settings (BlockOptions) and the adjacent causal injection's (SpecForge
+    dspine_config)."""
+
+    FLAT_KEYS: ClassVar[dict[str, str]] = {"dspine_transfer_rank": "transfer_rank",
+                                           "dspine_message_size": "message_size", "dspine_top_k": "top_k",
+                                           "dspine_write_std": "write_std"}
+    transfer_rank: int = 1024  # r, width of the token codes and per-layer readouts (SpecForge transfer_rank)
+    message_size: int = 512  # m, width of the gated message (SpecForge message_size 512)
+    top_k: int = 16  # candidates per draft that the predecessor refinement re-scores (SpecForge top_k 16)
+    write_std: float = 0.0  # init std of the per-layer writes (SpecForge: 0, the causal DFlash at start)
+
+
 def check_dspine(spec) -> None:
     """The head: section of a DSpine head: a DFlash block (check_block) with the slot alignment, heads and sizes
     DSpine is built with."""
     check_block(spec)
-    for name in ("dspine_transfer_rank", "dspine_message_size", "dspine_top_k"):
-        if getattr(spec, name) < 1:
-            raise SpecheadsError(f"head.{name}: must be >= 1, got {getattr(spec, name)}")
-    if not spec.dspine_write_std >= 0:
-        raise SpecheadsError(f"head.dspine_write_std: must be >= 0, got {spec.dspine_write_std}")
-    if spec.sample_from_anchor:
-        raise SpecheadsError("head.sample_from_anchor: DSpine drafts from slots 1..K-1 (slot k predicts x_{p+k}, "
-                             "SpecForge's DFlash alignment): set it false")
-    for name, why in (("markov_rank", "its adjacent injection is the sequential stage: set head.markov_rank 0"),
-                      ("confidence_head", "DSpine has no confidence head: set head.confidence_head false"),
+    o = spec.options
+    at_least_one(spec, "transfer_rank", "message_size", "top_k")
+    if not o.write_std >= 0:
+        raise SpecheadsError(f"{spec.key('write_std')}: must be >= 0, got {o.write_std}")
+    if o.sample_from_anchor:
+        raise SpecheadsError(f"{spec.key('sample_from_anchor')}: DSpine drafts from slots 1..K-1 (slot k predicts "
+                             "x_{p+k}, SpecForge's DFlash alignment): set it false")
+    for name, why in (("markov_rank", "its adjacent injection is the sequential stage: set it 0"),
+                      ("confidence_head", "DSpine has no confidence head: set it false"),
                       ("anchor_features", "not built for DSpine")):
-        if getattr(spec, name):
-            raise SpecheadsError(f"head.{name}: {why} (got {getattr(spec, name)})")
+        if getattr(o, name):
+            raise SpecheadsError(f"{spec.key(name)}: {why} (got {getattr(o, name)})")
 
 
 KIND = register_kind(KindSpec(
     name="dspine", head=DSpineHead, label="a DSpine head", train_step="specheads.train.kinds.dspine:KIND",
-    drafter="specheads.infer.drafters.dspine:KIND", check=check_dspine, formats=(),
+    drafter="specheads.infer.drafters.dspine:KIND", options=DSpineOptions, check=check_dspine, formats=(),
     refused={"speculators": "speculators 0.9.0 has no DSpine model (its models are dflash, dflash2, dspark, eagle3, "
                             "mtp, peagle, xpress; none reads injection.* or transfer_codes); keep the native folder",
              "specforge": "SpecForge's DSpineDraftModel (specforge/modeling/draft/dspine.py) is on SpecForge main "
                           "only, not in specforge 0.2.0, the newest release, with which specheads loads its SpecForge "
                           "exports to check them; keep the native folder (docs/dspine.md gives the layout)"},
     not_drafted="llama.cpp's converter (llama.cpp 0c1e570) has no DSpine architecture",
-    example={"block_size": 4, "markov_rank": 0, "confidence_head": False, "sample_from_anchor": False,
-             "mask_token_id": 5, "dspine_transfer_rank": 16, "dspine_message_size": 8, "dspine_top_k": 6,
-             "dspine_write_std": 0.02},
+    example={"mask_token_id": 5, "dspine": {"block_size": 4, "markov_rank": 0, "confidence_head": False,
+                                            "sample_from_anchor": False, "transfer_rank": 16, "message_size": 8,
+                                            "top_k": 6, "write_std": 0.02}},
     example_train={"block.dspine_alignment_warmup": 0},
     **{**BLOCK_KIND, "confidence": False, "exporter": None}))

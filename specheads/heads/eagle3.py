@@ -33,6 +33,7 @@ Shapes: B batch, T sequence, N tree nodes, D hidden, F feature layers, V vocab, 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -41,6 +42,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from specheads.heads.base import (DraftHead, HeadConfig, build_draft_vocab, causal_mask_4d,  # noqa: F401 (re-export)
                                   fused_layers, last_row)
 from specheads.heads.kinds import KindSpec, register_kind
+from specheads.heads.headspec import at_least_one
 from specheads.heads.eagle import RotaryCache, build_layers
 from specheads.target import full_attention_rope
 
@@ -49,12 +51,24 @@ LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_ke
               "rope_scaling", "initializer_range")
 
 
-EAGLE31_SWITCHES = ("fc_norm", "norm_output")  # HeadSpec fields, named as speculators' config keys
+@dataclass
+class Eagle3Options:
+    """head.eagle3: EAGLE-3's own settings; EAGLE-3.1's two switches (speculators' Eagle3SpeculatorConfig keys of
+    the same names), both false = EAGLE-3."""
+
+    ttt_steps: int = 7  # training-time-test unroll (EAGLE-3 repo default length 7)
+    fc_norm: bool = False  # an RMSNorm on each captured target state before fc (one per feature layer)
+    norm_output: bool = False  # the head's post-norm state feeds its next step (EAGLE-3: the pre-norm state)
+
+
+EAGLE31_SWITCHES = ("fc_norm", "norm_output")  # Eagle3Options fields, named as speculators' config keys
 
 
 def eagle31_switches(spec) -> list[str]:
-    """The EAGLE-3.1 switches a HeadSpec turns on (empty: plain EAGLE-3)."""
-    return [name for name in EAGLE31_SWITCHES if getattr(spec, name)]
+    """The EAGLE-3.1 switches a HeadSpec turns on (empty: plain EAGLE-3, and a kind built on EAGLE-3 without its
+    options, P-EAGLE)."""
+    o = spec.options
+    return [name for name in EAGLE31_SWITCHES if isinstance(o, Eagle3Options) and getattr(o, name)]
 
 
 def eagle3_layer_config(target_config: dict, vocab_size: int, num_layers: int = 1):
@@ -94,8 +108,8 @@ class Eagle3Head(DraftHead):
         self._rope = RotaryCache(rotary)
         # EAGLE-3.1: one RMSNorm per feature layer (weight 1 at init, no RNG drawn: EAGLE-3's init is unchanged)
         self.fc_norm = nn.ModuleList([LlamaRMSNorm(D, eps=self.layer_config.rms_norm_eps) for _ in range(F)]) \
-            if self.spec.fc_norm else None
-        self.norm_output = self.spec.norm_output
+            if "fc_norm" in eagle31_switches(self.spec) else None
+        self.norm_output = "norm_output" in eagle31_switches(self.spec)
 
     @property
     def lm_head(self) -> nn.Linear:  # the head's own projection over V' (not the target's)
@@ -145,7 +159,7 @@ class Eagle3Head(DraftHead):
                 steps: int | None = None, pad_token_id: int = 0) -> list[torch.Tensor]:
         """Training with TTT: features [B,T,F*D], next_tokens [B,T] (x_{t+1}), attention_mask [B,T] (right padding)
         -> list of `steps` logits [B,T,V']; step i row t predicts x_{t+2+i} (rows past the end read pad tokens)."""
-        n = steps or self.spec.ttt_steps
+        n = steps or self.spec.options.ttt_steps
         B, T = next_tokens.shape
         dev, dt = next_tokens.device, self.head_dtype
         if attention_mask is None:
@@ -182,7 +196,7 @@ def speculators_needs_target(fmt: str, cfg: HeadConfig) -> bool:
 KIND = register_kind(KindSpec(
     name="eagle3", head=Eagle3Head, family="tree", label="an EAGLE-3 head", feature_layers=fused_layers, bias=False,
     train_step="specheads.train.kinds.eagle3:KIND", drafter="specheads.infer.drafters.eagle:EAGLE3_KIND",
-    switches={name: "an EAGLE-3 (EAGLE-3.1) switch" for name in EAGLE31_SWITCHES},
+    options=Eagle3Options, check=lambda spec: at_least_one(spec, "ttt_steps"),
     formats=("eagle3", "speculators"), needs_target=speculators_needs_target,
     gguf="specheads.heads.eagle3_gguf:EAGLE3_DRAFT",
     example={"draft_vocab_size": 100}))

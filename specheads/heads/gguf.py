@@ -44,7 +44,7 @@ DSpark / DFlash heads (the speculators dspark layout, then the keys below) are r
 - Qwen3 layers with q/k norms (src/models/dflash.cpp:234-235), NeoX RoPE (src/llama-model.cpp:3179-3185), the
   context's keys/values from RMSNorm(fc(features)) without the input norm (:606-640), as ours; confidence
   sigmoid(conf_proj [h_k ; W1[x_prev]] + b) on the final-normed hidden (:368-381, :797-800).
-Refused: EAGLE-3.1 heads (head.fc_norm / head.norm_output: the converter maps no `fc_norm.*` tensor, and
+Refused: EAGLE-3.1 heads (head.eagle3.fc_norm / norm_output: the converter maps no `fc_norm.*` tensor, and
 src/models/eagle3.cpp has only the one `norm_before_fc` norm and feeds its pre-norm state to the next step, :286),
 gated / rnn Markov heads, a confidence head without the Markov input, feature layer L, activations
 other than SiLU (no hidden_act is written), RoPE scaling the converter does not write, and the anchor-features
@@ -272,10 +272,10 @@ def _dspark_check_head(cfg: HeadConfig, head_dir: Path) -> None:
     spec = cfg.head_spec
     check_block_exportable(cfg, "--format gguf", DSPARK_ENGINE, str(head_dir))
     problems = []
-    if spec.markov_rank and spec.markov_head_type != "vanilla":
-        problems.append(f"its Markov head is {spec.markov_head_type!r} and llama.cpp runs the vanilla one only "
+    if spec.options.markov_rank and spec.options.markov_head_type != "vanilla":
+        problems.append(f"its Markov head is {spec.options.markov_head_type!r} and llama.cpp runs the vanilla one only "
                         "(conversion/qwen.py:898; the bias W2 W1[x_prev] of src/models/dflash.cpp:350-351)")
-    if spec.confidence_head and not spec.confidence_with_markov:
+    if spec.options.confidence_head and not spec.options.confidence_with_markov:
         problems.append("its confidence head reads h_k alone and llama.cpp's reads [h_k ; W1[x_prev]] "
                         "(conf_proj of D + rank inputs, loaded beside a Markov head: src/models/dflash.cpp:126-134)")
     problems += dflash_backbone_problems(cfg)
@@ -307,21 +307,23 @@ def _dspark_converter_config(cfg: HeadConfig, config: dict) -> dict:
     when absent), sample_from_anchor (default true only without transformer_layer_config), mask token,
     hidden_states ids (the converter stores id - 1 and writes + 1) and non-causal attention."""
     spec, ids = cfg.head_spec, list(cfg.feature_layers)
+    K = spec.options.block_size
     config = dict(config)
-    config.update(architectures=["DSparkSpeculator"], block_size=spec.block_size,  # conversion/qwen.py:861-867, :710
-                  sample_from_anchor=spec.sample_from_anchor,  # :879-881
+    config.update(architectures=["DSparkSpeculator"], block_size=K,  # conversion/qwen.py:861-867, :710
+                  sample_from_anchor=spec.options.sample_from_anchor,  # :879-881
                   mask_token_id=spec.mask_token_id, aux_hidden_state_layer_ids=ids,  # :888-892
                   draft_vocab_size=cfg.out_vocab, markov_head_type="vanilla",  # :898, :902
-                  dflash_config={"block_size": spec.block_size, "mask_token_id": spec.mask_token_id,  # :696, :710
+                  dflash_config={"block_size": K, "mask_token_id": spec.mask_token_id,  # :696, :710
                                  "target_layer_ids": [i - 1 for i in ids], "causal": False})  # :735-738, :749-753
     return config
 
 
 def _dspark_check_gguf(cfg: HeadConfig, meta: dict, tensors: dict, path: Path) -> None:
     spec = cfg.head_spec
+    o = spec.options
     for key, want in [("general.architecture", "dflash"), ("dflash.target_layers", list(cfg.feature_layers)),
-                      ("dflash.block_size", spec.block_size), ("dflash.sample_from_anchor", spec.sample_from_anchor),
-                      ("dflash.has_confidence_head", spec.confidence_head), ("dflash.attention.causal", False),
+                      ("dflash.block_size", o.block_size), ("dflash.sample_from_anchor", o.sample_from_anchor),
+                      ("dflash.has_confidence_head", o.confidence_head), ("dflash.attention.causal", False),
                       ("tokenizer.ggml.mask_token_id", spec.mask_token_id), ("dflash.block_count", spec.num_layers),
                       ("dflash.embedding_length", cfg.hidden_size)]:
         _expect(meta, key, want, path)
@@ -330,8 +332,8 @@ def _dspark_check_gguf(cfg: HeadConfig, meta: dict, tensors: dict, path: Path) -
             close=True)
     need = ["fc.weight", "enc.output_norm.weight", "output_norm.weight"]
     need += [f"blk.{i}.attn_{n}_norm.weight" for i in range(spec.num_layers) for n in ("q", "k")]
-    need += ["markov_w1.weight", "markov_w2.weight"] if spec.markov_rank else []
-    need += ["conf_proj.weight", "conf_proj.bias"] if spec.confidence_head else []
+    need += ["markov_w1.weight", "markov_w2.weight"] if spec.options.markov_rank else []
+    need += ["conf_proj.weight", "conf_proj.bias"] if spec.options.confidence_head else []
     need += ["output.weight", "d2t"] if cfg.draft_vocab_size else []
     for name in need:
         if name not in tensors:
@@ -347,9 +349,10 @@ def _dspark_check_gguf(cfg: HeadConfig, meta: dict, tensors: dict, path: Path) -
 def _dspark_notes(cfg: HeadConfig, head_dir: Path) -> dict:
     spec = cfg.head_spec
     notes = {"server_args": ["--spec-draft-n-max", str(spec.num_drafts)],
-             "block": f"--spec-draft-n-max {spec.num_drafts} runs the block as trained ({spec.block_size} slots); "
+             "block": f"--spec-draft-n-max {spec.num_drafts} runs the block as trained "
+                      f"({spec.options.block_size} slots); "
                       "a smaller N decodes a shorter block, whose bidirectional attention differs from training"}
-    if spec.confidence_head:
+    if spec.options.confidence_head:
         notes["confidence"] = ("--spec-draft-p-min P stops the draft at the first slot whose confidence "
                                "sigmoid(w . [h_k ; W1[x_prev]] + b) is below P (per slot, not the survival product; "
                                "common/speculative.cpp:1267-1276); the GGUF carries the uncalibrated head "

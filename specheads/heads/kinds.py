@@ -79,12 +79,12 @@ class KindSpec:
     bias: bool = True  # fc / ResBlock bias when head.bias is null
     default_loss: str = "soft_ce"  # train.loss when unset ({w_ce} / {w_l1}: train.block weights)
     num_drafts: Callable[[Any], int] | None = None  # HeadSpec -> drafts per pass (None: the block's K slots)
-    confidence: bool = False  # head.confidence_head applies (a per-draft acceptance predictor, calibrated)
+    confidence: bool = False  # head.<kind>.confidence_head applies (a per-draft acceptance predictor, calibrated)
     lora: bool = False  # trains LoRA adapters on the target beside the head (Medusa-2: train.lora.enabled)
     mask_token: bool = False  # embeds a mask token (head.mask_token_id resolved against the tokenizer)
-    block_positions: bool = False  # a block of head.block_size slots must fit the target's positions
-    switches: Mapping[str, str] = field(default_factory=dict)  # HeadSpec switches only this kind may turn on ->
-    # what the refusal calls them for other kinds ("a DSpark block-drafter switch")
+    block_positions: bool = False  # a block of head.<kind>.block_size slots must fit the target's positions
+    options: type | None = None  # the dataclass of its own head: settings, the recipe's head.<name> section and
+    # HeadSpec.options (heads/headspec.py); None: it has none. A variant's extends its parent's (DominoOptions)
     check: Callable[[Any], None] | None = None  # HeadSpec -> None or SpecheadsError: the kind's own spec checks
     formats: tuple[str, ...] = ()  # export formats it writes and reads (besides native)
     unread_by: Mapping[str, str] = field(default_factory=dict)  # "format/consumer" -> why that consumer of one of
@@ -101,7 +101,8 @@ class KindSpec:
     gguf: str | None = None  # "module:attr" of its heads.gguf.DraftKind (llama.cpp drafts with it)
     not_drafted: str = ""  # why llama.cpp cannot draft with it (the --format gguf refusal says it)
     example: Mapping[str, Any] = field(default_factory=dict)  # head: keys of a small valid head of this kind on a
-    # 4-layer target (tests/test_kind_contract.py builds every registered kind from it)
+    # 4-layer target, its own under its name ({"mask_token_id": 5, "dspark": {"block_size": 4}});
+    # tests/test_kind_contract.py builds every registered kind from it
     example_train: Mapping[str, Any] = field(default_factory=dict)  # train: keys its one-step contract check
     # needs (e.g. Domino's λ below 1 at step 0, so that its GRU correction trains in the first step)
 
@@ -119,7 +120,7 @@ class KindSpec:
         samples."""
         if self.num_drafts is not None:
             return self.num_drafts(spec)
-        return spec.block_size - (0 if spec.sample_from_anchor else 1)
+        return spec.options.block_size - (0 if spec.options.sample_from_anchor else 1)
 
 
 _KINDS: dict[str, KindSpec] = {}

@@ -46,13 +46,18 @@ width, F factor width, N = K'·k lattice nodes.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specheads.heads.base import HeadConfig
-from specheads.heads.dspark import BLOCK_KIND, BlockContext, DSparkHead, check_block, refuse_block_extras
+from specheads.heads.dspark import (BLOCK_KIND, BlockContext, BlockOptions, DSparkHead, check_block,
+                                    refuse_block_extras)
 from specheads.heads.kinds import KindSpec, register_kind
+from specheads.heads.headspec import at_least_one
 from specheads.utils import SpecheadsError
 
 NUM_FEATURES = 5  # φ: [ℓ, exp ℓ, ℓ - ℓ_0, rank fraction, is top-1]
@@ -106,10 +111,10 @@ class LatticeScorer(nn.Module):
 
     def __init__(self, hidden: int, num_drafts: int, s, eps: float, std: float):
         super().__init__()
-        H = s.lilicorr_hidden_size or hidden
-        k, nh, Fd = s.lilicorr_candidate_topk, s.lilicorr_num_heads, s.lilicorr_factor_dim
+        H = s.options.hidden_size or hidden
+        k, nh, Fd = s.options.candidate_topk, s.options.num_heads, s.options.factor_dim
         self.top_k, self.num_heads, self.num_drafts = k, nh, num_drafts
-        self.logit_scale, self.vector_eps = float(s.lilicorr_logit_scale), float(s.lilicorr_vector_eps)
+        self.logit_scale, self.vector_eps = float(s.options.logit_scale), float(s.options.vector_eps)
         self.token_proj = nn.Identity() if H == hidden else nn.Linear(hidden, H)  # P_tok
         self.pass_hidden_proj = nn.Linear(hidden, H)  # P_h
         self.feature_mlp = nn.Sequential(nn.LayerNorm(NUM_FEATURES), nn.Linear(NUM_FEATURES, H), nn.SiLU(),
@@ -119,8 +124,8 @@ class LatticeScorer(nn.Module):
         self.relative_slot_bias = nn.Parameter(torch.zeros(nh, 2 * (num_drafts + 1) - 1))  # b^rel over j - j'
         self.same_slot_bias = nn.Parameter(torch.zeros(nh))  # b^same
         self.context_proj = nn.Linear(hidden, H)  # W_c
-        self.layers = nn.ModuleList(LatticeLayer(H, nh, s.lilicorr_mlp_ratio, eps)
-                                    for _ in range(s.lilicorr_num_layers))
+        self.layers = nn.ModuleList(LatticeLayer(H, nh, s.options.mlp_ratio, eps)
+                                    for _ in range(s.options.num_layers))
         self.output_norm, self.anchor_norm = _rms_norm(H, eps), _rms_norm(H, eps)
         self.factor_input_proj = nn.Linear(3 * H, H)  # W_f
         self.out_head, self.in_head, self.anchor_out_head = (nn.Linear(H, Fd) for _ in range(3))
@@ -208,7 +213,7 @@ class LiLiCorrHead(DSparkHead):
     def lattice(self, h: torch.Tensor):
         """blocks' output [B,A,K+1,D] -> (unary logits U [B,A,K',V], candidates C [B,A,K',k], start [B,A,k],
         pair [B,A,K'-1,k,k]). ℓ reads the live U (the lattice terms reach the backbone through it and h)."""
-        K = self.spec.block_size
+        K = self.spec.options.block_size
         hd, anchor = h[:, :, self.slot0:K], h[:, :, K]
         unary = self._base_logits(hd)  # [B,A,K',V]
         cand = unary.detach().topk(self.lilicorr.top_k, dim=-1).indices  # rank order
@@ -249,48 +254,65 @@ class LiLiCorrHead(DSparkHead):
         return self.lattice(h)
 
 
+@dataclass
+class LiLiCorrOptions(BlockOptions):
+    """head.lilicorr: the DFlash block's settings (BlockOptions) and the small transformer that rescores the
+    block's top-k candidate lattice (ModelOpt's dflash_architecture_config lilicorr_* keys)."""
+
+    FLAT_KEYS: ClassVar[dict[str, str]] = {f"lilicorr_{k}": k for k in (
+        "candidate_topk", "hidden_size", "num_layers", "num_heads", "mlp_ratio", "factor_dim", "vector_eps",
+        "logit_scale")}
+    candidate_topk: int = 8  # k candidates per draft slot (vLLM / SGLang serve powers of two <= 16)
+    hidden_size: int = 0  # H, the lattice transformer's width; 0 = the target's hidden size D
+    num_layers: int = 2  # lattice transformer layers
+    num_heads: int = 8  # its attention heads (H divisible by them)
+    mlp_ratio: float = 2.0  # its MLP width / H
+    factor_dim: int = 128  # F, the width of the out / in factor vectors
+    vector_eps: float = 1e-6  # L2-normalisation epsilon of the factor vectors, in (0, 0.5)
+    logit_scale: float = 10.0  # λ, fixed: scores are λ · cosine
+
+
 def check_lilicorr(spec) -> None:
     """The head: section of a LiLiCorr head: a DFlash block (check_block) with its lattice, nothing of DSpark's."""
     check_block(spec)
-    for name in ("lilicorr_candidate_topk", "lilicorr_num_layers", "lilicorr_num_heads", "lilicorr_factor_dim"):
-        if getattr(spec, name) < 1:
-            raise SpecheadsError(f"head.{name}: must be >= 1, got {getattr(spec, name)}")
-    if spec.lilicorr_hidden_size < 0:
-        raise SpecheadsError(f"head.lilicorr_hidden_size: must be >= 0 (0 = the target's), got "
-                             f"{spec.lilicorr_hidden_size}")
-    if not spec.lilicorr_mlp_ratio > 0 or not spec.lilicorr_logit_scale > 0:
-        raise SpecheadsError("head.lilicorr_mlp_ratio / head.lilicorr_logit_scale: must be > 0")
-    if not 0 < spec.lilicorr_vector_eps < 0.5:
-        raise SpecheadsError(f"head.lilicorr_vector_eps: must be in (0, 0.5), got {spec.lilicorr_vector_eps}")
-    if spec.sample_from_anchor:
-        raise SpecheadsError("head.sample_from_anchor: LiLiCorr's lattice covers the K-1 slots after the anchor "
-                             "(DFlash's layout); set it false")
+    o = spec.options
+    at_least_one(spec, "candidate_topk", "num_layers", "num_heads", "factor_dim")
+    if o.hidden_size < 0:
+        raise SpecheadsError(f"{spec.key('hidden_size')}: must be >= 0 (0 = the target's), got {o.hidden_size}")
+    if not o.mlp_ratio > 0 or not o.logit_scale > 0:
+        raise SpecheadsError(f"{spec.key('mlp_ratio')} / {spec.key('logit_scale')}: must be > 0")
+    if not 0 < o.vector_eps < 0.5:
+        raise SpecheadsError(f"{spec.key('vector_eps')}: must be in (0, 0.5), got {o.vector_eps}")
+    if o.sample_from_anchor:
+        raise SpecheadsError(f"{spec.key('sample_from_anchor')}: LiLiCorr's lattice covers the K-1 slots after the "
+                             "anchor (DFlash's layout); set it false")
     refuse_block_extras(spec, "LiLiCorr", "lattice", "ranks candidates over the full vocabulary (every engine's "
                         "LiLiCorr loader needs the target's)")
 
 
 def check_head_config(cfg: HeadConfig) -> None:
     """What needs the target's sizes: the lattice width splits into its heads, the candidates fit the vocabulary."""
-    s = cfg.head_spec
-    width = s.lilicorr_hidden_size or cfg.hidden_size
-    if width % s.lilicorr_num_heads:
-        raise SpecheadsError(f"head.lilicorr_num_heads: {s.lilicorr_num_heads} does not divide the lattice width "
-                             f"{width} (head.lilicorr_hidden_size, 0 = the target's hidden size)")
-    if s.lilicorr_candidate_topk > cfg.vocab_size:
-        raise SpecheadsError(f"head.lilicorr_candidate_topk: {s.lilicorr_candidate_topk} exceeds the vocabulary "
+    spec = cfg.head_spec
+    s = spec.options
+    width = s.hidden_size or cfg.hidden_size
+    if width % s.num_heads:
+        raise SpecheadsError(f"{spec.key('num_heads')}: {s.num_heads} does not divide the lattice width {width} "
+                             f"({spec.key('hidden_size')}, 0 = the target's hidden size)")
+    if s.candidate_topk > cfg.vocab_size:
+        raise SpecheadsError(f"{spec.key('candidate_topk')}: {s.candidate_topk} exceeds the vocabulary "
                              f"{cfg.vocab_size}")
 
 
 KIND = register_kind(KindSpec(
     name="lilicorr", head=LiLiCorrHead, label="a LiLiCorr head", train_step="specheads.train.kinds.lilicorr:KIND",
-    drafter="specheads.infer.drafters.lilicorr:KIND", check=check_lilicorr, formats=(),
+    drafter="specheads.infer.drafters.lilicorr:KIND", options=LiLiCorrOptions, check=check_lilicorr, formats=(),
     refused={"speculators": "speculators 0.9.0 has no LiLiCorr model (its dflash / dflash2 / dspark read no "
                             "lilicorr.* tensors); vLLM, SGLang and TensorRT-LLM load LiLiCorr from ModelOpt's DFlash "
                             "checkpoint (dflash_config.lilicorr_*), which specheads does not write yet; export native",
              "specforge": "SpecForge 0.2.0 has no LiLiCorr draft model; export native"},
     not_drafted="the pinned llama.cpp has no LiLiCorr reader (its converter and dflash architecture know DFlash, "
                 "DFlash2 and DSpark only; LiLiCorr came to llama.cpp's dflash architecture later); export native",
-    example={"block_size": 4, "markov_rank": 0, "confidence_head": False, "sample_from_anchor": False,
-             "lilicorr_candidate_topk": 128, "lilicorr_hidden_size": 32, "lilicorr_num_layers": 2,
-             "lilicorr_num_heads": 2, "lilicorr_factor_dim": 8, "mask_token_id": 5},
+    example={"mask_token_id": 5, "lilicorr": {"block_size": 4, "markov_rank": 0, "confidence_head": False,
+                                              "sample_from_anchor": False, "candidate_topk": 128, "hidden_size": 32,
+                                              "num_layers": 2, "num_heads": 2, "factor_dim": 8}},
     **{**BLOCK_KIND, "confidence": False, "exporter": None}))

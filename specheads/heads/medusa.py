@@ -16,11 +16,24 @@ Parameter names follow vLLM's Medusa (`blocks.{h}.layers.{l}.weight/bias`, `lm_h
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
 import torch
 from torch import nn
 
 from specheads.heads.base import DraftHead, HeadConfig, final_layer
 from specheads.heads.kinds import KindSpec, register_kind
+from specheads.heads.headspec import at_least_one
+
+
+@dataclass
+class MedusaOptions:
+    """head.medusa: Medusa's own settings (its residual blocks per head are head.num_layers)."""
+
+    FLAT_KEYS: ClassVar[dict[str, str]] = {"medusa_lm_head": "lm_head"}  # old flat head: key -> field
+    num_heads: int = 4  # K heads (Medusa paper default 4 in the repo's training script)
+    lm_head: Literal["shared", "per_head"] = "shared"  # shared frozen target lm_head, or per head (Medusa-1 repo)
 
 
 class ResidualStack(nn.Module):
@@ -48,10 +61,10 @@ class MedusaHead(DraftHead):
 
     def __init__(self, config: HeadConfig):
         super().__init__(config)
-        D, K = config.hidden_size, self.spec.num_heads
+        D, K = config.hidden_size, self.spec.options.num_heads
         self.num_heads = K
         self.blocks = nn.ModuleList(ResidualStack(D, self.spec.num_layers, self.spec.resolved_bias()) for _ in range(K))
-        if self.spec.medusa_lm_head == "per_head":
+        if self.spec.options.lm_head == "per_head":
             self.lm_heads = nn.ModuleList(nn.Linear(D, config.out_vocab, bias=False) for _ in range(K))
         else:
             self.lm_heads = None
@@ -83,11 +96,11 @@ class MedusaHead(DraftHead):
 
 def _needs_target(fmt: str, cfg: HeadConfig) -> bool:
     """vLLM's Medusa wants one projection per head: a shared lm_head is written as copies of the target's rows."""
-    return fmt == "medusa-vllm" and cfg.head_spec.medusa_lm_head == "shared"
+    return fmt == "medusa-vllm" and cfg.head_spec.options.lm_head == "shared"
 
 
 KIND = register_kind(KindSpec(
     name="medusa", head=MedusaHead, family="tree", label="a Medusa head", feature_layers=final_layer,
     final_state_only=True, lora=True, train_step="specheads.train.kinds.medusa:KIND",
     drafter="specheads.infer.drafters.medusa:KIND", formats=("medusa-vllm",), needs_target=_needs_target,
-    example={"num_heads": 3}))
+    options=MedusaOptions, check=lambda spec: at_least_one(spec, "num_heads"), example={"medusa": {"num_heads": 3}}))

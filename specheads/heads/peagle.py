@@ -33,6 +33,8 @@ F feature layers, V' draft vocab, S attended length.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -41,6 +43,14 @@ from specheads.kvcache import select_columns
 from specheads.heads.eagle import build_layers
 from specheads.heads.eagle3 import Eagle3Head, eagle3_layer_config, speculators_needs_target
 from specheads.heads.kinds import KindSpec, register_kind
+from specheads.heads.headspec import at_least_one
+
+
+@dataclass
+class PEagleOptions:
+    """head.peagle: P-EAGLE's own setting (its decoder layers are head.num_layers)."""
+
+    num_depths: int = 8  # K parallel depths = drafts per head pass (speculators PEagleArgs num_depths 8)
 
 
 class PEagleCache:
@@ -78,7 +88,7 @@ class PEagleHead(Eagle3Head):
 
     @property
     def num_drafts(self) -> int:
-        return int(self.spec.num_depths)
+        return int(self.spec.options.num_depths)
 
     def _rows(self, feats, tokens, position_ids, mask, kv) -> torch.Tensor:
         """One pass of N rows: feats [B,N,F·D] (mask_hidden at mask rows), tokens [B,N] target ids (the mask token
@@ -171,13 +181,14 @@ class PEagleHead(Eagle3Head):
 KIND = register_kind(KindSpec(
     name="peagle", head=PEagleHead, family="block", label="a P-EAGLE head", feature_layers=fused_layers, bias=False,
     default_loss="kl",  # speculators' P-EAGLE compute_metrics: kl_div over every sampled row
-    num_drafts=lambda spec: spec.num_depths, mask_token=True, train_step="specheads.train.kinds.peagle:KIND",
-    drafter="specheads.infer.drafters.peagle:KIND", formats=("speculators",),
+    num_drafts=lambda spec: spec.options.num_depths, mask_token=True, train_step="specheads.train.kinds.peagle:KIND",
+    drafter="specheads.infer.drafters.peagle:KIND", formats=("speculators",), options=PEagleOptions,
+    check=lambda spec: at_least_one(spec, "num_depths"),
     writers={"speculators": "specheads.heads.export.peagle:write_peagle"},
     unread_by={"speculators/vllm": "vLLM 0.34 refuses P-EAGLE (speculators/algos.py update_peagle: 'P-EAGLE "
                                    "(parallel drafting EAGLE-3) is not supported'); 0.32-0.33 served it through "
                                    "PeagleLlamaForCausalLM, which is not checked here"},
     needs_target=speculators_needs_target,
-    example={"num_layers": 2, "num_depths": 4, "mask_token_id": 5},
+    example={"num_layers": 2, "mask_token_id": 5, "peagle": {"num_depths": 4}},
     not_drafted="the pinned converter (llama.cpp 0c1e570) maps no P-EAGLE model: its EAGLE-3 graph drafts one token "
                 "per pass and has no mask_hidden / mask-token rows"))

@@ -162,7 +162,7 @@ def calibrate_head(head_dir, target, batches, layers, cfg, get_hidden=None) -> d
 
 def has_confidence_head(spec) -> bool:
     """The head (a HeadSpec) carries a confidence head: its kind has one (KindSpec.confidence) and it is on."""
-    return kind_spec(spec.kind).confidence and spec.confidence_head
+    return kind_spec(spec.kind).confidence and spec.options.confidence_head
 
 
 def calibrate_run(recipe, target, val_ds, collate_fn, layers, extract_fn=None) -> dict | None:

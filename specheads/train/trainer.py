@@ -433,7 +433,8 @@ class Trainer:
         refused); returns the allowed changes, None without a record. A fresh run: no trained run's outputs here."""
         if resume:
             return checkpoint.check_resume_settings(self.output_dir, config_to_dict(self.recipe),
-                                                    renamed_keys(type(self.recipe)))
+                                                    renamed_keys(type(self.recipe),
+                                                                 data=config_to_dict(self.recipe)))
         checkpoint.check_fresh_start(self.output_dir)
         return None
 
@@ -567,7 +568,7 @@ def recalibrate_run(recipe, target=None) -> dict:
     held-out split (best/ and final/ rewritten atomically, calibration.json); checkpoints and summary untouched."""
     if not has_confidence_head(recipe.head):
         raise SpecheadsError(f"--calibrate-only: the recipe's head has no confidence head (head.kind "
-                             f"{' or '.join(kinds_where(confidence=True))} with head.confidence_head true)")
+                             f"{' or '.join(kinds_where(confidence=True))} with head.<kind>.confidence_head true)")
     out = Path(recipe.output_dir)
     if not any((out / n / "model.safetensors").exists() for n in ("best", "final")):
         raise SpecheadsError(f"--calibrate-only: {out} has no trained head (best/ or final/); train it first")

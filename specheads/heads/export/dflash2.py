@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from specheads.heads.base import CONFIG_NAME, WEIGHTS_NAME, HeadConfig, HeadSpec, head_class, write_safetensors
+from specheads.heads.dflash2 import DFlash2Options
 from specheads.heads.export.common import HUB_IDS, check_dims, check_keys, need, speculators_section
 from specheads.heads.export.dspark import _block_layer_dict, check_block_exportable
 from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json
@@ -38,10 +39,10 @@ def speculators_config(cfg: HeadConfig, verifier: str | None) -> dict:
     return {
         "architectures": ["DFlash2DraftModel"], "speculators_model_type": "dflash2",
         "transformer_layer_config": _block_layer_dict(cfg), "draft_vocab_size": cfg.vocab_size,
-        "block_size": spec.block_size, "target_hidden_size": None,
+        "block_size": spec.options.block_size, "target_hidden_size": None,
         "aux_hidden_state_layer_ids": list(cfg.feature_layers), "mask_token_id": spec.mask_token_id,
-        "sliding_window_non_causal": True, "sample_from_anchor": spec.sample_from_anchor,
-        **{k: int(getattr(spec, k)) for k in OWN_KEYS},
+        "sliding_window_non_causal": True, "sample_from_anchor": spec.options.sample_from_anchor,
+        **{k: int(getattr(spec.options, k)) for k in OWN_KEYS},
         "speculators_config": speculators_section("dflash2", spec.num_drafts,
                                                   verifier or HUB_IDS.get(cfg.target_name, cfg.target_name),
                                                   cfg.target_config),
@@ -72,7 +73,7 @@ def read_dflash2(config: dict, sd: dict, target, where: str, w: str) -> tuple[He
     if dv is not None and int(dv) != target.vocab_size:
         raise SpecheadsError(f"{where}: draft_vocab_size {dv}: a DFlash2 head drafts over the full vocabulary "
                              f"({target.vocab_size})")
-    own = {k: int(config.get(k, getattr(HeadSpec, k))) for k in OWN_KEYS}
+    own = {k: int(config.get(k, getattr(DFlash2Options, k))) for k in OWN_KEYS}
     spec = HeadSpec(kind="dflash2", num_layers=int(need(layer, "num_hidden_layers", where)),
                     feature_layers=list(need(config, "aux_hidden_state_layer_ids", where)),
                     block_size=int(need(config, "block_size", where)), markov_rank=0, confidence_head=False,

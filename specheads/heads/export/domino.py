@@ -19,14 +19,14 @@ OWN_KEYS = ("prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.
 
 def specforge_fields(config: dict, spec: HeadSpec, where: str) -> None:
     """SpecForge DominoDraftModel's keys (configs/qwen3-8b-domino.json; _init_draft_head reads them)."""
-    if spec.confidence_head:
+    if spec.options.confidence_head:
         raise SpecheadsError(f"--format specforge: {where} has a confidence head; SpecForge's DominoDraftModel has "
-                             "none (head.confidence_head false)")
+                             f"none ({spec.key('confidence_head')} false)")
     config["architectures"] = ["DominoDraftModel"]
-    config["emb_dim"] = spec.domino_emb_dim
-    config["dflash_config"].update(projector_type="domino", emb_dim=spec.domino_emb_dim,
-                                   gru_hidden_dim=spec.domino_gru_hidden,
-                                   pure_draft_prefix_len=spec.domino_prefix_len, shift_label=True)
+    config["emb_dim"] = spec.options.emb_dim
+    config["dflash_config"].update(projector_type="domino", emb_dim=spec.options.emb_dim,
+                                   gru_hidden_dim=spec.options.gru_hidden,
+                                   pure_draft_prefix_len=spec.options.prefix_len, shift_label=True)
 
 
 def export_domino(cfg: HeadConfig, sd: dict, fmt: str, out_dir, where: str, verifier: str | None) -> Path:

@@ -40,7 +40,7 @@ BLOCK_LOADERS = {"speculators": "speculators' DSparkDraftModel / DFlashDraftMode
 
 def _block_type(spec: HeadSpec) -> str:
     """speculators' name for the head: DFlash is DSpark without its Markov and confidence heads."""
-    return "dflash" if spec.markov_rank == 0 and not spec.confidence_head else "dspark"
+    return "dflash" if spec.options.markov_rank == 0 and not spec.options.confidence_head else "dspark"
 
 
 def _block_layer_dict(cfg: HeadConfig) -> dict:
@@ -52,9 +52,9 @@ def _block_layer_dict(cfg: HeadConfig) -> dict:
 
 
 def _block_head_fields(spec: HeadSpec) -> dict:
-    return {"markov_rank": spec.markov_rank, "markov_head_type": spec.markov_head_type,
-            "enable_confidence_head": spec.confidence_head,
-            "confidence_head_with_markov": spec.confidence_head and spec.confidence_with_markov}
+    return {"markov_rank": spec.options.markov_rank, "markov_head_type": spec.options.markov_head_type,
+            "enable_confidence_head": spec.options.confidence_head,
+            "confidence_head_with_markov": spec.options.confidence_head and spec.options.confidence_with_markov}
 
 
 def _speculators_block_config(cfg: HeadConfig, verifier: str | None) -> dict:
@@ -65,9 +65,9 @@ def _speculators_block_config(cfg: HeadConfig, verifier: str | None) -> dict:
     config = {
         "architectures": ["DSparkSpeculator" if kind == "dspark" else "DFlashSpeculator"],
         "speculators_model_type": kind, "transformer_layer_config": _block_layer_dict(cfg),
-        "draft_vocab_size": cfg.out_vocab, "block_size": spec.block_size, "target_hidden_size": None,
+        "draft_vocab_size": cfg.out_vocab, "block_size": spec.options.block_size, "target_hidden_size": None,
         "aux_hidden_state_layer_ids": list(cfg.feature_layers), "mask_token_id": spec.mask_token_id,
-        "sliding_window_non_causal": False, "sample_from_anchor": spec.sample_from_anchor,
+        "sliding_window_non_causal": False, "sample_from_anchor": spec.options.sample_from_anchor,
         "speculators_config": speculators_section(kind, spec.num_drafts,
                                                   verifier or HUB_IDS.get(cfg.target_name, cfg.target_name),
                                                   cfg.target_config),
@@ -98,11 +98,12 @@ def _specforge_block_config(cfg: HeadConfig, where: str,
     config = _block_layer_dict(cfg)
     ids = [i - 1 for i in cfg.feature_layers]
     config.update(architectures=["DSparkDraftModel" if kind == "dspark" else "DFlashDraftModel"],
-                  block_size=spec.block_size, num_target_layers=int(cfg.target_config["num_hidden_layers"]),
+                  block_size=spec.options.block_size, num_target_layers=int(cfg.target_config["num_hidden_layers"]),
                   dflash_config={"target_layer_ids": ids, "mask_token_id": spec.mask_token_id},
                   # top-level copies: DeepSpec's Qwen3DSparkModel config keys, and llama.cpp's DSparkModel reads
                   # sample_from_anchor here (its default without it is true)
-                  target_layer_ids=ids, mask_token_id=spec.mask_token_id, sample_from_anchor=spec.sample_from_anchor)
+                  target_layer_ids=ids, mask_token_id=spec.mask_token_id,
+                  sample_from_anchor=spec.options.sample_from_anchor)
     if kind == "dspark":
         heads, gqa = _block_head_fields(spec), config["num_key_value_heads"] < config["num_attention_heads"]
         config["dflash_config"].update(projector_type="dspark", attention_mode="gqa" if gqa else "mha", **heads)
@@ -117,9 +118,10 @@ def _check_specforge_slots(spec: HeadSpec, kind: str, where: str) -> None:
     anchor + 1..K: our sample_from_anchor true), its DFlash slot k >= 1 on x_{p+k} (OnlineDFlashModel, the anchor
     slot unsupervised: false). A head aligned the other way would be read one token off: refused."""
     want = kind == "dspark"
-    if spec.sample_from_anchor != want:
+    if spec.options.sample_from_anchor != want:
         raise SpecheadsError(
-            f"--format specforge: {where} has head.sample_from_anchor {str(spec.sample_from_anchor).lower()}; "
+            f"--format specforge: {where} has {spec.key('sample_from_anchor')} "
+            f"{str(spec.options.sample_from_anchor).lower()}; "
             f"SpecForge's {'DSpark' if want else 'DFlash'}DraftModel reads slot k as the draft of "
             f"{'x_(p+k+1) (true)' if want else 'x_(p+k), the anchor slot drafting nothing (false)'} and has no key "
             "for the other alignment; export speculators (its sample_from_anchor key) or keep the native folder")
@@ -129,12 +131,13 @@ def check_block_exportable(cfg: HeadConfig, flag: str, consumer: str, where: str
     """One SpecheadsError naming the consumer when it cannot run this dspark head: the anchor-features variant
     (head.anchor_features) adds W_a c_{p-1} to the anchor slot's input, and the engines build the block's input
     from token embeddings alone ([x_p, m, ..., m]), with no tensor or config key for anchor_proj."""
-    if cfg.head_spec.anchor_features:
+    if cfg.head_spec.options.anchor_features:
+        key = cfg.head_spec.key("anchor_features")
         raise SpecheadsError(f"{flag}: {where}: {consumer} cannot run this head: it was trained with "
-                             "head.anchor_features (the anchor slot reads the fused target features of the last "
+                             f"{key} (the anchor slot reads the fused target features of the last "
                              "context row through anchor_proj.weight), and that engine builds the block's input "
                              "from the token embeddings alone; the native folder keeps the head (specheads "
-                             "generate / bench run it), or train one with head.anchor_features false for the engines")
+                             f"generate / bench run it), or train one with {key} false for the engines")
 
 
 def export_block_head(cfg: HeadConfig, sd: dict, fmt: str, out_dir, where: str, verifier: str | None,

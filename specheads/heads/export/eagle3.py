@@ -58,7 +58,7 @@ def ascending_fc(cfg: HeadConfig, sd: dict) -> tuple[list[int], torch.Tensor]:
 def ascending_fc_norm(cfg: HeadConfig, sd: dict) -> dict:
     """EAGLE-3.1's per-layer norms `fc_norm.{i}.weight` [D] renumbered in the consumers' ascending layer order (as
     ascending_fc reorders fc's blocks); empty without fc_norm."""
-    if not cfg.head_spec.fc_norm:
+    if not cfg.head_spec.options.fc_norm:
         return {}
     return {f"fc_norm.{i}.weight": sd[f"fc_norm.{j}.weight"] for i, j in enumerate(_ascending(cfg))}
 

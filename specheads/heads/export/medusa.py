@@ -26,13 +26,13 @@ from specheads.utils import SpecheadsError
 def write_medusa_vllm(cfg: HeadConfig, sd: dict, expected: list[str], target=None, where: str = "",
                       **_) -> tuple[dict, dict, list[str]]:
     spec = cfg.head_spec
-    K, n = spec.num_heads, spec.num_layers
-    one_head = spec.medusa_lm_head == "shared" and bool(cfg.draft_vocab_size)  # vLLM's original_lm_head
+    K, n = spec.options.num_heads, spec.num_layers
+    one_head = spec.options.lm_head == "shared" and bool(cfg.draft_vocab_size)  # vLLM's original_lm_head
     config = {"architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": K, "num_hidden_layers": n,
               "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "truncated_vocab_size": cfg.out_vocab,
               "medusa_fc_bias": spec.resolved_bias(), "original_lm_head": one_head}
     tensors = {k: v for k, v in sd.items() if k.startswith("blocks.")}
-    if spec.medusa_lm_head == "shared":
+    if spec.options.lm_head == "shared":
         if target is None:
             raise SpecheadsError("--format medusa-vllm: this head shares the target lm_head; give --target so "
                                  "its rows can be written as the projections vLLM reads")
@@ -89,11 +89,11 @@ def medusa_vllm_problems(fmt: str, consumer: str, cfg: HeadConfig) -> list[str]:
     """vLLM 0.12-0.32 (0.33 removed Medusa) build each head's lm_head over the full vocabulary and read a draft
     vocabulary only as one lm_head shared by every head (original_lm_head, write_medusa_vllm)."""
     spec = cfg.head_spec
-    if not cfg.draft_vocab_size or spec.medusa_lm_head != "per_head":
+    if not cfg.draft_vocab_size or spec.options.lm_head != "per_head":
         return []
     return [f"vLLM 0.12-0.32 build each head's lm_heads.{{h}} over the full vocabulary (ParallelLMHead(vocab_size), "
             f"its weight_loader asserts the rows) and read a draft vocabulary only as one lm_head shared by every "
-            f"head (original_lm_head), and this head has its own projection per head (head.medusa_lm_head per_head) "
+            f"head (original_lm_head), and this head has its own projection per head (head.medusa.lm_head per_head) "
             f"over a {cfg.draft_vocab_size}-token draft vocabulary, which no full-vocabulary rows reproduce "
             f"(vLLM <= 0.11 read it; 0.33 removed Medusa)"]
 

@@ -123,7 +123,7 @@ def build_llamacpp_method(name: str, target, options, calib_ids: list[list[int]]
             spec_args += ("--spec-draft-n-max", str(int(n_max)))
         info.update(head=src, draft_gguf=str(draft), draft_max=int(n_max) if n_max is not None else 3)
         p_min = options.llamacpp_p_min
-        if p_min is None and ks is not None and ks.confidence and cfg.head_spec.confidence_head:
+        if p_min is None and ks is not None and ks.confidence and cfg.head_spec.options.confidence_head:
             choice = tune_p_min(src, target, model, draft, spec_args, int(n_max), threads, calib_ids or [])
             p_min, info["p_min_choice"] = choice.p_min, choice.to_dict()
         if p_min is not None:
