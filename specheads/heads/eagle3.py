@@ -195,6 +195,7 @@ def speculators_needs_target(fmt: str, cfg: HeadConfig) -> bool:
 
 KIND = register_kind(KindSpec(
     name="eagle3", head=Eagle3Head, family="tree", label="an EAGLE-3 head", feature_layers=fused_layers, bias=False,
+    default=True,  # a head: section without `kind` builds EAGLE-3 (the field's most used drafter)
     train_step="specheads.train.kinds.eagle3:KIND", drafter="specheads.infer.drafters.eagle:EAGLE3_KIND",
     options=Eagle3Options, check=lambda spec: at_least_one(spec, "ttt_steps"),
     formats=("eagle3", "speculators"), needs_target=speculators_needs_target,

@@ -25,7 +25,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from specheads.heads.kinds import kind_names, kind_spec, kinds
+from specheads.heads.kinds import default_kind, kind_names, kind_spec, kinds
 from specheads.utils import SpecheadsError
 
 SHARED = ("kind", "num_layers", "draft_vocab_size", "feature_layers", "bias", "mask_token_id")
@@ -35,7 +35,7 @@ SHARED = ("kind", "num_layers", "draft_vocab_size", "feature_layers", "bias", "m
 class HeadSpec:
     """The `head:` section of a recipe: what to build. Resolved against a target into a `HeadConfig`."""
 
-    kind: str = "eagle3"  # a registered kind (heads/kinds.py): eagle3 | eagle | medusa | dspark | domino | ...
+    kind: str | None = None  # a registered kind (heads/kinds.py); None = the default kind (KindSpec.default: EAGLE-3)
     num_layers: int = 1  # residual blocks per Medusa head; decoder layers for EAGLE (EAGLE-1/3 use 1), P-EAGLE and
     # the block drafters
     draft_vocab_size: int | None = None  # reduced draft vocabulary (EAGLE-3 d2t/t2d); None = target vocab
@@ -46,13 +46,13 @@ class HeadSpec:
     options: Any = None  # the kind's own settings: an instance of its KindSpec.options (head.<kind> in a recipe)
     SELECTOR: ClassVar[str] = "kind"  # the key that picks the section's other keys (config.py applies it first)
 
-    def __init__(self, kind: str = "eagle3", num_layers: int = 1, draft_vocab_size: int | None = None,
+    def __init__(self, kind: str | None = None, num_layers: int = 1, draft_vocab_size: int | None = None,
                  feature_layers: list[int] | None = None, bias: bool | None = None, mask_token_id: int | None = None,
                  options: Any = None, **keys: Any) -> None:
         """`keys`: the kind's section under its name (`dspark={...}` or an options instance), or old flat keys."""
-        self.kind, self.num_layers, self.draft_vocab_size = kind, num_layers, draft_vocab_size
+        self.kind, self.num_layers, self.draft_vocab_size = kind or default_kind(), num_layers, draft_vocab_size
         self.feature_layers, self.bias, self.mask_token_id = feature_layers, bias, mask_token_id
-        self.options = _options(kind_spec(kind), options, keys)
+        self.options = _options(kind_spec(self.kind), options, keys)
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -101,7 +101,7 @@ class HeadSpec:
     @classmethod
     def section_renames(cls, data: dict) -> dict[str, str]:
         """{old flat key: its key now} for a head: section of this data's kind (head.kind's own settings only)."""
-        kind = data.get("kind", "eagle3")
+        kind = data.get("kind") or default_kind()
         if not isinstance(kind, str) or kind not in kind_names():
             return {}
         return {old: f"{kind}.{new}" for old, new in flat_keys(kind_spec(kind).options).items()}

@@ -100,6 +100,7 @@ class KindSpec:
     # verifier) -> Path, for all its formats (the DSpark / DFlash block layouts); None: writers / WRITERS
     gguf: str | None = None  # "module:attr" of its heads.gguf.DraftKind (llama.cpp drafts with it)
     not_drafted: str = ""  # why llama.cpp cannot draft with it (the --format gguf refusal says it)
+    default: bool = False  # the kind a head: section without `kind` builds (exactly one registered kind says so)
     example: Mapping[str, Any] = field(default_factory=dict)  # head: keys of a small valid head of this kind on a
     # 4-layer target, its own under its name ({"mask_token_id": 5, "dspark": {"block_size": 4}});
     # tests/test_kind_contract.py builds every registered kind from it
@@ -172,6 +173,14 @@ def kind_spec(name: str) -> KindSpec:
     if name not in known:
         raise SpecheadsError(f"head.kind: {name!r} is not one of {list(known)}")
     return known[name]
+
+
+def default_kind() -> str:
+    """The kind a head: section builds when it names none (the one KindSpec with default=True)."""
+    named = kinds_where(default=True)
+    if len(named) != 1:
+        raise SpecheadsError(f"head kinds: exactly one must be the default (KindSpec.default), found {list(named)}")
+    return named[0]
 
 
 def kinds_where(**want) -> tuple[str, ...]:
