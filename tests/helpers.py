@@ -1,6 +1,11 @@
 """Set-up shared by several test modules (imported as `helpers`: tests/ is on the path, as for `test_generate`)."""
 from __future__ import annotations
 
+import torch
+
+from specheads.heads import build_head
+from specheads.heads.base import HeadSpec
+from specheads.heads.kinds import kind_spec
 from specheads.infer.drafters import Drafter
 
 
@@ -24,3 +29,17 @@ class Recording(Drafter):
 
     def observe(self, tree, accepted, features):
         self.inner.observe(tree, accepted, features)
+
+
+def make_head(target, kind: str, seed: int = 3, scale: float = 0.1, **overrides):
+    """The kind's example head (KindSpec.example, then `overrides` of its HeadSpec fields) on `target`, moved far
+    from its initialisation by `scale` (so that every part matters; 0: as built); a draft vocabulary is the
+    highest target ids."""
+    spec = HeadSpec(kind=kind, **{**kind_spec(kind).example, **overrides})
+    counts = torch.arange(target.vocab_size) if spec.draft_vocab_size else None
+    head = build_head(spec, target, token_counts=counts)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return head
