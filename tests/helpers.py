@@ -149,3 +149,26 @@ def assert_resume_is_exact(target, recipe_at, data, val, tmp_path, stop: int = 4
     run(tmp_path / "b", stop=stop)
     b = run(tmp_path / "b", resume=True)
     assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) == 0.0
+
+
+def save_token_rows(rows, folder: Path) -> None:
+    """Sample rows (input_ids, loss_mask tensors) saved as a prepared tokens dataset in `folder` (conversation ids
+    c0, c1, ...), as `specheads prepare` writes it for run_training to read."""
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"input_ids": [r["input_ids"].tolist() for r in rows],
+                                     "loss_mask": [r["loss_mask"].tolist() for r in rows],
+                                     "conversation_id": [f"c{i}" for i in range(len(rows))]})
+    ds.save_to_disk(str(folder))
+
+
+def speculators_export(target, head, tmp_path: Path, T: int = 24) -> torch.Tensor:
+    """The head saved (tmp_path/h) and exported for speculators (tmp_path/s) against the target saved as its
+    verifier folder (tmp_path/verifier: speculators reads its config and weights) -> random tokens [1,T] to run
+    both on."""
+    from specheads.heads.export import export_head
+
+    target.model.save_pretrained(tmp_path / "verifier")
+    head.save_pretrained(tmp_path / "h")
+    export_head(tmp_path / "h", "speculators", tmp_path / "s", verifier_name_or_path=str(tmp_path / "verifier"))
+    return torch.randint(0, target.vocab_size, (1, T), generator=torch.Generator().manual_seed(7))

@@ -16,7 +16,8 @@ from specheads.heads import HeadSpec, build_head
 from specheads.heads.dflash2 import (CandidateSelector, DFlash2Head, LocalConv, block_conv, training_candidates)
 from specheads.heads.export import export_head, import_head
 from specheads.utils import SpecheadsError
-from helpers import greedy_chain, perturb, run_fixture, sampled_pairs, two_token_probs, verifier_states
+from helpers import (greedy_chain, perturb, run_fixture, sampled_pairs, speculators_export, two_token_probs,
+                     verifier_states)
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_PY = ROOT / ".venv-speculators" / "bin" / "python"
@@ -246,12 +247,9 @@ def test_speculators_package_loads_and_runs_our_export(tiny, tmp_path, kw):
     equal, none of its parameters left unread), and its own training forward gives our unary logits and verifier
     targets per draft, and its own CandidateSelector.select on its hidden states and predecessors our candidates and
     scores (within 1e-4)."""
-    tiny.model.save_pretrained(tmp_path / "verifier")
     head = _head(tiny, **kw)
-    head.save_pretrained(tmp_path / "h")
-    export_head(tmp_path / "h", "speculators", tmp_path / "s", verifier_name_or_path=str(tmp_path / "verifier"))
-    T = 24
-    toks = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(7))
+    toks = speculators_export(tiny, head, tmp_path)
+    T = toks.shape[1]
     out, pre = verifier_states(tiny, toks)
     with torch.no_grad():
         feats = torch.cat([out.hidden_states[i] for i in (1, 2, 3)], -1)

@@ -9,7 +9,7 @@ import torch
 from specheads.heads import HeadSpec, build_head
 from specheads.train.kinds.domino import base_weight
 from specheads.utils import SpecheadsError
-from helpers import assert_resume_is_exact, greedy_chain, perturb
+from helpers import assert_resume_is_exact, greedy_chain, perturb, save_token_rows
 from tests.test_dspark import _inputs  # the same random features and tokens as the DSpark tests
 
 V, D = 256, 64
@@ -147,8 +147,6 @@ def test_run_training_online_with_a_confidence_head_calibrates_it(tmp_path):
     Domino folders and their confidences are calibrated as DSpark's are."""
     import json
 
-    import datasets
-
     from specheads.config import load_config
     from specheads.heads import load_head
     from specheads.recipe import Recipe
@@ -156,11 +154,7 @@ def test_run_training_online_with_a_confidence_head_calibrates_it(tmp_path):
     from tests.test_dspark import _greedy_samples, _sharp_target
 
     target = _sharp_target()
-    rows = _greedy_samples(target, 14, T=24)
-    ds = datasets.Dataset.from_dict({"input_ids": [r["input_ids"].tolist() for r in rows],
-                                     "loss_mask": [r["loss_mask"].tolist() for r in rows],
-                                     "conversation_id": [f"c{i}" for i in range(len(rows))]})
-    ds.save_to_disk(str(tmp_path / "data" / "tokens"))
+    save_token_rows(_greedy_samples(target, 14, T=24), tmp_path / "data" / "tokens")
     recipe = load_config(Recipe, None, [
         f"output_dir={tmp_path}", "seed=0", "features.mode=online", "data.val_fraction=0.4", "head.kind=domino",
         "head.feature_layers=[1,2,3]", "head.block_size=3", "head.markov_rank=0", "head.confidence_head=true",

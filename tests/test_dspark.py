@@ -18,7 +18,8 @@ from specheads.train.confidence import BlockEvalAccumulator, ece
 from specheads.train.losses import acceptance_rate, block_position_weights, dspark_loss
 from specheads.train.kinds.block import block_targets, block_valid, sample_anchors
 from specheads.utils import SpecheadsError
-from helpers import assert_resume_is_exact, greedy_chain, perturb, run_fixture, verifier_states
+from helpers import (assert_resume_is_exact, greedy_chain, perturb, run_fixture, save_token_rows, speculators_export,
+                     verifier_states)
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_PY = ROOT / ".venv-speculators" / "bin" / "python"
@@ -327,18 +328,12 @@ def test_resume_gives_same_weights(tiny, tmp_path):
 
 
 def test_run_training_calibrates_the_head_folders(tmp_path):
-    import datasets
-
     from specheads.config import load_config
     from specheads.recipe import Recipe
     from specheads.train.trainer import run_training
 
     target = _sharp_target()
-    rows = _greedy_samples(target, 14, T=24)
-    ds = datasets.Dataset.from_dict({"input_ids": [r["input_ids"].tolist() for r in rows],
-                                     "loss_mask": [r["loss_mask"].tolist() for r in rows],
-                                     "conversation_id": [f"c{i}" for i in range(len(rows))]})
-    ds.save_to_disk(str(tmp_path / "data" / "tokens"))
+    save_token_rows(_greedy_samples(target, 14, T=24), tmp_path / "data" / "tokens")
     recipe = load_config(Recipe, None, [
         f"output_dir={tmp_path}", "seed=0", "features.mode=online", "data.val_fraction=0.4", "head.kind=dspark",
         "head.feature_layers=[1,2,3]", "head.block_size=3", "head.markov_rank=8", "train.tracker=none",
@@ -529,12 +524,9 @@ def test_speculators_package_loads_and_runs_our_export(tiny, tmp_path, kw):
     """The real consumer: speculators' own config and model classes load the export (every weight equal), and its
     own training forward gives our Markov-corrected block logits and confidence logits (within 1e-4) and the same
     verifier targets per draft (the slot <-> token alignment)."""
-    tiny.model.save_pretrained(tmp_path / "verifier")  # speculators reads the verifier config and its weights
     head = _head(tiny, **kw)
-    head.save_pretrained(tmp_path / "h")
-    export_head(tmp_path / "h", "speculators", tmp_path / "s", verifier_name_or_path=str(tmp_path / "verifier"))
-    T = 24
-    toks = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(7))
+    toks = speculators_export(tiny, head, tmp_path)
+    T = toks.shape[1]
     out, pre = verifier_states(tiny, toks)
     with torch.no_grad():
         torch.testing.assert_close(tiny.final_norm(pre), out.hidden_states[4])
