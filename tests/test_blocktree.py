@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from specheads.heads.base import HeadSpec, build_head
-from specheads.infer.drafters import DraftContext, DSparkDrafter, PEagleDrafter, build_drafter, parse_tree
+from specheads.heads.kinds import kinds_where
+from specheads.infer.drafters import DraftContext, build_drafter, parse_tree
 from specheads.infer.drafters.blocktree import best_first, chain_nodes, greedy_tree, rank_factors, sampled_tree
 from specheads.infer.engine.batch import generate_batch
 from specheads.infer.engine.generate import generate
@@ -18,7 +19,7 @@ from specheads.infer.scheduling.step import Scheduler
 from specheads.infer.treespec import TreeSpec
 from specheads.infer.verify import SamplingParams, target_probs, verify_sampling
 from specheads.utils import SpecheadsError
-from helpers import Recording
+from helpers import Recording, make_head, perturb, two_token_probs
 from test_sampling_stats import assert_same, markov_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -92,37 +93,26 @@ def test_greedy_tree_by_hand():
     assert len(big.tree) == 1 + 4 + 4 * 4 and chain_nodes(big.tree) == [1, 2]
 
 
-def _block_heads(target):
-    torch.manual_seed(1)
-    counts = torch.arange(float(target.vocab_size))
-    return {
-        "dspark": build_head(HeadSpec(kind="dspark", block_size=4, draft_vocab_size=64), target, token_counts=counts),
-        "domino": build_head(HeadSpec(kind="domino", block_size=4, markov_rank=0, confidence_head=False,
-                                      domino_gru_hidden=8, domino_emb_dim=4, domino_prefix_len=0), target),
-        "peagle": build_head(HeadSpec(kind="peagle", num_layers=2, num_depths=3, draft_vocab_size=64), target,
-                             token_counts=counts),
-    }
+def _drafter(target, head, nodes):
+    """The kind's block drafter over a block tree of `nodes` draft nodes (0: scheduled, `tree:auto` priced by
+    FREE)."""
+    return build_drafter(target, head, f"tree:{nodes or 'auto'}", scheduler=Scheduler(FREE, 1e-3, pricing="profile"))
 
 
-def _drafter(kind, head, nodes):
-    cls = PEagleDrafter if kind == "peagle" else DSparkDrafter
-    return cls(head, scheduler=Scheduler(FREE, 1e-3, pricing="profile") if nodes == 0 else None, tree_nodes=nodes)
-
-
-@pytest.mark.parametrize("kind", ["dspark", "domino", "peagle"])
+@pytest.mark.parametrize("kind", kinds_where(family="block"))  # the registry: a new block kind is checked too
 def test_greedy_block_trees_equal_hf_generate_alone_and_batched(tiny, kind):
     """fp32 greedy: every block kind's tree (fixed 6 nodes, and scheduled) emits HF generate's tokens, alone and as
     batched rows (the batch proposes the fixed trees as each row alone); the trees really branch."""
     from test_generate import hf_greedy
 
-    head = _block_heads(tiny)[kind].eval()
+    head = make_head(tiny, kind).eval()
     ps = [[5, 6, 7, 8, 9, 10] * 2, [3, 17, 40, 2], [11]]
     refs = [hf_greedy(tiny, p, 14) for p in ps]
     for nodes in (6, 0):
         alone = []
         for p, ref in zip(ps, refs):
             alone.append([])
-            drafter = Recording(_drafter(kind, head, nodes), alone[-1], clear_on_reset=False)
+            drafter = Recording(_drafter(tiny, head, nodes), alone[-1], clear_on_reset=False)
             assert generate(tiny, drafter, p, max_new_tokens=14).ids == ref
         assert any(max(par.count(i) for i in range(len(par))) > 1 for log in alone for _, par in log), nodes
         if nodes:
@@ -131,7 +121,7 @@ def test_greedy_block_trees_equal_hf_generate_alone_and_batched(tiny, kind):
 
         def row():
             logs.append([])
-            return Recording(_drafter(kind, head, nodes), logs[-1], clear_on_reset=False)
+            return Recording(_drafter(tiny, head, nodes), logs[-1], clear_on_reset=False)
 
         res = generate_batch(tiny, row, ps, 14, batch_size=2)
         assert [r.ids for r in res.rows] == refs
@@ -163,6 +153,8 @@ def test_one_step_block_tree_sampling_is_lossless():
     assert_same(counts, (p_table[root][:, None] * p_table).flatten() * n)
 
 
+# the two block drafts a tree is sampled over: DSpark's (the Markov bias reads the drawn token) and P-EAGLE's
+# (independent depths); the block kinds' own lossless sampling is in their own test files (LiLiCorr has none yet)
 @pytest.mark.parametrize("kind", ["dspark", "peagle"])
 def test_end_to_end_block_tree_sampling(kind):
     """generate() with a block tree (scheduled) on an 8-token vocabulary: the first two new tokens vs the exact
@@ -174,28 +166,22 @@ def test_end_to_end_block_tree_sampling(kind):
     torch.manual_seed(1)
     spec = HeadSpec(kind="peagle", feature_layers=[1, 2], num_layers=2, num_depths=3) if kind == "peagle" else \
         HeadSpec(kind="dspark", feature_layers=[1, 2], block_size=3, markov_rank=4, num_layers=1)
-    head = build_head(spec, target).eval()
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.requires_grad:
-                p.add_(0.5 * torch.randn_like(p))
-    prompt, sampling = [1, 5, 3], SamplingParams(temperature=1.0, top_k=4)
-    with torch.no_grad():
-        p1 = target_probs(target.model(torch.tensor([prompt])).logits[0, -1:], sampling)[0]
-        p2 = target_probs(target.model(torch.tensor([prompt + [x] for x in range(V)])).logits[:, -1], sampling)
-    counts, branched = torch.zeros(V * V), 0
+    head = perturb(build_head(spec, target).eval(), 0.5, seed=None, trainable_only=True)
+    prompt = [1, 5, 3]
+    expected = two_token_probs(target, prompt, SamplingParams(temperature=1.0, top_k=4))
+    counts = torch.zeros(V * V)
     log = []
-    drafter = Recording(_drafter(kind, head, 0), log, clear_on_reset=False)
+    drafter = Recording(_drafter(target, head, 0), log, clear_on_reset=False)
     for s in range(n):
         res = generate(target, drafter, prompt, max_new_tokens=2, temperature=1.0, top_k=4, seed=s, ignore_eos=True)
         counts[res.ids[0] * V + res.ids[1]] += 1
     branched = sum(max(par.count(i) for i in range(len(par))) > 1 for _, par in log)
     assert branched > n // 4  # most steps verified a real tree
-    assert_same(counts, (p1[:, None] * p2).flatten() * n)
+    assert_same(counts, expected * n)
 
 
 def test_tree_specs_and_build(tiny):
-    head = _block_heads(tiny)["dspark"]
+    head = make_head(tiny, "dspark")
     assert parse_tree("tree:12", "dspark", head) == TreeSpec.block_tree(12, text="tree:12")
     auto = parse_tree("tree:auto", "dspark", head)
     assert auto.mode == "blocktree" and auto.total_tokens == 0 and auto.scheduled

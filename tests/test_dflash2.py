@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,8 @@ from specheads.heads import HeadSpec, build_head
 from specheads.heads.dflash2 import (CandidateSelector, DFlash2Head, LocalConv, block_conv, training_candidates)
 from specheads.heads.export import export_head, import_head
 from specheads.utils import SpecheadsError
+from helpers import (greedy_chain, perturb, run_fixture, sampled_pairs, speculators_export, two_token_probs,
+                     verifier_states)
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_PY = ROOT / ".venv-speculators" / "bin" / "python"
@@ -28,12 +28,7 @@ BASE = dict(kind="dflash2", feature_layers=[1, 2, 3], block_size=4, markov_rank=
 
 
 def _head(tiny, seed=3, **kw):
-    head = build_head(HeadSpec(**{**BASE, **kw}), tiny)
-    torch.manual_seed(seed)
-    with torch.no_grad():  # far from init (the convolutions no longer the identity)
-        for p in head.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return head
+    return perturb(build_head(HeadSpec(**{**BASE, **kw}), tiny), 0.1, seed)  # the convolutions not the identity
 
 
 def _inputs(T=24, seed=5):
@@ -124,16 +119,10 @@ def test_training_forward_equals_draft_block(tiny, kw):
     head = _head(tiny, **kw)
     f, ids = _inputs()
     p = 9
-    cache = head.new_cache()
-    head.extend_context(cache, f[0, :4])
-    head.extend_context(cache, f[:, 4:p])
-    logits, conf = head.draft_block(cache, ids[0, p])
+    cache, logits, conf, forced = greedy_chain(head, f, ids, p, split=4)
     K = head.num_drafts
-    assert logits.shape == (K, V) and conf is None
+    assert logits.shape == (K, V) and conf is None and head.d2t is None  # forced holds the drafted ids themselves
     assert (torch.isfinite(logits).sum(-1) == 4).all()  # S on the top-4 candidates only
-    drafted = logits.argmax(-1)
-    forced = ids.clone()
-    forced[0, p + 1:p + 1 + K] = drafted
     tl, _ = head.heads(*head.block_states(f, forced, torch.tensor([[3, p]])))
     torch.testing.assert_close(tl[0, 1], logits, atol=1e-5, rtol=1e-5)
     short = head.new_cache()
@@ -197,9 +186,8 @@ def test_sampling_is_lossless_end_to_end():
     next draft's predecessor the drawn token, q recorded) on an 8-token vocabulary: the first two new tokens vs the
     exact target distribution (tests/test_sampling_stats.py's check)."""
     from specheads.infer.drafters import DSparkDrafter
-    from specheads.infer.generate import SpeculativeGenerator
     from specheads.infer.scheduling.step import Scheduler
-    from specheads.infer.verify import SamplingParams, target_probs
+    from specheads.infer.verify import SamplingParams
     from specheads.target import tiny_target
     from tests.test_sampling_stats import assert_same
 
@@ -208,24 +196,13 @@ def test_sampling_is_lossless_end_to_end():
     torch.manual_seed(1)
     spec = HeadSpec(kind="dflash2", feature_layers=[1, 2], block_size=3, markov_rank=0, confidence_head=False,
                     num_layers=1, sample_from_anchor=True, conv_group_size=16, selector_rank=4, selector_top_k=3)
-    head = build_head(spec, target).eval()
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(0.5 * torch.randn_like(p))
-    prompt = [1, 5, 3]
-    with torch.no_grad():
-        p1 = target_probs(target.model(torch.tensor([prompt])).logits[0, -1:], SamplingParams(1.0, top_k=4))[0]
-        seqs = torch.tensor([prompt + [x] for x in range(Vs)])
-        p2 = target_probs(target.model(seqs).logits[:, -1], SamplingParams(1.0, top_k=4))
-    n, counts, drafted = 600, torch.zeros(Vs * Vs), 0
-    gen = SpeculativeGenerator(target, DSparkDrafter(head, scheduler=Scheduler({1: 1.0, 2: 1.01, 4: 1.02}, 1.0)))
-    for s in range(n):
-        out = list(gen.stream(prompt, max_new_tokens=2, temperature=1.0, top_k=4, seed=s, ignore_eos=True))
-        ids = [x for chunk in out for x in chunk]
-        counts[ids[0] * Vs + ids[1]] += 1
-        drafted += gen.result.stats.tree_nodes - gen.result.stats.target_forwards
+    head = perturb(build_head(spec, target).eval(), 0.5, seed=None)
+    prompt, n = [1, 5, 3], 600
+    expected = two_token_probs(target, prompt, SamplingParams(1.0, top_k=4))
+    drafter = DSparkDrafter(head, scheduler=Scheduler({1: 1.0, 2: 1.01, 4: 1.02}, 1.0))
+    counts, drafted = sampled_pairs(target, drafter, prompt, n, top_k=4)
     assert drafted > n
-    assert_same(counts, (p1[:, None] * p2).flatten() * n)
+    assert_same(counts, expected * n)
 
 
 def test_bad_specs_are_refused(tiny):
@@ -270,35 +247,22 @@ def test_speculators_package_loads_and_runs_our_export(tiny, tmp_path, kw):
     equal, none of its parameters left unread), and its own training forward gives our unary logits and verifier
     targets per draft, and its own CandidateSelector.select on its hidden states and predecessors our candidates and
     scores (within 1e-4)."""
-    tiny.model.save_pretrained(tmp_path / "verifier")
     head = _head(tiny, **kw)
-    head.save_pretrained(tmp_path / "h")
-    export_head(tmp_path / "h", "speculators", tmp_path / "s", verifier_name_or_path=str(tmp_path / "verifier"))
-    T = 24
-    toks = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(7))
-    pre = {}  # speculators rebuilds its targets from the verifier's PRE-norm last state (its verifier_norm)
-    hook = tiny.final_norm.register_forward_hook(lambda m, i, o: pre.setdefault("x", i[0].detach()))
+    toks = speculators_export(tiny, head, tmp_path)
+    T = toks.shape[1]
+    out, pre = verifier_states(tiny, toks)
     with torch.no_grad():
-        tiny.model(toks)
-        hook.remove()
-        out = tiny.model(toks, output_hidden_states=True)
         feats = torch.cat([out.hidden_states[i] for i in (1, 2, 3)], -1)
         anchors = torch.tensor([[2, 5, 6, 11]])  # A * K = 16 < T
         unary, cand, scores, _ = head(feats, toks, anchors)
     lm = torch.zeros(1, T)
     lm[0, anchors[0]] = 1
     rows = anchors[0][:, None] + torch.arange(head.num_drafts)  # draft j of the block at p: target row p + j
-    ref = {"features": feats, "tokens": toks, "loss_mask": lm, "verifier_last": pre["x"], "unary": unary[0],
+    ref = {"features": feats, "tokens": toks, "loss_mask": lm, "verifier_last": pre, "unary": unary[0],
            "cand": cand[0], "scores": scores[0], "targets": tiny.lm_head(out.hidden_states[4])[0, rows]}
     (tmp_path / "ref").mkdir()
     save_file({k: v.contiguous() for k, v in ref.items()}, str(tmp_path / "ref" / "inputs.safetensors"))
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HOME": os.environ.get("HOME", str(tmp_path)), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    r = subprocess.run([str(SPEC_PY), str(ROOT / "tests" / "fixtures" / "speculators_dflash2_load.py"),
-                        str(tmp_path / "s"), str(tmp_path / "ref")], capture_output=True, text=True, env=env,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = run_fixture(SPEC_PY, "speculators_dflash2_load.py", tmp_path / "s", tmp_path / "ref", timeout=300)
     diffs = got.pop("max_abs_diff")
     s = head.spec
     assert got["class"] == "DFlash2DraftModel" and got["config"] == "DFlash2SpeculatorConfig"

@@ -9,6 +9,7 @@ import torch
 from specheads.heads import HeadSpec, build_head
 from specheads.train.kinds.domino import base_weight
 from specheads.utils import SpecheadsError
+from helpers import assert_resume_is_exact, greedy_chain, perturb, save_token_rows
 from tests.test_dspark import _inputs  # the same random features and tokens as the DSpark tests
 
 V, D = 256, 64
@@ -19,12 +20,7 @@ BASE = {"kind": "domino", "feature_layers": [1, 2, 3], "block_size": 4, "markov_
 def _head(tiny, seed=3, **kw):
     spec = HeadSpec(**{**BASE, **kw})
     head = build_head(spec, tiny, token_counts=torch.arange(V) if spec.draft_vocab_size else None)
-    torch.manual_seed(seed)
-    with torch.no_grad():  # far from init, so that the correction matters
-        for p in head.parameters():
-            if p.requires_grad:
-                p.add_(0.1 * torch.randn_like(p))
-    return head
+    return perturb(head, 0.1, seed, trainable_only=True)  # far from init, so that the correction matters
 
 
 @pytest.mark.parametrize("kw", [{}, {"draft_vocab_size": 100, "domino_prefix_len": 0},
@@ -34,13 +30,8 @@ def test_greedy_block_equals_teacher_forced_forward(tiny, kw):
     head = _head(tiny, **kw)
     f, ids = _inputs()
     p = 9
-    cache = head.new_cache()
-    head.extend_context(cache, f[0, :p])
-    logits, conf = head.draft_block(cache, ids[0, p])
-    K = head.num_drafts
-    drafted = head.to_target_ids(logits.argmax(-1))
-    forced = ids.clone()
-    forced[0, p + 1:p + 1 + K] = drafted  # the data continues with the drafts: teacher forcing = greedy chain
+    _, logits, conf, forced = greedy_chain(head, f, ids, p)  # forced: the data continues with the greedy drafts
+    assert logits.shape == (head.num_drafts, head.config.out_vocab)
     base, final, tc = head(f, forced, torch.tensor([[3, p]]))
     torch.testing.assert_close(final[0, 1], logits, atol=1e-5, rtol=1e-5)
     P = head.prefix_len
@@ -119,22 +110,10 @@ def test_train_steps_move_every_trainable_parameter_and_not_the_target(tiny, tmp
 
 
 def test_resume_gives_same_weights(tiny, tmp_path):
-    from specheads.train.trainer import Trainer
     from tests.test_dspark import _greedy_samples
 
     data, val = _greedy_samples(tiny, 10, T=24), _greedy_samples(tiny, 2, T=24, seed=1)
-
-    def run(out, stop=None, resume=False):
-        recipe = _recipe(out, steps=6, extra=["train.save_every=2"])
-        torch.manual_seed(123 if resume else 0)
-        head = build_head(recipe.head, tiny)
-        Trainer(recipe, tiny, head, data, val).train(resume=resume, stop_after=stop)
-        return head.state_dict()
-
-    a = run(tmp_path / "a")
-    run(tmp_path / "b", stop=4)
-    b = run(tmp_path / "b", resume=True)
-    assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) == 0.0
+    assert_resume_is_exact(tiny, lambda out: _recipe(out, steps=6, extra=["train.save_every=2"]), data, val, tmp_path)
 
 
 @pytest.mark.parametrize("fmt,kw,match", [("speculators", {}, "speculators 0.9.0 has no Domino"),
@@ -168,8 +147,6 @@ def test_run_training_online_with_a_confidence_head_calibrates_it(tmp_path):
     Domino folders and their confidences are calibrated as DSpark's are."""
     import json
 
-    import datasets
-
     from specheads.config import load_config
     from specheads.heads import load_head
     from specheads.recipe import Recipe
@@ -177,11 +154,7 @@ def test_run_training_online_with_a_confidence_head_calibrates_it(tmp_path):
     from tests.test_dspark import _greedy_samples, _sharp_target
 
     target = _sharp_target()
-    rows = _greedy_samples(target, 14, T=24)
-    ds = datasets.Dataset.from_dict({"input_ids": [r["input_ids"].tolist() for r in rows],
-                                     "loss_mask": [r["loss_mask"].tolist() for r in rows],
-                                     "conversation_id": [f"c{i}" for i in range(len(rows))]})
-    ds.save_to_disk(str(tmp_path / "data" / "tokens"))
+    save_token_rows(_greedy_samples(target, 14, T=24), tmp_path / "data" / "tokens")
     recipe = load_config(Recipe, None, [
         f"output_dir={tmp_path}", "seed=0", "features.mode=online", "data.val_fraction=0.4", "head.kind=domino",
         "head.feature_layers=[1,2,3]", "head.block_size=3", "head.markov_rank=0", "head.confidence_head=true",

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specheads.heads.base import HeadSpec, build_head
+from specheads.heads.kinds import kind_names, kinds_where
 from specheads.infer.drafters import (DRAFTERS, DraftContext, Drafter, DrafterKind, DraftModelDrafter, DSparkDrafter,
                                       EagleDrafter, LayerSkipDrafter, MedusaDrafter, NoDrafter, PromptLookupDrafter,
                                       ScheduledUnionDrafter, ScoredLookupDrafter, ScoredTreeDrafter, build_drafter,
@@ -67,11 +68,17 @@ def test_build_drafter_for_every_registered_kind(tiny):
         build_drafter(tiny, "nonsense")
     with pytest.raises(SpecheadsError, match="--drafter eagle3"):  # a head kind is not a training-free drafter
         drafter_kind("eagle3")
-    # one family per kind, named once
-    assert {k: v.family for k, v in DRAFTERS.items()} == {
-        "medusa": "static", "eagle": "dynamic", "eagle3": "dynamic", "dspark": "block", "domino": "block", "dspine": "block",
-        "peagle": "block", "prompt-lookup": "tokens",
-        "draft-model": "tokens", "recycling": "static", "plain": "none", "layer-skip": "block"}
+    # one family per drafter, named once: every registered kind's (resolved here, so that DRAFTERS holds them
+    # whatever ran before) and the training-free drafters'
+    family = {k: drafter_kind(k, head=True).family for k in kind_names()}
+    assert {k: v.family for k, v in DRAFTERS.items() if v.head} == family
+    assert all(family[k] == "block" for k in kinds_where(family="block"))
+    assert all(family[k] in ("static", "dynamic") for k in kinds_where(family="tree"))
+    assert {k: family[k] for k in ("medusa", "eagle", "eagle3")} == {"medusa": "static", "eagle": "dynamic",
+                                                                     "eagle3": "dynamic"}
+    assert {k: v.family for k, v in DRAFTERS.items() if not v.head} == {
+        "prompt-lookup": "tokens", "draft-model": "tokens", "recycling": "static", "plain": "none",
+        "layer-skip": "block"}
 
 
 class BlockDrafter(Drafter):

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,8 @@ from specheads.train.confidence import BlockEvalAccumulator, ece
 from specheads.train.losses import acceptance_rate, block_position_weights, dspark_loss
 from specheads.train.kinds.block import block_targets, block_valid, sample_anchors
 from specheads.utils import SpecheadsError
+from helpers import (assert_resume_is_exact, greedy_chain, perturb, run_fixture, save_token_rows, speculators_export,
+                     verifier_states)
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_PY = ROOT / ".venv-speculators" / "bin" / "python"
@@ -31,12 +31,8 @@ def _head(tiny, seed=3, **kw):
     spec = HeadSpec(**{"kind": "dspark", "feature_layers": [1, 2, 3], "block_size": 4, "markov_rank": 16,
                        "num_layers": 2, **kw})
     head = build_head(spec, tiny, token_counts=torch.arange(V) if spec.draft_vocab_size else None)
-    torch.manual_seed(seed)
-    with torch.no_grad():  # far from init, so that every part matters (the frozen lm_head rows stay the target's)
-        for p in head.parameters():
-            if p.requires_grad:
-                p.add_(0.1 * torch.randn_like(p))
-    return head
+    # far from init, so that every part matters (the frozen lm_head rows stay the target's)
+    return perturb(head, 0.1, seed, trainable_only=True)
 
 
 def _inputs(T=24, seed=5):
@@ -58,16 +54,10 @@ def test_training_forward_equals_draft_block(tiny, kw):
     head = _head(tiny, **kw)
     f, ids = _inputs()
     p = 9
-    cache = head.new_cache()
-    head.extend_context(cache, f[0, :4])
-    head.extend_context(cache, f[:, 4:p])
+    cache, logits, conf, forced = greedy_chain(head, f, ids, p, split=4)
     assert cache.length == p
-    logits, conf = head.draft_block(cache, ids[0, p])
     K = head.num_drafts
     assert logits.shape == (K, head.config.out_vocab) and (conf is None) == (not head.spec.options.confidence_head)
-    drafted = head.to_target_ids(logits.argmax(-1))
-    forced = ids.clone()
-    forced[0, p + 1:p + 1 + K] = drafted  # the data continues with the drafts: teacher forcing = greedy chain
     tl, tc = head(f, forced, torch.tensor([[3, p]]))
     torch.testing.assert_close(tl[0, 1], logits, atol=1e-5, rtol=1e-5)
     if conf is not None:
@@ -328,40 +318,22 @@ def test_resume_gives_same_weights(tiny, tmp_path):
     anchors come from the trainer's generator, saved in its checkpoints)."""
     from specheads.config import load_config
     from specheads.recipe import Recipe
-    from specheads.train.trainer import Trainer
 
     data, val = _greedy_samples(tiny, 10, T=24), _greedy_samples(tiny, 2, T=24, seed=1)
-
-    def run(out, stop=None, resume=False):
-        recipe = load_config(Recipe, None, [
-            f"output_dir={out}", "seed=0", "head.kind=dspark", "head.feature_layers=[1,2,3]", "head.block_size=3",
-            "head.markov_rank=8", "train.tracker=none", "train.batch_size=2", "train.lr=1e-2", "train.max_steps=6",
-            "train.save_every=2", "train.block.max_anchors=4", "eval.every_steps=0", "eval.at_start=false",
-            "eval.max_samples=2"])
-        torch.manual_seed(123 if resume else 0)
-        head = build_head(recipe.head, tiny)
-        Trainer(recipe, tiny, head, data, val).train(resume=resume, stop_after=stop)
-        return head.state_dict()
-
-    a = run(tmp_path / "a")
-    run(tmp_path / "b", stop=4)
-    b = run(tmp_path / "b", resume=True)
-    assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) == 0.0
+    assert_resume_is_exact(tiny, lambda out: load_config(Recipe, None, [
+        f"output_dir={out}", "seed=0", "head.kind=dspark", "head.feature_layers=[1,2,3]", "head.block_size=3",
+        "head.markov_rank=8", "train.tracker=none", "train.batch_size=2", "train.lr=1e-2", "train.max_steps=6",
+        "train.save_every=2", "train.block.max_anchors=4", "eval.every_steps=0", "eval.at_start=false",
+        "eval.max_samples=2"]), data, val, tmp_path)
 
 
 def test_run_training_calibrates_the_head_folders(tmp_path):
-    import datasets
-
     from specheads.config import load_config
     from specheads.recipe import Recipe
     from specheads.train.trainer import run_training
 
     target = _sharp_target()
-    rows = _greedy_samples(target, 14, T=24)
-    ds = datasets.Dataset.from_dict({"input_ids": [r["input_ids"].tolist() for r in rows],
-                                     "loss_mask": [r["loss_mask"].tolist() for r in rows],
-                                     "conversation_id": [f"c{i}" for i in range(len(rows))]})
-    ds.save_to_disk(str(tmp_path / "data" / "tokens"))
+    save_token_rows(_greedy_samples(target, 14, T=24), tmp_path / "data" / "tokens")
     recipe = load_config(Recipe, None, [
         f"output_dir={tmp_path}", "seed=0", "features.mode=online", "data.val_fraction=0.4", "head.kind=dspark",
         "head.feature_layers=[1,2,3]", "head.block_size=3", "head.markov_rank=8", "train.tracker=none",
@@ -553,19 +525,12 @@ def test_speculators_package_loads_and_runs_our_export(tiny, tmp_path, kw):
     """The real consumer: speculators' own config and model classes load the export (every weight equal), and its
     own training forward gives our Markov-corrected block logits and confidence logits (within 1e-4) and the same
     verifier targets per draft (the slot <-> token alignment)."""
-    tiny.model.save_pretrained(tmp_path / "verifier")  # speculators reads the verifier config and its weights
     head = _head(tiny, **kw)
-    head.save_pretrained(tmp_path / "h")
-    export_head(tmp_path / "h", "speculators", tmp_path / "s", verifier_name_or_path=str(tmp_path / "verifier"))
-    T = 24
-    toks = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(7))
-    pre = {}  # speculators rebuilds its targets from the verifier's PRE-norm last state (its verifier_norm)
-    hook = tiny.final_norm.register_forward_hook(lambda m, i, o: pre.setdefault("x", i[0].detach()))
+    toks = speculators_export(tiny, head, tmp_path)
+    T = toks.shape[1]
+    out, pre = verifier_states(tiny, toks)
     with torch.no_grad():
-        tiny.model(toks)  # (a separate call: with output_hidden_states transformers runs the norm its own way)
-        hook.remove()
-        out = tiny.model(toks, output_hidden_states=True)
-        torch.testing.assert_close(tiny.final_norm(pre["x"]), out.hidden_states[4])
+        torch.testing.assert_close(tiny.final_norm(pre), out.hidden_states[4])
     feats = torch.cat([out.hidden_states[i] for i in (1, 2, 3)], -1)
     anchors = torch.tensor([[2, 5, 6, 11]])  # A * K = 16 < T
     lm = torch.zeros(1, T)
@@ -576,19 +541,13 @@ def test_speculators_package_loads_and_runs_our_export(tiny, tmp_path, kw):
     targets = tiny.lm_head(out.hidden_states[4])[0, rows]
     if head.d2t is not None:
         targets = targets[..., head.d2t]
-    ref = {"features": feats, "tokens": toks, "loss_mask": lm, "verifier_last": pre["x"], "logits": logits[0],
+    ref = {"features": feats, "tokens": toks, "loss_mask": lm, "verifier_last": pre, "logits": logits[0],
            "targets": targets}
     if conf is not None:
         ref["conf"] = conf[0]
     (tmp_path / "ref").mkdir()
     save_file({k: v.contiguous() for k, v in ref.items()}, str(tmp_path / "ref" / "inputs.safetensors"))
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HOME": os.environ.get("HOME", str(tmp_path))}
-    r = subprocess.run([str(SPEC_PY), str(ROOT / "tests" / "fixtures" / "speculators_dspark_load.py"),
-                        str(tmp_path / "s"), str(tmp_path / "ref")], capture_output=True, text=True, env=env,
-                       timeout=150)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = run_fixture(SPEC_PY, "speculators_dspark_load.py", tmp_path / "s", tmp_path / "ref")
     diffs = got.pop("max_abs_diff")
     kind = "dflash" if not head.spec.options.confidence_head and head.spec.options.markov_rank == 0 else "dspark"
     assert got["class"] == {"dspark": "DSparkDraftModel", "dflash": "DFlashDraftModel"}[kind]
@@ -616,12 +575,7 @@ def run_specforge_load(export_dir: Path, target, feats, toks, anchors: list[int]
         last = target.model(toks, output_hidden_states=True).hidden_states[-1]  # the final post-norm state
     save_file({"features": feats.contiguous(), "tokens": toks, "loss_mask": lm, "last": last.contiguous()},
               str(ref / "inputs.safetensors"))
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HOME": os.environ.get("HOME", str(tmp_path)), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    r = subprocess.run([str(SF_PY), str(ROOT / "tests" / "fixtures" / "specforge_load.py"), str(export_dir),
-                        str(ref)], capture_output=True, text=True, env=env, timeout=150)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1]), load_file(str(ref / "out.safetensors"))
+    return run_fixture(SF_PY, "specforge_load.py", export_dir, ref), load_file(str(ref / "out.safetensors"))
 
 
 SPECFORGE_CASES = [dict(markov_head_type="vanilla"), dict(markov_head_type="gated", confidence_with_markov=False),

@@ -16,6 +16,7 @@ from specheads.heads.dspine import AdjacentInjection
 from specheads.train.kinds.dspine import align_loss, refine_loss, schedule
 from specheads.train.settings import BlockTrainConfig
 from specheads.utils import SpecheadsError
+from helpers import greedy_chain, perturb, sampled_pairs, two_token_probs
 from tests.test_dspark import _inputs  # the same random features and tokens as the DSpark tests
 
 V, D = 256, 64
@@ -27,12 +28,7 @@ BASE = {"kind": "dspine", "feature_layers": [1, 2, 3], "block_size": 5, "markov_
 def _head(tiny, seed=3, **kw):
     spec = HeadSpec(**{**BASE, **kw})
     head = build_head(spec, tiny, token_counts=torch.arange(V) if spec.draft_vocab_size else None)
-    torch.manual_seed(seed)
-    with torch.no_grad():  # far from init (the writes too), so that every injection matters
-        for p in head.parameters():
-            if p.requires_grad:
-                p.add_(0.1 * torch.randn_like(p))
-    return head
+    return perturb(head, 0.1, seed, trainable_only=True)  # far from init (the writes too): every injection matters
 
 
 def _injection(rank=6, message=4, hidden=8, layers=2, seed=0):
@@ -131,14 +127,9 @@ def test_greedy_block_equals_teacher_forced_forward(tiny, kw):
     head = _head(tiny, **kw)
     f, ids = _inputs()
     p = 9
-    cache = head.new_cache()
-    head.extend_context(cache, f[0, :p])
-    logits, conf = head.draft_block(cache, ids[0, p])
+    _, logits, conf, forced = greedy_chain(head, f, ids, p)  # forced: the data continues with the greedy drafts
     assert conf is None and logits.shape == (4, head.config.out_vocab)
     assert (torch.isfinite(logits).sum(-1) == 6).all()  # the top-6 candidates of each draft carry its q
-    drafted = head.to_target_ids(logits.argmax(-1))
-    forced = ids.clone()
-    forced[0, p + 1:p + 5] = drafted  # the data continues with the drafts: teacher forcing = the greedy chain
     out = head(f, forced, torch.tensor([[3, p]]))
     tf = torch.full_like(out.base, float("-inf")).scatter(-1, out.candidates, out.scores)[0, 1]
     assert torch.equal(torch.isfinite(tf), torch.isfinite(logits))
@@ -267,9 +258,8 @@ def test_end_to_end_sampling_is_lossless():
     re-scored top-3 candidates, the next draft refined on the drawn token): the first two new tokens follow the
     target's exact distribution."""
     from specheads.infer.drafters import DSparkDrafter
-    from specheads.infer.generate import SpeculativeGenerator
     from specheads.infer.scheduling.step import Scheduler
-    from specheads.infer.verify import SamplingParams, target_probs
+    from specheads.infer.verify import SamplingParams
     from specheads.target import tiny_target
     from tests.test_sampling_stats import V as SV, assert_same
 
@@ -278,26 +268,13 @@ def test_end_to_end_sampling_is_lossless():
     spec = HeadSpec(kind="dspine", feature_layers=[1, 2], block_size=3, markov_rank=0, num_layers=2,
                     confidence_head=False, sample_from_anchor=False, dspine_transfer_rank=4,
                     dspine_message_size=4, dspine_top_k=3, dspine_write_std=0.3)
-    head = build_head(spec, target).eval()
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.requires_grad:
-                p.add_(0.5 * torch.randn_like(p))
+    head = perturb(build_head(spec, target).eval(), 0.5, seed=None, trainable_only=True)
     prompt, n = [1, 5, 3], 600
-    sampling = SamplingParams(temperature=1.0, top_k=4)
-    with torch.no_grad():
-        p1 = target_probs(target.model(torch.tensor([prompt])).logits[0, -1:], sampling)[0]
-        p2 = target_probs(target.model(torch.tensor([prompt + [x] for x in range(SV)])).logits[:, -1], sampling)
-    counts = torch.zeros(SV * SV)
-    gen = SpeculativeGenerator(target, DSparkDrafter(head, scheduler=Scheduler({1: 1.0, 2: 1.01, 4: 1.02}, 1.0)))
-    drafted = 0
-    for s in range(n):
-        out = list(gen.stream(prompt, max_new_tokens=2, temperature=1.0, top_k=4, seed=s, ignore_eos=True))
-        got = [x for chunk in out for x in chunk]
-        counts[got[0] * SV + got[1]] += 1
-        drafted += gen.result.stats.tree_nodes - gen.result.stats.target_forwards
+    expected = two_token_probs(target, prompt, SamplingParams(temperature=1.0, top_k=4))
+    drafter = DSparkDrafter(head, scheduler=Scheduler({1: 1.0, 2: 1.01, 4: 1.02}, 1.0))
+    counts, drafted = sampled_pairs(target, drafter, prompt, n, top_k=4)
     assert drafted > n
-    assert_same(counts, (p1[:, None] * p2).flatten() * n)
+    assert_same(counts, expected * n)
 
 
 def test_exports_are_refused_with_their_reasons(tiny, tmp_path):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -32,6 +31,7 @@ from specheads.heads import HeadSpec, build_head, default_feature_layers, load_h
 from specheads.heads.base import causal_mask_4d
 from specheads.heads.export import consumer_problems, consumers_of, export_head, import_head
 from specheads.utils import SpecheadsError
+from helpers import run_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_PY = ROOT / ".venv-speculators" / "bin" / "python"
@@ -808,9 +808,4 @@ def run_speculators_load(export_dir: Path, features, tokens, logits, tmp_path: P
     (tmp_path / "ref").mkdir()
     save_file({"features": features, "tokens": tokens, **{f"logits_{i}": lg for i, lg in enumerate(logits)}},
               str(tmp_path / "ref" / "inputs.safetensors"))
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HOME": os.environ.get("HOME", str(tmp_path))}
-    r = subprocess.run([str(SPEC_PY), str(ROOT / "tests" / "fixtures" / "speculators_load.py"), str(export_dir),
-                        str(tmp_path / "ref")], capture_output=True, text=True, env=env, timeout=150)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_fixture(SPEC_PY, "speculators_load.py", export_dir, tmp_path / "ref")

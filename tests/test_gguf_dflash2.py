@@ -14,8 +14,8 @@ from specheads.heads.base import read_head_config
 from specheads.heads.dflash2_gguf import DFLASH2_DRAFT, converter_config
 from specheads.utils import SpecheadsError
 from test_llamacpp import _our_blocks as _llamacpp_blocks  # noqa: E402
-from test_llamacpp import (FEATURES, REPEAT, _cut_threshold, _tie, _walk, needs_tools, repeat_smol,  # noqa: F401
-                           smol_cache, tiny_smol)
+from test_llamacpp import (FEATURES, REPEAT, _cut_threshold, _ggufs_and_plain_reply, _tie, _walk,  # noqa: F401
+                           needs_tools, repeat_smol, smol_cache, tiny_smol)
 
 K_BLOCK = 4
 SPEC = dict(kind="dflash2", block_size=K_BLOCK, markov_rank=0, confidence_head=False, sample_from_anchor=False,
@@ -99,16 +99,12 @@ def test_dflash2_llamacpp_drafts_are_our_drafts_and_greedy_equals_plain(tiny_smo
     """llama.cpp's draft-dflash with our converted DFlash2 head: greedy output equals llama.cpp plain; every step's
     draft length (the block cut at the first selector probability below a p-min chosen in a gap of ours) and
     accepted count (server log, -lv 5) equal our walk's, and so do the totals of its counters."""
-    from specheads.heads.gguf import draft_gguf, target_gguf
     from specheads.infer.bench.llamacpp import LlamaServer
 
     folder, target, _ = tiny_smol
     head, head_dir = dflash2_head
-    model = target_gguf(str(folder), "f32")
-    draft = draft_gguf(head_dir, target=str(folder), outtype="f32")
-    ids, n_predict = target.tokenizer("The capital of France is")["input_ids"], 20
-    with LlamaServer(model) as plain:
-        want = plain.complete(ids, n_predict)["tokens"]
+    n_predict = 20
+    model, draft, ids, want = _ggufs_and_plain_reply(folder, target, head_dir, n_predict)
     seq = ids + want
     ours = _our_blocks(head, target, seq, len(ids))
     p_min = _cut_threshold(ours, seq, len(ids), n_predict)

@@ -11,24 +11,11 @@ import pytest
 import torch
 
 from specheads.heads import build_head, load_head
-from specheads.heads.base import HeadSpec
 from specheads.heads.kinds import kind_names, kind_spec, resolve
 from specheads.utils import SpecheadsError
+from helpers import make_head
 
 KINDS = kind_names()  # the registry: a new kind is checked here without an edit
-
-
-def make_head(target, kind: str, seed: int = 3):
-    """The kind's example head on `target`, moved far from its initialisation (so that every part matters)."""
-    ks = kind_spec(kind)
-    spec = HeadSpec(kind=kind, **ks.example)
-    counts = torch.arange(target.vocab_size) if spec.draft_vocab_size else None
-    head = build_head(spec, target, token_counts=counts)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return head
 
 
 def serve_tree(kind: str) -> str | None:

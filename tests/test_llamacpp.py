@@ -416,22 +416,32 @@ def test_dspark_export_gguf_cli_reads_back_every_convention(tiny_smol, dspark_he
     assert manifest["conf_temperature_not_in_gguf"] == [1.0] * K_BLOCK
 
 
+def _ggufs_and_plain_reply(folder, target, head_dir, n_predict: int = 20):
+    """The target folder and the head converted to GGUF (f32), the prompt's ids and llama.cpp's plain greedy reply of
+    n_predict tokens -> (target gguf, draft gguf, ids, reply tokens): what a block drafter's comparison starts from."""
+    from specheads.heads.gguf import draft_gguf, target_gguf
+    from specheads.infer.bench.llamacpp import LlamaServer
+
+    model = target_gguf(str(folder), "f32")
+    draft = draft_gguf(head_dir, target=str(folder), outtype="f32")
+    ids = target.tokenizer("The capital of France is")["input_ids"]
+    with LlamaServer(model) as plain:
+        want = plain.complete(ids, n_predict)["tokens"]
+    return model, draft, ids, want
+
+
 @needs_tools
 @pytest.mark.parametrize("which", ["dspark", "dflash"])
 def test_dspark_llamacpp_drafts_are_our_drafts_and_greedy_equals_plain(tiny_smol, dspark_heads, which):
     """llama.cpp's draft-dspark with our converted head: greedy output equals llama.cpp plain, and every block it
     drafted (read from its debug log) holds our draft_block's tokens for the same context and anchor (up to a near
     tie), cut where our confidence first falls below --spec-draft-p-min; its draft counters add up."""
-    from specheads.heads.gguf import draft_gguf, target_gguf
     from specheads.infer.bench.llamacpp import LlamaServer
 
     folder, target, _ = tiny_smol
     head, head_dir = dspark_heads[which]
-    model = target_gguf(str(folder), "f32")
-    draft = draft_gguf(head_dir, target=str(folder), outtype="f32")
-    ids, n_predict = target.tokenizer("The capital of France is")["input_ids"], 20
-    with LlamaServer(model) as plain:
-        want = plain.complete(ids, n_predict)["tokens"]
+    n_predict = 20
+    model, draft, ids, want = _ggufs_and_plain_reply(folder, target, head_dir, n_predict)
     seq = ids + want
     ours = _our_blocks(head, target, seq, len(ids))
     p_min = _cut_threshold(ours, seq, len(ids), n_predict) if head.spec.options.confidence_head else 0.0

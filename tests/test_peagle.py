@@ -6,8 +6,6 @@ reduction, a training step)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from specheads.heads.export import export_head, import_head
 from specheads.infer.drafters import PEagleDrafter
 from specheads.train.kinds.peagle import chain_dpace_weights, cod_chains, cod_keep, peagle_loss
 from specheads.utils import SpecheadsError
+from helpers import perturb, run_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_PY = ROOT / ".venv-speculators" / "bin" / "python"
@@ -29,11 +28,7 @@ def _head(target, seed=3, **kw):
     spec = HeadSpec(**{"kind": "peagle", "feature_layers": [1, 2, 3], "num_layers": 2, "num_depths": 4,
                        "mask_token_id": 5, **kw})
     head = build_head(spec, target, token_counts=torch.arange(V) if spec.draft_vocab_size else None)
-    torch.manual_seed(seed)
-    with torch.no_grad():  # far from init, so that every part matters
-        for p in head.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return head
+    return perturb(head, 0.1, seed)  # far from init, so that every part matters
 
 
 def _inputs(T=14, seed=5, F=3):
@@ -311,13 +306,7 @@ def test_speculators_package_loads_and_runs_our_export(tmp_path):
     theirs = torch.cat([f[..., D:2 * D], f[..., 2 * D:], f[..., :D]], -1)  # ascending layer order
     save_file({"features": theirs, "tokens": x, "anchor_pos": anchor_pos, "depth": depth,
                "logits": torch.cat(out, dim=1).contiguous()}, str(tmp_path / "ref" / "inputs.safetensors"))
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HOME": os.environ.get("HOME", str(tmp_path))}
-    r = subprocess.run([str(SPEC_PY), str(ROOT / "tests" / "fixtures" / "speculators_peagle_load.py"),
-                        str(tmp_path / "s"), str(tmp_path / "ref")], capture_output=True, text=True, env=env,
-                       timeout=150)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = run_fixture(SPEC_PY, "speculators_peagle_load.py", tmp_path / "s", tmp_path / "ref")
     diff = got.pop("max_abs_diff")
     assert got == {"ok": True, "embed_is_verifier": True, "checked": len(load_file(str(tmp_path / "s" / "model.safetensors"))),
                    "class": "PEagleDraftModel", "mask_token_id": 5, "num_layers": 2, "aux_ids": [1, 2, 3],

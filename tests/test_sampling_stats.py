@@ -11,6 +11,7 @@ from scipy.stats import chisquare
 
 from specheads.infer.tree import DraftTree
 from specheads.infer.verify import SamplingParams, target_probs, verify_sampling
+from helpers import perturb, sampled_pairs, two_token_probs
 
 V = 8
 SAMPLES = 10_000
@@ -91,28 +92,19 @@ def test_end_to_end_draft_model_sampling():
     """generate() with a draft model (q recorded) on an 8-token vocabulary: first two new tokens vs the exact
     target distribution computed by two full forwards."""
     from specheads.infer.drafters import DraftModelDrafter
-    from specheads.infer.generate import SpeculativeGenerator
     from specheads.target import tiny_target
 
     target = tiny_target(vocab_size=V, hidden_size=32, num_layers=2, seed=0)
     draft = tiny_target(vocab_size=V, hidden_size=32, num_layers=1, seed=1)
     prompt = [1, 5, 3]
-    sampling = SamplingParams(temperature=1.0, top_k=4)
-    with torch.no_grad():
-        p1 = target_probs(target.model(torch.tensor([prompt])).logits[0, -1:], sampling)[0]
-        seqs = torch.tensor([prompt + [x] for x in range(V)])
-        p2 = target_probs(target.model(seqs).logits[:, -1], sampling)  # [V, V]
-    expected = (p1[:, None] * p2).flatten()
+    expected = two_token_probs(target, prompt, SamplingParams(temperature=1.0, top_k=4))
     n = 600  # generate() runs a few tiny forwards each: kept small; the one-step tests carry the 10k samples
-    counts = torch.zeros(V * V)
-    gen = SpeculativeGenerator(target, DraftModelDrafter(draft.model, num_tokens=2))
-    for s in range(n):
-        out = list(gen.stream(prompt, max_new_tokens=2, temperature=1.0, top_k=4, seed=s, ignore_eos=True))
-        ids = [x for chunk in out for x in chunk]
-        counts[ids[0] * V + ids[1]] += 1
+    counts, _ = sampled_pairs(target, DraftModelDrafter(draft.model, num_tokens=2), prompt, n, top_k=4)
     assert_same(counts, expected * n)
 
 
+# the DSpark drafter's variants: its Markov heads (vanilla, rnn), Domino's GRU and P-EAGLE's depths riding it;
+# the other block kinds' lossless sampling is in their own test files (LiLiCorr has none yet)
 @pytest.mark.parametrize("markov", ["vanilla", "rnn", "domino", "peagle"])
 def test_end_to_end_dspark_block_sampling(markov):
     """generate() with a DSpark block drafter (each draft drawn from its warped block distribution, the next draft's
@@ -121,7 +113,6 @@ def test_end_to_end_dspark_block_sampling(markov):
     drafts read no drawn token)."""
     from specheads.heads.base import HeadSpec, build_head
     from specheads.infer.drafters import DSparkDrafter, PEagleDrafter
-    from specheads.infer.generate import SpeculativeGenerator
     from specheads.infer.scheduling.step import Scheduler
     from specheads.target import tiny_target
 
@@ -133,28 +124,13 @@ def test_end_to_end_dspark_block_sampling(markov):
         if markov == "peagle" else HeadSpec(kind="dspark", feature_layers=[1, 2], block_size=3, markov_rank=4,
                                             num_layers=1, markov_head_type=markov)
     head = build_head(spec, target).eval()  # domino: the GRU reads the drawn drafts as the Markov bias does
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.requires_grad:
-                p.add_(0.5 * torch.randn_like(p))  # a draft that differs from the target (and from uniform)
+    perturb(head, 0.5, seed=None, trainable_only=True)  # a draft that differs from the target (and from uniform)
     prompt = [1, 5, 3]
-    sampling = SamplingParams(temperature=1.0, top_k=4)
-    with torch.no_grad():
-        p1 = target_probs(target.model(torch.tensor([prompt])).logits[0, -1:], sampling)[0]
-        seqs = torch.tensor([prompt + [x] for x in range(V)])
-        p2 = target_probs(target.model(seqs).logits[:, -1], sampling)  # [V, V]
-    expected = (p1[:, None] * p2).flatten()
+    expected = two_token_probs(target, prompt, SamplingParams(temperature=1.0, top_k=4))
     n = 600
-    counts = torch.zeros(V * V)
     drafter = DSparkDrafter(head, num_tokens=2) if markov == "vanilla" else \
         PEagleDrafter(head, scheduler=Scheduler({1: 1.0, 2: 1.01, 4: 1.02}, 1.0)) if markov == "peagle" else \
         DSparkDrafter(head, scheduler=Scheduler({1: 1.0, 2: 1.01, 4: 1.02}, 1.0))  # t(1) 1 s: drafting is free
-    gen = SpeculativeGenerator(target, drafter)
-    drafted = 0
-    for s in range(n):
-        out = list(gen.stream(prompt, max_new_tokens=2, temperature=1.0, top_k=4, seed=s, ignore_eos=True))
-        ids = [x for chunk in out for x in chunk]
-        counts[ids[0] * V + ids[1]] += 1
-        drafted += gen.result.stats.tree_nodes - gen.result.stats.target_forwards
+    counts, drafted = sampled_pairs(target, drafter, prompt, n, top_k=4)
     assert drafted > n  # drafts were proposed (and verified) on most steps
     assert_same(counts, expected * n)
