@@ -2,7 +2,6 @@
 rows x tokens cost surface (infer/scheduling/profile.py): every row's greedy output equals that row decoded alone (fp32), with
 rows of different lengths, rows finishing early and prompts joining; sampling draws each row from its own
 generator and keeps the target's distribution; hand-made packing, pruning and budget cases."""
-import time
 
 import pytest
 import torch

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from specheads.heads import build_head, load_head
+from specheads.heads import HeadSpec, build_head, load_head
 from specheads.heads.kinds import kind_names, kind_spec, resolve
 from specheads.utils import SpecheadsError
 from helpers import make_head
