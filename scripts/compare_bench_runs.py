@@ -1,7 +1,7 @@
 """Two `specheads bench` runs of the same heads, prompts and settings by two versions of the code (a refactor's
 behaviour check): single run (BEFORE/single, AFTER/single): every method's text, target forwards and new tokens
 per prompt (outputs.jsonl) and τ per method; batched sweep (BEFORE/batch, AFTER/batch): τ, target / row forwards,
-new tokens and `identical` per method and batch size. Timings are not compared.
+new tokens and `identical` per method and batch size, when both runs have one. Timings are not compared.
 Usage: python scripts/compare_bench_runs.py BEFORE AFTER OUT.json"""
 import json, sys
 from pathlib import Path
@@ -26,7 +26,8 @@ def batch_rows(d):
 
 ra, rb = single_rows(a), single_rows(b)
 ta, tb = single_tau(a), single_tau(b)
-ba, bb = batch_rows(a), batch_rows(b)
+has_batch = (a / "batch").exists() and (b / "batch").exists()
+ba, bb = (batch_rows(a), batch_rows(b)) if has_batch else ({}, {})
 res = {"single": {"rows": len(ra), "identical_rows": sum(ra[k] == rb.get(k) for k in ra),
                   "rows_differing": [list(k) for k in ra if ra[k] != rb.get(k)],
                   "methods": len(ta), "tau_before": ta, "tau_after": tb,
@@ -37,4 +38,5 @@ out.write_text(json.dumps(res, indent=2) + "\n")
 s, bt = res["single"], res["batch"]
 print(f"single: {s['identical_rows']}/{s['rows']} (method, prompt) outputs and forwards identical; τ identical for "
       f"{s['methods'] - len(s['tau_differs'])}/{s['methods']} methods; differs: {s['tau_differs']}")
-print(f"batch: {bt['identical']}/{bt['rows']} (B, method) rows identical; differs: {list(bt['differs'])}")
+if has_batch:
+    print(f"batch: {bt['identical']}/{bt['rows']} (B, method) rows identical; differs: {list(bt['differs'])}")

@@ -125,7 +125,7 @@ class KindSpec:
 
 
 _KINDS: dict[str, KindSpec] = {}
-_discovered = False
+_IMPORTED: set[str] = set()  # packages whose modules import_modules has imported
 
 
 def register_kind(spec: KindSpec) -> KindSpec:
@@ -144,17 +144,23 @@ def unregister_kind(name: str) -> None:
     _KINDS.pop(name, None)
 
 
-def _discover() -> None:
-    """Import every public module of specheads.heads once: each kind module registers its KindSpec."""
-    global _discovered
-    if _discovered:
+def import_modules(pkg) -> None:
+    """Import every public module (not subpackage) of package `pkg` once: modules that register on import (kinds
+    here, export formats in heads/export/formats.py) are found without a list of them. The package is marked first,
+    so a module that looks the registry up while it is imported does not start the import again."""
+    if pkg.__name__ in _IMPORTED:
         return
-    _discovered = True
-    import specheads.heads as pkg
-
+    _IMPORTED.add(pkg.__name__)
     for info in pkgutil.iter_modules(pkg.__path__):
         if not info.name.startswith("_") and not info.ispkg:
             importlib.import_module(f"{pkg.__name__}.{info.name}")
+
+
+def _discover() -> None:
+    """Every kind module of specheads.heads imported (each registers its KindSpec)."""
+    import specheads.heads as pkg
+
+    import_modules(pkg)
 
 
 def kinds() -> dict[str, KindSpec]:

@@ -10,12 +10,10 @@ imported), as the kind registry does (heads/kinds.py): a new format is one new m
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from specheads.heads.kinds import kinds, resolve
+from specheads.heads.kinds import import_modules, kinds, resolve
 from specheads.utils import SpecheadsError
 
 
@@ -40,7 +38,6 @@ class Format:
 
 _FORMATS: dict[str, Format] = {}
 _VARIANTS: dict[str, dict[str, Callable]] = {}
-_discovered = False
 
 
 def register_format(fmt: Format) -> Format:
@@ -57,16 +54,10 @@ def register_variant(fmt: str, model_type: str, reader: Callable) -> Callable:
 
 
 def _discover() -> None:
-    """Import every public module of specheads.heads.export once: each family module registers its formats."""
-    global _discovered
-    if _discovered:
-        return
-    _discovered = True
+    """Every module of specheads.heads.export imported (each family module registers its formats)."""
     import specheads.heads.export as pkg
 
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if not info.name.startswith("_") and not info.ispkg:
-            importlib.import_module(f"{pkg.__name__}.{info.name}")
+    import_modules(pkg)
 
 
 def formats() -> dict[str, Format]:
