@@ -50,7 +50,7 @@ output_dir: {base}/prepared
 target: {{name: {target}, dtype: float32}}
 data: {{source: {convs}, max_length: 48, val_fraction: 0.25}}
 features: {{shard_tokens: 200, batch_tokens: 128}}
-head: {{kind: eagle3, draft_vocab_size: 64, ttt_steps: 2}}
+head: {{kind: eagle3, draft_vocab_size: 64, eagle3: {{ttt_steps: 2}}}}
 train: {{max_steps: 2, batch_size: 2, save_every: 1, warmup_steps: 0, tracker: none}}
 eval: {{max_samples: 2, batch_size: 2, every_steps: 0}}
 """

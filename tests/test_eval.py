@@ -28,7 +28,7 @@ def test_eval_command_on_tiny(tiny, tmp_path, monkeypatch, capsys, kind):
 
     tiny.tokenizer = ByteTok()
     monkeypatch.setattr(specheads.target, "load_target", lambda *a, **k: tiny)
-    build_head(HeadSpec(kind=kind, num_heads=3), tiny).save_pretrained(tmp_path / "head")
+    build_head(HeadSpec(kind=kind, **({"num_heads": 3} if kind == "medusa" else {})), tiny).save_pretrained(tmp_path / "head")
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ["abc abc abc", "hello there", "1 2 3 4"]))
     assert main(["eval", "--head", str(tmp_path / "head"), "--dataset", str(data), "--limit", "2",
