@@ -251,7 +251,6 @@ KIND = register_kind(KindSpec(
     name="dflash2", head=DFlash2Head, label="a DFlash2 head", train_step="specheads.train.kinds.dflash2:KIND",
     drafter="specheads.infer.drafters.dflash2:KIND", options=DFlash2Options, check=check_dflash2,
     formats=("speculators",),
-    readers={"speculators:dflash2": "specheads.heads.export.dflash2:read_dflash2"},
     refused={"specforge": "SpecForge 0.2.0 has no DFlash2 draft model (its DFlash reads no attention_conv / "
                           "candidate_selector tensors); export speculators or native"},
     gguf="specheads.heads.dflash2_gguf:DFLASH2_DRAFT",  # llama.cpp's dflash architecture, --spec-type draft-dflash

@@ -92,12 +92,9 @@ class KindSpec:
     needs_target: Callable[[str, Any], bool] | None = None  # (format, HeadConfig) -> the export writes target tensors
     refused: Mapping[str, str] = field(default_factory=dict)  # format -> why this kind is not exported in it
     writers: Mapping[str, str] = field(default_factory=dict)  # format -> "module:attr" of this kind's writer in
-    # it, the signature of heads/export/registry.py WRITERS (a format missing here: the format's writer)
-    readers: Mapping[str, str] = field(default_factory=dict)  # "format:model type" -> "module:attr" of a reader
-    # of this kind's own layout in a format whose reader dispatches on a model type (speculators'
-    # speculators_model_type: heads/export/speculators.py read_speculators), the signature of READERS
+    # it, the signature of export/formats.py Format.writer (a format missing here: the format's writer)
     exporter: str | None = None  # "module:attr" of a whole export of its own (cfg, sd, fmt, out_dir, where,
-    # verifier) -> Path, for all its formats (the DSpark / DFlash block layouts); None: writers / WRITERS
+    # verifier) -> Path, for all its formats (the DSpark / DFlash block layouts); None: writers / the format's writer
     gguf: str | None = None  # "module:attr" of its heads.gguf.DraftKind (llama.cpp drafts with it)
     not_drafted: str = ""  # why llama.cpp cannot draft with it (the --format gguf refusal says it)
     default: bool = False  # the kind a head: section without `kind` builds (exactly one registered kind says so)

@@ -15,7 +15,7 @@ reader, detection, consumers and what they cannot read) with formats.py, which t
 - speculators.py: EAGLE-3, `speculators` (speculators, and vLLM through it), whose reader dispatches on
   speculators_model_type;
 - peagle.py: P-EAGLE's `speculators` writer (its KindSpec.writers) and reader;
-- dflash2.py: DFlash2's `speculators` export (its KindSpec.exporter and readers);
+- dflash2.py: DFlash2's `speculators` export (its KindSpec.exporter; its reader a speculators variant);
 - dspark.py: DSpark / DFlash block heads, `speculators` (dspark / dflash) and `specforge` (SpecForge, SGLang);
 - domino.py: Domino's SpecForge keys on that block export (its KindSpec.exporter) and its SpecForge reader;
 - medusa.py: `medusa-vllm` (vLLM);
@@ -37,7 +37,7 @@ from specheads.heads.export.registry import BLOCK_FORMATS, detect_format, export
 
 __all__ = [
     "BLOCK_FORMATS", "BLOCK_LOADERS", "BLOCK_TYPES", "BUNDLED_TARGETS", "FORMATS", "Format", "HUB_IDS",
-    "KIND_OF_FORMAT", "LOADERS", "OPT_IN", "READERS", "SPECULATIVE_TOKENS", "WRITERS", "check_block_exportable",
+    "KIND_OF_FORMAT", "SPECULATIVE_TOKENS", "check_block_exportable",
     "check_consumers", "consumer_problems", "consumers_of", "detect_format", "export_block_head", "export_head",
     "import_block_tensors", "import_head", "legacy_rope_keys", "needs_target", "register_format", "register_variant",
     "resolve_verifier",
@@ -45,12 +45,9 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """FORMATS, WRITERS, READERS, KIND_OF_FORMAT (export/registry.py), LOADERS and OPT_IN (export/consumers.py):
-    views of the format and kind registries, built on first use (the registries fill lazily), kept for importers."""
-    if name in ("FORMATS", "WRITERS", "READERS", "KIND_OF_FORMAT"):
+    """FORMATS and KIND_OF_FORMAT (export/registry.py): views of the format and kind registries, built on first use
+    (the registries fill lazily)."""
+    if name in ("FORMATS", "KIND_OF_FORMAT"):
         from specheads.heads.export import registry
         return getattr(registry, name)
-    if name in ("LOADERS", "OPT_IN"):
-        from specheads.heads.export import consumers
-        return getattr(consumers, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

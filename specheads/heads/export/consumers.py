@@ -16,7 +16,7 @@ P-EAGLE by speculators only (vLLM 0.34 refuses it).
 from __future__ import annotations
 
 from specheads.heads.base import HeadConfig
-from specheads.heads.export.formats import format_spec, formats
+from specheads.heads.export.formats import format_spec
 from specheads.heads.kinds import kind_spec
 from specheads.utils import SpecheadsError
 
@@ -40,15 +40,6 @@ def consumer_problems(fmt: str, consumer: str, cfg: HeadConfig) -> list[str]:
     if unread:
         return [unread]
     return f.problems(fmt, consumer, cfg)
-
-
-def __getattr__(name: str):
-    """LOADERS ((format, consumer) -> loader) and OPT_IN: views of the format registry, kept for importers."""
-    if name == "LOADERS":
-        return {(n, c): loader for n, f in formats().items() for c, loader in f.loaders.items()}
-    if name == "OPT_IN":
-        return {(n, c) for n, f in formats().items() for c in f.opt_in}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_consumers(fmt: str, cfg: HeadConfig, consumers, where: str) -> list[str]:

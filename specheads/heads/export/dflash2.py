@@ -24,6 +24,7 @@ from specheads.heads.base import CONFIG_NAME, WEIGHTS_NAME, HeadConfig, HeadSpec
 from specheads.heads.dflash2 import DFlash2Options
 from specheads.heads.export.common import HUB_IDS, check_dims, check_keys, need, speculators_section
 from specheads.heads.export.dspark import _block_layer_dict, check_block_exportable
+from specheads.heads.export.formats import register_variant
 from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json
 
 log = logging.getLogger(__package__)
@@ -86,3 +87,6 @@ def read_dflash2(config: dict, sd: dict, target, where: str, w: str) -> tuple[He
     tensors["conf_temperature"] = torch.ones(spec.num_drafts)
     tensors["conf_bias"] = torch.zeros(spec.num_drafts)
     return spec, tensors
+
+
+register_variant("speculators", "dflash2", read_dflash2)  # export/speculators.py dispatches on speculators_model_type

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from specheads.heads.kinds import import_modules, kinds, resolve
+from specheads.heads.kinds import import_modules
 from specheads.utils import SpecheadsError
 
 
@@ -72,16 +72,11 @@ def format_spec(name: str) -> Format | None:
 
 
 def variants(fmt: str) -> dict[str, Callable]:
-    """model type -> reader of `fmt`'s variants, in name order: the registered ones and the kinds' own layouts
-    (KindSpec.readers "format:model type")."""
+    """model type -> reader of `fmt`'s variants (register_variant, called by each kind's export module), in name
+    order."""
     _discover()
-    out = dict(_VARIANTS.get(fmt, {}))
-    for s in kinds().values():
-        for key, ref in s.readers.items():
-            f, _, model_type = key.partition(":")
-            if f == fmt:
-                out[model_type] = ref
-    return {t: resolve(out[t]) for t in sorted(out)}
+    out = _VARIANTS.get(fmt, {})
+    return {t: out[t] for t in sorted(out)}
 
 
 def written_formats() -> tuple[str, ...]:

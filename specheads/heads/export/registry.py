@@ -107,14 +107,10 @@ def kinds_of_format(fmt: str) -> tuple[str, ...]:
 
 
 def __getattr__(name: str):
-    """FORMATS (the --format choices), WRITERS / READERS (format -> its own writer / reader) and KIND_OF_FORMAT
-    (format -> the kinds written in it): views of the format and kind registries, kept for importers."""
+    """FORMATS (the --format choices) and KIND_OF_FORMAT (format -> the kinds written in it): views of the format
+    and kind registries, built on first use (the registries fill lazily)."""
     if name == "FORMATS":
         return all_formats()
-    if name == "WRITERS":
-        return {n: f.writer for n, f in formats().items() if f.writer is not None}
-    if name == "READERS":
-        return {n: f.reader for n, f in formats().items() if f.reader is not None}
     if name == "KIND_OF_FORMAT":
         return {fmt: kinds_of_format(fmt) for fmt in all_formats() if kinds_of_format(fmt)}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,7 +11,7 @@ i in ascending layer order (models/eagle3/core.py: one RMSNorm per aux state, ch
 post-norm state fed to the next TTT step). The format's reader dispatches on speculators_model_type to the
 reader each kind's export module registers (export/formats.py register_variant): a dspark / dflash folder is read
 by export/dspark.py, a P-EAGLE one (written by export/peagle.py, the kind's KindSpec.writers) by export/peagle.py,
-a DFlash2 one by export/dflash2.py (its KindSpec.readers).
+a DFlash2 one by export/dflash2.py.
 """
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ def write_speculators(cfg: HeadConfig, sd: dict, expected: list[str], verifier: 
 
 def read_speculators(config: dict, sd: dict, target, where: str, w: str) -> tuple[HeadSpec, dict]:
     """A speculators folder, read by the reader its speculators_model_type registered (export/formats.py
-    variants: EAGLE-3 here, P-EAGLE in export/peagle.py, dspark / dflash in export/dspark.py, a kind's own layout
-    through its KindSpec.readers)."""
+    variants: EAGLE-3 here, P-EAGLE in export/peagle.py, dspark / dflash in export/dspark.py, DFlash2 in
+    export/dflash2.py)."""
     own, model_type = variants("speculators"), need(config, "speculators_model_type", where)
     if model_type not in own:
         raise SpecheadsError(f"{where}: speculators_model_type {model_type!r}: only {list(own)} speculators are "
