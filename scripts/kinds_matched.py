@@ -45,15 +45,38 @@ KINDS = [
     ("lilicorr", "configs/lilicorr-smollm2.yaml", [], "7"),
 ]
 TREE = "-tree"  # label suffix of a block kind served as a tree over its block (--block-trees: --tree tree:auto)
+TOLERANCE = 0.05  # issue 41's bar: a training-time dev walk predicts the served τ within 5%
 
 
-def served(kinds: list[tuple], block_trees: bool) -> list[tuple[str, str, str]]:
-    """(bench label, trained run label, --tree) per served method: every kind with its chain or tree, and with
-    block_trees each block kind (a block size for --tree) again as the scheduled tree over its block."""
+def served(kinds: list[tuple], block_trees: bool, fixed_tree: int = 0) -> list[tuple[str, str, str]]:
+    """(bench label, trained run label, --tree) per served method: every kind with its chain or tree; with
+    block_trees each block kind (a block size for --tree) again as the scheduled tree over its block, and with
+    fixed_tree N as the best-first tree of N nodes over its block (the shape its dev block-tree walk scores)."""
     out = [(k[0], k[0], k[3]) for k in kinds]
+    blocks = [k for k in kinds if k[3] and k[3].isdigit()]
     if block_trees:
-        out += [(k[0] + TREE, k[0], "tree:auto") for k in kinds if k[3] and k[3].isdigit()]
+        out += [(k[0] + TREE, k[0], "tree:auto") for k in blocks]
+    if fixed_tree:
+        out += [(f"{k[0]}{TREE}{fixed_tree}", k[0], f"tree:{fixed_tree}") for k in blocks]
     return out
+
+
+def predicted(run: Path, tree: str) -> tuple[str | None, float | None]:
+    """The training-time dev walk that scores the served shape, at the step kept as best/: a fixed block (a block
+    size) -> dev_tau_chain_walk, `tree:N` -> dev_tau_blocktree_walk (train/blocktree_eval.py, N =
+    eval.block_tree_nodes, 16 by default); a scheduled or EAGLE tree has no fixed walk -> (None, None)."""
+    if tree.isdigit():
+        metric = "dev_tau_chain_walk"
+    elif tree.startswith("tree:") and tree[5:].isdigit():
+        metric = "dev_tau_blocktree_walk"
+    else:
+        return None, None
+    summary = json.loads((run / "train_summary.json").read_text())
+    best = next(h for h in summary["history"] if h["step"] == summary["best_step"])
+    nodes = best.get("dev_blocktree_nodes", best.get("blocktree_nodes"))
+    if metric.endswith("blocktree_walk") and nodes is not None and int(nodes) != int(tree[5:]):
+        return None, None  # the run's walk scored another node budget
+    return metric, best.get(metric)
 
 
 def _common(args, out_dir: Path) -> list[str]:
@@ -68,6 +91,8 @@ def _train(args, recipe: str, overrides: list[str]) -> None:
 
 
 def seconds_per_step(args, label: str, recipe: str, extra: list[str]) -> float:
+    if label in args.given_sps:  # a timing measured before (idle), reused so training may run beside other jobs
+        return args.given_sps[label]
     out = Path(args.runs) / "_timing" / label
     if not (out / "train_summary.json").exists():
         shutil.rmtree(out, ignore_errors=True)
@@ -101,8 +126,9 @@ def bench(args, kinds: list[tuple]) -> dict:
     if not (out / "results.json").exists():
         cmd = [args.specheads, "bench", "--target", "smollm2-135m", "--dataset", "mt-bench", "--limit",
                str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--dtype", "bf16", "--out", str(out),
-               "--methods", ",".join(["vanilla"] + [f"head:{m[0]}" for m in served(kinds, args.block_trees)])]
-        for label, run, tree in served(kinds, args.block_trees):
+               "--methods", ",".join(["vanilla"] + [f"head:{m[0]}" for m in served(kinds, args.block_trees,
+                                                                                      args.fixed_tree)])]
+        for label, run, tree in served(kinds, args.block_trees, args.fixed_tree):
             head = Path(args.runs) / run
             if label != run:  # bench keys trees by head folder: the tree variant reads the run through a link
                 link = Path(args.runs) / label
@@ -121,7 +147,7 @@ def table_rows(args, kinds: list[tuple], sps: dict, res: dict) -> list[dict]:
     s_per_token = van["time_s"] / van["new_tokens"]
     rows = []
     recipes = {k[0]: k[1:3] for k in kinds}
-    for label, run, tree in served(kinds, args.block_trees):
+    for label, run, tree in served(kinds, args.block_trees, args.fixed_tree):
         recipe, extra = recipes[run]
         r = {**train_row(run, str(Path(args.runs) / run)), "label": label}
         m = res["methods"][f"head:{label}"]
@@ -131,7 +157,12 @@ def table_rows(args, kinds: list[tuple], sps: dict, res: dict) -> list[dict]:
         r.update({"recipe": recipe, "overrides": extra, "tree": tree, "seconds_per_step": round(sps[run], 3),
                   "served_tau": o["tau"], "speedup": o["speedup"], "identical": o["identical"],
                   "draft_ms_per_step": None if draft_s is None else 1e3 * draft_s / steps,
-                  "draft_cost_forwards": None if draft_s is None else draft_s / steps / s_per_token})
+                  "draft_cost_forwards": None if draft_s is None else draft_s / steps / s_per_token,
+                  "timing": "given" if run in args.given_sps else "measured"})
+        metric, pred = predicted(Path(args.runs) / run, tree)
+        err = None if pred is None else pred / o["tau"] - 1
+        r.update({"predicted_by": metric, "predicted_tau": pred, "prediction_error": err,
+                  "prediction_holds": None if err is None else abs(err) <= TOLERANCE})
         rows.append(r)
     return rows
 
@@ -145,14 +176,18 @@ def markdown(args, rows: list[dict], res: dict) -> str:
     lines = [f"Budget {args.budget_s:.0f} s of training per kind (timing runs of {args.timing_steps} steps set each "
              f"kind's steps); bench: {res.get('num_prompts')} MT-bench first turns, {s.get('max_new_tokens')} new "
              f"tokens, bf16, greedy, one run ({res.get('date')}).", "",
-             "| kind | steps | train s | held-out top-1 | held-out τ chain / tree | dev τ tree walk | draft cost "
-             "(target forwards) | served τ | speedup |", "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+             "| kind | served as | steps | train s | held-out top-1 | held-out τ chain / tree | dev τ tree walk | "
+             "draft cost (target forwards) | served τ | speedup | dev walk for this shape (error) |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---|"]
     for r in rows:
         se = r.get("dev_tau_tree_walk_se")
         dev = _f(r["dev_tau_tree_walk"]) + (f" ± {se:.3f}" if se is not None else "")
-        lines.append(f"| {r['label']} | {r['steps']} | {r['train_seconds']} | {_f(r['held_out_top1_0'])} | "
-                     f"{_f(r['held_out_tau_chain_walk'])} / {_f(r['held_out_tau_tree_walk'])} | {dev} | "
-                     f"{_f(r['draft_cost_forwards'], 2)} | {r['served_tau']:.2f} | {r['speedup']:.2f}x |")
+        pred = "-" if r.get("predicted_tau") is None else (
+            f"{r['predicted_tau']:.3f} ({100 * r['prediction_error']:+.1f}%{'' if r['prediction_holds'] else ', over 5%'})")
+        lines.append(f"| {r['label']} | {r['tree']} | {r['steps']} | {r['train_seconds']} | "
+                     f"{_f(r['held_out_top1_0'])} | {_f(r['held_out_tau_chain_walk'])} / "
+                     f"{_f(r['held_out_tau_tree_walk'])} | {dev} | {_f(r['draft_cost_forwards'], 2)} | "
+                     f"{r['served_tau']:.3f} | {r['speedup']:.2f}x | {pred} |")
     return "\n".join(lines) + "\n"
 
 
@@ -169,9 +204,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per prompt (serving's length)")
     ap.add_argument("--block-trees", action="store_true",
                     help="also serve each block kind as the scheduled tree over its block (label-tree)")
+    ap.add_argument("--fixed-tree", type=int, default=0, metavar="N",
+                    help="also serve each block kind as the best-first tree of N nodes over its block (label-treeN), "
+                         "the shape its dev block-tree walk scores (eval.block_tree_nodes, 16): the prediction rows")
+    ap.add_argument("--seconds-per-step", default="", metavar="LABEL=S,...",
+                    help="reuse timings measured before (idle) instead of timing runs, e.g. lilicorr=2.5; the "
+                         "table marks them given")
     ap.add_argument("--specheads", default="specheads")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    try:
+        args.given_sps = {k: float(v) for k, v in (kv.split("=") for kv in args.seconds_per_step.split(",") if kv)}
+    except ValueError:
+        ap.error(f"--seconds-per-step: expected LABEL=SECONDS,..., got {args.seconds_per_step!r}")
     want = None if args.kinds is None else set(args.kinds.split(","))
     kinds = [k for k in KINDS if Path(k[1]).exists() and (want is None or k[0] in want)]
     sps = {k[0]: seconds_per_step(args, *k[:3]) for k in kinds}
