@@ -1,6 +1,7 @@
 """LiLiCorr heads (heads/lilicorr.py) on the tiny target: the draft logits are the lattice walk's scores on the
 backbone's top-k and -inf elsewhere (argmax = the walk), the served block equals the training forward walked
-greedily, a sampled walk follows the drawn tokens, the lattice loss by hand, and the refusals."""
+greedily, a sampled walk follows the drawn tokens, the lattice loss by hand, the refusals, and the `modelopt` export
+as vLLM / SGLang / TensorRT-LLM read it (tests/fixtures/lilicorr_engine_read.py)."""
 from __future__ import annotations
 
 import pytest
@@ -113,3 +114,91 @@ def test_refusals(bad, msg):
 def test_heads_must_divide_the_width(tiny):
     with pytest.raises(SpecheadsError, match=r"head\.lilicorr\.num_heads"):
         build_head(HeadSpec(**{**BASE, "lilicorr_num_heads": 3}), tiny)
+
+
+def _export(tiny, tmp_path, consumers=None, **kw):
+    from specheads.heads.export import export_head
+
+    head = _head(tiny, mask_token_id=5, **kw)
+    head.save_pretrained(tmp_path / "h")
+    return head, export_head(tmp_path / "h", "modelopt", tmp_path / "m", consumers=consumers)
+
+
+@pytest.mark.parametrize("kw", [{}, {"lilicorr_hidden_size": 0, "lilicorr_candidate_topk": 8}],
+                         ids=["projected-width", "target-width"])
+def test_modelopt_export_read_by_vllm_sglang_trtllm(tiny, tmp_path, kw):
+    """The engines' LiLiCorr loaders (tests/fixtures/lilicorr_engine_read.py, read) on our modelopt export: every
+    config key they read, every lilicorr.* tensor under their names with our values, and their head's scores on a
+    block of ours equal our lattice's start and pair scores."""
+    from safetensors.torch import load_file
+
+    from specheads.heads.export.lilicorr import native_name
+    from tests.fixtures import lilicorr_engine_read as engine
+
+    head, out = _export(tiny, tmp_path, **kw)
+    c, w, backbone = engine.load(out)
+    o = head.spec.options
+    assert {k: c[k] for k in ("model_type", "block_size", "conv", "has_own_lm_head", "target_layer_ids",
+                              "mask_token_id", "num_hidden_layers", "rms_norm_eps")} == {
+        "model_type": "qwen3", "block_size": 4, "conv": (0, 0), "has_own_lm_head": False,
+        "target_layer_ids": [0, 1, 2], "mask_token_id": 5, "num_hidden_layers": 1,
+        "rms_norm_eps": head.layer_config.rms_norm_eps}
+    assert {k: c[k] for k in engine.FIELDS} == {**{k: getattr(o, k) for k in engine.FIELDS},
+                                                "hidden_size": o.hidden_size or D}
+    ours = head.state_dict()
+    written = load_file(str(out / "model.safetensors"))
+    assert {native_name(k) for k in written} == set(ours) - {"conf_temperature", "conf_bias"}
+    for k, v in {**{f"lilicorr.{n}": t for n, t in w.items()}, **backbone}.items():
+        assert torch.equal(v, ours[native_name(k)]), k
+    feats, ids = _inputs()
+    h, _ = head.block_states(feats, ids, torch.tensor([[0, 7, 12]]))  # p = 0: no anchor row (valid false)
+    unary, cand, start, pair = head.lattice(h)
+    k = o.candidate_topk
+    logp = torch.log_softmax(unary, -1).topk(k, -1).values  # the engines' candidate features (rank order)
+    valid = (h[0, :, 4].abs().sum(-1) > 0)
+    got = engine.score(c, w, head.embed(cand[0]), logp[0], h[0, :, 1:4], h[0, :, 4], valid)
+    assert valid.tolist() == [False, True, True]
+    assert torch.allclose(got[:, 0, 0], start[0], atol=1e-5) and torch.allclose(got[:, 1:], pair[0], atol=1e-5)
+
+
+def test_modelopt_round_trip_and_sequential_spelling(tiny, tmp_path):
+    """Our modelopt export reads back bit-exact; a folder in ModelOpt's own nn.Sequential spelling reads too, and
+    the engines' strictest reader (vLLM's) refuses that spelling (so the names written matter)."""
+    from safetensors.torch import load_file, save_file
+
+    from specheads.heads.export import import_head
+    from tests.fixtures import lilicorr_engine_read as engine
+
+    head, out = _export(tiny, tmp_path)
+    back = import_head(out, tiny)
+    assert back.kind == "lilicorr" and back.spec.options == head.spec.options
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in head.state_dict().items())
+    sd = load_file(str(out / "model.safetensors"))
+    seq = {k.replace("feature_norm.", "feature_mlp.0.").replace("up_proj.", "1." if "feature" in k else "0.")
+           .replace("down_proj.", "3." if "feature" in k else "2.") if k.startswith("lilicorr.") else k: v
+           for k, v in sd.items()}
+    save_file(seq, str(out / "model.safetensors"))
+    assert all(torch.equal(v, import_head(out, tiny).state_dict()[k]) for k, v in head.state_dict().items())
+    with pytest.raises(ValueError, match="coverage"):
+        engine.load(out)
+
+
+def test_modelopt_refusals_name_the_consumer(tiny, tmp_path):
+    """candidate_topk 12: vLLM and SGLang take powers of two up to 16 (one line naming both); TensorRT-LLM alone
+    exports; speculators / specforge name modelopt; another kind cannot be written as modelopt."""
+    from specheads.heads.export import export_head
+
+    with pytest.raises(SpecheadsError, match=r"--format modelopt: .*vLLM's LiLiCorrForCausalLM \(vllm\).*"
+                                             r"SGLang's LiLiCorrDraftModel \(sglang\).*tensorrt-llm") as e:
+        _export(tiny, tmp_path, lilicorr_candidate_topk=12)
+    assert "\n" not in str(e.value) and not (tmp_path / "m").exists()
+    _, out = _export(tiny, tmp_path / "t", consumers=["tensorrt-llm"], lilicorr_candidate_topk=12)
+    assert (out / "model.safetensors").exists()
+    for fmt in ("speculators", "specforge"):
+        with pytest.raises(SpecheadsError, match=f"--format {fmt}: .*export modelopt"):
+            export_head(tmp_path / "h", fmt, tmp_path / fmt)
+    dflash = build_head(HeadSpec(kind="dspark", feature_layers=[1, 2, 3], block_size=4, markov_rank=0,
+                                 confidence_head=False, sample_from_anchor=False, num_layers=1), tiny)
+    dflash.save_pretrained(tmp_path / "d")
+    with pytest.raises(SpecheadsError, match="--format modelopt: needs a lilicorr head"):
+        export_head(tmp_path / "d", "modelopt", tmp_path / "dm")

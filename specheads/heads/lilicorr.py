@@ -305,14 +305,19 @@ def check_head_config(cfg: HeadConfig) -> None:
 
 KIND = register_kind(KindSpec(
     name="lilicorr", head=LiLiCorrHead, label="a LiLiCorr head", train_step="specheads.train.kinds.lilicorr:KIND",
-    drafter="specheads.infer.drafters.lilicorr:KIND", options=LiLiCorrOptions, check=check_lilicorr, formats=(),
+    drafter="specheads.infer.drafters.lilicorr:KIND", options=LiLiCorrOptions, check=check_lilicorr,
+    formats=("modelopt",), writers={"modelopt": "specheads.heads.export.lilicorr:write_modelopt"},
     refused={"speculators": "speculators 0.9.0 has no LiLiCorr model (its dflash / dflash2 / dspark read no "
                             "lilicorr.* tensors); vLLM, SGLang and TensorRT-LLM load LiLiCorr from ModelOpt's DFlash "
-                            "checkpoint (dflash_config.lilicorr_*), which specheads does not write yet; export native",
-             "specforge": "SpecForge 0.2.0 has no LiLiCorr draft model; export native"},
+                            "checkpoint: export modelopt (or native)",
+             "specforge": "SpecForge 0.2.0 has no LiLiCorr draft model; export modelopt (vLLM, SGLang, "
+                          "TensorRT-LLM) or native"},
     not_drafted="the pinned llama.cpp has no LiLiCorr reader (its converter and dflash architecture know DFlash, "
                 "DFlash2 and DSpark only; LiLiCorr came to llama.cpp's dflash architecture later); export native",
-    example={"mask_token_id": 5, "lilicorr": {"block_size": 4, "markov_rank": 0, "confidence_head": False,
-                                              "sample_from_anchor": False, "candidate_topk": 128, "hidden_size": 32,
+    # candidate_topk 16: the most vLLM / SGLang serve (the modelopt export round-trips for them); on the contract's
+    # tiny greedy data the lattice is supervised in one step only where the data's token is a candidate, which
+    # this mask token gives at seed 0 (mask 5 does not: its untrained candidates miss the data)
+    example={"mask_token_id": 2, "lilicorr": {"block_size": 4, "markov_rank": 0, "confidence_head": False,
+                                              "sample_from_anchor": False, "candidate_topk": 16, "hidden_size": 32,
                                               "num_layers": 2, "num_heads": 2, "factor_dim": 8}},
     **{**BLOCK_KIND, "confidence": False, "exporter": None}))
