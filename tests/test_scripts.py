@@ -186,8 +186,9 @@ def test_kinds_matched_prices_draft_cost_in_vanilla_forwards(tmp_path):
     r = json.loads((out / "kinds.json").read_text())["rows"][0]
     assert r["seconds_per_step"] == 0.5 and r["steps"] == 40
     assert r["draft_cost_forwards"] == pytest.approx((0.5 / 50) / (4.0 / 100))  # 0.25 of a vanilla token
-    assert "| eagle3 | 40 | 20.0 | 0.300 | 1.400 / 1.600 | 1.500 ± 0.040 | 0.25 | 1.60 | 1.20x |" in \
-        (out / "kinds.md").read_text()
+    assert "| eagle3 | 2,2,6 | 40 | 20.0 | 0.300 | 1.400 / 1.600 | 1.500 ± 0.040 | 0.25 | 1.600 | 1.20x | - |" in \
+        (out / "kinds.md").read_text()  # an EAGLE tree: no fixed walk predicts it
+    assert r["predicted_tau"] is None and r["timing"] == "measured"
     assert json.loads((out / "bench.json").read_text())["num_prompts"] == 2
 
 
@@ -200,3 +201,39 @@ def test_kinds_matched_serves_each_block_kind_as_chain_and_tree():
                                        ("dflash2", "dflash2", "7")]
     assert km.served(kinds, True)[3:] == [("dspark-tree", "dspark", "tree:auto"),
                                           ("dflash2-tree", "dflash2", "tree:auto")]
+    assert km.served(kinds, True, 16)[5:] == [("dspark-tree16", "dspark", "tree:16"),
+                                              ("dflash2-tree16", "dflash2", "tree:16")]
+
+
+def test_kinds_matched_prediction_rows(tmp_path):
+    """--fixed-tree: a fixed block is predicted by the dev chain walk, tree:N by the dev block-tree walk of N nodes
+    (another node budget, or a scheduled tree, is not predicted); the error is dev / served - 1, within 5% holds;
+    --seconds-per-step skips the timing run and marks the row's timing given."""
+    km = _script("kinds_matched")
+    runs = tmp_path / "runs"
+    hist = [{"step": 9, "top1_0": 0.2, "tau_chain_walk": 1.1, "tau_tree_walk": 1.2, "dev_tau_tree_walk": 1.2,
+             "dev_tau_chain_walk": 1.10, "dev_tau_blocktree_walk": 1.30, "dev_blocktree_nodes": 16}]
+    (runs / "dspark").mkdir(parents=True)
+    (runs / "dspark" / "train_summary.json").write_text(json.dumps(
+        {"kind": "dspark", "steps": 9, "epochs": 1, "best_step": 9, "train_seconds": 9.0, "history": hist}))
+    assert km.predicted(runs / "dspark", "7") == ("dev_tau_chain_walk", 1.10)
+    assert km.predicted(runs / "dspark", "tree:16") == ("dev_tau_blocktree_walk", 1.30)
+    assert km.predicted(runs / "dspark", "tree:32") == (None, None)
+    assert km.predicted(runs / "dspark", "tree:auto") == (None, None)
+    (runs / "bench").mkdir()
+    over = lambda tau: {"tau": tau, "speedup": 1.0, "identical": 1.0, "time_s": 1.0,  # noqa: E731
+                        "new_tokens": 10, "target_forwards": 8}
+    (runs / "bench" / "results.json").write_text(json.dumps({"num_prompts": 1, "settings": {}, "methods": {
+        "vanilla": {"overall": over(1.0)}, "head:dspark": {"overall": over(1.0)},
+        "head:dspark-tree": {"overall": over(1.4)}, "head:dspark-tree16": {"overall": over(1.25)}}}))
+    out = tmp_path / "out"
+    assert km.main(["--runs", str(runs), "--kinds", "dspark", "--out", str(out), "--block-trees",
+                    "--fixed-tree", "16", "--seconds-per-step", "dspark=1.5"]) == 0
+    rows = {r["label"]: r for r in json.loads((out / "kinds.json").read_text())["rows"]}
+    assert rows["dspark"]["prediction_error"] == pytest.approx(0.10) and rows["dspark"]["prediction_holds"] is False
+    assert rows["dspark-tree16"]["prediction_error"] == pytest.approx(0.04) and rows["dspark-tree16"]["prediction_holds"]
+    assert rows["dspark-tree"]["predicted_tau"] is None
+    assert rows["dspark"]["timing"] == "given" and rows["dspark"]["seconds_per_step"] == 1.5
+    assert not (runs / "_timing").exists()
+    md = (out / "kinds.md").read_text()
+    assert "1.100 (+10.0%, over 5%)" in md and "1.300 (+4.0%)" in md
