@@ -202,3 +202,25 @@ def test_modelopt_refusals_name_the_consumer(tiny, tmp_path):
     dflash.save_pretrained(tmp_path / "d")
     with pytest.raises(SpecheadsError, match="--format modelopt: needs a lilicorr head"):
         export_head(tmp_path / "d", "modelopt", tmp_path / "dm")
+
+
+def test_end_to_end_sampling_is_lossless():
+    """generate() with a LiLiCorr head on an 8-token vocabulary, served as the best-first tree of 6 nodes over its
+    block of 2 drafts (the chain is the tree's first path): each draft is drawn from the lattice's scores on its top-4 candidates (q is 0 off them), the next
+    draft's row leaves the drawn token; the first two new tokens follow the target's exact distribution."""
+    from specheads.infer.drafters import build_drafter
+    from specheads.infer.verify import SamplingParams
+    from specheads.target import tiny_target
+    from helpers import perturb, sampled_pairs, two_token_probs
+    from tests.test_sampling_stats import V as SV, assert_same
+
+    target = tiny_target(vocab_size=SV, hidden_size=32, num_layers=2, seed=0)
+    torch.manual_seed(1)
+    spec = HeadSpec(**{**BASE, "feature_layers": [1, 2], "block_size": 3})
+    head = perturb(build_head(spec, target).eval(), 0.5, seed=None, trainable_only=True)
+    prompt, n = [1, 5, 3], 600
+    expected = two_token_probs(target, prompt, SamplingParams(temperature=1.0, top_k=4))
+    counts, drafted = sampled_pairs(target, build_drafter(target, head, "tree:6"), prompt, n,
+                                     top_k=4)
+    assert drafted > n  # drafts were verified, not only roots
+    assert_same(counts, expected * n)
