@@ -210,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds-per-step", default="", metavar="LABEL=S,...",
                     help="reuse timings measured before (idle) instead of timing runs, e.g. lilicorr=2.5; the "
                          "table marks them given")
+    ap.add_argument("--train-only", action="store_true",
+                    help="stop after training (a rerun without it benches: training may share the machine, the "
+                         "bench may not)")
     ap.add_argument("--specheads", default="specheads")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -222,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     sps = {k[0]: seconds_per_step(args, *k[:3]) for k in kinds}
     for k in kinds:
         train_kind(args, *k[:3], sps[k[0]])
+    if args.train_only:
+        return 0
     res = bench(args, kinds)
     rows = table_rows(args, kinds, sps, res)
     out = Path(args.out)

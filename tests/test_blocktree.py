@@ -154,7 +154,7 @@ def test_one_step_block_tree_sampling_is_lossless():
 
 
 # the two block drafts a tree is sampled over: DSpark's (the Markov bias reads the drawn token) and P-EAGLE's
-# (independent depths); the block kinds' own lossless sampling is in their own test files (LiLiCorr has none yet)
+# (independent depths); the block kinds' own lossless sampling is in their own test files
 @pytest.mark.parametrize("kind", ["dspark", "peagle"])
 def test_end_to_end_block_tree_sampling(kind):
     """generate() with a block tree (scheduled) on an 8-token vocabulary: the first two new tokens vs the exact
