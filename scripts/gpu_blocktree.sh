@@ -17,6 +17,17 @@
 set -euo pipefail
 stage=${1:?usage: gpu_blocktree.sh pack HEAD_DIR | a | b | c}
 KEEP=/tmp/specheads-gpu  # survives between calls while the machine is warm
+# rewrite DIR/model.safetensors with its floating tensors in DTYPE, and its checksum file (heads load verified)
+RECAST='
+import hashlib, sys, torch
+from safetensors.torch import load_file, save_file
+d, dt = sys.argv[1], getattr(torch, sys.argv[2])
+w = {k: v.to(dt) if v.is_floating_point() else v for k, v in load_file(f"{d}/model.safetensors").items()}
+save_file(w, f"{d}/model.safetensors", metadata={"format": "pt"})
+h = hashlib.sha256(open(f"{d}/model.safetensors", "rb").read()).hexdigest()
+open(f"{d}/model.safetensors.sha256", "w").write(f"{h}  model.safetensors\n")
+print(d, sys.argv[2], sum(v.numel() for v in w.values()), "values")'
+
 case "$stage" in
 pack)
   head=${2:?pack needs the head folder}
@@ -31,6 +42,7 @@ pack)
   dd if="$gguf" of=.gpu/gguf.c bs=1000000 skip=98 status=none
   sha256sum "$gguf" | cut -d' ' -f1 > .gpu/gguf.sha256
   cp "$q" .gpu/question.jsonl && cp -r "$head"/. .gpu/head/
+  $py - .gpu/head bfloat16 <<<"$RECAST"   # the head travels in bf16 (half the bytes); stage c casts it back
   du -sh .whl .gpu/* ;;
 a)
   mkdir -p $KEEP/site
@@ -47,6 +59,7 @@ c)
   test "$(sha256sum $KEEP/SmolLM2-135M-Instruct.Q4_1.gguf | cut -d' ' -f1)" = "$(cat .gpu/gguf.sha256)" || {
     echo "the joined GGUF differs from the packed one"; exit 4; }
   rm -rf $KEEP/head && cp -r .gpu/head $KEEP/head && cp .gpu/question.jsonl $KEEP/
+  ${PYTHON:-python3} - $KEEP/head float32 <<<"$RECAST"   # the head as trained: fp32 (its values rounded to bf16)
   rm -rf $KEEP/head-tree && cp -r $KEEP/head $KEEP/head-tree   # bench keys trees by head folder: a second folder
   out=${OUT:-/tmp/out}/blocktree-h200
   # methods rotated per prompt; scheduled chain (auto) vs scheduled tree (tree:auto) over the same block
