@@ -173,8 +173,9 @@ def _f(v, nd=3) -> str:
 
 def markdown(args, rows: list[dict], res: dict) -> str:
     s = res.get("settings", {})
-    lines = [f"Budget {args.budget_s:.0f} s of training per kind (timing runs of {args.timing_steps} steps set each "
-             f"kind's steps); bench: {res.get('num_prompts')} MT-bench first turns, {s.get('max_new_tokens')} new "
+    timing = (f"timing runs of {args.timing_steps} steps set each kind's steps" if not args.given_sps else
+              f"steps from timings measured before and given: {args.seconds_per_step}; train s is this run's wall time")
+    lines = [f"Budget {args.budget_s:.0f} s of training per kind ({timing}); bench: {res.get('num_prompts')} MT-bench first turns, {s.get('max_new_tokens')} new "
              f"tokens, bf16, greedy, one run ({res.get('date')}).", "",
              "| kind | served as | steps | train s | held-out top-1 | held-out τ chain / tree | dev τ tree walk | "
              "draft cost (target forwards) | served τ | speedup | dev walk for this shape (error) |",
