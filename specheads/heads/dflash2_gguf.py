@@ -42,7 +42,7 @@ from pathlib import Path
 
 from specheads.heads.base import HeadConfig
 from specheads.heads.export import check_block_exportable
-from specheads.heads.export.dspark import _block_layer_dict
+from specheads.heads.export.dspark import block_layer_dict
 from specheads.heads.gguf import DraftKind, _expect, _rope_theta, dflash_backbone_problems
 from specheads.utils import SpecheadsError
 
@@ -74,7 +74,7 @@ def converter_config(cfg: HeadConfig, config: dict) -> dict:
     """z-lab's flat DFlash2DraftModel config.json: the Qwen3 layer keys at the top level and dflash_config with
     every key DFlashModel reads (the exported speculators config is replaced, not extended)."""
     spec = cfg.head_spec
-    flat = _block_layer_dict(cfg)
+    flat = block_layer_dict(cfg)
     flat.pop("is_causal", None)  # causal comes from dflash_config (conversion/qwen.py:749-753)
     flat.update(architectures=["DFlash2DraftModel"], block_size=spec.options.block_size,
                 dflash_config={"block_size": spec.options.block_size, "mask_token_id": spec.mask_token_id,

@@ -23,7 +23,7 @@ import torch
 from specheads.heads.base import CONFIG_NAME, WEIGHTS_NAME, HeadConfig, HeadSpec, head_class, write_safetensors
 from specheads.heads.dflash2 import DFlash2Options
 from specheads.heads.export.common import HUB_IDS, check_dims, check_keys, need, speculators_section
-from specheads.heads.export.dspark import _block_layer_dict, check_block_exportable
+from specheads.heads.export.dspark import block_layer_dict, check_block_exportable
 from specheads.heads.export.formats import register_variant
 from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json
 
@@ -39,7 +39,7 @@ def speculators_config(cfg: HeadConfig, verifier: str | None) -> dict:
     spec = cfg.head_spec
     return {
         "architectures": ["DFlash2DraftModel"], "speculators_model_type": "dflash2",
-        "transformer_layer_config": _block_layer_dict(cfg), "draft_vocab_size": cfg.vocab_size,
+        "transformer_layer_config": block_layer_dict(cfg), "draft_vocab_size": cfg.vocab_size,
         "block_size": spec.options.block_size, "target_hidden_size": None,
         "aux_hidden_state_layer_ids": list(cfg.feature_layers), "mask_token_id": spec.mask_token_id,
         "sliding_window_non_causal": True, "sample_from_anchor": spec.options.sample_from_anchor,

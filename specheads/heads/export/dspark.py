@@ -43,13 +43,25 @@ def _block_type(spec: HeadSpec) -> str:
     return "dflash" if spec.options.markov_rank == 0 and not spec.options.confidence_head else "dspark"
 
 
-def _block_layer_dict(cfg: HeadConfig) -> dict:
+def block_layer_dict(cfg: HeadConfig) -> dict:
     d = block_layer_config(cfg.target_config, cfg.head_spec.num_layers, cfg.vocab_size).to_dict()
     for k in ("transformers_version", "_name_or_path", "output_hidden_states",
               "return_dict", "id2label", "label2id", "architectures"):
         d.pop(k, None)
     return d
 
+
+
+def dflash_config(cfg: HeadConfig, architecture: str) -> dict:
+    """The DFlash draft config every DFlash-family loader reads (SpecForge, SGLang, vLLM, ModelOpt's export): the
+    layer dict, `architectures`, block_size, num_target_layers and dflash_config {target_layer_ids in z-lab's
+    convention (hidden_states[id + 1]: ours - 1), mask_token_id}; formats add their own keys."""
+    config = block_layer_dict(cfg)
+    config.update(architectures=[architecture], block_size=cfg.head_spec.options.block_size,
+                  num_target_layers=int(cfg.target_config["num_hidden_layers"]),
+                  dflash_config={"target_layer_ids": [i - 1 for i in cfg.feature_layers],
+                                 "mask_token_id": cfg.head_spec.mask_token_id})
+    return config
 
 def _block_head_fields(spec: HeadSpec) -> dict:
     return {"markov_rank": spec.options.markov_rank, "markov_head_type": spec.options.markov_head_type,
@@ -64,7 +76,7 @@ def _speculators_block_config(cfg: HeadConfig, verifier: str | None) -> dict:
     spec, kind = cfg.head_spec, _block_type(cfg.head_spec)
     config = {
         "architectures": ["DSparkSpeculator" if kind == "dspark" else "DFlashSpeculator"],
-        "speculators_model_type": kind, "transformer_layer_config": _block_layer_dict(cfg),
+        "speculators_model_type": kind, "transformer_layer_config": block_layer_dict(cfg),
         "draft_vocab_size": cfg.out_vocab, "block_size": spec.options.block_size, "target_hidden_size": None,
         "aux_hidden_state_layer_ids": list(cfg.feature_layers), "mask_token_id": spec.mask_token_id,
         "sliding_window_non_causal": False, "sample_from_anchor": spec.options.sample_from_anchor,
@@ -95,14 +107,11 @@ def _specforge_block_config(cfg: HeadConfig, where: str,
     kind = _block_type(spec)
     if own_fields is None:  # a kind with fields of its own says its alignment itself (Domino: shift_label true)
         _check_specforge_slots(spec, kind, where)
-    config = _block_layer_dict(cfg)
-    ids = [i - 1 for i in cfg.feature_layers]
-    config.update(architectures=["DSparkDraftModel" if kind == "dspark" else "DFlashDraftModel"],
-                  block_size=spec.options.block_size, num_target_layers=int(cfg.target_config["num_hidden_layers"]),
-                  dflash_config={"target_layer_ids": ids, "mask_token_id": spec.mask_token_id},
-                  # top-level copies: DeepSpec's Qwen3DSparkModel config keys, and llama.cpp's DSparkModel reads
-                  # sample_from_anchor here (its default without it is true)
-                  target_layer_ids=ids, mask_token_id=spec.mask_token_id,
+    config = dflash_config(cfg, "DSparkDraftModel" if kind == "dspark" else "DFlashDraftModel")
+    ids = config["dflash_config"]["target_layer_ids"]
+    # top-level copies: DeepSpec's Qwen3DSparkModel config keys, and llama.cpp's DSparkModel reads
+    # sample_from_anchor here (its default without it is true)
+    config.update(target_layer_ids=ids, mask_token_id=spec.mask_token_id,
                   sample_from_anchor=spec.options.sample_from_anchor)
     if kind == "dspark":
         heads, gqa = _block_head_fields(spec), config["num_key_value_heads"] < config["num_attention_heads"]

@@ -43,7 +43,7 @@ import re
 
 from specheads.heads.base import HeadConfig, HeadSpec
 from specheads.heads.export.common import check_dims, need
-from specheads.heads.export.dspark import _block_layer_dict, block_tensors
+from specheads.heads.export.dspark import block_tensors, dflash_config
 from specheads.heads.export.formats import Format, register_format
 from specheads.heads.lilicorr import LiLiCorrOptions
 from specheads.utils import SpecheadsError
@@ -89,15 +89,11 @@ def native_name(name: str) -> str:
 
 def modelopt_config(cfg: HeadConfig) -> dict:
     """config.json: ModelOpt's DFlash export of a LiLiCorr drafter (module docstring)."""
-    spec, o = cfg.head_spec, cfg.head_spec.options
-    ids = [i - 1 for i in cfg.feature_layers]  # z-lab's convention: hidden_states[id + 1]
-    config = _block_layer_dict(cfg)
+    o = cfg.head_spec.options
     lattice = {f"lilicorr_{k}": getattr(o, k) for k in GEOMETRY}
     lattice["lilicorr_hidden_size"] = o.hidden_size or cfg.hidden_size
-    config.update(architectures=[ARCHITECTURE], block_size=o.block_size,
-                  num_target_layers=int(cfg.target_config["num_hidden_layers"]),
-                  dflash_config={"mask_token_id": spec.mask_token_id, "target_layer_ids": ids,
-                                 "projector_type": PROJECTOR, "lilicorr_enabled": True, **lattice})
+    config = dflash_config(cfg, ARCHITECTURE)
+    config["dflash_config"].update(projector_type=PROJECTOR, lilicorr_enabled=True, **lattice)
     return config
 
 
