@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import io
 import json
 import logging
@@ -477,6 +478,9 @@ HELPERS = SimpleNamespace(TRAIN=TRAIN, PREPARE=PREPARE, GENERATE=GENERATE, EXPOR
                           nothing_written=_nothing_written, conversations=_conversations)
 CASES += reliability_cases.cases(HELPERS)
 CASES += reliability_table3.cases(HELPERS)  # issue 38's classes (a third table, the same helpers)
+# issue 49's classes (round four), one module per class, each `cases(h)` over the same helpers
+for _name in ("kernels", "profiles", "limits", "fingerprint", "signals", "kinds"):
+    CASES += importlib.import_module(f"reliability_r4_{_name}").cases(HELPERS)
 
 
 # ------------------------------------------------------------------------------------------------- running

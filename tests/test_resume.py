@@ -195,6 +195,8 @@ def test_a_signal_mid_run_saves_that_step_releases_and_resumes_bit_for_bit(tiny,
     head_a = make_head(a, tiny)
     Trainer(a, tiny, head_a, data, None).train()
     b = make_recipe(tmp_path / "b", *over)
+    # the handlers the process had before (a background job starts with SIGINT ignored: `nohup make test &`)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     with pytest.raises(Interrupted) as e:  # accelerate's loader builds batch 6 ahead, while step 5 runs
         Trainer(b, tiny, make_head(b, tiny), data, None, collate_fn=_SignalAt(signum, 6)).train()
     ck = tmp_path / "b" / "checkpoints" / "step-000005"
@@ -202,7 +204,7 @@ def test_a_signal_mid_run_saves_that_step_releases_and_resumes_bit_for_bit(tiny,
         f"stopped after step 5; checkpoint {ck} saved: continue with `specheads train --config "
         f"{tmp_path / 'b' / 'train_config.yaml'} --resume`")
     assert [p.name for p in list_checkpoints(tmp_path / "b")] == ["step-000004", "step-000005"]
-    assert signal.getsignal(signal.SIGTERM) is not None and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert {s: signal.getsignal(s) for s in before} == before  # restored as they were
     head_b = make_head(b, tiny)
     assert Trainer(b, tiny, head_b, data, None).train(resume=True).steps == 8
     sa, sb = state(head_a), state(head_b)

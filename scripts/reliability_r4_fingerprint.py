@@ -1,0 +1,10 @@
+"""Reliability sweep, round four (issue 49): a head on a target it was not trained for (other weights, other quantization).
+
+`cases(h)` returns rows in scripts/reliability_sweep.py's case format (area, name, argv, rc, expect, risk from
+reliability_doc.RISKS, optional setup / check / run / during); `h` is the sweep's HELPERS namespace.
+"""
+from __future__ import annotations
+
+
+def cases(h) -> list[dict]:
+    return []
