@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from specheads.train.data import is_val
-from specheads.train.shards import check_shard, read_manifest, sidecars_usable
+from specheads.train.shards import check_shard, read_hidden, read_manifest, sidecars_usable
 from specheads.utils import SpecheadsError
 
 log = logging.getLogger("specheads.train.features")  # the features folder's lines under one name
@@ -87,7 +87,7 @@ class FeatureDataset(torch.utils.data.Dataset):
         h = self._handle(si)
         a, b = self._offsets[si][j], self._offsets[si][j + 1]
         out = {"input_ids": h.get_slice("input_ids")[a:b].long(), "loss_mask": h.get_slice("loss_mask")[a:b].long(),
-               "hidden": h.get_slice("hidden")[a:b], "conversation_id": cid}
+               "hidden": read_hidden(h, a, b), "conversation_id": cid}
         if self.has_targets:
             t = self._targets[si]
             out["target_greedy"], out["target_lse"] = t.get_slice("greedy")[a:b].long(), t.get_slice("lse")[a:b]

@@ -29,7 +29,8 @@ from typing import Sequence
 
 import torch
 
-from specheads.train.shards import FORMAT, MANIFEST, check_features_folder, commit_file, raise_write_error, shard_name
+from specheads.train.shards import (FORMAT, HIDDEN_DTYPES, MANIFEST, check_features_folder, commit_file, encode_hidden,
+                                    hidden_bytes, raise_write_error, shard_name)
 from specheads.utils import SpecheadsError, atomic_write_json, check_values, sha256_file
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ class FeatureConfig:
     batch_tokens: int = 8192  # tokens per target forward during extraction (padded B*T)
     dir: str | None = None  # offline features folder; None = <output_dir>/features. Another recipe's folder shares
     # one extraction between heads: every folder stores layer L, all Medusa / EAGLE-1 read (EAGLE-3's also has 3 more)
+    dtype: str = "bfloat16"  # how shards store hidden states: bfloat16, or float8_e4m3fn (alias fp8): half the disk,
+    # one fp32 scale per token row and layer (speculators' layout; lossy: 3 mantissa bits), read back as bf16
     verify: bool = True  # training checks each shard's sha256 against the manifest when it first opens it (one
     # extra read of each shard per process; sha256 runs at about 0.5 GB/s per core); false = size only
 
@@ -53,6 +56,9 @@ class FeatureConfig:
         if self.mode not in ("offline", "online"):
             raise SpecheadsError(f"features.mode: {self.mode!r} is not one of ['offline', 'online']")
         check_values("features", self, {"shard_tokens": ">=1", "batch_tokens": ">=1"})
+        self.dtype = {"fp8": "float8_e4m3fn", "bf16": "bfloat16"}.get(self.dtype, self.dtype)
+        if self.dtype not in HIDDEN_DTYPES:
+            raise SpecheadsError(f"features.dtype: {self.dtype!r} is not one of {list(HIDDEN_DTYPES)} (or fp8, bf16)")
         for i in self.layers or []:
             if not isinstance(i, int) or i < 0:
                 raise SpecheadsError(f"features.layers: {i!r} is not a layer id (0 = embeddings, L = final state)")
@@ -113,8 +119,9 @@ def _pad(seqs: Sequence[Sequence[int]] | Sequence[torch.Tensor], value: int = 0)
 
 # ------------------------------------------------------------------------------------------------------ offline write
 
-def bytes_per_token(num_layers_stored: int, hidden_size: int) -> int:
-    return num_layers_stored * hidden_size * 2 + 4 + 1  # bf16 hidden + int32 id + uint8 mask
+def bytes_per_token(num_layers_stored: int, hidden_size: int, dtype: str = "bfloat16") -> int:
+    scale = 0 if dtype == "bfloat16" else 4 * num_layers_stored  # fp8: one fp32 scale per token row and layer
+    return int(num_layers_stored * hidden_size * hidden_bytes(dtype)) + scale + 4 + 1  # hidden + int32 id + uint8 mask
 
 
 def _plan(lengths: Sequence[int], shard_tokens: int) -> list[list[int]]:
@@ -167,9 +174,11 @@ def plan_features(target, tokens, layers: Sequence[int], cfg: FeatureConfig) -> 
     lengths = [len(x) for x in input_ids]
     if not lengths:
         raise SpecheadsError("features: no samples to extract (all conversations were dropped)")
-    key_src = json.dumps({"data": _data_hash(input_ids, loss_mask), "layers": layers,
-                          "fingerprint": target.fingerprint(), "shard_tokens": cfg.shard_tokens, "format": FORMAT},
-                         sort_keys=True)
+    key = {"data": _data_hash(input_ids, loss_mask), "layers": layers, "fingerprint": target.fingerprint(),
+           "shard_tokens": cfg.shard_tokens, "format": FORMAT}
+    if cfg.dtype != "bfloat16":  # bf16 folders keep the plan keys they were written under
+        key["dtype"] = cfg.dtype
+    key_src = json.dumps(key, sort_keys=True)
     return FeaturePlan(input_ids, loss_mask, conv_ids, lengths, _plan(lengths, cfg.shard_tokens), layers,
                        hashlib.sha256(key_src.encode()).hexdigest()[:32])
 
@@ -192,7 +201,7 @@ def write_features(target, tokens, folder: str | os.PathLike, layers: Sequence[i
     if manifest is None:
         manifest = {"format": FORMAT, "plan_key": plan.plan_key, "target": target.name,
                     "fingerprint": target.fingerprint(), "layers": plan.layers, "hidden_size": target.hidden_size,
-                    "dtype": "bfloat16", "val_fraction": val_fraction, "num_samples": len(plan.lengths),
+                    "dtype": cfg.dtype, "val_fraction": val_fraction, "num_samples": len(plan.lengths),
                     "num_tokens": sum(plan.lengths), "num_masked_tokens": int(sum(sum(m) for m in plan.loss_mask)),
                     "planned_shards": len(plan.shards), "complete": False, "shards": []}
     done: dict[int, dict] = {}
@@ -205,11 +214,11 @@ def write_features(target, tokens, folder: str | os.PathLike, layers: Sequence[i
     manifest["shards"] = [done[k] for k in sorted(done)]
     todo = [k for k in range(len(plan.shards)) if k not in done]
     todo_tokens = sum(plan.lengths[i] for k in todo for i in plan.shards[k])
-    _check_disk(folder, todo_tokens, bytes_per_token(len(plan.layers), target.hidden_size), len(todo),
+    _check_disk(folder, todo_tokens, bytes_per_token(len(plan.layers), target.hidden_size, cfg.dtype), len(todo),
                 len(plan.layers), target.hidden_size)
     log.info("features: %d samples, %d tokens, layers %s -> %d shards (%d done, %d to write, ~%.1f MiB)",
              len(plan.lengths), sum(plan.lengths), plan.layers, len(plan.shards), len(done), len(todo),
-             todo_tokens * bytes_per_token(len(plan.layers), target.hidden_size) / 2**20)
+             todo_tokens * bytes_per_token(len(plan.layers), target.hidden_size, cfg.dtype) / 2**20)
     mpath = folder / MANIFEST
     atomic_write_json(mpath, manifest)
     bar = tqdm(total=todo_tokens, unit="tok", desc="features", disable=not progress)
@@ -238,7 +247,7 @@ def _check_disk(folder: Path, tokens: int, bpt: int, shards: int, layers: int, h
     free = shutil.disk_usage(folder).free
     if shards and free < need:
         raise SpecheadsError(f"{folder}: not enough free disk for features: need about {need / 2**30:.2f} GiB "
-                             f"({shards} shards, {layers} layers x hidden {hidden} bf16), {free / 2**30:.2f} GiB "
+                             f"({shards} shards, {layers} layers x hidden {hidden}), {free / 2**30:.2f} GiB "
                              f"free; use features.mode=online, fewer conversations or a smaller data.max_length")
 
 
@@ -262,7 +271,7 @@ def _write_shard(target, plan: FeaturePlan, k: int, folder: Path, cfg: FeatureCo
     tensors = {"input_ids": torch.tensor([t for i in idx for t in plan.input_ids[i]], dtype=torch.int32),
                "loss_mask": torch.tensor([t for i in idx for t in plan.loss_mask[i]], dtype=torch.uint8),
                "offsets": torch.tensor(offsets, dtype=torch.int64),
-               "hidden": torch.cat([hidden[i] for i in idx], 0).contiguous()}  # [Ts,F,D]
+               **encode_hidden(torch.cat([hidden[i] for i in idx], 0), cfg.dtype)}  # hidden [Ts,F,D]
     name = shard_name(k)
     meta = {"format": FORMAT, "layers": json.dumps(plan.layers)}
     digest, size = commit_file(lambda tmp: st_save_file(tensors, tmp, metadata=meta), folder / name)

@@ -5,6 +5,8 @@ each listed file to the manifest (size always, sha256 when asked).
                                (+ "targets": {format, dtype} and per shard "targets": {file, bytes, sha256,
                                shard_sha256} once the sidecars exist)
     shard-00000.safetensors    input_ids [Ts] int32, loss_mask [Ts] uint8, offsets [n+1] int64, hidden [Ts,F,D] bf16
+                               (features.dtype float8_e4m3fn: hidden [Ts,F,D] e4m3 + hidden_scale [Ts,F] float32,
+                               one scale per token row and layer, as speculators stores them; `read_hidden`)
     targets-00000.safetensors  the target sidecar: greedy [Ts] int32, lse [Ts] float32
 
 Every file is written through `commit_file` (temporary name, sha256 read back, fsync, rename) and only then listed
@@ -17,11 +19,15 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+import torch
+
 from specheads.utils import SpecheadsError, as_write_error, read_text_bounded, remove_quietly, sha256_file
 
 FORMAT = "specheads-features/1"  # sidecars are optional keys: older readers ignore them, so the version stays
 TARGETS_FORMAT = "specheads-targets/1"
 MANIFEST = "manifest.json"
+HIDDEN_DTYPES = ("bfloat16", "float8_e4m3fn")  # how a shard stores hidden states (the manifest's "dtype")
+FP8_MAX = 448.0  # largest finite e4m3 value: each row is scaled so that its largest |x| lands there
 
 
 def shard_name(k: int) -> str:
@@ -59,7 +65,7 @@ def check_features_folder(folder: str | os.PathLike, plan_key: str | None = None
         raise SpecheadsError(f"{folder}: holds features of target {manifest.get('target')!r}, not of {target.name!r} "
                              f"(fingerprints differ); remove it or choose another output_dir")
     if plan_key is not None and manifest.get("plan_key") != plan_key:
-        raise SpecheadsError(f"{folder}: holds features of other data, target or layers (plan_key "
+        raise SpecheadsError(f"{folder}: holds features of other data, target, layers or features.dtype (plan_key "
                              f"{manifest.get('plan_key')} != {plan_key}); remove it or choose another output_dir")
     return manifest
 
@@ -83,6 +89,30 @@ def check_shared_features(folder: str | os.PathLike, target, layers: Sequence[in
         raise SpecheadsError(f"features.dir {folder}: extracted from target {m.get('target')!r}, not from "
                              f"{target.name!r} (fingerprints differ)")
     return m
+
+
+def encode_hidden(h: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """h [Ts,F,D] -> the shard's tensors: {"hidden": bf16} or, for float8_e4m3fn, {"hidden": e4m3 [Ts,F,D],
+    "hidden_scale": float32 [Ts,F]} with hidden ~= e4m3 * scale (per token row and layer; lossy: 3 mantissa bits)."""
+    if dtype == "bfloat16":
+        return {"hidden": h.to(torch.bfloat16).contiguous()}
+    x = h.float()
+    scale = (x.abs().amax(dim=-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # [Ts,F]
+    return {"hidden": (x / scale[..., None]).to(torch.float8_e4m3fn).contiguous(), "hidden_scale": scale.contiguous()}
+
+
+def read_hidden(handle, a: int, b: int) -> torch.Tensor:
+    """Rows a:b of a shard's hidden states [b-a,F,D] in bf16, whatever the shard stores (`encode_hidden`)."""
+    h = handle.get_slice("hidden")[a:b]
+    if h.dtype == torch.bfloat16:
+        return h
+    scale = handle.get_slice("hidden_scale")[a:b]  # [b-a,F]
+    return (h.float() * scale[..., None]).to(torch.bfloat16)
+
+
+def hidden_bytes(dtype: str) -> float:
+    """Bytes per stored hidden value (the per-row fp32 scale of fp8 shards is counted per layer row by callers)."""
+    return 2.0 if dtype == "bfloat16" else 1.0
 
 
 def commit_file(write, final: Path) -> tuple[str, int]:

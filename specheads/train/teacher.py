@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from specheads.train.shards import (MANIFEST, TARGETS_FORMAT, check_shard, commit_file, raise_write_error,
+from specheads.train.shards import (MANIFEST, TARGETS_FORMAT, check_shard, commit_file, read_hidden, raise_write_error,
                                     read_manifest, sidecar_ok, targets_name)
 from specheads.utils import SpecheadsError, atomic_write_json
 
@@ -186,11 +186,10 @@ def _target_sidecar(target, path: Path, layer_index: int) -> dict[str, torch.Ten
         need = needed_rows(f.get_tensor("loss_mask"), offsets)
         greedy = torch.full(need.shape, -1, dtype=torch.int32)
         lse = torch.zeros(need.shape, dtype=torch.float32)
-        hidden = f.get_slice("hidden")
         for a in range(0, need.shape[0], TARGET_ROWS_CHUNK):
             rows = need[a:a + TARGET_ROWS_CHUNK].nonzero().flatten()
             if rows.numel():
-                h = hidden[a:a + TARGET_ROWS_CHUNK][:, layer_index][rows]  # [R,D] bf16, as training reads it
+                h = read_hidden(f, a, a + TARGET_ROWS_CHUNK)[:, layer_index][rows]  # [R,D] bf16, as training reads it
                 g, z = greedy_and_lse(lm_head_logits(target, h))
                 greedy[a + rows], lse[a + rows] = g.to("cpu", torch.int32), z.cpu()
     return {"greedy": greedy, "lse": lse}
