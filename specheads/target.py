@@ -42,6 +42,8 @@ class Target:
     name: str  # what the user asked for (alias, path or hub id); recorded in head configs
     engine: str = "auto"  # the decoding forward (infer/engine/runner.py): auto | owned | hf
     compile: str = "auto"  # compiled steps of the owned forward (C++ kernels on a CPU, CUDA graphs): auto | on | off
+    gguf: str | None = None  # the .gguf file it was converted from (recorded with its quantization by heads)
+    allow_other_target: bool = False  # --allow-other-target: heads trained on other weights load, with a warning
 
     @property
     def config(self):
@@ -114,6 +116,13 @@ class Target:
     def fingerprint(self) -> dict:
         """Shapes plus a hash of a few rows of the embedding and lm_head: heads record it and check it on load."""
         return target_fingerprint(self.embed_tokens.weight, self.lm_head.weight)
+
+    def record(self) -> dict:
+        """The whole target's record heads keep (family, every tensor's sampled hash, the GGUF source):
+        specheads/target_record.py."""
+        from specheads.target_record import target_record
+
+        return target_record(self)
 
 
 def target_fingerprint(embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, rows: int = 8) -> dict:
@@ -249,6 +258,7 @@ def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype = "
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_target_path(name_or_path)
+    gguf = _gguf_source(name_or_path)
     torch_dtype = resolve_dtype(dtype)
     kwargs: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
     if attn_implementation:
@@ -275,7 +285,15 @@ def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype = "
     model.requires_grad_(False)
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         tok.pad_token = tok.eos_token
-    return Target(model=model, tokenizer=tok, name=name_or_path)
+    return Target(model=model, tokenizer=tok, name=name_or_path, gguf=gguf)
+
+
+def _gguf_source(name_or_path: str) -> str | None:
+    """The .gguf file an alias or path names (None for a folder or hub id)."""
+    from specheads.assets import TARGET_ALIASES
+
+    p = Path(str(TARGET_ALIASES[name_or_path]())) if name_or_path in TARGET_ALIASES else Path(name_or_path)
+    return str(p) if p.suffix == ".gguf" and p.is_file() else None
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -113,7 +113,8 @@ def test_an_out_that_is_a_symlink_is_written_through(tiny, tmp_path, earlier):
     rc, err = _export("--head", tmp_path / "h", "--format", "eagle3", "--out", link)
     assert rc == 0, err
     assert link.is_symlink() and os.path.realpath(link) == str(real)
-    assert sorted(p.name for p in real.iterdir()) == ["config.json", "export_info.json", "model.safetensors"]
+    assert sorted(p.name for p in real.iterdir()) == ["config.json", "export_info.json", "model.safetensors",
+                                                      "specheads_target.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "h", "out"]
     assert [p.name for p in real.parent.iterdir()] == ["exports"]
 

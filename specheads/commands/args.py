@@ -81,6 +81,21 @@ def add_plugin(p: argparse.ArgumentParser) -> None:
                         "(generate --drafter NAME, bench method drafter:NAME); drafters/plugins.py")
 
 
+def add_allow_other_target(p: argparse.ArgumentParser) -> None:
+    """--allow-other-target: generate, bench, eval and export use a head on a target of its family whose weights,
+    quantization or tokenizer differ from those it was trained on (heads/base.py check_target), with one warning."""
+    p.add_argument("--allow-other-target", action="store_true",
+                   help="use a head on a target of the same family (shapes, vocabulary) whose weights, GGUF "
+                        "quantization or tokenizer differ from the ones it was trained on (refused by default: "
+                        "acceptance may collapse); one warning names what differs. Another family is always refused")
+
+
+def allow_other_target(target, args: argparse.Namespace):
+    """The loaded target, told whether --allow-other-target was given -> the target."""
+    target.allow_other_target = bool(getattr(args, "allow_other_target", False))
+    return target
+
+
 def add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu | cuda (default: where the target loads)")
 

@@ -46,7 +46,8 @@ def run(args: argparse.Namespace, options) -> int:
     prompts = load_prompts(args.dataset, args.limit)
     check_sizes_fit(sizes, len(prompts), args.dataset)
     dtype = shared.dtype_name(args.dtype)
-    target = specheads.target.load_target(args.target, dtype=dtype, device=args.device)
+    target = shared.allow_other_target(specheads.target.load_target(args.target, dtype=dtype, device=args.device),
+                                       args)
     encoded = [(p.id, encode_turn(target.tokenizer, p, 0, [])) for p in prompts]
     methods, extra = build_batch_methods(names, target, options, calib_ids=calibration_ids(target.tokenizer, prompts))
     settings = BatchBenchSettings(target=args.target, dataset=args.dataset, dtype=dtype, batch_sizes=sizes,

@@ -81,6 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads and llama-server's -t / -tb (default: torch's choice; llama.cpp: the cores "
                         "this process may run on; 1 is steadier on a machine shared with other jobs)")
     shared.add_device(p)
+    shared.add_allow_other_target(p)
     shared.add_plugin(p)
     p.add_argument("--batch-sizes", default=None, metavar="B,B,...",  # the batched sweep: commands/batchbench.py
                    help="batched sweep, e.g. 1,2,4,8,16: vanilla (HF generate, left-padded), plain, prompt-lookup and "
@@ -141,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = shared.dtype_name(args.dtype)
     target = specheads.target.load_target(args.target, dtype=dtype, device=args.device)
     target.engine, target.compile = args.engine, args.compile
+    shared.allow_other_target(target, args)
     first_turn_ids(target, prompts, args.dataset)  # a prompt longer than the context window: refused before any run
     methods, extra = build_methods(names, target, options, calib_ids=calibration_ids(target.tokenizer, prompts))
     settings = BenchSettings(target=args.target, dataset=args.dataset, dtype=dtype, temperature=args.temperature,

@@ -21,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     shared.add_dtype(p, default=None, why="default bfloat16, as the recipes extract features; heldout:RUN: the run's")
     shared.add_eval_tree(p)
     shared.add_device(p)
+    shared.add_allow_other_target(p)
     p.add_argument("--block-tree-nodes", type=int, default=16,
                    help="block heads: draft nodes of the best-first tree over the block scored beside the chain "
                         "(tau_blocktree, tau_blocktree_walk: what `--tree tree:N` serves; default 16, 0 = off)")
@@ -44,14 +45,14 @@ def run(args: argparse.Namespace) -> int:
         dtype = shared.dtype_name(args.dtype) if args.dtype else recipe.target.dtype
         target = load_target(args.target or recipe.target.name, dtype=dtype, device=args.device,
                              trust_remote_code=recipe.target.trust_remote_code)
-        head = load_head(args.head, target).eval()
+        head = load_head(args.head, shared.allow_other_target(target, args)).eval()
         figures = evaluate_head_on_heldout(target, head, recipe)
         args.max_new_tokens = None  # the stored answers, as the run wrote them
     else:
         prompts = load_prompts(args.dataset, args.limit)
         dtype = shared.dtype_name(args.dtype or "bfloat16")
         target = load_target(args.target or "smollm2-135m", dtype=dtype, device=args.device)
-        head = load_head(args.head, target).eval()
+        head = load_head(args.head, shared.allow_other_target(target, args)).eval()
         figures = evaluate_head_on_prompts(target, head, prompts, args.max_new_tokens, tree_width, tree_depth,
                                            dataset=args.dataset, block_tree_nodes=args.block_tree_nodes)
     result = {"head": args.head, "kind": head.config.kind, "dataset": args.dataset,

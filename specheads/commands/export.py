@@ -15,7 +15,9 @@ source named in its export_info.json, and holding only the files we write), unle
 contain or lie inside a folder the command reads (--head, the --import source, a --target folder), --force or not,
 nor hold a live run (a train's lock in it or below it: utils.refuse_held); a symlinked --out is written through.
 A --head whose weights differ from their recorded sha256 is refused; --import warns when the head's config names
-another target than --target (heads/export_guards.py).
+another target than --target (heads/export_guards.py). A --head exported with a target loaded (--target, the one
+a format needs, the one llama.cpp's converter reads) is checked against the target it was trained on (heads/base.py
+check_target; --allow-other-target); every export but native carries that record in specheads_target.json.
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "own base as the EAGLE repo does, 'target' rebuilds it at the target's, N at base N "
                         "(default: such a mismatch is refused)")
     shared.add_dtype(p, why="when --target is loaded; default float32")
+    shared.add_allow_other_target(p)
     p.add_argument("--verifier", default=None,
                    help="the verifier model the export names (every format; speculators also in its "
                         "speculators_config): default the head's target, our aliases as their hub id")
@@ -110,23 +113,27 @@ def _export(args: argparse.Namespace, out) -> int:
     """Write the export (or the import) into `out`, the staged folder that becomes --out."""
     from specheads.heads.base import read_head_config
     from specheads.heads.export import export_head, import_head, needs_target
-    from specheads.heads.export_guards import verify_head, warn_other_target
-    from specheads.target import load_target
+    from specheads.heads.export_guards import verify_head, warn_other_target, write_target_sidecar
 
     if args.head:
         verify_head(args.head)  # a damaged head (sha256 differs) is never copied into an export
-    if args.head and args.format == "gguf":  # the converter reads folders: no target is loaded here
+    if args.head and args.format == "gguf":  # the converter reads folders: the target is loaded for the check only
         from specheads.heads.gguf import export_gguf
 
-        export_gguf(args.head, out, target=args.target, with_target=args.target_gguf, outtype=args.gguf_type)
+        cfg = read_head_config(Path(args.head))
+        if cfg.target_record is not None:  # an older head: the converter's own embedding / lm_head check
+            _checked_target(args, args.target or cfg.target_name)
+        export_gguf(args.head, out, target=args.target, with_target=args.target_gguf, outtype=args.gguf_type,
+                    allow_other_target=args.allow_other_target)
+        write_target_sidecar(out, args.head)
         print(f"exported {args.head} as gguf -> {args.out}")
         return 0
-    target = load_target(args.target, dtype=args.dtype) if args.target else None
+    target = _checked_target(args, args.target) if args.target else None
     if args.head and target is None and needs_target(args.head, args.format):
         name = read_head_config(Path(args.head)).target_name
         log.info("loading the head's target %r: --format %s writes its tensors (give --target to name another "
                  "copy of it)", name, args.format)
-        target = load_target(name, dtype=args.dtype)
+        target = _checked_target(args, name)
     if args.import_dir:
         if target is None:
             raise SpecheadsError("--import: needs --target (the head is checked against it and bound to it)")
@@ -142,5 +149,19 @@ def _export(args: argparse.Namespace, out) -> int:
         raise SpecheadsError(f"--speculative-tokens {args.speculative_tokens}: must be >= 1")
     export_head(args.head, args.format, out, target=target, verifier_name_or_path=args.verifier,
                 speculative_tokens=args.speculative_tokens, consumers=args.consumer)
+    if args.format != "native":  # native: its config.json is the head's, target_record included
+        write_target_sidecar(out, args.head)
     print(f"exported {args.head} as {args.format} -> {args.out}")
     return 0
+
+
+def _checked_target(args: argparse.Namespace, name: str):
+    """Load the target `name` (--dtype) and, exporting a --head, check the head against it (heads/base.py
+    check_target: refused when it is not the target the head was trained on, unless --allow-other-target)."""
+    from specheads.heads.base import check_target, read_head_config
+    from specheads.target import load_target
+
+    target = shared.allow_other_target(load_target(name, dtype=args.dtype), args)
+    if args.head:
+        check_target(read_head_config(Path(args.head)), target, str(Path(args.head)))
+    return target

@@ -57,6 +57,7 @@ def add_arguments(p) -> None:
     shared.add_dtype(p)
     shared.add_engine(p)
     shared.add_device(p)
+    shared.add_allow_other_target(p)
     shared.add_plugin(p)
     p.add_argument("--json", action="store_true", help="print the result and figures as one JSON object")
 
@@ -92,6 +93,7 @@ def build(args):
         options = {"skip": args.skip_layers}
     target = specheads.target.load_target(args.target, dtype=shared.dtype_name(args.dtype), device=args.device)
     target.engine, target.compile = args.engine, args.compile
+    shared.allow_other_target(target, args)
     if not args.head:
         return target, build_drafter(target, name, spec, lookup=args.lookup, pricing=args.pricing, **options)
     # a tree head's auto: probed on a few MT-bench questions spread over its categories

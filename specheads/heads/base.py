@@ -90,6 +90,9 @@ class HeadConfig:
     spec: dict  # the HeadSpec fields
     target_config: dict  # the target's text config (to_dict()): rebuilds the decoder layer and export configs
     format_version: int = FORMAT_VERSION
+    # target.record(): family, every tensor's sampled hash, the GGUF source (specheads/target_record.py); None in
+    # folders written before it existed (those are checked by `fingerprint` alone)
+    target_record: dict | None = None
 
     @property
     def head_spec(self) -> HeadSpec:
@@ -124,7 +127,8 @@ class HeadConfig:
             d["mask_token_id"] = _mask_token(spec, target)
         return cls(kind=spec.kind, target_name=target.name, hidden_size=target.hidden_size,
                    vocab_size=target.vocab_size, feature_layers=layers, fingerprint=target.fingerprint(),
-                   draft_vocab_size=dv, spec=d, target_config=target.text_config.to_dict())
+                   draft_vocab_size=dv, spec=d, target_config=target.text_config.to_dict(),
+                   target_record=target.record())
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -137,7 +141,7 @@ class HeadConfig:
         unknown = [k for k in d if k not in names]
         if unknown:
             raise SpecheadsError(f"{where}: unknown key {unknown[0]!r} (known: {names})")
-        missing = [k for k in names if k not in d]
+        missing = [k for k in names if k not in d and k not in OPTIONAL_KEYS]
         if missing:
             raise SpecheadsError(f"{where}: missing key {missing[0]!r}")
         if d["format_version"] != FORMAT_VERSION:
@@ -150,6 +154,9 @@ class HeadConfig:
             raise SpecheadsError(f"{where}: unknown key 'spec.{bad[0]}'")
         spec = _check_config_values({**d, "spec": HeadSpec.drop_unread(d["spec"])}, where)
         return cls(**{**d, "spec": spec.to_section()})  # an old folder's flat spec read in today's form
+
+
+OPTIONAL_KEYS = ("target_record",)  # keys a config.json may lack (written before they existed)
 
 
 def _check_config_values(d: dict, where: str) -> HeadSpec:
@@ -169,6 +176,11 @@ def _check_config_values(d: dict, where: str) -> HeadSpec:
     for key, (want, ok) in wants.items():
         if not ok(d[key]):
             raise SpecheadsError(f"{where}: key {key!r}: expected {want}, got {d[key]!r}")
+    rec = d.get("target_record")
+    if rec is not None and not (isinstance(rec, dict) and all(isinstance(rec.get(k), dict) for k in ("family",
+                                                                                                   "weights"))):
+        raise SpecheadsError(f"{where}: key 'target_record': expected null or a JSON object with 'family' and "
+                             f"'weights' objects (target.record()), got {str(rec)[:80]}")
     dv = d["draft_vocab_size"]
     if dv is not None and (not is_int(dv) or not 1 <= dv < d["vocab_size"]):
         raise SpecheadsError(f"{where}: key 'draft_vocab_size': expected null or an integer in "
@@ -374,18 +386,33 @@ def read_head_config(head_dir: Path) -> HeadConfig:
 
 
 def check_target(config: HeadConfig, target, where: str) -> None:
-    """One clear error naming both the head's recorded target and the given target when they differ; then the
-    feature layers against the target's depth."""
-    problems = []
-    if config.hidden_size != target.hidden_size:
-        problems.append(f"hidden size {config.hidden_size} vs {target.hidden_size}")
-    if config.vocab_size != target.vocab_size:
-        problems.append(f"vocab {config.vocab_size} vs {target.vocab_size}")
-    if not problems and config.fingerprint != target.fingerprint():
-        problems.append(f"fingerprint {config.fingerprint} vs {target.fingerprint()}")
-    if problems:
-        raise SpecheadsError(f"{where}: head was trained for target {config.target_name!r} but the target given is "
-                             f"{target.name!r}: " + "; ".join(problems))
+    """The head's recorded target against `target` (specheads/target_record.py): another family (hidden size,
+    vocabulary, architecture, shapes) is one SpecheadsError naming both; the same family with other weights,
+    another quantization or another tokenizer is one too unless `target.allow_other_target` (--allow-other-target),
+    then one warning per head folder and target. A folder without a target_record is checked by its `fingerprint`
+    (the embedding and lm_head) as before. Then the feature layers against the target's depth."""
+    from specheads.target_record import FLAG, OTHER_FAMILY, OTHER_WEIGHTS, SAME, compare
+
+    outcome, what = SAME, ""
+    if config.hidden_size != target.hidden_size or config.vocab_size != target.vocab_size:
+        outcome, what = OTHER_FAMILY, "; ".join(
+            f"{k} {a} vs {b}" for k, a, b in (("hidden size", config.hidden_size, target.hidden_size),
+                                             ("vocab", config.vocab_size, target.vocab_size)) if a != b)
+    elif config.target_record is not None:
+        outcome, what = compare(config.target_record, target.record())
+    elif config.fingerprint != target.fingerprint():
+        outcome, what = OTHER_WEIGHTS, ("embedding / lm_head fingerprint differs (a head folder from before the "
+                                          "whole-target record: only those two were recorded)")
+    if outcome != SAME:
+        msg = (f"{where}: head was trained for target {config.target_name!r} but the target given is "
+               f"{target.name!r}: {what}")
+        if outcome == OTHER_FAMILY or not getattr(target, "allow_other_target", False):
+            hint = "" if outcome == OTHER_FAMILY else f" (acceptance may collapse; {FLAG} uses it anyway)"
+            raise SpecheadsError(msg + hint)
+        warned = target.__dict__.setdefault("_warned_heads", set())
+        if str(where) not in warned:
+            warned.add(str(where))
+            log.warning("%s; proceeding (%s): acceptance may be far below the head's own", msg, FLAG)
     L = target.num_layers
     cfg_file = Path(where) / CONFIG_NAME if Path(where).is_dir() else where
     outside = [i for i in config.feature_layers if not 0 <= i <= L]

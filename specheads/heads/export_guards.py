@@ -2,6 +2,9 @@
 
     export_info.json   written into every export and import: the format and the source folder (resolved path, and
                        the sha256 of its model.safetensors when it has one)
+    specheads_target.json  beside every export other than native (whose config.json carries it): the target the
+                       head was trained on, its `fingerprint` and `target_record` (specheads/target_record.py), kept
+                       out of the formats' own config.json so that no consumer's loader meets a key it does not know
 
 - `--out` is replaced without --force only when it is absent, empty, or an earlier export of the same format OF THE
   SAME SOURCE (its export_info.json names the folder this command reads). A head folder written by training (best/,
@@ -31,8 +34,9 @@ from specheads.utils import SpecheadsError, atomic_write_json, path_relation, re
 log = logging.getLogger(__name__)
 
 INFO_NAME = "export_info.json"
-OWN_FILES = {"config.json", "model.safetensors", "model.safetensors.sha256", INFO_NAME}  # an export / head folder
-GGUF_FILES = {"draft.gguf", "target.gguf", "gguf_export.json", INFO_NAME}  # what `--format gguf` writes
+TARGET_SIDECAR = "specheads_target.json"  # the head's target record beside a non-native export
+OWN_FILES = {"config.json", "model.safetensors", "model.safetensors.sha256", INFO_NAME, TARGET_SIDECAR}
+GGUF_FILES = {"draft.gguf", "target.gguf", "gguf_export.json", INFO_NAME, TARGET_SIDECAR}  # `--format gguf`'s
 
 
 def written_format(folder: Path) -> str | None:
@@ -79,6 +83,16 @@ def write_export_info(out, source, fmt: str) -> None:
     weights = Path(source) / "model.safetensors"
     atomic_write_json(Path(out) / INFO_NAME, {"format": fmt, "source": _resolved(source),
                                              "source_sha256": sha256_file(weights) if weights.is_file() else None})
+
+
+def write_target_sidecar(out, head_dir) -> None:
+    """specheads_target.json in `out`: the target `head_dir` was trained on, as its config.json records it."""
+    from specheads.heads.base import read_head_config
+
+    cfg = read_head_config(Path(head_dir))
+    atomic_write_json(Path(out) / TARGET_SIDECAR, {
+        "head": _resolved(head_dir), "target_name": cfg.target_name, "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size, "fingerprint": cfg.fingerprint, "target_record": cfg.target_record})
 
 
 def check_read_folders(out, reads: dict[str, str | None]) -> None:

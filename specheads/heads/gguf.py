@@ -394,12 +394,14 @@ def _draft_kind(cfg: HeadConfig, head_dir: Path) -> DraftKind:
     return drafted[cfg.kind]
 
 
-def resolve_head_target(cfg: HeadConfig, head_dir: Path, target: str | None = None) -> Path:
+def resolve_head_target(cfg: HeadConfig, head_dir: Path, target: str | None = None,
+                        allow_other_target: bool = False) -> Path:
     """The target HF folder the draft is converted against: `target` or the one the head records, checked
-    against the head's fingerprint (a draft paired with another target's GGUF would run but draft nonsense)."""
+    against the head's fingerprint (a draft paired with another target's GGUF would run but draft nonsense), unless
+    `allow_other_target` (--allow-other-target: `specheads export` compared the whole target and warned)."""
     folder = _target_folder(target or cfg.target_name)
     fp = _folder_fingerprint(folder)
-    if fp is not None and fp != cfg.fingerprint:
+    if fp is not None and fp != cfg.fingerprint and not allow_other_target:
         raise SpecheadsError(f"--target {target or cfg.target_name}: {folder} is not the target {head_dir} was "
                              "trained on (embedding / lm_head fingerprints differ)")
     if fp is None:
@@ -408,14 +410,14 @@ def resolve_head_target(cfg: HeadConfig, head_dir: Path, target: str | None = No
 
 
 def convert_draft(head_dir: str | Path, out_file: Path, target: str | None = None,
-                  outtype: str = DEFAULT_OUTTYPE) -> Path:
+                  outtype: str = DEFAULT_OUTTYPE, allow_other_target: bool = False) -> Path:
     """One native head folder -> a checked draft GGUF at out_file."""
     find_tools(converter=True)  # before any work: one clear error when they are missing
     head_dir = Path(head_dir)
     cfg = read_head_config(head_dir)
     kind = _draft_kind(cfg, head_dir)
     kind.check_head(cfg, head_dir)
-    target_dir = resolve_head_target(cfg, head_dir, target)
+    target_dir = resolve_head_target(cfg, head_dir, target, allow_other_target)
     with tempfile.TemporaryDirectory(prefix="specheads-gguf-") as tmp:
         hf = Path(tmp) / "draft-hf"
         export_head(head_dir, kind.layout, hf)
@@ -469,7 +471,7 @@ def spec_type_of(draft: Path) -> str:
 
 
 def export_gguf(head_dir: str | Path, out_dir: str | Path, target: str | None = None, with_target: bool = False,
-                outtype: str = DEFAULT_OUTTYPE) -> Path:
+                outtype: str = DEFAULT_OUTTYPE, allow_other_target: bool = False) -> Path:
     """`specheads export --format gguf`: out_dir/draft.gguf (+ target.gguf with `with_target`) and
     gguf_export.json (what was converted, with the llama-server command), written atomically."""
     head_dir = Path(head_dir)
@@ -478,7 +480,7 @@ def export_gguf(head_dir: str | Path, out_dir: str | Path, target: str | None = 
     kind.check_head(cfg, head_dir)
     find_tools(converter=True)
     with atomic_dir(out_dir) as tmp:
-        convert_draft(head_dir, tmp / DRAFT_NAME, target, outtype)
+        convert_draft(head_dir, tmp / DRAFT_NAME, target, outtype, allow_other_target)
         (tmp / (DRAFT_NAME + ".convert.log")).unlink(missing_ok=True)
         manifest: dict[str, Any] = {
             "draft": DRAFT_NAME, "head": str(head_dir), "kind": cfg.kind, "outtype": outtype,
