@@ -234,6 +234,25 @@ def first_turn_ids(target, prompts: list[BenchPrompt], dataset: str) -> list[lis
     return out
 
 
+def check_later_turns(target, prompts: list[BenchPrompt], dataset: str, max_new_tokens: int) -> None:
+    """--both-turns: every later turn must fit the context window after earlier answers of up to max_new_tokens
+    tokens each (a turn's prompt holds them), with room for a new token; else one SpecheadsError naming the prompt
+    and the --max-new-tokens that fits, before anything runs (not a failure hours into the run)."""
+    window = target.max_positions
+    if not window:
+        return
+    for p in prompts:
+        for turn in range(1, len(p.turns)):
+            need = len(encode_turn(target.tokenizer, p, turn, [""] * turn)) + turn * max_new_tokens
+            if need >= window:
+                fits = (window - 1 - (need - turn * max_new_tokens)) // turn
+                hint = f"lower --max-new-tokens to {fits}" if fits >= 1 else "shorten the prompt"
+                raise SpecheadsError(f"--both-turns: --dataset {dataset}: prompt {p.id} turn {turn + 1}: up to {need} "
+                                     f"tokens after {turn} answer(s) of up to {max_new_tokens} tokens, over the "
+                                     f"context window of {window} of target {target.name}; {hint} or leave out "
+                                     f"--both-turns")
+
+
 def encode_turn(tokenizer, prompt: BenchPrompt, turn: int, answers: list[str]) -> list[int]:
     """Token ids for user turn `turn` given this method's own earlier `answers` (one per earlier turn)."""
     if tokenizer is None:

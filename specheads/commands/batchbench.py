@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import specheads.target
 from specheads.commands import args as shared
 from specheads.infer.bench.batch import (BatchBenchSettings, batch_markdown, build_batch_methods, check_batch_sizes,
                                          run_batch_bench)
 from specheads.infer.bench.names import check_batch_methods, default_batch_methods, head_entries
-from specheads.prompts import calibration_ids, encode_turn, load_prompts
+from specheads.prompts import calibration_ids, first_turn_ids, load_prompts
 from specheads.utils import SpecheadsError
 
 BATCH_WARMUP_TOKENS = 8  # at most this many untimed warm-up tokens per method and batch size
@@ -48,12 +49,22 @@ def run(args: argparse.Namespace, options) -> int:
     dtype = shared.dtype_name(args.dtype)
     target = shared.allow_other_target(specheads.target.load_target(args.target, dtype=dtype, device=args.device),
                                        args)
-    encoded = [(p.id, encode_turn(target.tokenizer, p, 0, [])) for p in prompts]
+    # a prompt that does not fit the context window: refused by its id before any method runs (as bench does)
+    encoded = [(p.id, ids) for p, ids in zip(prompts, first_turn_ids(target, prompts, args.dataset))]
     methods, extra = build_batch_methods(names, target, options, calib_ids=calibration_ids(target.tokenizer, prompts))
     settings = BatchBenchSettings(target=args.target, dataset=args.dataset, dtype=dtype, batch_sizes=sizes,
                                   temperature=args.temperature, max_new_tokens=args.max_new_tokens, limit=args.limit,
                                   seed=args.seed, warmup_tokens=min(args.warmup_tokens, BATCH_WARMUP_TOKENS))
     results = run_batch_bench(encoded, methods, settings, out_dir=args.out, extra=extra)
     print(batch_markdown(results))
+    window_note(results.get("stopped_at_window", 0), "rows", target)
     print(f"wrote {args.out}/results.json, results.md, {', '.join(results.get('plots', []))}")
     return 130 if results.get("interrupted") else 0
+
+
+def window_note(stopped: int, what: str, target) -> None:
+    """One line when outputs stopped at the target's context window (shorter than --max-new-tokens; every
+    method stops there, HF generate's included, so the outputs still compare token for token)."""
+    if stopped:
+        print(f"{stopped} {what} stopped at the context window of {target.max_positions} positions of target "
+              f"{target.name}, before --max-new-tokens (stop_reason context_window)", file=sys.stderr)

@@ -18,7 +18,7 @@ from specheads.infer.drafters import parse_tree
 from specheads.infer.drafters.plugins import load_plugins
 from specheads.infer.engine.runner import runner_for
 from specheads.infer.verify import SamplingParams
-from specheads.prompts import calibration_ids, first_turn_ids, load_prompts
+from specheads.prompts import calibration_ids, check_later_turns, first_turn_ids, load_prompts
 from specheads.utils import SpecheadsError
 
 log = logging.getLogger(__name__)
@@ -144,11 +144,14 @@ def run(args: argparse.Namespace) -> int:
     target.engine, target.compile = args.engine, args.compile
     shared.allow_other_target(target, args)
     first_turn_ids(target, prompts, args.dataset)  # a prompt longer than the context window: refused before any run
+    check_later_turns(target, prompts, args.dataset, args.max_new_tokens)  # --both-turns: the second turns too
     methods, extra = build_methods(names, target, options, calib_ids=calibration_ids(target.tokenizer, prompts))
     settings = BenchSettings(target=args.target, dataset=args.dataset, dtype=dtype, temperature=args.temperature,
                              max_new_tokens=args.max_new_tokens, limit=args.limit, both_turns=args.both_turns,
                              seed=args.seed, warmup_tokens=args.warmup_tokens, engine=runner_for(target).name)
     results = run_bench(prompts, methods, settings, target.tokenizer, out_dir=args.out, extra=extra)
     print(markdown_table(results))
+    batchbench.window_note(results.get("stopped_at_window", 0), "turns", target)
     print(f"wrote {args.out}/results.json, results.md, {', '.join(results.get('plots', []))}")
     return 130 if results.get("interrupted") else 0
+

@@ -127,17 +127,21 @@ def run(args) -> int:
             messages.append({"role": "user", "content": line})
             res = generate(target, drafter, messages=messages, **kw)
             messages.append({"role": "assistant", "content": res.text})
-            _report(res, args)
+            _report(res, args, target)
     if args.raw:
         res = generate(target, drafter, prompt=args.prompt, **kw)
     else:
         res = generate(target, drafter, messages=[{"role": "user", "content": args.prompt}], **kw)
-    _report(res, args)
+    _report(res, args, target)
     return 0
 
 
-def _report(res, args) -> None:
+def _report(res, args, target) -> None:
     s = res.stats
+    if s.stop_reason == "context_window":  # one line, --json too (its stats say stop_reason context_window)
+        print(f"stopped at the context window of {target.max_positions} positions of target {target.name} "
+              f"(prompt {len(res.prompt_ids)} + {s.new_tokens} new tokens), before --max-new-tokens "
+              f"{args.max_new_tokens}", file=sys.stderr)
     if args.json:
         print(json.dumps({"text": res.text, "ids": res.ids, "stats": s.to_dict()}))
         return

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from specheads.infer.bench.methods import hf_sampling_kwargs
+from specheads.infer.bench.methods import hf_sampling_kwargs, window_cap
 from specheads.infer.bench.metrics import ratio
 from specheads.infer.bench.names import (PROMPT_LOOKUP_MAX_NGRAM, PROMPT_LOOKUP_NUM_TOKENS, check_batch_methods,
                                          expand_heads, split_sched)
@@ -78,6 +78,7 @@ class HFBatch(BatchMethod):
 
     def run(self, prompts: list[list[int]], max_new_tokens: int, seed: int) -> BatchRun:
         t, T = self.target, max(len(p) for p in prompts)
+        caps = [window_cap(t, len(p), max_new_tokens) for p in prompts]  # each row's room in the context window
         eos = list(t.eos_token_ids or [])
         pad = getattr(t.tokenizer, "pad_token_id", None) if t.tokenizer is not None else None
         pad = pad if pad is not None else (eos or [0])[0]
@@ -93,13 +94,18 @@ class HFBatch(BatchMethod):
             with torch.inference_mode():
                 t0 = time.perf_counter()
                 out = t.model.generate(ids.to(t.device), attention_mask=mask.to(t.device),
-                                       max_new_tokens=max_new_tokens, eos_token_id=eos or None, pad_token_id=pad,
+                                       max_new_tokens=max(caps), eos_token_id=eos or None, pad_token_id=pad,
                                        **sample)
                 dt = time.perf_counter() - t0
         finally:
             hook.remove()
-        rows = [_trim_at_eos(out[r, T:].tolist(), set(eos)) for r in range(len(prompts))]
-        return BatchRun(self.name, len(prompts), [], rows, dt, len(calls), sum(len(r) for r in rows))
+        # a row is cut where its window ends: HF generate goes on past it (left-padded rows count positions from
+        # their own first token), our loop stops there
+        rows = [_trim_at_eos(out[r, T:].tolist()[:caps[r]], set(eos)) for r in range(len(prompts))]
+        at_window = sum(len(row) == cap < max_new_tokens and not (row and row[-1] in eos)
+                        for row, cap in zip(rows, caps))
+        return BatchRun(self.name, len(prompts), [], rows, dt, len(calls), sum(len(r) for r in rows),
+                        at_window=at_window)
 
 
 class OursBatch(BatchMethod):
@@ -117,7 +123,8 @@ class OursBatch(BatchMethod):
                              seed=seed if self.temperature > 0 else None, scheduler=sched)
         dt = time.perf_counter() - t0
         return BatchRun(self.name, len(prompts), [], [r.ids for r in res.rows], dt, res.stats.target_forwards,
-                        res.stats.row_forwards, {**res.stats.timings, "prefill": res.stats.prefill_s})
+                        res.stats.row_forwards, {**res.stats.timings, "prefill": res.stats.prefill_s},
+                        at_window=sum(r.stats.stop_reason == "context_window" for r in res.rows))
 
 
 # --------------------------------------------------------------------------------------------------- figures
@@ -220,12 +227,13 @@ def run_batch_bench(prompts: list[tuple[str, list[int]]], methods: list[BatchMet
         if chunks and settings.warmup_tokens > 0:
             first = [ids for _, ids in chunks[0]]
             units[-len(chunks)].warmup = lambda m, first=first: m.run(first, settings.warmup_tokens, settings.seed)
-    _, results = run_units(units, methods,
+    runs, results = run_units(units, methods,
                            lambda runs, done: build_batch_results(runs, names, sizes, asdict(settings), meta, done),
                            out_dir, {"total": len(sizes) * len(prompts), "desc": "bench --batch-sizes", "unit": "row"},
                            "chunks", progress)
     if out_dir is not None:
         write_results(results, Path(out_dir), write_batch_plot, batch_markdown)
+    results["stopped_at_window"] = sum(r.at_window for r in runs)  # rows, every method and batch size
     return results
 
 

@@ -65,6 +65,7 @@ class HFGenerate(Method):
     def generate(self, input_ids: list[int], max_new_tokens: int) -> RunRecord:
         model = self.target.model
         tok = self.target.tokenizer
+        cap = window_cap(self.target, len(input_ids), max_new_tokens)
         ids = torch.tensor([input_ids], device=self.target.device)
         pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else (self.target.eos_token_ids or [0])[0]
         self._starts = []
@@ -72,17 +73,32 @@ class HFGenerate(Method):
         try:
             with torch.inference_mode():
                 t0 = time.perf_counter()
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cap,
                                      eos_token_id=self.target.eos_token_ids or None, pad_token_id=pad, **self.kwargs)
                 dt = time.perf_counter() - t0
         finally:
             handle.remove()
         new = out[0, len(input_ids):].tolist()
         step_tokens = forward_token_counts(self._starts, len(input_ids), len(new))
+        eos = bool(new) and new[-1] in set(self.target.eos_token_ids or [])
+        stop = "eos" if eos else "max_new_tokens" if cap == max_new_tokens else "context_window"
         return RunRecord(method=self.name, prompt_id="", category="", turn=0, prompt_tokens=len(input_ids),
                          new_tokens=len(new), time_s=dt, target_forwards=len(self._starts) if self._starts else None,
                          step_tokens=step_tokens, output_ids=new,
-                         text=tok.decode(new, skip_special_tokens=True) if tok is not None else "")
+                         text=tok.decode(new, skip_special_tokens=True) if tok is not None else "", stop_reason=stop)
+
+
+def window_cap(target, prompt_len: int, max_new_tokens: int) -> int:
+    """The new tokens HF generate may make: max_new_tokens, cut where the target's context window ends (HF would
+    go on past it; our loop stops there, and the outputs are compared token for token). A prompt with no room
+    left is one SpecheadsError, as generate's."""
+    window = target.max_positions
+    if not window:
+        return max_new_tokens
+    if prompt_len >= window:
+        raise SpecheadsError(f"{prompt_len} tokens do not fit the context window of {window} of target "
+                             f"{target.name} (no room for a new token)")
+    return min(max_new_tokens, window - prompt_len)
 
 
 def forward_token_counts(starts: list[int], prompt_len: int, new_tokens: int) -> list[int] | None:
@@ -133,7 +149,7 @@ def record_from_generation(name: str, res: GenerationResult, prompt_len: int, dt
     schedule = asdict(stats.schedule) if stats.schedule is not None else None
     return RunRecord(method=name, prompt_id="", category="", turn=0, prompt_tokens=prompt_len, new_tokens=len(new),
                      time_s=dt, target_forwards=stats.target_forwards, step_tokens=step_tokens,
-                     output_ids=new, text=text, phase_times=phases, schedule=schedule)
+                     output_ids=new, text=text, phase_times=phases, schedule=schedule, stop_reason=stats.stop_reason)
 
 
 def hf_methods(target, temperature: float) -> dict[str, Callable[[], Method]]:

@@ -25,6 +25,7 @@ class RunRecord:
     text: str = ""
     phase_times: dict[str, float] | None = None  # seconds per phase (ours only)
     schedule: dict[str, Any] | None = None  # the scheduler's figures (GenerationStats.schedule as a dict), ours only
+    stop_reason: str = ""  # eos | stop_string | max_new_tokens | context_window ("" = not known: llama.cpp)
 
 
 class Method:
@@ -47,6 +48,7 @@ class BatchRun:
     target_forwards: int  # batched forwards (prefills excluded for ours; HF's prefill counts, it emits a token)
     row_forwards: int  # forwards x the rows in each; vanilla: one per new token (τ = 1.00)
     timings: dict[str, float] | None = None  # ours: seconds per phase (batch.BatchStats.timings) and prefill
+    at_window: int = 0  # rows that stopped at the target's context window (before max_new_tokens)
 
     @property
     def new_tokens(self) -> int:

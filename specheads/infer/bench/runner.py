@@ -98,6 +98,7 @@ def run_bench(prompts: list[BenchPrompt], methods: list[Method], settings: Bench
                                            "unit": "turn"}, "prompts", progress)
     if out_dir is not None:
         write_outputs(results, records, out_dir)
+    results["stopped_at_window"] = sum(r.stop_reason == "context_window" for r in records)  # turns, every method
     return results
 
 
@@ -109,7 +110,10 @@ def _run_prompt(m: Method, p: BenchPrompt, i: int, settings: BenchSettings, toke
     for turn in range(len(p.turns)):
         ids = encode_turn(tokenizer, p, turn, answers)
         torch.manual_seed(settings.seed + 1000 * i + turn)  # same seed for every method
-        r = m.generate(ids, settings.max_new_tokens)
+        try:
+            r = m.generate(ids, settings.max_new_tokens)
+        except SpecheadsError as e:  # a later turn (its own earlier answers) past the context window, say
+            raise SpecheadsError(f"prompt {p.id} turn {turn + 1} ({m.name}): {e}") from None
         r.prompt_id, r.category, r.turn = p.id, p.category, turn
         out.append(r)
         answers.append(r.text)
@@ -123,4 +127,4 @@ def write_outputs(results: dict[str, Any], records: list[RunRecord], out_dir: st
     atomic_write_text(out_dir / "outputs.jsonl", "".join(
         json.dumps({"method": r.method, "prompt_id": r.prompt_id, "category": r.category, "turn": r.turn,
                     "new_tokens": r.new_tokens, "time_s": round(r.time_s, 4), "target_forwards": r.target_forwards,
-                    "text": r.text}) + "\n" for r in records))
+                    "stop_reason": r.stop_reason, "text": r.text}) + "\n" for r in records))

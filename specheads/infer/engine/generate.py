@@ -25,6 +25,7 @@ from specheads.utils import SpecheadsError
 log = logging.getLogger(__name__)
 
 PHASES = ("draft", "tree", "target", "verify", "cache", "other")
+INITIAL_ROOM = 4096  # new-token columns a request's cache starts with at most, beyond its prompt (it grows past)
 
 
 @dataclass
@@ -188,7 +189,7 @@ class SpeculativeGenerator:
         req = self._request(len(ids), max_new_tokens, SamplingParams(float(temperature), float(top_p), int(top_k or 0)),
                             eos_token_ids, stop_strings, seed, ignore_eos)
         stats = GenerationStats()
-        runner = self._prefill(ids, stats, max_new_tokens)
+        runner = self._prefill(ids, stats, min(req.max_new_tokens, req.window - len(ids)))
         new: list[int] = []
         t_gen = time.perf_counter()
         while not stats.stop_reason:
@@ -246,13 +247,15 @@ class SpeculativeGenerator:
         return Request(max_new_tokens, stops, stop_strings, window, sampling, generator,
                        verifier(self.verification, sampling, generator))
 
-    def _prefill(self, ids: list[int], stats: GenerationStats, max_new_tokens: int):
+    def _prefill(self, ids: list[int], stats: GenerationStats, room: int):
         """Cache every prompt token but the last (the first root); the drafter gets the cached positions' features.
         Logits are computed only when the drafter reads the prompt's own (Token Recycling): a 262k vocabulary
-        makes them prompt x V x 4 bytes. -> the target runner (engine/runner.py) holding the cache."""
+        makes them prompt x V x 4 bytes. `room`: the new tokens the request may emit (its cap, within the
+        window). -> the target runner (engine/runner.py) holding the cache."""
         t = time.perf_counter()
         runner = runner_for(self.target)
-        runner.reset(len(ids) + max_new_tokens + 64)  # + room for one step's tree (the cache grows if it must)
+        # the cache grows (doubling) when it must: a huge --max-new-tokens or a 128k window is not allocated up front
+        runner.reset(len(ids) + max(0, min(room, INITIAL_ROOM)) + 64)  # + room for one step's tree
         feats = logits = None
         if len(ids) > 1:
             prompt = torch.tensor(ids[:-1])

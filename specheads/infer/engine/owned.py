@@ -223,10 +223,21 @@ class OwnedLlama:
         """An empty cache with room for `capacity` columns (kept from the last request when it is large enough)."""
         self.length = 0
         if self.k is None or self.k.shape[2] < capacity:
-            shape = (len(self.layers), self.G, capacity, self.hd)
-            self.k = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
-            self.v = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+            self.k = self.v = None  # the old cache's memory is free for the new one
+            self.k, self.v = self._columns(capacity), self._columns(capacity)
         self._rope_table(capacity)
+
+    def _columns(self, capacity: int) -> torch.Tensor:
+        """A zero key or value cache [L, G, capacity, hd]; an allocation that fails is one SpecheadsError that says
+        how large the cache was to be (never the allocator's message from deep inside a step)."""
+        shape = (len(self.layers), self.G, capacity, self.hd)
+        try:
+            return torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+        except (RuntimeError, OverflowError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            gib = 2 * len(self.layers) * self.G * capacity * self.hd * self.cache_dtype.itemsize / 2 ** 30
+            raise SpecheadsError(f"the target's KV cache cannot hold {capacity} columns ({gib:.1f} GiB of keys and "
+                                 f"values on {self.device}): {str(e).splitlines()[0][:120]}; lower --max-new-tokens "
+                                 "or shorten the prompt") from None
 
     @torch.inference_mode(False)
     def _grow(self, need: int, upto: int | None = None) -> None:
@@ -238,7 +249,7 @@ class OwnedLlama:
         new, upto = max(need, 2 * cap), self.length if upto is None else upto
         for name in ("k", "v"):
             old = getattr(self, name)
-            buf = old.new_zeros(old.shape[0], old.shape[1], new, old.shape[3])
+            buf = self._columns(new)
             buf[:, :, :upto] = old[:, :, :upto]
             setattr(self, name, buf)
 
