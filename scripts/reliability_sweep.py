@@ -524,7 +524,7 @@ def run_case(case: dict, base: Path) -> dict:
         except AssertionError as e:
             ok, note = False, f"FAILED: {e}"
     row = {"area": case["area"], "name": case["name"], "risk": case.get("risk") or RISK[case["name"]],
-           "command": "specheads " + " ".join(case["argv"]), "rc": rc, "expected_rc": case["rc"],
+           "command": case.get("command") or "specheads " + " ".join(case["argv"]), "rc": rc, "expected_rc": case["rc"],
            "expected": case["expect"], "message": _normalise(msg.strip(), ctx), "also": _normalise(note, ctx), "ok": ok,
            "open": case.get("open", ""), "seconds": round(time.perf_counter() - t, 1)}
     shutil.rmtree(tmp, ignore_errors=True)

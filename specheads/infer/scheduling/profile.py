@@ -47,7 +47,7 @@ def machine_key(target, dtype: torch.dtype | str) -> str:
     raw = "|".join([env["cpu"] or platform.machine(), str(env["gpu"]), str(torch.get_num_threads()), dev,
                     str(dtype), torch.__version__, str(fp), str(target.num_layers), str(target.hidden_size),
                     runner_for(target).name,  # the owned and the HF forward have curves of their own
-                    f"kernels-v{kernels.VERSION}"])  # and so does each version of the compiled kernels
+                    f"kernels-{kernels.build_key()}"])  # and so does each build of the compiled kernels
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
