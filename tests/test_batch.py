@@ -461,7 +461,8 @@ def test_monotone_surface_and_noise_guard():
     fit = monotone_surface(raw, (1, 2), (1, 2))
     assert fit[(2, 2)] >= max(fit[(2, 1)], fit[(1, 2)]) and fit[(1, 1)] == 1.0
     assert surface_drop(raw, (1, 2), (1, 2)) == pytest.approx(1 - 1.1 / 1.4)
-    assert "cheaper" in profile_noise({"cost_drop": 0.5, "t1_spread": 1.0})
+    assert "cheaper" in profile_noise({"noise_drop": 0.5, "t1_spread": 1.0})
+    assert profile_noise({"cost_drop": 0.5, "noise_drop": 0.0, "t1_spread": 1.0}) == ""  # a repeatable dip
 
 
 # ------------------------------------------------------------------------------------------- bench --batch-sizes

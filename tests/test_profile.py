@@ -4,14 +4,18 @@ profiles, acceptance counting, and the cached profile on the tiny target."""
 from __future__ import annotations
 
 import itertools
+import logging
+import random
 
 import pytest
 import torch
 
 import specheads.infer.scheduling.profile as prof_mod
+import specheads.infer.scheduling.profile_check as profile_check
 from specheads.infer.autotree import acceptance_matrix, best_first_paths, choose_tree, monotone_in_rank
-from specheads.infer.scheduling.costs import cost_drop, interp_cost, isotonic
-from specheads.infer.scheduling.profile import load_or_profile, measure_verify_cost, profile_noise
+from specheads.infer.scheduling.costs import cost_drop, inner_band, interp_cost, isotonic, noise_drop, slot_spread
+from specheads.infer.scheduling.profile import (batch_from_timings, load_or_profile, measure_verify_cost,
+                                                paired_timings, profile_noise, verify_from_timings)
 from specheads.infer.tree import DraftTree
 
 
@@ -104,6 +108,7 @@ def test_profile_tiny_target_is_cached(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
     monkeypatch.setattr(prof_mod, "MAX_T1_SPREAD", float("inf"))  # microsecond forwards of the tiny model are noisy
     monkeypatch.setattr(prof_mod, "MAX_COST_DROP", float("inf"))
+    monkeypatch.setattr(profile_check, "MAX_COST_PER_TOKEN", float("inf"))  # one repeat: any ratio is plausible
     m = measure_verify_cost(tiny, sizes=(1, 4), context=32, repeats=1)
     assert m["relative"]["1"] == 1.0 and m["seconds"]["4"] > 0
     p1 = load_or_profile(tiny, sizes=(1, 2), context=32, repeats=1)
@@ -136,9 +141,110 @@ def test_monotone_in_rank_pools_a_noisy_inversion():
 def test_cost_drop_and_noise_verdict():
     assert cost_drop([1.0, 1.06, 1.13, 1.24, 1.41, 1.84]) == 0.0  # an idle 2-core machine
     assert cost_drop([1.0, 2.055, 1.206, 1.628, 0.931, 1.425]) == pytest.approx(1 - 0.931 / 2.055)  # two busy loops
-    assert profile_noise({"t1_spread": 1.1, "cost_drop": 0.02}) == ""
-    assert "varied 4.50x" in profile_noise({"t1_spread": 4.5, "cost_drop": 0.0})
-    assert "cheaper than a smaller one" in profile_noise({"t1_spread": 1.1, "cost_drop": 0.55})
+    assert profile_noise({"t1_spread": 1.1, "cost_drop": 0.02, "noise_drop": 0.0}) == ""
+    assert "varied 4.50x" in profile_noise({"t1_spread": 4.5, "noise_drop": 0.0})
+    assert "cheaper than a smaller one" in profile_noise({"t1_spread": 1.1, "cost_drop": 0.55, "noise_drop": 0.55})
+    assert profile_noise({"t1_spread": 1.1, "cost_drop": 0.55, "noise_drop": 0.0}) == ""  # a repeatable dip
+    # the paired ratios judged by their own spread: bands apart = a fact of the curve; overlapping = noise
+    assert inner_band([5.0, 1.0, 1.1, 0.2, 1.2]) == (1.0, 1.2)  # a single outlier either way set aside
+    assert noise_drop([[1.0] * 5, [0.78, 0.8, 0.82, 0.79, 0.81]]) == 0.0  # 20% cheaper in every repeat
+    assert noise_drop([[1.0] * 5, [3.5, 2.06, 1.0, 2.8, 1.3], [0.5, 0.93, 2.5, 0.7, 1.8]]) == pytest.approx(
+        1 - 0.93 / 2.06)  # contention: medians 2.06 -> 0.93 inside overlapping bands
+    assert slot_spread([[1.0, 1.02, 1.01, 1.03, 1.0], [1.6, 1.62, 1.6, 1.61, 1.63]]) < 1.05  # slots apart, each steady
+    assert slot_spread([[1.0, 3.0, 2.5, 4.0, 1.2], [2.0, 1.1, 5.0, 3.3, 1.0]]) > 2  # each slot all over the place
+
+
+# ------------------------------------------------------------------------- the noise check on scripted timings
+SIZES = (1, 2, 4, 8, 16, 32)
+# an fp32 curve with a real dip: a 2- and 4-node forward cheaper than a 1-node one (in seconds)
+DIP = {1: 1.0e-3, 2: 0.8e-3, 4: 0.85e-3, 8: 1.1e-3, 16: 1.5e-3, 32: 2.4e-3}
+
+
+def idle_timer(base, jitter: float = 0.02, seed: int = 0, slow_after: int | None = None, outlier: int | None = None):
+    """A scripted idle machine: base[cell] seconds within +-jitter; slow_after: a one-token forward timed after a
+    forward of at least that many nodes is 1.6x slower, every time (a repeatable feature, not noise); outlier: the
+    call of that index is 10x slower (one hiccup)."""
+    rng, state = random.Random(seed), {"calls": 0, "last": 1}
+
+    def time_cell(cell):
+        t = base[cell] * (1 + rng.uniform(-jitter, jitter))
+        if slow_after is not None and cell == 1 and state["last"] >= slow_after:
+            t *= 1.6
+        if state["calls"] == outlier:
+            t *= 10
+        state["calls"] += 1
+        state["last"] = cell
+        return t
+    return time_cell
+
+
+def busy_timer(base, seed: int = 0):
+    """Two busy loops beside the profile: a forward gets the cores for only part of its time, 1.5-6x slower, at
+    random (most forwards)."""
+    rng = random.Random(seed)
+    return lambda cell: base[cell] * (1.0 if rng.random() < 0.35 else rng.uniform(1.5, 6.0))
+
+
+def test_idle_repeatable_dip_is_no_noise():
+    m = verify_from_timings(SIZES, 5, 384, idle_timer(DIP))
+    assert m["cost_drop"] > prof_mod.MAX_COST_DROP  # the old verdict fired on this idle curve
+    assert m["noise_drop"] == 0.0 and m["t1_spread"] < 1.1 and profile_noise(m) == ""
+    rel = [m["relative"][str(n)] for n in SIZES]
+    assert rel[0] == 1.0 and all(a <= b for a, b in zip(rel, rel[1:]))  # the isotonic fit pools the dip
+    assert rel[1] == rel[0] and m["relative_raw"]["2"] < 0.85  # kept as measured in the raw record
+
+
+def test_idle_slot_dependent_one_token_forward_is_no_noise():
+    """One-token forwards repeatably slower after a large forward: the old pooled median / fastest read 1.6x."""
+    m = verify_from_timings(SIZES, 5, 384, idle_timer(DIP, slow_after=4))
+    assert m["t1_spread"] < 1.1 and profile_noise(m) == ""
+    before, _ = paired_timings(list(SIZES), 1, 5, idle_timer(DIP, slow_after=4))  # the same forwards again
+    pooled = sorted(t for ts in before.values() for t in ts)
+    assert pooled[len(pooled) // 2] / pooled[0] > prof_mod.MAX_T1_SPREAD  # what the old check read: a false alarm
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_contended_machine_is_noise(seed):
+    m = verify_from_timings(SIZES, 5, 384, busy_timer(DIP, seed))
+    assert profile_noise(m), m
+    b = batch_from_timings((1, 2, 4), (1, 2, 4), 5, 384, busy_timer(_surface(), seed))
+    assert profile_noise(b), b
+
+
+@pytest.mark.parametrize("outlier", [0, 7, 31, 45, 58])
+def test_a_single_outlier_is_no_noise(outlier):
+    clean = verify_from_timings(SIZES, 5, 384, idle_timer(DIP))
+    m = verify_from_timings(SIZES, 5, 384, idle_timer(DIP, outlier=outlier))
+    assert profile_noise(m) == ""
+    assert all(m["relative"][k] == pytest.approx(v, rel=0.05) for k, v in clean["relative"].items())
+
+
+def _surface():
+    """An fp32 batch surface with a real dip: 2 rows of 1 token cheaper than 1 row (seconds per (B, n))."""
+    base = {(B, n): 1e-3 * (1 + 0.05 * B * n) for B in (1, 2, 4) for n in (1, 2, 4)}
+    base[(2, 1)] = 0.8e-3
+    return base
+
+
+def test_batch_surface_idle_dip_is_no_noise():
+    b = batch_from_timings((1, 2, 4), (1, 2, 4), 5, 384, idle_timer(_surface()))
+    assert b["cost_drop"] > prof_mod.MAX_COST_DROP and b["noise_drop"] == 0.0 and profile_noise(b) == ""
+    assert b["relative"]["2"]["1"] >= b["relative"]["1"]["1"] == pytest.approx(1.0)  # fitted non-decreasing in B
+
+
+def test_load_or_profile_on_scripted_machines(tiny, tmp_path, monkeypatch, caplog):
+    """Through load_or_profile: an idle dip gives no warning and is cached; a busy first attempt is named and
+    measured again (a clean second attempt is kept)."""
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    timers = iter([idle_timer(DIP), busy_timer(DIP), idle_timer(DIP, outlier=12)])
+    monkeypatch.setattr(prof_mod, "measure_verify_cost", lambda target, sizes, context, repeats, seed=0:
+                        verify_from_timings(sizes, repeats, context, next(timers)))
+    p = load_or_profile(tiny, sizes=SIZES, context=32)
+    assert p["attempts"] == 1 and not p["noisy"] and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    p = load_or_profile(tiny, sizes=SIZES, context=32, refresh=True)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert p["attempts"] == 2 and not p["noisy"] and len(warned) == 1 and "attempt 1/3" in warned[0]
+    assert load_or_profile(tiny, sizes=SIZES, context=32)["cached"] is True
 
 
 def test_noisy_profile_is_measured_again_and_not_trusted_later(tiny, tmp_path, monkeypatch, caplog):

@@ -50,14 +50,48 @@ def isotonic(ys: Sequence[float], weights: Sequence[float] | None = None) -> lis
 
 
 def cost_drop(raw: Sequence[float]) -> float:
-    """Largest relative fall of a cost below the highest cost of a smaller size: [1, 2.06, 1.2, 0.93] -> 0.55.
-    A forward of more nodes never costs less, so a large fall is noise, not the machine's cost curve."""
+    """Largest relative fall of a cost below the highest cost of a smaller size: [1, 2.06, 1.2, 0.93] -> 0.55
+    (the record's; a fall alone is no verdict: `noise_drop` judges it by the repeats' own spread)."""
     top, drop = 0.0, 0.0
     for v in raw:
         if top > 0:
             drop = max(drop, 1 - v / top)
         top = max(top, v)
     return drop
+
+
+def inner_band(xs: Sequence[float]) -> tuple[float, float]:
+    """(low, high) of the values left when the len // 4 lowest and highest are set aside (5 repeats: the 2nd and
+    4th smallest): what most repeats agree on, a single outlier either way left out."""
+    s = sorted(xs)
+    k = len(s) // 4
+    return s[k], s[len(s) - 1 - k]
+
+
+def noise_drop(series: Sequence[Sequence[float]]) -> float:
+    """The largest fall of a size's median below a smaller size's that its repeats do not agree on. `series`: each
+    size's paired ratios t(n)/t(1) over the repeats, sizes ascending. A fall whose inner bands are apart (every
+    repeat but an outlier puts the larger size below the smaller) is a fact of the machine's cost curve (fp32
+    matmuls and the HF forward can run 2 or 4 rows faster than 1): 0, kept, and smoothed by the isotonic fit; a
+    fall inside overlapping bands comes from repeats that disagree (other work on the cores): returned."""
+    meds, bands = [median(s) for s in series], [inner_band(s) for s in series]
+    worst = 0.0
+    for j in range(len(series)):
+        for i in range(j):
+            fall = 1 - meds[j] / meds[i] if meds[i] > 0 else 0.0
+            if fall > worst and bands[j][1] >= bands[i][0]:
+                worst = fall
+    return worst
+
+
+def slot_spread(slots: Sequence[Sequence[float]]) -> float:
+    """How much the one-token forwards of one slot (the t(1) timed before one size, once per repeat) vary: the
+    median over slots of median / fastest. Within a slot every repeat runs the same sequence of shapes, so only
+    other work makes them differ much (near 1 on an idle machine); a slot that is repeatably slower than another
+    (after a large forward) and a single slow forward do not count, as they did in the median / fastest of all the
+    one-token forwards pooled."""
+    spreads = [median(s) / min(s) for s in slots if s and min(s) > 0]
+    return median(spreads) if spreads else 1.0
 
 
 def monotone_surface(raw: dict[tuple, float], rows: Sequence[int], tokens: Sequence[int]) -> dict[tuple, float]:
@@ -81,6 +115,13 @@ def surface_drop(raw: dict[tuple, float], rows: Sequence[int], tokens: Sequence[
     rs, ns = sorted(rows), sorted(tokens)
     drops = [cost_drop([raw[(B, n)] for n in ns]) for B in rs] + [cost_drop([raw[(B, n)] for B in rs]) for n in ns]
     return max(drops)
+
+
+def surface_noise_drop(ratios: dict[tuple, Sequence[float]], rows: Sequence[int], tokens: Sequence[int]) -> float:
+    """The largest `noise_drop` along n (each B) or along B (each n) of the surface's paired ratios per cell."""
+    rs, ns = sorted(rows), sorted(tokens)
+    return max([noise_drop([ratios[(B, n)] for n in ns]) for B in rs]
+               + [noise_drop([ratios[(B, n)] for B in rs]) for n in ns])
 
 
 # --------------------------------------------------------------------------------------------------- profile dicts

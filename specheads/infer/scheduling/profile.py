@@ -1,6 +1,7 @@
 """The cost profiles of a target on this machine, measured once and cached per machine + target + dtype under
-cache_root()/profiles/*.json; a profile measured while another process shared the cores is measured again
-(`profile_noise`) and never trusted later.
+cache_root()/profiles/*.json; a profile whose repeats disagree (another process shared the cores) is measured again
+(`profile_noise`) and never trusted later; a cached one damaged or edited by hand is named in one warning and
+measured again (`cached_profile`, checked field by field by profile_check.py).
 - The verify-cost curve t(n)/t(1): one verification forward of n tree nodes over a cache of `context` tokens against
   one token, n in PROFILE_SIZES (`measure_verify_cost`, `load_or_profile`). The per-step scheduler (step.py) and
   `--tree auto` (infer/autotree.py) read it through costs.relative_costs, costs.interp_cost and costs.t1_seconds.
@@ -15,7 +16,7 @@ import logging
 import os
 import platform
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -23,9 +24,12 @@ from specheads.kvcache import drop_tail, new_batch_cache
 from specheads.infer.engine import kernels
 from specheads.infer.engine.runner import runner_for
 from specheads.infer.tree import chain_tree
-from specheads.infer.scheduling.costs import cost_drop, isotonic, monotone_surface, surface_drop
+from specheads.infer.scheduling.costs import (cost_drop, isotonic, median, monotone_surface, noise_drop, slot_spread,
+                                              surface_drop, surface_noise_drop)
+from specheads.infer.scheduling.profile_check import (DAMAGED, check_batch_profile, check_verify_profile,
+                                                      read_profile)
 from specheads.runinfo import environment
-from specheads.utils import atomic_write_json, cache_root, read_json
+from specheads.utils import atomic_write_json, cache_root
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +38,11 @@ PROFILE_CONTEXT = 384  # cached tokens during profiling: mid-range of a chat tur
 PROFILE_REPEATS = 5  # timed forwards per size (the fastest kept: noise from other processes only adds time)
 PROFILE_VERSION = 5  # bump when the measurement changes: cached profiles of older versions are re-measured
 PROFILE_ATTEMPTS = 3  # measurements tried until one is clean (see profile_noise); a busy machine gets a warning
-MAX_T1_SPREAD = 1.5  # median / fastest one-token forward above this = another process shared the cores (an idle
-# 2-core machine gives 1.04-1.18, two busy loops beside the profile 4.5)
-MAX_COST_DROP = 0.15  # a raw t(n)/t(1) this far below a smaller tree's = noise (idle: none; busy: 2.06 -> 0.93)
+MAX_T1_SPREAD = 1.5  # one-token forwards of one slot varying more than this between repeats (median / fastest,
+# costs.slot_spread) = another process shared the cores (the pooled median / fastest was 4.5 with two busy loops
+# beside the profile; an idle 2-core machine 1.04-1.18)
+MAX_COST_DROP = 0.15  # a raw t(n)/t(1) this far below a smaller tree's AND inside the spread of the repeats'
+# ratios (costs.noise_drop) = noise (busy: 2.06 -> 0.93); a fall that every repeat agrees on is the curve's
 
 
 # --------------------------------------------------------------------------------------------------- profiling
@@ -83,12 +89,62 @@ def _clip_context(target, context: int, sizes: Sequence[int]) -> int:
     return min(context, (target.max_positions or 1 << 30) - max(sizes) - 1)
 
 
+MIN_SECONDS = 1e-9  # a timed forward below 1 ns is a clock's 0 (a coarse timer): divided by this, never by 0
+
+
+def paired_timings(cells: Sequence, unit, repeats: int, time_cell: Callable[[Any], float]
+                   ) -> tuple[dict[Any, list[float]], dict[Any, list[float]]]:
+    """Side by side: each cell's forward timed right after one of `unit` (the one-token forward), every cell once
+    per repeat, so that a slow spell of the machine (other jobs) hits both members of a pair alike.
+    -> ({cell: t(unit) timed just before it, per repeat}, {cell: t(cell) per repeat}); `unit`'s own pair is one
+    forward. time_cell(cell) -> seconds of one forward (measure_*_cost's; scripted in tests)."""
+    before: dict[Any, list[float]] = {c: [] for c in cells}
+    own: dict[Any, list[float]] = {c: [] for c in cells}
+    for _ in range(repeats):
+        for c in cells:
+            t_unit = time_cell(unit)
+            before[c].append(t_unit)
+            own[c].append(time_cell(c) if c != unit else t_unit)
+    return before, own
+
+
+def pair_ratios(before: dict, own: dict) -> dict[Any, list[float]]:
+    return {c: [t / max(t1, MIN_SECONDS) for t1, t in zip(before[c], own[c])] for c in own}
+
+
+def verify_from_timings(sizes: Sequence[int], repeats: int, context: int, time_n: Callable[[int], float]
+                        ) -> dict[str, Any]:
+    """measure_verify_cost's record from the timer time_n(n) -> seconds of one forward of n tree nodes."""
+    one, order = min(sizes), sorted(sizes)
+    before, own = paired_timings(list(sizes), one, repeats, time_n)
+    ratios = pair_ratios(before, own)
+    raw = {n: median(r) for n, r in ratios.items()}
+    seconds = {n: min(own[n]) for n in sizes}
+    seconds[one] = min(t for ts in before.values() for t in ts)  # fastest seen (contention only adds time)
+    # a forward of more nodes never costs less: a repeatable dip (and noise) is smoothed by an isotonic
+    # (non-decreasing) fit, then normalised so that relative[1] == 1
+    fit = isotonic([raw[n] for n in order])
+    mono = {n: f / fit[0] for n, f in zip(order, fit)}
+    return {"seconds": {str(n): seconds[n] for n in sizes}, "relative": {str(n): mono[n] for n in sizes},
+            "relative_raw": {str(n): raw[n] for n in sizes}, "context": context, "repeats": repeats,
+            "t1_spread": slot_spread(list(before.values())), "cost_drop": cost_drop([raw[n] for n in order]),
+            "noise_drop": noise_drop([ratios[n] for n in order]), "note": VERIFY_NOTE}
+
+
+VERIFY_NOTE = ("relative_raw = median over repeats of t(n)/t(1) timed back to back; relative = its isotonic "
+               "(non-decreasing) fit normalised to relative[1] = 1; seconds = fastest forward seen; t1_spread = median"
+               " over the one-token forwards' slots (each timed before one size, once per repeat) of median / "
+               "fastest (near 1 on an idle machine); cost_drop = largest fall of relative_raw below a smaller "
+               "tree's (a repeatable dip of the curve is one); noise_drop = the largest such fall that the repeats' "
+               "ratios do not agree on (their inner bands overlap: 0 on an idle machine)")
+
+
 @torch.no_grad()
 def measure_verify_cost(target, sizes: Sequence[int] = PROFILE_SIZES, context: int = PROFILE_CONTEXT,
                         repeats: int = PROFILE_REPEATS, seed: int = 0) -> dict[str, Any]:
     """Cost of one target forward of n tree nodes (a chain mask) over `context` cached tokens, relative to one
     token: {"relative": {n: t(n)/t(1)}, "relative_raw", "seconds": {n: fastest s}, ...}. Each t(n) is paired with
-    a t(1) timed just before it (ratios of side-by-side figures survive a busy machine)."""
+    a t(1) timed just before it (ratios of side-by-side figures survive a busy machine: paired_timings)."""
     g = torch.Generator().manual_seed(seed)
     vocab = target.vocab_size
     context = _clip_context(target, context, sizes)
@@ -102,45 +158,56 @@ def measure_verify_cost(target, sizes: Sequence[int] = PROFILE_SIZES, context: i
         ids = torch.randint(0, vocab, (n,), generator=g).tolist()
         inputs[n] = chain_tree(ids[0], ids[1:])
         _time_tree(runner, inputs[n])  # warm-up per shape
-    # side by side: each t(n) is timed right after a t(1), and the ratio of the pair is kept, so that a slow spell
-    # of the machine (other jobs) hits both members of a pair alike; relative = median of the paired ratios
-    one = min(sizes)
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    ratios: dict[int, list[float]] = {n: [] for n in sizes}
-    for _ in range(repeats):
-        for n in sizes:
-            t_one = _time_tree(runner, inputs[one])
-            t_n = _time_tree(runner, inputs[n]) if n != one else t_one
-            times[one].append(t_one)
-            if n != one:
-                times[n].append(t_n)
-            ratios[n].append(t_n / t_one)
-    med = {n: min(v) for n, v in times.items()}  # fastest seen, for the record (contention only adds time)
-    raw = {n: sorted(r)[len(r) // 2] for n, r in ratios.items()}
-    t1s = sorted(times[one])
-    spread = t1s[len(t1s) // 2] / t1s[0]  # median / fastest: ~1.1 on an idle machine
-    # a forward of more nodes never costs less: noise is smoothed by an isotonic (non-decreasing) fit, then
-    # normalised so that relative[1] == 1
-    order = sorted(sizes)
-    fit = isotonic([raw[n] for n in order])
-    mono = {n: f / fit[0] for n, f in zip(order, fit)}
-    return {"seconds": {str(n): med[n] for n in sizes}, "relative": {str(n): mono[n] for n in sizes},
-            "relative_raw": {str(n): raw[n] for n in sizes}, "context": context, "repeats": repeats,
-            "t1_spread": spread, "cost_drop": cost_drop([raw[n] for n in order]),
-            "note": "relative_raw = median over repeats of t(n)/t(1) timed back to back; relative = its isotonic "
-                    "(non-decreasing) fit normalised to relative[1] = 1; seconds = fastest forward seen; t1_spread ="
-                    " median / fastest one-token forward; cost_drop = largest fall of relative_raw below a smaller "
-                    "tree's (both near 1 and 0 on an idle machine)"}
+    return verify_from_timings(sizes, repeats, context, lambda n: _time_tree(runner, inputs[n]))
 
 
-def profile_noise(verify: dict[str, Any]) -> str:
-    """Why a measured verification profile cannot be trusted ("" = clean): another process shared the cores."""
+def profile_noise(measured: dict[str, Any]) -> str:
+    """Why a measured profile (verify or batch) cannot be trusted ("" = clean): its repeats disagree, as when
+    another process shares the cores. A repeatable feature of the cost curve (a larger tree measured cheaper in
+    every repeat) is no noise."""
     why = []
-    if verify.get("t1_spread", 1.0) > MAX_T1_SPREAD:
-        why.append(f"one-token forwards varied {verify['t1_spread']:.2f}x (median / fastest; idle ~1.1)")
-    if verify.get("cost_drop", 0.0) > MAX_COST_DROP:
-        why.append(f"a larger tree measured {verify['cost_drop']:.0%} cheaper than a smaller one")
+    if measured.get("t1_spread", 1.0) > MAX_T1_SPREAD:
+        why.append(f"one-token forwards varied {measured['t1_spread']:.2f}x between repeats (median / fastest; "
+                   "near 1 on an idle machine)")
+    if measured.get("noise_drop", 0.0) > MAX_COST_DROP:
+        why.append(f"a larger forward measured {measured['noise_drop']:.0%} cheaper than a smaller one, the repeats "
+                   "disagreeing")
     return "; ".join(why)
+
+
+def cached_profile(path, check: Callable[[Any], tuple[str, str]], then: str = "measuring it again",
+                   what: str = "cost profile") -> dict[str, Any] | None:
+    """The profile at `path` when `check` (profile_check) finds it usable, else None (the caller measures it again,
+    or, `then`, does without): a file edited by hand or damaged gets one warning naming it and what is wrong (once
+    per process and fault); one measured for other settings is replaced quietly."""
+    if not os.path.exists(path):
+        return None
+    prof, why = read_profile(path)
+    verdict, why = (DAMAGED, why) if why else check(prof)
+    if verdict == DAMAGED and (str(path), why) not in _WARNED:
+        _WARNED.add((str(path), why))
+        log.warning("%s %s: %s; %s", what, path, why, then)
+    elif verdict:
+        log.info("%s %s: %s; %s", what, path, why, then)
+    return None if verdict else prof
+
+
+def _implausible(verdict: tuple[str, str]) -> str:
+    """A fresh measurement that a later read would refuse (profile_check) is noise: measured again, never cached as
+    trusted (it could only come from forwards that other work slowed)."""
+    return f"a measured cost is implausible: {verdict[1]}" if verdict[0] else ""
+
+
+_WARNED: set[tuple[str, str]] = set()  # (file, fault) already named this process (one line, however many readers)
+
+
+def cached_verify(target, sizes: Sequence[int] | None = None, context: int | None = None,
+                  then: str = "measuring it again") -> dict[str, Any] | None:
+    """The cached verification profile of this machine + target + dtype if usable (cached_profile), else None."""
+    sizes = tuple(sizes or PROFILE_SIZES)
+    clipped = _clip_context(target, context or PROFILE_CONTEXT, sizes)
+    return cached_profile(profile_path(target, target.dtype),
+                          lambda p: check_verify_profile(p, sizes, clipped, PROFILE_VERSION), then)
 
 
 def load_or_profile(target, refresh: bool = False, sizes: Sequence[int] | None = None,
@@ -151,19 +218,17 @@ def load_or_profile(target, refresh: bool = False, sizes: Sequence[int] | None =
     context = context or PROFILE_CONTEXT
     repeats = repeats or PROFILE_REPEATS
     path = profile_path(target, target.dtype)
-    if not refresh and os.path.exists(path):
-        prof = read_json(path)
-        if prof.get("version") == PROFILE_VERSION and [int(k) for k in prof["verify"]["relative"]] == list(sizes) \
-                and prof["verify"]["context"] == _clip_context(target, context, sizes) and not prof.get("noisy"):
-            prof["cached"] = True
-            prof["path"] = str(path)
-            return prof
+    prof = None if refresh else cached_verify(target, sizes, context)
+    if prof is not None:
+        return {**prof, "cached": True, "path": str(path)}
     log.info("profiling the target's verification cost on this machine (sizes %s, %d cached tokens)", list(sizes), context)
     t = time.perf_counter()
     noise = ""
+    clipped = _clip_context(target, context, sizes)
     for attempt in range(1, PROFILE_ATTEMPTS + 1):
         verify = measure_verify_cost(target, sizes, context, repeats, seed=attempt - 1)
-        noise = profile_noise(verify)
+        noise = profile_noise(verify) or _implausible(
+            check_verify_profile({"version": PROFILE_VERSION, "verify": verify}, sizes, clipped, PROFILE_VERSION))
         if not noise:
             break
         log.warning("cost profile attempt %d/%d looks disturbed by other work on this machine (%s)%s", attempt,
@@ -227,27 +292,27 @@ def measure_batch_cost(target, rows: Sequence[int] = BATCH_ROWS, tokens: Sequenc
               for B in sorted(set(rows) | {1}) for n in sorted(set(tokens) | {1})}
     for (B, n), inp in inputs.items():
         _time_forward(target.model, *inp, caches[B])  # warm-up per shape
+    return batch_from_timings(rows, tokens, repeats, context,
+                              lambda c: _time_forward(target.model, *inputs[c], caches[c[0]]))
+
+
+def batch_from_timings(rows: Sequence[int], tokens: Sequence[int], repeats: int, context: int,
+                       time_cell: Callable[[tuple[int, int]], float]) -> dict[str, Any]:
+    """measure_batch_cost's record from the timer time_cell((B, n)) -> seconds of one forward of B rows x n tokens."""
     grid = [(B, n) for B in rows for n in tokens]
-    times: dict[tuple, list[float]] = {c: [] for c in grid}
-    ratios: dict[tuple, list[float]] = {c: [] for c in grid}
-    ones: list[float] = []
-    for _ in range(repeats):
-        for B, n in grid:
-            t_one = _time_forward(target.model, *inputs[(1, 1)], caches[1])
-            t_bn = _time_forward(target.model, *inputs[(B, n)], caches[B]) if (B, n) != (1, 1) else t_one
-            ones.append(t_one)
-            times[(B, n)].append(t_bn)
-            ratios[(B, n)].append(t_bn / t_one)
-    raw = {c: sorted(r)[len(r) // 2] for c, r in ratios.items()}
+    before, own = paired_timings(grid, (1, 1), repeats, time_cell)
+    ratios = pair_ratios(before, own)
+    raw = {c: median(r) for c, r in ratios.items()}
     fit = monotone_surface(raw, rows, tokens)
-    ones.sort()
     return {"rows": list(rows), "tokens": list(tokens), "context": context, "repeats": repeats,
             "relative": _nested(fit, rows, tokens), "relative_raw": _nested(raw, rows, tokens),
-            "seconds": _nested({c: min(v) for c, v in times.items()}, rows, tokens),
-            "t1_spread": ones[len(ones) // 2] / ones[0], "cost_drop": surface_drop(raw, rows, tokens),
+            "seconds": _nested({c: min(v) for c, v in own.items()}, rows, tokens),
+            "t1_spread": slot_spread(list(before.values())), "cost_drop": surface_drop(raw, rows, tokens),
+            "noise_drop": surface_noise_drop(ratios, rows, tokens),
             "note": "relative[B][n] = t(B rows x n tokens per row) / t(1, 1): median over repeats of ratios timed "
                     "back to back, fitted non-decreasing in n (isotonic per B) and in B (running max per n), "
-                    "normalised to relative[1][1] = 1 when B = 1 and n = 1 are on the grid; seconds = fastest seen"}
+                    "normalised to relative[1][1] = 1 when B = 1 and n = 1 are on the grid; seconds = fastest seen; "
+                    "t1_spread, cost_drop, noise_drop: as the verify profile's, along n and along B"}
 
 
 def _nested(values: dict[tuple, float], rows, tokens) -> dict[str, dict[str, float]]:
@@ -259,12 +324,6 @@ def batch_profile_path(target, dtype) -> "os.PathLike":
     return p.with_name(p.stem + "-batch.json")
 
 
-def _usable_batch(prof: dict, rows, tokens, context: int) -> bool:
-    b = prof.get("batch") or {}
-    return (prof.get("version") == BATCH_PROFILE_VERSION and b.get("rows") == list(rows)
-            and b.get("tokens") == list(tokens) and b.get("context") == context and not prof.get("noisy"))
-
-
 def load_or_profile_batch(target, refresh: bool = False, rows: Sequence[int] | None = None,
                           tokens: Sequence[int] | None = None, context: int | None = None,
                           repeats: int | None = None) -> dict[str, Any]:
@@ -273,16 +332,19 @@ def load_or_profile_batch(target, refresh: bool = False, rows: Sequence[int] | N
     rows, tokens = tuple(rows or BATCH_ROWS), tuple(tokens or BATCH_TOKENS)
     context, repeats = context or PROFILE_CONTEXT, repeats or PROFILE_REPEATS
     path = batch_profile_path(target, target.dtype)
-    if not refresh and os.path.exists(path):
-        prof = read_json(path)
-        if _usable_batch(prof, rows, tokens, _clip_context(target, context, tokens)):
-            return {**prof, "cached": True, "path": str(path)}
+    clipped = _clip_context(target, context, tokens)
+    prof = None if refresh else cached_profile(
+        path, lambda p: check_batch_profile(p, rows, tokens, clipped, BATCH_PROFILE_VERSION))
+    if prof is not None:
+        return {**prof, "cached": True, "path": str(path)}
     log.info("profiling the target's batched forward cost (rows %s x tokens %s, %d cached tokens a row)",
              list(rows), list(tokens), context)
     t = time.perf_counter()
     for attempt in range(1, PROFILE_ATTEMPTS + 1):
         batch = measure_batch_cost(target, rows, tokens, context, repeats, seed=attempt - 1)
-        noise = profile_noise(batch)
+        noise = profile_noise(batch) or _implausible(
+            check_batch_profile({"version": BATCH_PROFILE_VERSION, "batch": batch}, rows, tokens, clipped,
+                                BATCH_PROFILE_VERSION))
         if not noise:
             break
         log.warning("batch cost profile attempt %d/%d looks disturbed by other work on this machine (%s)%s", attempt,

@@ -40,9 +40,10 @@ import torch
 from specheads.infer.engine.owned import SkipSet
 from specheads.infer.engine.runner import OwnedRunner, runner_for
 from specheads.infer.scheduling.costs import interp_cost, relative_costs
-from specheads.infer.scheduling.profile import PROFILE_VERSION, profile_path
+from specheads.infer.scheduling.profile import cached_profile, cached_verify, profile_path
+from specheads.infer.scheduling.profile_check import DAMAGED, STALE
 from specheads.runinfo import environment
-from specheads.utils import SpecheadsError, atomic_write_json, cache_root, read_json
+from specheads.utils import SpecheadsError, atomic_write_json, cache_root
 
 log = logging.getLogger(__name__)
 
@@ -230,12 +231,11 @@ def _verify_costs(target, given: dict[int, float] | None) -> tuple[dict[int, flo
     """t(n)/t(1): given (a scheduler's), else the cached cost profile's, else FLAT_VERIFY (nothing is timed)."""
     if given:
         return {int(k): float(v) for k, v in given.items()}, "the scheduler's cost profile"
-    path = profile_path(target, target.dtype)
-    if os.path.exists(path):
-        prof = read_json(path)
-        if prof.get("version") == PROFILE_VERSION and not prof.get("noisy"):
-            return relative_costs(prof), f"the cached cost profile {os.path.basename(path)}"
-    return dict(FLAT_VERIFY), "a flat CPU stand-in (no cost profile cached)"
+    prof = cached_verify(target, then="using a flat CPU stand-in")  # a damaged one: one warning, never read
+    if prof is not None:
+        path = profile_path(target, target.dtype)
+        return relative_costs(prof), f"the cached cost profile {os.path.basename(path)}"
+    return dict(FLAT_VERIFY), "a flat CPU stand-in (no usable cost profile cached)"
 
 
 # --------------------------------------------------------------------------------------------------- cache
@@ -255,14 +255,24 @@ def search_path(target) -> "os.PathLike":
     return cache_root() / "profiles" / f"{safe}-{dtype}-layerskip-{search_key(target)}.json"
 
 
+def _check_search(rec: Any) -> tuple[str, str]:
+    """(verdict, why) of a cached search record (profile_check's verdicts): an object of this version, a skip set."""
+    if not isinstance(rec, dict):
+        return DAMAGED, f"is a JSON {type(rec).__name__ if rec is not None else 'null'}, not an object"
+    if rec.get("version") != SEARCH_VERSION:
+        return STALE, f"version {rec.get('version')!r} (this specheads searches version {SEARCH_VERSION})"
+    if not isinstance(rec.get("skip"), str):
+        return DAMAGED, f"skip is {rec.get('skip')!r} (expected a skip set such as 'm4-12,a9')"
+    return "", ""
+
+
 def load_or_search(target, calib_ids=None, refresh: bool = False, **kw) -> dict[str, Any]:
     """The cached search result of this target + machine + dtype, else a search on `calib_ids` (a callable is
     called only when a search runs), written atomically. The record's `skip` is the set; `cached` says which."""
     path = search_path(target)
-    if not refresh and os.path.exists(path):
-        rec = read_json(path)
-        if rec.get("version") == SEARCH_VERSION:
-            return {**rec, "cached": True, "path": str(path)}
+    rec = None if refresh else cached_profile(path, _check_search, "searching again", what="layer-skip search")
+    if rec is not None:
+        return {**rec, "cached": True, "path": str(path)}
     ids = calib_ids() if callable(calib_ids) else calib_ids
     log.info("layer-skip: searching the skip set of %s on %d calibration prompts (at most %d sets, cached after)",
              target.name, len(ids or []), kw.get("budget", MAX_EVALS))
