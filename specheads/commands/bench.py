@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     shared.add_target(p)
     p.add_argument("--head", action="append", default=None, metavar="[LABEL=]DIR",
-                   help="head folder for the `head` method; repeat to compare heads in one run (methods "
+                   help="head folder (or hub id org/name[@revision]) for the `head` method; repeat to compare heads in one run (methods "
                         "head:LABEL, LABEL defaulting to the head kind, e.g. head:eagle3, head:dspark)")
     shared.add_draft_model(p, "the `draft-model` method's draft: a small model sharing the target's vocabulary, or "
                               "truncated:N (the target's first N layers)")

@@ -9,7 +9,7 @@ from specheads.utils import SpecheadsError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--head", required=True, help="native head folder, any kind")
+    p.add_argument("--head", required=True, help="native head folder (or hub id org/name[@revision]), any kind")
     shared.add_target(p, default=None, what="; heldout:RUN: the run's")
     p.add_argument("--dataset", default="mt-bench",
                    help="mt-bench | humaneval | sharegpt:START (first user turns from conversation START on: past the "

@@ -4,6 +4,10 @@
     specheads export --head runs/x/head --format gguf --out runs/x/gguf --target-gguf   (llama.cpp; make llamacpp)
     specheads export --import path/to/EAGLE3-checkpoint --target smollm2-135m --out runs/imported
     specheads export --import path/to/EAGLE-checkpoint --target smollm2-135m --rope-theta checkpoint --out runs/imp
+    specheads export --import org/published-eagle3-head --target smollm2-135m --out runs/imported   (a hub id)
+
+--head and --import take a folder or a hub id (org/name[@revision], resolved through the hub cache, HF_HUB_OFFLINE
+honoured: heads/locate.py), whose weights may be one safetensors file or shards under an index.
 
 An EAGLE repo checkpoint whose RoPE base (its rope_theta, 10000 when absent) is not the target's is refused unless
 --rope-theta says which base the head runs at (heads/export/repos.py import_rope); an export that writes the
@@ -35,9 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from specheads.heads.export import FORMATS, SPECULATIVE_TOKENS
 
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--head", help="native head folder to export")
+    src.add_argument("--head", help="native head folder (or hub id org/name[@revision]) to export")
     src.add_argument("--import", dest="import_dir",
-                     help="foreign checkpoint folder to import (eagle, eagle3, speculators, medusa-vllm, "
+                     help="foreign checkpoint folder or hub id (org/name[@revision]; weights in one safetensors file "
+                          "or shards with an index) to import (eagle, eagle3, speculators, medusa-vllm, "
                           "FasterDecoding Medusa; auto-detected) into a native folder; needs --target (a head whose "
                           "config names another target is bound to --target with a warning naming both)")
     p.add_argument("--format", choices=FORMATS, default=None, help="export layout (required with --head)")
@@ -93,6 +98,13 @@ def run(args: argparse.Namespace) -> int:
     from specheads.heads.export.repos import parse_rope_choice
 
     parse_rope_choice(args.rope_theta)  # a bad value is one line before anything is loaded
+    from specheads.heads.locate import head_folder
+
+    # a hub id (org/name[@revision]) becomes its snapshot folder in the hub cache: what is read, guarded, recorded
+    if args.head:
+        args.head = str(head_folder(args.head))
+    if args.import_dir:
+        args.import_dir = str(head_folder(args.import_dir, "folder"))
     fmt, source = ("native" if args.import_dir else args.format), args.import_dir or args.head
     reads = {"--target": args.target}
     check_out(args.out, fmt, source, args.force, reads)  # before the lock: never a lock file inside the source

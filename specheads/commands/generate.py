@@ -8,6 +8,7 @@ from pathlib import Path
 import specheads.target
 from specheads.commands import args as shared
 from specheads.heads.base import read_head_config
+from specheads.heads.locate import head_folder
 from specheads.infer.drafters import build_drafter, check_lookup, drafter_kind, parse_tree
 from specheads.infer.drafters.plugins import load_plugins
 from specheads.infer.engine.generate import generate
@@ -20,8 +21,8 @@ from specheads.utils import SpecheadsError
 def add_arguments(p) -> None:
     shared.add_target(p)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--head", help="head folder (medusa, eagle, eagle3, dspark, domino, dspine, dflash2, peagle; native "
-                                    "layout)")
+    src.add_argument("--head", help="head folder or hub id org/name[@revision] (medusa, eagle, eagle3, dspark, domino, "
+                                    "dspine, dflash2, peagle; native layout)")
     src.add_argument("--drafter", default=None,
                      help="training-free drafter: plain, prompt-lookup (default when no --head), draft-model, "
                           "recycling (Token Recycling, --tree rank paths or default), layer-skip (the target drafting "
@@ -69,6 +70,7 @@ def drafter_source(args):
         if eq and not Path(args.head).exists() and Path(rest).is_dir():  # bench's LABEL=DIR given to generate
             raise SpecheadsError(f"--head {args.head}: no such folder; generate takes one head folder, not LABEL=DIR "
                                  f"(as bench does): --head {rest}")
+        args.head = str(head_folder(args.head))  # a hub id: its snapshot folder in the hub cache (heads/locate.py)
         config = read_head_config(Path(args.head))
         return config.kind, config
     return args.drafter or "prompt-lookup", None

@@ -25,8 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="continue from the newest checkpoint under <output_dir>/checkpoints (model, optimizer, "
                         "scheduler, RNG, data position)")
     p.add_argument("--init-head", metavar="DIR", default=None,
-                   help="start from this trained head folder (train.init_head); the opd stage (train.stage=opd) "
-                        "needs one")
+                   help="start from this trained head folder or hub id org/name[@revision] (train.init_head); the "
+                        "opd stage (train.stage=opd) needs one")
     p.add_argument("--calibrate-only", action="store_true",
                    help="a DSpark run already trained: fit its confidence calibration again on the held-out split "
                         "(best/ and final/, calibration.json); no training, the checkpoints and summary untouched")

@@ -26,6 +26,7 @@ from torch import nn
 
 from specheads.heads.kinds import kind_names, kind_spec, kinds, kinds_where
 from specheads.heads.headspec import HeadSpec
+from specheads.heads.locate import WEIGHTS_NAME, head_folder, read_safetensors, read_weights  # noqa: F401 (importers)
 from specheads.utils import (SpecheadsError, atomic_dir, atomic_write_json, atomic_write_text, read_json,
                              read_text_bounded, sha256_file)
 
@@ -44,8 +45,7 @@ def __getattr__(name: str):
 
 
 FORMAT_VERSION = 1  # bump when config.json or the key layout of model.safetensors changes
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"  # WEIGHTS_NAME, "model.safetensors": heads/locate.py (also reads sharded heads)
 CHECKSUM_NAME = "model.safetensors.sha256"  # `sha256sum -c` format; checked on load when present
 
 
@@ -209,19 +209,6 @@ def _mask_token(spec: HeadSpec, target) -> int:
     return mid
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Load a safetensors file; any corruption is one SpecheadsError naming the file. Never unpickles."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if not path.exists():
-        raise SpecheadsError(f"{path}: file not found")
-    try:
-        return load_file(str(path))
-    except Exception as e:  # safetensors raises its own SafetensorError / OSError / ValueError on bad bytes
-        raise SpecheadsError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-
-
 def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
     from safetensors.torch import save_file
 
@@ -339,17 +326,18 @@ class DraftHead(nn.Module):
 
     @classmethod
     def from_pretrained(cls, head_dir: str | Path, target, dtype: torch.dtype | None = None) -> "DraftHead":
-        """Load a head folder against `target` (checked: hidden size, vocab, fingerprint). dtype None = as saved."""
-        head_dir = Path(head_dir)
+        """Load a head folder (or a hub id: heads/locate.py) against `target` (checked: hidden size, vocab,
+        fingerprint). dtype None = as saved. Its weights: model.safetensors, or the shards of an index."""
+        head_dir = head_folder(head_dir)
         config = read_head_config(head_dir)
         check_target(config, target, str(head_dir))
         klass = head_class(config.kind)
         if cls is not DraftHead and not issubclass(klass, cls):
             raise SpecheadsError(f"{head_dir / CONFIG_NAME}: key 'kind' is {config.kind!r}, expected {cls.kind!r}")
-        tensors = read_safetensors(head_dir / WEIGHTS_NAME)
+        tensors, wpath = read_weights(head_dir)
         head = klass(config)
-        load_state_checked(head, tensors, head_dir / WEIGHTS_NAME)
-        check_draft_vocab(tensors, config, head_dir / WEIGHTS_NAME)
+        load_state_checked(head, tensors, wpath)
+        check_draft_vocab(tensors, config, wpath)
         check_checksum(head_dir)
         if dtype is None:
             dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
@@ -379,9 +367,8 @@ def build_draft_vocab(token_counts, size: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def read_head_config(head_dir: Path) -> HeadConfig:
-    path = Path(head_dir) / CONFIG_NAME
-    if not Path(head_dir).is_dir():
-        raise SpecheadsError(f"{head_dir}: head folder not found")
+    """config.json of a head folder or a hub id (heads/locate.py head_folder)."""
+    path = head_folder(head_dir) / CONFIG_NAME
     return HeadConfig.from_dict(read_json(path), str(path))
 
 
@@ -440,9 +427,10 @@ def check_draft_vocab(tensors: dict[str, torch.Tensor], config: HeadConfig, path
 
 
 def check_checksum(head_dir: Path) -> None:
-    """model.safetensors against the sha256 save_pretrained recorded beside it (folders without one: unchecked)."""
+    """model.safetensors against the sha256 save_pretrained recorded beside it (folders without one, and sharded
+    folders without a model.safetensors, which the sidecar cannot be about: unchecked)."""
     side = Path(head_dir) / CHECKSUM_NAME
-    if not side.exists():
+    if not side.exists() or not (Path(head_dir) / WEIGHTS_NAME).is_file():
         return
     want = read_text_bounded(side, limit=1 << 12).split()[:1]  # one sha256 line
     if not want or len(want[0]) != 64:

@@ -68,7 +68,8 @@ from typing import Any, Callable
 import torch
 from safetensors import safe_open
 
-from specheads.heads.base import CONFIG_NAME, WEIGHTS_NAME, HeadConfig, read_head_config, read_safetensors
+from specheads.heads.base import CONFIG_NAME, WEIGHTS_NAME, HeadConfig, read_head_config
+from specheads.heads.locate import INDEX_NAME, head_folder, read_weights
 from specheads.heads.export import check_block_exportable, export_head
 from specheads.heads.kinds import kind_spec, kinds, resolve
 from specheads.target import full_attention_rope, resolve_target_path, target_fingerprint
@@ -357,7 +358,7 @@ def _dspark_notes(cfg: HeadConfig, head_dir: Path) -> dict:
                                "sigmoid(w . [h_k ; W1[x_prev]] + b) is below P (per slot, not the survival product; "
                                "common/speculative.cpp:1267-1276); the GGUF carries the uncalibrated head "
                                "(its per-slot temperatures and biases have no slot there)")
-        sd = read_safetensors(Path(head_dir) / WEIGHTS_NAME)
+        sd = read_weights(Path(head_dir))[0]
         notes["conf_temperature_not_in_gguf"] = [round(float(t), 4) for t in sd["conf_temperature"]]
         if "conf_bias" in sd:
             notes["conf_bias_not_in_gguf"] = [round(float(b), 4) for b in sd["conf_bias"]]
@@ -434,7 +435,7 @@ def check_draft_gguf(path: Path, cfg: HeadConfig, head_dir: Path | None = None) 
     kind.check_gguf(cfg, meta, tensors, path)
     want = torch.arange(cfg.out_vocab)
     if cfg.draft_vocab_size and head_dir is not None:
-        want = read_safetensors(Path(head_dir) / WEIGHTS_NAME)["d2t"].to(torch.int64)
+        want = read_weights(Path(head_dir))[0]["d2t"].to(torch.int64)
     if "d2t" not in tensors and not cfg.draft_vocab_size:  # a full-vocabulary DSpark draft has no map
         return
     got = torch.as_tensor(tensors["d2t"].data.copy()).to(torch.int64).reshape(-1)
@@ -449,10 +450,12 @@ def draft_gguf(head_dir: str | Path, target: str | None = None, outtype: str = D
         if not Path(head_dir).exists():
             raise SpecheadsError(f"{head_dir}: draft GGUF not found")
         return Path(head_dir)
-    head_dir = Path(head_dir)
+    head_dir = head_folder(head_dir)  # a folder or a hub id (heads/locate.py)
     cfg = read_head_config(head_dir)
     h = hashlib.sha256()
-    for name in (CONFIG_NAME, WEIGHTS_NAME):
+    weights = [WEIGHTS_NAME] if (head_dir / WEIGHTS_NAME).is_file() else \
+        [INDEX_NAME, *sorted(p.name for p in head_dir.glob("*.safetensors"))]  # a sharded head: its index and shards
+    for name in (CONFIG_NAME, *weights):
         h.update((head_dir / name).read_bytes())
     h.update(_folder_key(_target_folder(target or cfg.target_name), outtype, LLAMACPP_PIN).encode())
     out = cache_root() / "gguf" / "heads" / f"{head_dir.name}-{h.hexdigest()[:12]}-{outtype}.gguf"

@@ -10,6 +10,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from specheads.heads.base import load_head
 from specheads.heads.kinds import kind_spec, kinds_where
+from specheads.heads.locate import head_folder
 from specheads.train import steps
 from specheads.train.lora import (LoraSettings, Medusa2Model, add_adapters, kl_to_teacher, param_groups,
                                   save_adapters, save_merged_target)
@@ -108,7 +109,7 @@ class Medusa2(HeadOnly):
 def initial_head(recipe, target):
     """train.init_head: a trained head folder to start from, in fp32 (master weights), of the recipe's head.kind
     (its own config, weights and draft vocabulary; a resumed run then restores its checkpoint over them)."""
-    folder = Path(recipe.train.init_head)
+    folder = head_folder(recipe.train.init_head, "train.init_head folder")  # a folder or a hub id (heads/locate.py)
     if not (folder / "config.json").is_file():
         raise SpecheadsError(f"train.init_head {folder}: not a head folder (no config.json); give a trained head's "
                              f"folder, e.g. <run>/best")

@@ -16,13 +16,14 @@ import torch
 
 from specheads.heads.base import (
     CONFIG_NAME, WEIGHTS_NAME, DraftHead, HeadConfig, head_class, load_head, load_state_checked, read_head_config,
-    read_safetensors, write_safetensors,
+    write_safetensors,
 )
 from specheads.heads.export.common import SPECULATIVE_TOKENS, check_keys, resolve_verifier
 from specheads.heads.export.consumers import check_consumers
 from specheads.heads.export.formats import format_spec, formats, read_only_formats, writer_of, written_formats
 from specheads.heads.export.repos import import_rope
 from specheads.heads.kinds import kind_spec, kinds, resolve
+from specheads.heads.locate import head_folder, read_weights
 from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json, read_json
 
 log = logging.getLogger(__package__)  # the package's one logger, specheads.heads.export
@@ -54,10 +55,10 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target=None
     if fmt == GGUF:  # heads/gguf.py builds on this package: it runs llama.cpp's converter on an eagle3 export
         raise SpecheadsError("--format gguf: written by specheads.heads.gguf.export_gguf (llama.cpp's converter), "
                              "as `specheads export --format gguf` does")
-    head_dir = Path(head_dir)
+    head_dir = head_folder(head_dir)  # a folder or a hub id (heads/locate.py)
     cfg = read_head_config(head_dir)
-    sd = read_safetensors(head_dir / WEIGHTS_NAME)
-    where = str(head_dir / WEIGHTS_NAME)
+    sd, wpath = read_weights(head_dir)  # model.safetensors or the shards of its index
+    where = str(wpath)
     ks = kind_spec(cfg.kind)
     if fmt != NATIVE and fmt not in ks.formats:  # the kind's KindSpec says the formats it is written in
         if fmt in ks.refused:
@@ -127,28 +128,13 @@ def detect_format(src: Path, config: dict) -> str:
     raise SpecheadsError(f"{src / CONFIG_NAME}: cannot tell the checkpoint format (no known keys)")
 
 
-def _weights_file(src: Path) -> Path:
-    for name in (WEIGHTS_NAME, "medusa_lm_head.safetensors"):
-        if (src / name).exists():
-            return src / name
-    found = sorted(src.glob("*.safetensors"))
-    if len(found) == 1:
-        return found[0]
-    if found:
-        raise SpecheadsError(f"{src}: several safetensors files ({[p.name for p in found]}); sharded heads unsupported")
-    pickles = [p.name for p in src.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
-    hint = f" (found {pickles}: convert them to safetensors first; pickles are never loaded)" if pickles else ""
-    raise SpecheadsError(f"{src}: no model.safetensors{hint}")
-
-
 def import_head(src_dir: str | Path, target, fmt: str | None = None, rope_theta=None) -> DraftHead:
-    """Load a head in any supported layout (auto-detected from config.json unless `fmt` is given) against `target`.
+    """Load a head in any supported layout (auto-detected from config.json unless `fmt` is given) from a folder or a
+    hub id, its weights in one safetensors file or in shards under an index, against `target`.
     Returns a bound head; `.save_pretrained` writes it natively. `rope_theta` ("checkpoint", "target", a base, or
     None: refuse a mismatch) decides the RoPE base of an EAGLE repo layout whose base is not the target's
     (export/repos.py import_rope)."""
-    src = Path(src_dir)
-    if not src.is_dir():
-        raise SpecheadsError(f"{src}: folder not found")
+    src = head_folder(src_dir, "folder")  # a folder or a hub id (heads/locate.py)
     cpath = src / CONFIG_NAME
     config = read_json(cpath)
     if not isinstance(config, dict):
@@ -159,8 +145,8 @@ def import_head(src_dir: str | Path, target, fmt: str | None = None, rope_theta=
     layout = format_spec(fmt)
     if layout is None or layout.reader is None:
         raise SpecheadsError(f"--format: {fmt!r} is not one of {list(all_formats()) + list(read_only_formats())}")
-    wpath = _weights_file(src)
-    sd = {k: v for k, v in read_safetensors(wpath).items() if k not in _SKIP_ON_IMPORT}
+    sd, wpath = read_weights(src, (WEIGHTS_NAME, "medusa_lm_head.safetensors"), any_file=True)  # shards too
+    sd = {k: v for k, v in sd.items() if k not in _SKIP_ON_IMPORT}
     spec, tensors = layout.reader(config, sd, target, str(cpath), str(wpath))
     cfg = HeadConfig.from_target(spec, target)
     if layout.repo_rope:  # a layout the EAGLE repos save: their RoPE base may not be the target's

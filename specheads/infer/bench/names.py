@@ -1,6 +1,6 @@
 """The method-name grammar of `specheads bench`, in one place: which names exist, what a suffix adds, and how --head
-values become method names. Pure functions of strings (and a head folder's config for a default label), checked
-before any model loads.
+values become method names. Pure functions of strings (and a head folder's config for a default label, a hub id's
+snapshot folder in the hub cache), checked before any model loads.
 
 - single runs: `vanilla`, `prompt-lookup` (HF), `plain`, `prompt-lookup-ours`, `recycling`, `draft-model` (ours),
   `head` / `head:LABEL` (one per --head), either with `+lookup` (the head and a prompt-lookup chain under one
@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specheads.heads.base import read_head_config
+from specheads.heads.locate import head_folder, parse_hub_id
 from specheads.infer.drafters.registry import DRAFTERS
 from specheads.utils import SpecheadsError
 
@@ -135,11 +136,13 @@ def expand_heads(names: list[str], heads: dict[str, str], split) -> list[str]:
 
 def split_head(value: str) -> tuple[str, str]:
     """One --head value as (label, folder): a value that is itself a folder is taken whole, even when its path holds
-    '='; else LABEL=DIR at the first '=' whose DIR is a folder. Neither: one error with the hint."""
+    '='; else LABEL=DIR at the first '=' whose DIR is a folder or, after a label without '/', a hub id
+    (org/name[@revision]). Neither: one error with the hint."""
     if "=" not in value or Path(value).is_dir():
         return "", value
     for i, ch in enumerate(value):
-        if ch == "=" and Path(value[i + 1:]).is_dir():
+        hub = "/" not in value[:i] and parse_hub_id(value[i + 1:]) is not None  # a label never holds a '/'
+        if ch == "=" and (Path(value[i + 1:]).is_dir() or hub):
             return value[:i], value[i + 1:]
     label, _, folder = value.partition("=")
     raise SpecheadsError(f"--head {value}: no such folder, and read as LABEL=DIR (label {label!r}) {folder!r} is not "
@@ -152,7 +155,7 @@ def head_entries(spec) -> dict[str, str]:
     if not spec:
         return {}
     items = [spec] if isinstance(spec, str) else list(spec)
-    pairs = [split_head(v) for v in items]
+    pairs = [(label, _local(folder)) for label, folder in map(split_head, items)]
     if len(pairs) == 1 and not pairs[0][0]:
         return {"head": pairs[0][1]}
     out: dict[str, str] = {}
@@ -189,6 +192,13 @@ def head_trees(values, heads: dict[str, str]) -> dict[str, str]:
         if out[folder] != per_label.get(label, default or "auto"):
             raise SpecheadsError(f"--tree: heads sharing the folder {folder} were given different trees")
     return out
+
+
+def _local(folder: str) -> str:
+    """A hub id that is no local path as its snapshot folder in the hub cache (heads/locate.py); paths as given."""
+    if Path(folder).exists() or parse_hub_id(folder) is None:
+        return folder
+    return str(head_folder(folder))
 
 
 def _kind_from_folder(path: str) -> str:
