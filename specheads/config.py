@@ -47,6 +47,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        if len(args) == 2 and type(None) in args:  # Optional[X]: X's own error (it names the field inside)
+            return _coerce(value, next(a for a in args if a is not type(None)), where)
         errors = []
         for a in args:
             if a is type(None):
@@ -373,6 +375,8 @@ def _deepcopy(d: Any) -> Any:
         return {k: _deepcopy(v) for k, v in d.items()}
     if isinstance(d, list):
         return [_deepcopy(v) for v in d]
+    if dataclasses.is_dataclass(d) and not isinstance(d, type):  # a list of sections (data.sources)
+        return config_to_dict(d)
     return d
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specheads.utils import DTYPE_NAMES, SpecheadsError, atomic_dir, cache_root, read_text_bounded
+from specheads.utils import DTYPE_NAMES, SpecheadsError, atomic_dir, cache_root, read_text_bounded, template_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +304,8 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None:
         raise SpecheadsError("the target's tokenizer has no chat template (a base model?): send plain text "
                              "(generate --raw, bench prompts with a \"prompt\" field, data.mode=text) or give it one")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         **template_kwargs(tokenizer))  # data.chat_template_kwargs
     return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 

@@ -208,6 +208,15 @@ def bounded_lines(f, path: str | os.PathLike, limit: int | None = None) -> Itera
         yield n, line
 
 
+CHAT_KWARGS_ATTR = "specheads_chat_template_kwargs"  # data.chat_template_kwargs, set on a tokenizer by
+# train/data.chat_tokenizer and read wherever the data's conversations are rendered
+
+
+def template_kwargs(tokenizer) -> dict:
+    """data.chat_template_kwargs as a tokenizer carries them (train/data.chat_tokenizer), {} when none."""
+    return dict(getattr(tokenizer, CHAT_KWARGS_ATTR, None) or {})
+
+
 def check_values(section: str, obj: Any, rules: dict[str, str]) -> None:
     """Range checks of a config dataclass, one SpecheadsError naming `section.field`. Rules: ">=N", ">N",
     "[a,b)" (a <= v < b), "(a,b]"; "|None" appended allows None. Numbers must be finite (no nan / inf)."""

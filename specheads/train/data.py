@@ -2,10 +2,13 @@
 
 Sources (`DataConfig.source`): the alias `sharegpt` (the packaged ShareGPT V3 file), a ShareGPT JSON array or JSONL
 file (`conversations: [{from, value}]`), an OpenAI-style JSONL file (`messages: [{role, content}]`), a hub dataset id,
-or a `datasets.Dataset` passed to `load_conversations` directly (their raw rows: sources.py).
+or a `datasets.Dataset` passed to `load_conversations` directly (their raw rows: sources.py). `data.sources` mixes
+several of them by weight (train/mix.py).
 
 Normalised conversations are a `datasets.Dataset` with columns `conversation_id: str` and
-`messages: list[{role, content}]` (roles `system | user | assistant`).
+`messages: list[{role, content, ...}]` (roles `system | user | assistant | tool`), plus the tool calls, reasoning,
+tool ids and loss flags of agentic data and the `tools` / `documents` columns where the source has them
+(train/messages.py). `data.chat_template_kwargs` reach every rendering (`chat_tokenizer`, `render_text`).
 
 Plain-text mode (`data.mode: text`, for targets without a chat template, e.g. base models): `load_texts` reads rows
 `{"text": ...}` (JSONL / JSON / hub / Dataset) or a .txt file (one text), `tokenize_texts` cuts each text into windows
@@ -23,19 +26,25 @@ holds the content (located with `str.find`) followed by the turn's suffix, whose
 end-of-turn token. Each text segment is tokenised on its own and the ids are concatenated, which is how the target
 sees an answer it generated itself (the prompt is tokenised, the answer arrives as tokens); decoding the masked ids
 therefore gives back exactly the assistant texts plus the end-of-turn token. A regenerated answer that carries
-`token_ids` (data/regenerated.jsonl) is trained on exactly those ids, not on its text re-encoded.
+`token_ids` (data/regenerated.jsonl) is trained on exactly those ids, not on its text re-encoded. A turn with tool
+calls or reasoning is trained on everything the template writes after the generation prompt up to and including
+its end-of-turn token (the `<think>` block, the text, each `<tool_call>`); tool results, retrieved documents and
+turns flagged `"loss": false` are context (0).
 """
 from __future__ import annotations
 
 import collections
 import hashlib
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from specheads.train.sources import SHOW_REASONS, LoadStats, Malformed, open_text, rows_from_source
-from specheads.utils import DTYPE_NAMES, SpecheadsError, check_values
+from specheads.train.messages import (CONTEXT_FIELDS, check_template_kwargs, context_kwargs, conversation_features,
+                                      has_answer, parse_turn, row_context, stored, template_message)
+from specheads.train.sources import SHOW_REASONS, LoadStats, Malformed, SourceSpec, open_text, rows_from_source
+from specheads.utils import CHAT_KWARGS_ATTR, DTYPE_NAMES, SpecheadsError, check_values, template_kwargs
 
 log = logging.getLogger(__name__)
 MAX_CORPUS_CHARS = 1 << 30  # a data.mode text .txt file is one row read whole: bounded (an endless one is refused)
@@ -43,7 +52,12 @@ MAX_CORPUS_CHARS = 1 << 30  # a data.mode text .txt file is one row read whole: 
 
 @dataclass
 class DataConfig:
-    source: str = "sharegpt"  # alias, ShareGPT JSON/JSONL, OpenAI messages JSONL, or a hub dataset id
+    source: str | None = None  # alias, ShareGPT JSON/JSONL, OpenAI messages JSONL, or a hub dataset id (None and
+    # no data.sources: the alias sharegpt, the bundled 17,671-conversation ShareGPT V3 part)
+    sources: list[SourceSpec] | None = None  # several sources mixed by weight, seeded (train/mix.py): instead of
+    # data.source, never beside it
+    chat_template_kwargs: dict[str, Any] | None = None  # passed to every apply_chat_template call that renders the
+    # data (tokenisation, regeneration prompts), e.g. {enable_thinking: false} for Qwen3's non-thinking mode
     max_conversations: int | None = None  # None = all; reading stops once this many valid conversations are kept
     max_length: int = 2048  # tokens per sample (truncated)
     val_fraction: float = 0.02  # held-out share for evaluation (chosen by a hash of the conversation id)
@@ -72,8 +86,16 @@ class DataConfig:
                                     "regen_max_new_tokens": ">=1", "regen_batch_size": ">=1",
                                     "regen_temperature": ">=0", "regen_top_p": "(0,1]", "regen_max_turns": ">=1|None",
                                     "regen_conversations": ">=1|None"})
-        if not isinstance(self.source, str) or not self.source.strip():
+        if self.sources is not None and self.source is not None:
+            raise SpecheadsError(f"data.source and data.sources: both given ({self.source!r} and {len(self.sources)} "
+                                 f"sources); keep one (data.sources lists several, data.source names one)")
+        if self.sources is not None and not self.sources:
+            raise SpecheadsError("data.sources: an empty list (name at least one source, or give data.source)")
+        if self.sources is None and self.source is None:
+            self.source = "sharegpt"
+        if self.source is not None and (not isinstance(self.source, str) or not self.source.strip()):
             raise SpecheadsError(f"data.source: expected a file, hub id or alias, got {self.source!r}")
+        check_template_kwargs(self.chat_template_kwargs)
         if self.regen_conversations is not None and not self.regenerate:
             raise SpecheadsError("data.regen_conversations: set, but data.regenerate is false (nothing to regenerate)")
         if self.regen_dtype is not None and self.regen_dtype not in REGEN_DTYPES:
@@ -84,12 +106,9 @@ class DataConfig:
 REGEN_DTYPES = tuple(DTYPE_NAMES)  # the target dtypes a recipe may name
 
 
-ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-            "system": "system"}
-
-
-def normalize_row(row: Any) -> tuple[str | None, list[dict]]:
-    """(id or None, messages[{role, content}]) from a ShareGPT or OpenAI row; raises Malformed(reason)."""
+def normalize_row(row: Any) -> tuple[str | None, list[dict], dict]:
+    """(id or None, messages[{role, content, extras}], context {tools?, documents?}) from a ShareGPT or OpenAI row
+    (tool and reasoning fields: train/messages.py); raises Malformed(reason)."""
     if not isinstance(row, dict):
         raise Malformed(f"not an object: row is a {type(row).__name__}")
     if "conversations" in row:
@@ -102,18 +121,12 @@ def normalize_row(row: Any) -> tuple[str | None, list[dict]]:
         raise Malformed(f"not a list: turns are a {type(turns).__name__}")
     if not turns:
         raise Malformed("empty conversation")
+    context = row_context(row)
     messages = []
     for i, t in enumerate(turns):
         if not isinstance(t, dict):
             raise Malformed(f"not an object: turn {i} is a {type(t).__name__}")
-        if rk not in t or ck not in t:
-            raise Malformed(f"missing field: turn {i} lacks {rk!r} or {ck!r}")
-        role, content = t[rk], t[ck]
-        if not isinstance(role, str) or role.lower() not in ROLE_MAP:
-            raise Malformed(f"unknown role: turn {i} has {rk}={role!r}")
-        if not isinstance(content, str):
-            raise Malformed(f"non-string value: turn {i} {ck} is a {type(content).__name__}")
-        messages.append({"role": ROLE_MAP[role.lower()], "content": content})
+        messages.append(parse_turn(t, i, rk, ck))
         ids = t.get("token_ids")  # a regenerated answer: the target's own tokens (regenerate.py)
         if ids is not None and messages[-1]["role"] == "assistant":
             if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
@@ -127,17 +140,18 @@ def normalize_row(row: Any) -> tuple[str | None, list[dict]]:
     if not any(m["role"] == "assistant" for m in messages):
         raise Malformed("no assistant turn")
     rid = row.get("id", row.get("conversation_id"))
-    return (None if rid is None else str(rid)), messages
+    return (None if rid is None else str(rid)), messages, context
 
 
 def drop_empty_answers(messages: list[dict]) -> tuple[list[dict], int]:
-    """Skip each assistant turn whose text is empty or whitespace, with the user turn(s) it answers: kept, it
-    would train the head on a sample whose only loss token is the end-of-turn token. -> (messages, skipped)."""
+    """Skip each assistant turn whose text is empty or whitespace (and that calls no tool and holds no reasoning),
+    with the user turn(s) it answers: kept, it would train the head on a sample whose only loss token is the
+    end-of-turn token. -> (messages, skipped)."""
     out: list[dict] = []
     pending: list[dict] = []  # user turns since the last kept answer
     skipped = 0
     for m in messages:
-        if m["role"] == "assistant" and not m["content"].strip():
+        if m["role"] == "assistant" and not has_answer(m):
             pending, skipped = [], skipped + 1
         elif m["role"] == "assistant":
             out += pending + [m]
@@ -149,17 +163,19 @@ def drop_empty_answers(messages: list[dict]) -> tuple[list[dict], int]:
     return out + pending, skipped
 
 
-def load_conversations(source: Any = "sharegpt", max_conversations: int | None = None):
-    """Read and normalise conversations; returns (datasets.Dataset[conversation_id, messages], LoadStats).
+def load_conversations(source: Any = "sharegpt", max_conversations: int | None = None, **select):
+    """Read and normalise conversations; returns (datasets.Dataset[conversation_id, messages, tools?, documents?],
+    LoadStats). `select`: split / subset / data_files of a hub dataset (rows_from_source).
 
     Reading stops as soon as `max_conversations` valid ones are kept (the 125 MB ShareGPT file is not parsed past
     that). Malformed rows are skipped and counted; the first few reasons are logged."""
     import datasets
 
     stats = LoadStats()
-    rows, stem = rows_from_source(source, stats)
+    rows, stem = rows_from_source(source, stats, **select)
     ids: list[str] = []
     msgs: list[list[dict]] = []
+    ctxs: list[dict] = []
     seen: dict[str, int] = {}
     for i, row in enumerate(rows):
         if max_conversations is not None and stats.kept >= max_conversations:
@@ -167,7 +183,7 @@ def load_conversations(source: Any = "sharegpt", max_conversations: int | None =
             break
         stats.rows_read += 1
         try:
-            rid, messages = normalize_row(row)
+            rid, messages, context = normalize_row(row)
             messages, empty = drop_empty_answers(messages)
             stats.empty_turns += empty
             if not any(m["role"] == "assistant" for m in messages):
@@ -183,6 +199,7 @@ def load_conversations(source: Any = "sharegpt", max_conversations: int | None =
             seen[rid] = 0
         ids.append(rid)
         msgs.append(messages)
+        ctxs.append(context)
         stats.kept += 1
     log.info("read %d conversations from %s (%d kept, %d skipped)%s", stats.rows_read, stats.source, stats.kept,
              stats.skipped, "; stopped at max_conversations" if stats.stopped_early else "")
@@ -194,37 +211,49 @@ def load_conversations(source: Any = "sharegpt", max_conversations: int | None =
                     "; ".join(stats.examples))
     if stats.empty_turns:
         log.warning("skipped %d empty assistant turns (with the user turns they answer)", stats.empty_turns)
-    with_ids = any("token_ids" in m for ms in msgs for m in ms)  # messages then carry token_ids (None: text)
-    msgs = [[dict(m, token_ids=m.get("token_ids")) for m in ms] for ms in msgs] if with_ids else msgs
-    ds = datasets.Dataset.from_dict({"conversation_id": ids, "messages": msgs},
-                                    features=conversation_features(with_ids))
-    return ds, stats
+    # the extras some message has (token_ids of regenerated answers, tool calls...) become fields of every message
+    msg_fields = {k for ms in msgs for m in ms for k in m} - {"role", "content"}
+    ctx_fields = {k for c in ctxs for k in c}
+    rows = [stored(ms, cx, msg_fields, ctx_fields) for ms, cx in zip(msgs, ctxs)]
+    data = {"conversation_id": ids, "messages": [r[0] for r in rows]}
+    data.update({k: [r[1][k] for r in rows] for k in CONTEXT_FIELDS if k in ctx_fields})
+    return datasets.Dataset.from_dict(data, features=conversation_features(msg_fields, ctx_fields)), stats
 
 
-def conversation_features(with_ids: bool = False):
-    """messages[{role, content}], plus token_ids (a regenerated answer's tokens, else None) when `with_ids`."""
-    import datasets
-
-    msg = {"role": datasets.Value("string"), "content": datasets.Value("string")}
-    if with_ids:
-        msg["token_ids"] = datasets.List(datasets.Value("int32"))
-    return datasets.Features({"conversation_id": datasets.Value("string"), "messages": datasets.List(msg)})
+REPEAT = re.compile(r"~rep\d+")  # a conversation repeated by a data.sources weight > 1 (train/mix.py)
 
 
 def is_val(conversation_id: str, val_fraction: float) -> bool:
-    """Held-out membership from a hash of the id: stable across runs, orders and regeneration."""
+    """Held-out membership from a hash of the id: stable across runs, orders and regeneration. A repeat of a
+    conversation (`~repK`, a data.sources weight above 1) lands on its original's side."""
     if val_fraction <= 0:
         return False
-    h = int.from_bytes(hashlib.sha256(conversation_id.encode()).digest()[:8], "big") / 2.0 ** 64
+    key = REPEAT.sub("", conversation_id)
+    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2.0 ** 64
     return h < val_fraction
 
 
 # -------------------------------------------------------------------------------------------------------- templates
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+def render_text(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
+                context: dict | None = None) -> str:
+    """The template's text of `messages` (stored or row form) with the conversation's tools= / documents= and
+    data.chat_template_kwargs; a template that raises on them is Malformed (the conversation is dropped, counted)."""
     if not messages:
         return ""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    import jinja2
+
+    kwargs = dict(template_kwargs(tokenizer), **(context or {}))
+    try:
+        return tokenizer.apply_chat_template([template_message(m) for m in messages], tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **kwargs)
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
+        raise Malformed(f"template error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def _template_source(tokenizer) -> str:
+    t = getattr(tokenizer, "chat_template", None) or ""
+    return " ".join(t.values()) if isinstance(t, dict) else str(t)
 
 
 def special_tokens(tokenizer) -> list[str]:
@@ -236,22 +265,36 @@ def special_tokens(tokenizer) -> list[str]:
 
 
 def render_segments(tokenizer, messages: list[dict], specials: list[str] | None = None,
-                    add_generation_prompt: bool = False) -> list[tuple[str | list[int], bool]]:
-    """The rendered conversation as (text, trained) segments; trained = assistant content + end-of-turn token.
-    An assistant message with `token_ids` (a regenerated answer) gives its content as those ids, not its text,
-    then its end-of-turn token as text: the target's own tokens, which decode -> encode would change.
+                    add_generation_prompt: bool = False, context: dict | None = None
+                    ) -> list[tuple[str | list[int], bool]]:
+    """The rendered conversation as (text, trained) segments; trained = assistant content + end-of-turn token
+    (an assistant turn with `loss: false` is context, untrained). An assistant message with `token_ids` (a
+    regenerated answer) gives its content as those ids, not its text, then its end-of-turn token as text: the
+    target's own tokens, which decode -> encode would change. A turn with tool calls or reasoning trains on all the
+    template renders after the generation prompt up to its end-of-turn token (`_agentic_span`): the reasoning, the
+    text and each tool call as the template writes them. `context`: the conversation's tools= / documents=.
     Raises Malformed when the template does not render prefix-consistently for this conversation."""
     specials = special_tokens(tokenizer) if specials is None else specials
+    context = context or {}
+    if context.get("documents") and "documents" not in _template_source(tokenizer):
+        raise Malformed("documents: the chat template does not render documents= (the passages would be left out); "
+                        "give them as a turn with \"loss\": false, or use a template that renders them")
     segs: list[tuple[str | list[int], bool]] = []
-    done = ""  # text covered so far
+    done, prev = "", ""  # text covered so far; the rendering of the messages before this one
     for i, m in enumerate(messages):
-        full = _render(tokenizer, messages[: i + 1])
+        full = render_text(tokenizer, messages[: i + 1], context=context)
         if m["role"] != "assistant":
+            prev = full
             continue
-        gen = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        gen = render_text(tokenizer, messages[:i], add_generation_prompt=True, context=context)
         if not gen.startswith(done) or not full.startswith(gen):
             raise Malformed("template not prefix-consistent: cannot locate the assistant turn")
-        region = full[len(gen):]
+        region, trained = full[len(gen):], m.get("loss") is not False
+        if m.get("tool_calls") or m.get("reasoning_content"):
+            end, eot = _agentic_span(tokenizer, messages, i, gen, prev, region, specials, context)
+            segs += [(gen[len(done):], False), (region[:end] + eot, trained)]
+            done, prev = gen + region[: end + len(eot)], full
+            continue
         content = m["content"]
         idx = region.find(content) if content else 0
         if idx < 0 and content.strip():
@@ -263,16 +306,44 @@ def render_segments(tokenizer, messages: list[dict], specials: list[str] | None 
         eot = next((s for s in specials if suffix.startswith(s)), "")
         segs.append((gen[len(done):] + region[:idx], False))
         if m.get("token_ids") is not None:
-            segs += [([int(t) for t in m["token_ids"]], True), (eot, True)]
+            segs += [([int(t) for t in m["token_ids"]], trained), (eot, trained)]
         else:
-            segs.append((content + eot, True))
-        done = gen + region[: idx + len(content) + len(eot)]
-    tail = _render(tokenizer, messages, add_generation_prompt)
+            segs.append((content + eot, trained))
+        done, prev = gen + region[: idx + len(content) + len(eot)], full
+    tail = render_text(tokenizer, messages, add_generation_prompt, context)
     if not tail.startswith(done):
         raise Malformed("template not prefix-consistent: full rendering differs from its prefixes")
     if len(tail) > len(done):
         segs.append((tail[len(done):], False))
     return [(t, m) for t, m in segs if t]
+
+
+SENTINEL = "\x00specheads-turn\x00"  # probe text of a plain assistant turn: what follows it closes a turn
+
+
+def _agentic_span(tokenizer, messages: list[dict], i: int, gen: str, prev: str, region: str, specials: list[str],
+                  context: dict) -> tuple[int, str]:
+    """(end of the assistant's own text in `region`, its end-of-turn token) for assistant turn i with tool calls or
+    reasoning. `region` is what the template renders after the generation prompt: all of it up to the turn's
+    closing is the target's output (reasoning, text, tool calls however the template tags them). The closing is
+    found by rendering a plain probe turn in the same place (`<|im_end|>\\n` for ChatML), else as the last special
+    token followed by whitespace only (templates that close a tool-call turn differently: Llama 3.1's
+    <|eom_id|>). Every tool call's function name must be in the span (a template that drops tool_calls: Malformed)."""
+    if gen == prev:
+        raise Malformed("template has no generation prompt: cannot locate a tool-call or reasoning turn")
+    probe = render_text(tokenizer, messages[:i] + [{"role": "assistant", "content": SENTINEL}], context=context)
+    closing = probe[probe.rfind(SENTINEL) + len(SENTINEL):] if SENTINEL in probe else ""
+    if closing and region.endswith(closing):
+        end, eot = len(region) - len(closing), next((s for s in specials if closing.startswith(s)), "")
+    else:
+        ends = [(region.rfind(s), s) for s in specials if s in region and not region[region.rfind(s) + len(s):].strip()]
+        end, eot = max(ends) if ends else (len(region.rstrip()), "")
+    names = [c["function"]["name"] for c in template_message(messages[i]).get("tool_calls", [])]
+    missing = [n for n in names if n not in region[:end]]
+    if missing:
+        raise Malformed(f"the chat template does not render tool_calls (function {missing[0]!r} is not in the "
+                        f"assistant turn)")
+    return end, eot
 
 
 def tokenize_conversations(conversations, tokenizer, max_length: int, batch_size: int = 64, desc: str = "tokenize"):
@@ -289,9 +360,11 @@ def tokenize_conversations(conversations, tokenizer, max_length: int, batch_size
         out = {"input_ids": [], "loss_mask": [], "conversation_id": [], "_status": []}
         pieces: list[str] = []
         plan: list[list[tuple[int, bool]] | None] = []
-        for cid, msgs in zip(batch["conversation_id"], batch["messages"]):
+        ctx_cols = [k for k in CONTEXT_FIELDS if k in batch]
+        for j, (cid, msgs) in enumerate(zip(batch["conversation_id"], batch["messages"])):
             try:
-                segs = render_segments(tokenizer, msgs, specials)
+                context = context_kwargs({k: batch[k][j] for k in ctx_cols})
+                segs = render_segments(tokenizer, msgs, specials, context=context)
             except Malformed as e:
                 plan.append(None)
                 if len(bad) < SHOW_REASONS:
@@ -355,8 +428,9 @@ NO_TEMPLATE = ("target {target}: its tokenizer has no chat template (a base mode
 def check_mode_settings(cfg: DataConfig) -> None:
     """The data.mode / chat_template / regen_prefix_tokens combinations that mean something (one error otherwise)."""
     if cfg.mode == "text":
-        if cfg.chat_template is not None:
-            raise SpecheadsError("data.chat_template: set, but data.mode is text (plain text is not templated)")
+        for key in ("chat_template", "chat_template_kwargs"):
+            if getattr(cfg, key) is not None:
+                raise SpecheadsError(f"data.{key}: set, but data.mode is text (plain text is not templated)")
         if cfg.regen_max_turns is not None:
             raise SpecheadsError("data.regen_max_turns: counts conversation turns; data.mode is text")
     too_long = cfg.mode == "text" and cfg.regenerate and cfg.regen_prefix_tokens >= cfg.max_length
@@ -365,14 +439,19 @@ def check_mode_settings(cfg: DataConfig) -> None:
                              f"got {cfg.regen_prefix_tokens}")
 
 
-def chat_tokenizer(tokenizer, chat_template: str | None, target_name: str):
+def chat_tokenizer(tokenizer, chat_template: str | None, target_name: str, chat_kwargs: dict | None = None):
     """The tokenizer conversations are rendered with: a copy carrying `chat_template` (data.chat_template: a file
-    path, or the template text when it holds Jinja tags) when given, else the target's own. A target without any
-    template is one SpecheadsError naming it and both fixes, not transformers' ValueError from apply_chat_template."""
+    path, or the template text when it holds Jinja tags) when given, else the target's own; with
+    `chat_kwargs` (data.chat_template_kwargs) a copy that carries them (utils.CHAT_KWARGS_ATTR, read by
+    render_text and target.chat_prompt_ids: every rendering of the data). A target without any template is one
+    SpecheadsError naming it and both fixes, not transformers' ValueError from apply_chat_template."""
     import copy
 
     if tokenizer is None:
         raise SpecheadsError(f"target {target_name}: has no tokenizer (needed to tokenize data.source)")
+    if chat_kwargs:
+        tokenizer = copy.deepcopy(tokenizer)
+        setattr(tokenizer, CHAT_KWARGS_ATTR, dict(chat_kwargs))
     if chat_template is None:
         if getattr(tokenizer, "chat_template", None) is None:
             raise SpecheadsError(NO_TEMPLATE.format(target=target_name))
@@ -384,12 +463,12 @@ def chat_tokenizer(tokenizer, chat_template: str | None, target_name: str):
             raise SpecheadsError(f"data.chat_template {chat_template!r}: no such file (and no Jinja tags, so not a "
                                  f"template text either)")
         text = path.read_text(encoding="utf-8")
-    tok = copy.deepcopy(tokenizer)
+    tok = tokenizer if chat_kwargs else copy.deepcopy(tokenizer)  # already a copy when it carries the kwargs
     tok.chat_template = text
     probe = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     try:
-        tok.apply_chat_template(probe, tokenize=False)
-        tok.apply_chat_template(probe[:1], tokenize=False, add_generation_prompt=True)
+        tok.apply_chat_template(probe, tokenize=False, **(chat_kwargs or {}))
+        tok.apply_chat_template(probe[:1], tokenize=False, add_generation_prompt=True, **(chat_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - jinja errors of many kinds: one line naming the field
         raise SpecheadsError(f"data.chat_template: cannot render a conversation ({type(e).__name__}: {e})") from None
     return tok
@@ -411,7 +490,7 @@ def normalize_text_row(row: Any) -> tuple[str | None, str]:
     return (None if rid is None else str(rid)), row["text"]
 
 
-def load_texts(source: Any, max_texts: int | None = None):
+def load_texts(source: Any, max_texts: int | None = None, **select):
     """Plain texts -> (datasets.Dataset[conversation_id, text], LoadStats). `source`: a .txt file (one text, named
     after the file), JSONL / JSON rows {"text": ..., "id"?}, a hub dataset id or a Dataset with a 'text' column.
     Malformed rows are skipped and counted, as for conversations."""
@@ -420,6 +499,9 @@ def load_texts(source: Any, max_texts: int | None = None):
     stats = LoadStats()
     path = Path(str(source)) if isinstance(source, (str, Path)) else None
     if path is not None and path.name.removesuffix(".gz").endswith(".txt"):
+        if select:
+            raise SpecheadsError(f"data.sources[{source}].{next(iter(select))}: selects within a hub dataset; this "
+                                 f"source is a file")
         if not path.is_file():
             raise SpecheadsError(f"data.source {str(source)!r}: file not found")
         with open_text(path) as f:  # one row, read bounded (a larger corpus: JSONL rows {"text": ...})
@@ -430,7 +512,7 @@ def load_texts(source: Any, max_texts: int | None = None):
         rows, stem = iter([{"id": path.name.removesuffix(".gz").removesuffix(".txt"), "text": text}]), ""
         stats.source = str(path)
     else:
-        rows, stem = rows_from_source(source, stats)
+        rows, stem = rows_from_source(source, stats, **select)
     ids: list[str] = []
     texts: list[str] = []
     seen: set[str] = set()

@@ -27,6 +27,7 @@ from specheads.config import save_config
 from specheads.train.checkpoint import CKPT_DIR, FINISHED
 from specheads.train.data import chat_tokenizer, load_conversations, load_texts, tokenize_conversations
 from specheads.train.features import plan_features, write_features
+from specheads.train.mix import load_mixed
 from specheads.train.layout import OVERWRITE_HINT, check_split, feature_layers_for, features_dir
 from specheads.train.regenerate import read_done_ids, read_regenerated, regenerate, text_tokens
 from specheads.train.shards import check_features_folder, check_shared_features, verify_features
@@ -108,7 +109,7 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None, verify
         raise SpecheadsError(f"target {target.name}: has no tokenizer (needed to tokenize data.source)")
     if dc.mode == "chat":  # data.chat_template, or one clear error for a target without a template
         target = dataclasses.replace(target, tokenizer=chat_tokenizer(target.tokenizer, dc.chat_template,
-                                                                       target.name))
+                                                                       target.name, dc.chat_template_kwargs))
     timings["load_target_s"] = time.perf_counter() - t
     offline = recipe.features.mode == "offline"
     if overwrite:
@@ -181,17 +182,25 @@ def _read_source(recipe, timings: dict):
     dc = recipe.data
     text = dc.mode == "text"
     t = time.perf_counter()
-    convs, lstats = (load_texts if text else load_conversations)(dc.source, dc.max_conversations)
+    loader = load_texts if text else load_conversations
+    mix = None
+    if dc.sources is not None:  # several sources, weighted and shuffled with the recipe's seed
+        convs, lstats, mix = load_mixed(dc.sources, loader, recipe.seed, dc.max_conversations)
+    else:
+        convs, lstats = loader(dc.source, dc.max_conversations)
     timings["read_s"] = time.perf_counter() - t
     if len(convs) == 0:
         hint = "" if text else "; plain-text rows {\"text\": ...} need data.mode=text"
-        raise SpecheadsError(f"data.source {dc.source!r}: no usable {'text' if text else 'conversation'} "
+        what = f"data.source {dc.source!r}" if mix is None else f"data.sources ({lstats.source})"
+        raise SpecheadsError(f"{what}: no usable {'text' if text else 'conversation'} "
                              f"({lstats.skipped} malformed rows; first reasons: {'; '.join(lstats.examples) or 'none'}"
                              f"){hint}")
     summary: dict[str, Any] = {"source": lstats.source, "conversations_read": lstats.rows_read,
                                "conversations_skipped": lstats.skipped, "conversations_kept": lstats.kept,
                                "skip_reasons": dict(lstats.reasons), "source_tail_cut": lstats.truncated_tail,
                                "empty_assistant_turns": lstats.empty_turns}
+    if mix is not None:
+        summary["sources"] = mix  # the mix: each source's name, weight, rows read / kept / taken / in the mix
     return convs, summary
 
 

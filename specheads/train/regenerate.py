@@ -28,7 +28,10 @@ resumed run samples what the uninterrupted one sampled. So a regeneration killed
 uninterrupted run, order included.
 The end-of-sequence token that stops an answer is not kept; an answer is capped at max_new_tokens and at what is
 left of max_length after its prompt. A conversation stops at the first turn whose prompt already fills
-`max_length` (what follows would be truncated away by tokenisation).
+`max_length` (what follows would be truncated away by tokenisation), or that the template cannot render.
+Agentic data: only assistant text turns are rewritten (`regenerated_turn`); a tool-call turn is kept as the source
+wrote it (its tool results answer that call), and tool results, `loss: false` turns, the conversation's `tools` and
+`documents` stay as context, rendered with data.chat_template_kwargs (the tokenizer carries them).
 Plain text (data.mode text): `regenerate_texts` continues the first data.regen_prefix_tokens tokens of each window
 the same way and stores token ids (`read_regenerated_texts` reads them back).
 """
@@ -45,9 +48,9 @@ from specheads.infer.drafters.build import build_drafter
 from specheads.infer.engine.batch import generate_batch
 from specheads.infer.engine.generate import generate
 from specheads.kvcache import buffered_cache
-from specheads.target import chat_prompt_ids
-from specheads.train.data import (chat_tokenizer, conversation_features, load_conversations, render_segments,
-                                  special_tokens, tokenize_texts)
+from specheads.train.data import (chat_tokenizer, load_conversations, render_segments, render_text, special_tokens,
+                                  tokenize_texts)
+from specheads.train.messages import align, context_kwargs, row_message
 from specheads.train.sources import Malformed
 from specheads.utils import SpecheadsError, atomic_write_text, bounded_lines
 
@@ -198,9 +201,8 @@ class _Answers:
         """Copy the prompts before conversation j's next answer into its history and queue that answer;
         False when the conversation is complete (no more answers, max_turns reached, or no room left)."""
         msgs, hist = self.todo[j]["messages"], self.hist[j]
-        while self.cursor[j] < len(msgs) and msgs[self.cursor[j]]["role"] != "assistant":
-            m = msgs[self.cursor[j]]
-            hist.append({"role": m["role"], "content": m["content"]})
+        while self.cursor[j] < len(msgs) and not regenerated_turn(msgs[self.cursor[j]]):
+            hist.append(source_message(msgs[self.cursor[j]]))  # a prompt, tool result or kept tool call
             self.cursor[j] += 1
         if self.cursor[j] >= len(msgs):
             return False
@@ -208,9 +210,9 @@ class _Answers:
             while hist and hist[-1]["role"] != "assistant":  # drop the unanswered prompt
                 hist.pop()
             return False
-        ids = history_prompt_ids(self.tok, hist, self.specials)
-        room = min(self.max_new_tokens, self.max_length - len(ids))
-        if room <= 0:  # the prompt alone fills max_length: later turns would be cut anyway
+        ids = history_prompt_ids(self.tok, hist, self.specials, self.todo[j]["context"])
+        room = 0 if ids is None else min(self.max_new_tokens, self.max_length - len(ids))
+        if room <= 0:  # the prompt alone fills max_length (later turns would be cut anyway), or cannot be rendered
             return False
         turn = sum(m["role"] == "assistant" for m in hist)  # this answer's own stream: its conversation and turn
         work.append((j, ids, room, answer_seed(self.seed, str(self.todo[j]["conversation_id"]), turn)))
@@ -218,8 +220,8 @@ class _Answers:
 
     def finish(self, j: int) -> None:
         if any(m["role"] == "assistant" for m in self.hist[j]):
-            self.f.write(json.dumps({"id": self.todo[j]["conversation_id"], "messages": self.hist[j]},
-                                    ensure_ascii=False) + "\n")
+            self.f.write(json.dumps({"id": self.todo[j]["conversation_id"], "messages": self.hist[j],
+                                     **self.todo[j]["context"]}, ensure_ascii=False) + "\n")
             self.unsynced += 1
         self.hist[j] = []  # written: free it
         self.on_done()
@@ -232,17 +234,36 @@ class _Answers:
         self.unsynced = 0
 
 
-def history_prompt_ids(tok, hist: list[dict], specials: list[str]) -> list[int]:
-    """The prompt for the answer after `hist` (which ends with a user turn): the segments tokenize_conversations
-    trains on (earlier answers as the ids the target generated), then the generation prompt, so the prompt equals
-    the training tokens before this answer. The first turn is chat_prompt_ids; so is a template that cannot be split
-    (tokenisation drops such a conversation anyway)."""
-    if not any(m["role"] == "assistant" for m in hist):
-        return chat_prompt_ids(tok, hist)
+def regenerated_turn(m: dict) -> bool:
+    """Whether the target rewrites this source turn: an assistant text turn. A tool-call turn is kept as the source
+    wrote it (the tool results after it answer that call; a different call would not match them), and so is a turn
+    flagged `loss: false` (context); tool results, user and system turns are always kept."""
+    return m["role"] == "assistant" and not m.get("tool_calls") and m.get("loss") is not False
+
+
+def source_message(m: dict) -> dict:
+    """A source turn copied into a regenerated conversation (row form: what normalize_row reads back)."""
+    out = row_message(m)
+    out.pop("token_ids", None)
+    return out
+
+
+def history_prompt_ids(tok, hist: list[dict], specials: list[str], context: dict | None = None) -> list[int] | None:
+    """The prompt for the answer after `hist` (which ends with a user turn or a tool result): the segments
+    tokenize_conversations trains on (earlier answers as the ids the target generated), then the generation
+    prompt, so the prompt equals the training tokens before this answer; `context`: the conversation's tools= /
+    documents=. A first turn, or a template that cannot be split (tokenisation drops such a conversation anyway), is
+    the template's plain text tokenised (as target.chat_prompt_ids); None when the template cannot render it."""
     try:
-        segs = render_segments(tok, hist, specials, add_generation_prompt=True)
+        if not any(m["role"] == "assistant" for m in hist):
+            segs = [(render_text(tok, hist, True, context), False)]
+        else:
+            try:
+                segs = render_segments(tok, hist, specials, add_generation_prompt=True, context=context)
+            except Malformed:
+                segs = [(render_text(tok, hist, True, context), False)]
     except Malformed:
-        return chat_prompt_ids(tok, hist)
+        return None
     ids: list[int] = []
     for t, _ in segs:
         ids += t if isinstance(t, list) else tok(t, add_special_tokens=False)["input_ids"]
@@ -264,15 +285,7 @@ def read_regenerated(path: str | os.PathLike, wanted: set[str], keep=None):
                  "re-encoded, which can change their tokens", path, old, len(answers))
     if keep is None:
         return regen, stats
-    parts = [regen, keep]
-    if regen.features != keep.features:  # one side carries token_ids: give the other None ids
-        parts = [p if "token_ids" in p.features["messages"].feature else _with_no_ids(p) for p in parts]
-    return datasets.concatenate_datasets(parts), stats
-
-
-def _with_no_ids(convs):
-    return convs.map(lambda ms: {"messages": [dict(m, token_ids=None) for m in ms]}, input_columns="messages",
-                     features=conversation_features(with_ids=True), desc="align columns")
+    return datasets.concatenate_datasets(align([regen, keep])), stats  # one side may lack token_ids, tool fields
 
 
 def _first_prompt_chars(row: dict) -> int:
@@ -291,12 +304,14 @@ def regenerate(target, conversations, out_path: str | os.PathLike, max_length: i
     docstring) and the conversations between two fsyncs. Returns stats (tokens generated, tokens/s)."""
     from tqdm.auto import tqdm
 
-    tok = chat_tokenizer(target.tokenizer, None, target.name)  # one clear error when there is no template
+    tok = chat_tokenizer(target.tokenizer, None, target.name)  # one clear error when there is no template (the
+    # tokenizer prepare gives it carries data.chat_template and data.chat_template_kwargs already)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _drop_partial_tail(out_path)
     done = read_done_ids(out_path)
-    rows = [{"conversation_id": c["conversation_id"], "messages": c["messages"]} for c in conversations]
+    rows = [{"conversation_id": c["conversation_id"], "messages": c["messages"], "context": context_kwargs(c)}
+            for c in conversations]
     todo = sorted((r for r in rows if r["conversation_id"] not in done), key=_first_prompt_chars)  # length buckets
     stats = {"conversations": len(rows), "already_done": len(rows) - len(todo), "regenerated": 0,
              "new_tokens": 0, "seconds": 0.0}

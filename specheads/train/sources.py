@@ -14,9 +14,29 @@ from typing import Any, Iterable, Iterator
 
 from specheads.assets import sharegpt_json
 from specheads import utils
-from specheads.utils import SpecheadsError, bounded_lines
+from specheads.utils import SpecheadsError, bounded_lines, check_values
 
 SHOW_REASONS = 5  # malformed rows whose reason is logged verbatim; the rest are only counted
+
+
+@dataclass
+class SourceSpec:
+    """One entry of `data.sources` (train/mix.py mixes them): where the rows come from and how much of them."""
+    source: str = ""  # a file, hub dataset id or the alias sharegpt (what data.source takes)
+    weight: float = 1.0  # share of this source's conversations in the mix: 0.5 = a seeded half, 2.0 = each twice
+    limit: int | None = None  # read at most this many valid conversations of it (None = all)
+    split: str | None = None  # hub datasets: the split (None = train)
+    subset: str | None = None  # hub datasets: the configuration name (load_dataset's `name`)
+    data_files: str | None = None  # hub datasets: one file (or glob) of the repository, e.g. ShareGPT_V4.3_...json
+    name: str | None = None  # the prefix of its conversation ids (None = from the source: file stem, hub id's tail)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str) or not self.source.strip():
+            raise SpecheadsError(f"data.sources: an entry without a source (got {self.source!r})")
+        check_values(f"data.sources[{self.source}]", self, {"weight": ">0", "limit": ">=1|None"})
+        if self.name is not None and (not self.name.strip() or ":" in self.name):
+            raise SpecheadsError(f"data.sources[{self.source}].name: {self.name!r} must be a non-empty name "
+                                 f"without ':'")
 
 
 class Malformed(ValueError):
@@ -158,8 +178,14 @@ def iter_jsonl(path: Path, stats: LoadStats) -> Iterator[Any]:
             stats.truncated_tail = True
 
 
-def rows_from_source(source: Any, stats: LoadStats) -> tuple[Iterable[Any], str]:
-    """Iterable of raw rows and a short name used for generated ids."""
+def rows_from_source(source: Any, stats: LoadStats, split: str | None = None, subset: str | None = None,
+                     data_files: str | None = None) -> tuple[Iterable[Any], str]:
+    """Iterable of raw rows and a short name used for generated ids. `split`, `subset` (a configuration name) and
+    `data_files` select within a hub dataset; given for a file or a Dataset they are one error."""
+    hub_only = [k for k, v in (("split", split), ("subset", subset), ("data_files", data_files)) if v is not None]
+    if hub_only and (not isinstance(source, (str, Path)) or str(source) == "sharegpt" or Path(source).exists()):
+        raise SpecheadsError(f"data.sources[{source if isinstance(source, (str, Path)) else type(source).__name__}]."
+                             f"{hub_only[0]}: selects within a hub dataset; this source is a file or a Dataset")
     if not isinstance(source, (str, Path)):  # a datasets.Dataset / DatasetDict / list of dicts
         stats.source = type(source).__name__
         if type(source).__name__ in ("DatasetDict", "IterableDatasetDict"):  # its train split
@@ -189,7 +215,7 @@ def rows_from_source(source: Any, stats: LoadStats) -> tuple[Iterable[Any], str]
     try:  # a hub dataset id
         import datasets
 
-        ds = datasets.load_dataset(str(source), split="train")
+        ds = datasets.load_dataset(str(source), name=subset, split=split or "train", data_files=data_files)
     except Exception as e:  # noqa: BLE001 - any hub/offline failure becomes one readable line
         raise SpecheadsError(f"data.source {str(source)!r}: not a file and cannot load it as a hub dataset "
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

@@ -53,7 +53,7 @@ from specheads.train import checkpoint
 from specheads.train.accel import build_accelerator, flat_config
 from specheads.train.calibrate import calibrate_run, has_confidence_head
 from specheads.train.checkpoint import CKPT_DIR, TrainState, list_checkpoints
-from specheads.train.data import is_val
+from specheads.train.data import chat_tokenizer, is_val
 from specheads.train.dataset import (FeatureDataset, TokenDataset, assistant_token_counts, collate, eval_indices,
                                      masked_token_counts)
 from specheads.train.devset import dev_answers, dev_batches
@@ -545,6 +545,11 @@ def run_training(recipe, resume: bool = False, target=None, trainer_class: type 
     if target is None:
         target = specheads.target.load_target(recipe.target.name, dtype=recipe.target.dtype,
                              trust_remote_code=recipe.target.trust_remote_code)
+    if recipe.data.mode == "chat" and recipe.data.chat_template_kwargs and target.tokenizer is not None:
+        import dataclasses  # the dev set's prompts render as the data did (data.chat_template_kwargs)
+
+        target = dataclasses.replace(target, tokenizer=chat_tokenizer(target.tokenizer, None, target.name,
+                                                                       recipe.data.chat_template_kwargs))
     train_ds, val_ds, collate_fn, layers, extract_fn = load_training_data(recipe, target)
     counts = None
     if recipe.head.draft_vocab_size and not recipe.train.init_head:  # chosen from the training split's assistant
