@@ -8,6 +8,7 @@ from specheads.commands import args as shared
 from specheads.infer.bench.batch import (BatchBenchSettings, batch_markdown, build_batch_methods, check_batch_sizes,
                                          run_batch_bench)
 from specheads.infer.bench.names import check_batch_methods, default_batch_methods, head_entries
+from specheads.infer.bench.runner import interrupted_exit
 from specheads.prompts import calibration_ids, encode_turn, load_prompts
 from specheads.utils import SpecheadsError
 
@@ -55,4 +56,4 @@ def run(args: argparse.Namespace, options) -> int:
     results = run_batch_bench(encoded, methods, settings, out_dir=args.out, extra=extra)
     print(batch_markdown(results))
     print(f"wrote {args.out}/results.json, results.md, {', '.join(results.get('plots', []))}")
-    return 130 if results.get("interrupted") else 0
+    return interrupted_exit(results, args.out, "chunks")  # after a signal: exit 128 + it, one line

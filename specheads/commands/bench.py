@@ -12,6 +12,7 @@ from specheads.commands import batchbench
 from specheads.heads.base import read_head_config
 from specheads.infer.bench import BenchSettings, MethodOptions, build_methods, markdown_table, run_bench
 from specheads.infer.bench.methods import check_lookup_tokens
+from specheads.infer.bench.runner import interrupted_exit
 from specheads.infer.bench.names import (HEAD_LOOKUP_TOKENS, check_method_names, default_methods, head_entries,
                                          head_trees, needs_heads)
 from specheads.infer.drafters import parse_tree
@@ -149,4 +150,4 @@ def run(args: argparse.Namespace) -> int:
     results = run_bench(prompts, methods, settings, target.tokenizer, out_dir=args.out, extra=extra)
     print(markdown_table(results))
     print(f"wrote {args.out}/results.json, results.md, {', '.join(results.get('plots', []))}")
-    return 130 if results.get("interrupted") else 0
+    return interrupted_exit(results, args.out, "prompts")  # after a signal: exit 128 + it, one line
