@@ -188,6 +188,7 @@ def test_interrupt_keeps_finished_prompts(tiny, tmp_path):
     res = run_bench(prompts, methods, BenchSettings("tiny", "inline", "float32", max_new_tokens=4, warmup_tokens=1),
                     tiny.tokenizer, out_dir=tmp_path, progress=False)
     assert res["interrupted"] and not res["complete"] and res["num_prompts"] == 1
+    assert res["interrupted_by"] == "SIGINT"  # a plain KeyboardInterrupt: Ctrl-C
     assert json.loads((tmp_path / "results.json").read_text())["num_prompts"] == 1
 
 
@@ -504,3 +505,18 @@ def test_dspark_lookup_and_combo_methods_on_tiny(tiny, tmp_path, monkeypatch):
         build_methods(["combo"], tiny, dataclasses.replace(options, temperature=0.7))
     with pytest.raises(SpecheadsError, match="combo: needs --head"):
         build_methods(["combo"], tiny, MethodOptions())
+
+
+def test_an_interrupted_bench_ends_as_every_command_does(tmp_path):
+    """issue 49: bench kept the finished prompts on SIGTERM but exited 130 (SIGINT's code) with no line saying so;
+    now it ends with Interrupted of the signal that stopped it (the CLI: one line, exit 128 + signal)."""
+    import signal
+
+    from specheads.infer.bench.runner import interrupted_exit
+    from specheads.utils import Interrupted
+
+    assert interrupted_exit({"interrupted": False}, tmp_path, "prompts") == 0
+    with pytest.raises(Interrupted) as e:
+        interrupted_exit({"interrupted": True, "interrupted_by": "SIGTERM"}, tmp_path, "prompts")
+    assert e.value.signum == signal.SIGTERM
+    assert e.value.detail == f"the finished prompts are kept in {tmp_path / 'results.json'} (complete: false)"

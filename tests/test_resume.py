@@ -195,16 +195,23 @@ def test_a_signal_mid_run_saves_that_step_releases_and_resumes_bit_for_bit(tiny,
     head_a = make_head(a, tiny)
     Trainer(a, tiny, head_a, data, None).train()
     b = make_recipe(tmp_path / "b", *over)
-    # the handlers the process had before (a background job starts with SIGINT ignored: `nohup make test &`)
-    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    with pytest.raises(Interrupted) as e:  # accelerate's loader builds batch 6 ahead, while step 5 runs
-        Trainer(b, tiny, make_head(b, tiny), data, None, collate_fn=_SignalAt(signum, 6)).train()
+    # the handlers the process had before (a background job starts with SIGINT ignored: `nohup make test &`; the
+    # run then leaves SIGINT ignored, as a background job's Ctrl-C must be: Python's own handler, as a foreground
+    # process has it, for this run)
+    started = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+        with pytest.raises(Interrupted) as e:  # accelerate's loader builds batch 6 ahead, while step 5 runs
+            Trainer(b, tiny, make_head(b, tiny), data, None, collate_fn=_SignalAt(signum, 6)).train()
+        after = {s: signal.getsignal(s) for s in before}
+    finally:
+        signal.signal(signal.SIGINT, started)
     ck = tmp_path / "b" / "checkpoints" / "step-000005"
     assert e.value.signum == signum and e.value.detail == (
         f"stopped after step 5; checkpoint {ck} saved: continue with `specheads train --config "
         f"{tmp_path / 'b' / 'train_config.yaml'} --resume`")
     assert [p.name for p in list_checkpoints(tmp_path / "b")] == ["step-000004", "step-000005"]
-    assert {s: signal.getsignal(s) for s in before} == before  # restored as they were
+    assert after == before  # restored as they were
     head_b = make_head(b, tiny)
     assert Trainer(b, tiny, head_b, data, None).train(resume=True).steps == 8
     sa, sb = state(head_a), state(head_b)
@@ -234,3 +241,24 @@ def test_resume_of_a_finished_run_whose_best_was_removed_names_no_missing_folder
             assert res.best_dir is None and not (tmp_path / "best").exists()
             (tmp_path / "best").mkdir()  # (nothing left to remove next round)
         assert summary["best_dir"] == (None if res.best_dir is None else str(res.best_dir))
+
+
+def test_a_background_run_leaves_an_ignored_sigint_ignored():
+    """issue 49: a background job (`nohup specheads train ... &`, a script's `&`) starts with SIGINT ignored, so
+    that a Ctrl-C meant for the script's foreground leaves it alone; training takes SIGTERM only then, and gives
+    every handler back as it was."""
+    import signal
+
+    from specheads.train.stopping import stop_requests
+
+    started = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        term = signal.getsignal(signal.SIGTERM)
+        with stop_requests() as stop:
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) != term
+            signal.raise_signal(signal.SIGTERM)
+            assert stop.signum == signal.SIGTERM
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN and signal.getsignal(signal.SIGTERM) == term
+    finally:
+        signal.signal(signal.SIGINT, started)

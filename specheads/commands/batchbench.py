@@ -9,6 +9,7 @@ from specheads.commands import args as shared
 from specheads.infer.bench.batch import (BatchBenchSettings, batch_markdown, build_batch_methods, check_batch_sizes,
                                          run_batch_bench)
 from specheads.infer.bench.names import check_batch_methods, default_batch_methods, head_entries
+from specheads.infer.bench.runner import interrupted_exit
 from specheads.prompts import calibration_ids, first_turn_ids, load_prompts
 from specheads.utils import SpecheadsError
 
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace, options) -> int:
     print(batch_markdown(results))
     window_note(results.get("stopped_at_window", 0), "rows", target)
     print(f"wrote {args.out}/results.json, results.md, {', '.join(results.get('plots', []))}")
-    return 130 if results.get("interrupted") else 0
+    return interrupted_exit(results, args.out, "chunks")  # after a signal: exit 128 + it, one line
 
 
 def window_note(stopped: int, what: str, target) -> None:

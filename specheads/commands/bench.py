@@ -12,6 +12,7 @@ from specheads.commands import batchbench
 from specheads.heads.base import read_head_config
 from specheads.infer.bench import BenchSettings, MethodOptions, build_methods, markdown_table, run_bench
 from specheads.infer.bench.methods import check_lookup_tokens
+from specheads.infer.bench.runner import interrupted_exit
 from specheads.infer.bench.names import (HEAD_LOOKUP_TOKENS, check_method_names, default_methods, head_entries,
                                          head_trees, needs_heads)
 from specheads.infer.drafters import parse_tree
@@ -153,5 +154,5 @@ def run(args: argparse.Namespace) -> int:
     print(markdown_table(results))
     batchbench.window_note(results.get("stopped_at_window", 0), "turns", target)
     print(f"wrote {args.out}/results.json, results.md, {', '.join(results.get('plots', []))}")
-    return 130 if results.get("interrupted") else 0
+    return interrupted_exit(results, args.out, "prompts")  # after a signal: exit 128 + it, one line
 

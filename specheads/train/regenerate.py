@@ -331,8 +331,9 @@ def regenerate(target, conversations, out_path: str | os.PathLike, max_length: i
         answer_in_groups(target, len(todo), answers.begin, answered, batch_size, temperature, top_p)
         answers.sync()
     bar.close()
-    if todo:  # answers were appended in the batch's order: put the file in the source's, as one run leaves it
-        canonical_order(out_path, [str(r["conversation_id"]) for r in rows])
+    # answers were appended in the batch's order: put the file in the source's, as one run leaves it; also when
+    # this call appended nothing (a run stopped between its last append and this rewrite left the batch's order)
+    canonical_order(out_path, [str(r["conversation_id"]) for r in rows])
     stats["regenerated"] = len(todo)
     stats["seconds"] = round(time.perf_counter() - t0, 3)
     stats["tokens_per_s"] = round(stats["new_tokens"] / stats["seconds"], 1) if stats["seconds"] > 0 else 0.0
@@ -388,8 +389,8 @@ def regenerate_texts(target, samples, out_path: str | os.PathLike, prefix_tokens
         f.flush()
         os.fsync(f.fileno())
     bar.close()
-    if todo:  # as regenerate: the source's order, whatever order the batch finished in
-        canonical_order(out_path, [str(c) for c, _ in rows])
+    canonical_order(out_path, [str(c) for c, _ in rows])  # as regenerate: the source's order, whatever order the
+    # batch finished in (also when this call appended nothing: a run stopped before this rewrite left the batch's)
     stats["seconds"] = round(time.perf_counter() - t0, 3)
     stats["tokens_per_s"] = round(stats["new_tokens"] / stats["seconds"], 1) if stats["seconds"] > 0 else 0.0
     return stats

@@ -34,7 +34,8 @@ class StopRequest:
 @contextlib.contextmanager
 def stop_requests() -> Iterator[StopRequest]:
     """Turn SIGINT / SIGTERM into a stop request while the block runs (main thread only: elsewhere Python cannot
-    install handlers, and the request stays empty); the previous handlers come back after."""
+    install handlers, and the request stays empty; an ignored SIGINT stays ignored); the previous handlers come back
+    after."""
     req = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield req
@@ -47,7 +48,10 @@ def stop_requests() -> Iterator[StopRequest]:
         log.warning("%s: finishing this optimizer step, then saving a checkpoint and stopping (send it again to "
                     "stop at once)", signal.Signals(signum).name)
 
-    old = {s: signal.signal(s, handler) for s in SIGNALS}
+    # a SIGINT ignored when the process started stays ignored (a background job: `nohup specheads train ... &`, or a
+    # script's `&`, whose shell ignores it so that a Ctrl-C meant for the script's foreground leaves the job alone)
+    taken = [s for s in SIGNALS if not (s == signal.SIGINT and signal.getsignal(s) == signal.SIG_IGN)]
+    old = {s: signal.signal(s, handler) for s in taken}
     try:
         yield req
     finally:

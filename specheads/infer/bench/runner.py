@@ -1,7 +1,8 @@
 """The one runner of `specheads bench`, single and batched: every method on every unit of work (a prompt, or a chunk
 of B prompts), the methods alternated unit by unit (the starting method rotated), after an untimed warm-up;
-results.json is rewritten after every unit, and Ctrl-C keeps the finished units (results["complete"] = False,
-results["interrupted"] = True). `run_bench` is the single run (a unit = one prompt, every turn of it); the batched
+results.json is rewritten after every unit, and Ctrl-C or SIGTERM keeps the finished units (results["complete"] =
+False, results["interrupted"] = True, results["interrupted_by"] = the signal's name: the command then ends with
+`interrupted_exit`, the CLI's one line and exit 128 + signal). `run_bench` is the single run (a unit = one prompt, every turn of it); the batched
 sweep's units are built in bench/batch.py.
 """
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -21,7 +23,7 @@ from specheads.infer.bench.records import BenchSettings, Method, RunRecord
 from specheads.infer.bench.report import build_results, markdown_table, write_results
 from specheads.prompts import BenchPrompt, encode_turn
 from specheads.runinfo import command_line, environment
-from specheads.utils import SpecheadsError, atomic_write_json, atomic_write_text
+from specheads.utils import Interrupted, SpecheadsError, atomic_write_json, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +51,10 @@ def run_units(units: Sequence[Unit], methods: Sequence, build: Callable[[list, b
     """Every method on every unit, rotated; a unit's records count only when every method finished it. After each
     unit `build(records, False)` is written to out_dir/results.json. `bar`: the progress bar's total, desc and
     unit; `what`: the units' name in the interrupt notice. Returns (records, results), results["interrupted"]
-    set."""
+    set (and, when it is, results["interrupted_by"]: "SIGINT" or "SIGTERM")."""
     records: list = []
-    complete = interrupted = False
+    complete = False
+    interrupted: int | None = None  # the signal that stopped it
     finished = 0
     pbar = tqdm(**bar, disable=not progress)
     try:
@@ -68,14 +71,25 @@ def run_units(units: Sequence[Unit], methods: Sequence, build: Callable[[list, b
             if out_dir is not None:
                 atomic_write_json(Path(out_dir) / "results.json", build(records, False))
         complete = True
-    except KeyboardInterrupt:
-        interrupted = True
-        log.warning("interrupted: keeping the %d finished %s", finished, what)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (utils.Interrupted, raised by the CLI's handler)
+        interrupted = int(getattr(e, "signum", signal.SIGINT))  # a plain KeyboardInterrupt is Ctrl-C's
+        log.debug("interrupted: keeping the %d finished %s", finished, what)  # the CLI's last line says it
     finally:
         pbar.close()
     results = build(records, complete)
-    results["interrupted"] = interrupted
+    results["interrupted"] = interrupted is not None
+    if interrupted is not None:
+        results["interrupted_by"] = signal.Signals(interrupted).name
     return records, results
+
+
+def interrupted_exit(results: dict[str, Any], out_dir: str | Path | None, what: str) -> int:
+    """A command's exit after run_units: 0 when it ran to its end; after a signal (its outputs written),
+    Interrupted with that signal, so the CLI ends as every command does on one (one line, exit 128 + signal)."""
+    if not results.get("interrupted"):
+        return 0
+    where = f" in {Path(out_dir) / 'results.json'} (complete: false)" if out_dir is not None else ""
+    raise Interrupted(signal.Signals[results.get("interrupted_by", "SIGINT")], f"the finished {what} are kept{where}")
 
 
 def run_bench(prompts: list[BenchPrompt], methods: list[Method], settings: BenchSettings, tokenizer,
