@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,7 +187,7 @@ def _check_config_values(d: dict, where: str) -> HeadSpec:
         raise SpecheadsError(f"{where}: key 'draft_vocab_size': expected null or an integer in "
                              f"1..{d['vocab_size'] - 1} (below vocab_size), got {dv!r}")
     try:  # the spec through the recipe section's own type and range checks
-        spec = _from_dict(HeadSpec, dict(d["spec"]), "spec")
+        spec = _from_dict(HeadSpec, dict(d["spec"]), "head")  # its keys named as a recipe's head: section
     except SpecheadsError as e:
         raise SpecheadsError(f"{where}: key 'spec': {e}") from None
     for key in ("kind", "draft_vocab_size", "feature_layers"):
@@ -470,7 +471,15 @@ def build_head(spec: HeadSpec, target, token_counts=None, dtype: torch.dtype = t
     them the draft vocab is a placeholder (the first V' ids) to be replaced by `head.set_draft_vocab`.
     """
     config = HeadConfig.from_target(spec, target)
-    head = head_class(spec.kind)(config)
+    try:
+        head = head_class(spec.kind)(config)
+    except (MemoryError, RuntimeError) as e:  # a width typed 100x too large: torch's allocator refuses it at once
+        if not isinstance(e, MemoryError) and "can't allocate memory" not in str(e):
+            raise
+        asked = re.search(r"allocate (\d+) bytes", str(e))
+        said = f"one tensor of {int(asked.group(1)) / 2 ** 30:,.1f} GiB" if asked else type(e).__name__
+        raise SpecheadsError(f"head.{spec.kind}: {kind_spec(spec.kind).label} of these sizes does not fit in memory "
+                             f"({said} refused); lower its sizes (head.num_layers, head.{spec.kind}.*)") from None
     if config.draft_vocab_size:
         if token_counts is not None:
             d2t, _, coverage = build_draft_vocab(token_counts, config.draft_vocab_size)

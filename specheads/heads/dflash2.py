@@ -48,6 +48,7 @@ where), r selector rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -56,7 +57,6 @@ from specheads.heads.base import HeadConfig
 from specheads.heads.dspark import (BLOCK_KIND, BlockLayer, BlockOptions, DSparkHead, check_block,
                                     refuse_block_extras)
 from specheads.heads.kinds import KindSpec, register_kind
-from specheads.heads.headspec import at_least_one
 from specheads.utils import SpecheadsError
 
 
@@ -216,6 +216,8 @@ class DFlash2Options(BlockOptions):
     """head.dflash2: the DFlash block's settings (BlockOptions), a local dynamic convolution over the block and a
     top-k candidate selector; speculators' DFlash2SpeculatorConfig keys of the same names and defaults."""
 
+    LIMITS: ClassVar[dict[str, str]] = {"conv_kernel_size": ">=1", "conv_group_size": ">=1", "selector_rank": ">=1",
+                                        "selector_top_k": ">=1"}  # upper bounds: check_dflash2, check_head_config
     conv_kernel_size: int = 2  # taps of each causal in-block convolution (speculators 2)
     conv_group_size: int = 16  # hidden channels sharing one dynamic coefficient (speculators 16)
     selector_rank: int = 256  # r of the selector's codebooks (speculators 256)
@@ -227,7 +229,6 @@ def check_dflash2(spec) -> None:
     nothing of DSpark's."""
     check_block(spec)
     o = spec.options
-    at_least_one(spec, "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
     if o.conv_kernel_size > o.block_size:
         raise SpecheadsError(f"{spec.key('conv_kernel_size')}: {o.conv_kernel_size} taps exceed the block's "
                              f"{o.block_size} slots ({spec.key('block_size')})")

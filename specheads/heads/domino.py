@@ -39,7 +39,6 @@ from torch import nn
 from specheads.heads.base import HeadConfig
 from specheads.heads.dspark import BLOCK_KIND, BlockOptions, DSparkHead, check_block
 from specheads.heads.kinds import KindSpec, register_kind
-from specheads.heads.headspec import at_least_one
 from specheads.utils import SpecheadsError
 
 
@@ -114,6 +113,8 @@ class DominoOptions(BlockOptions):
 
     FLAT_KEYS: ClassVar[dict[str, str]] = {"domino_gru_hidden": "gru_hidden", "domino_emb_dim": "emb_dim",
                                            "domino_prefix_len": "prefix_len"}
+    LIMITS: ClassVar[dict[str, str]] = {"gru_hidden": ">=1", "emb_dim": ">=1", "prefix_len": ">=0"}  # prefix_len
+    # <= the drafts: check_domino
     gru_hidden: int = 1024  # G, the GRU state (SpecForge gru_hidden_dim 1024)
     emb_dim: int = 256  # E', the correction MLP's bottleneck (SpecForge emb_dim 256)
     prefix_len: int = 1  # P, the first drafts left uncorrected (SpecForge pure_draft_prefix_len 1)
@@ -123,7 +124,6 @@ def check_domino(spec) -> None:
     """The head: section of a Domino head: a DFlash block (check_block) whose GRU is the sequential stage."""
     check_block(spec)
     o = spec.options
-    at_least_one(spec, "gru_hidden", "emb_dim")
     if not 0 <= o.prefix_len <= spec.num_drafts:
         raise SpecheadsError(f"{spec.key('prefix_len')}: must be in 0..{spec.num_drafts} (the drafts), got "
                              f"{o.prefix_len}")
@@ -145,4 +145,6 @@ KIND = register_kind(KindSpec(
     example={"mask_token_id": 5, "domino": {"block_size": 4, "markov_rank": 0, "confidence_head": False,
                                             "gru_hidden": 16, "emb_dim": 8}},
     example_train={"block.domino_lambda_start": 0.5},
+    not_drafted="the pinned llama.cpp (0c1e570) has no Domino reader: its converter and dflash architecture know "
+                "DFlash, DFlash2 and DSpark only, none with Domino's prefix_gru / embed_proj",
     **{**BLOCK_KIND, "exporter": "specheads.heads.export.domino:export_domino"}))

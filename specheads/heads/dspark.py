@@ -74,7 +74,6 @@ from torch import nn
 
 from specheads.heads.base import DraftHead, HeadConfig, fused_layers
 from specheads.heads.kinds import KindSpec, register_kind
-from specheads.heads.headspec import at_least_one
 from specheads.utils import SpecheadsError
 from specheads.heads.eagle import RotaryCache
 from specheads.target import full_attention_rope
@@ -86,6 +85,9 @@ class BlockOptions:
     the same head without its two small heads."""
 
     FLAT_KEYS: ClassVar[dict[str, str]] = {}  # old flat head: key -> field, where one was renamed (heads/headspec.py)
+    # field -> its range (utils.check_values rules), checked by headspec.check_options for every block kind; a
+    # kind's class adds its own. block_size >= 2 without sample_from_anchor: check_block
+    LIMITS: ClassVar[dict[str, str]] = {"block_size": ">=1", "markov_rank": ">=0"}
     block_size: int = 7  # K slots per block incl. the anchor (DeepSpec dspark_qwen3_4b: 7; speculators' default 8)
     markov_rank: int = 256  # r of the Markov logit bias W2·W1[x_prev] (DeepSpec / speculators: 256); 0 = none
     markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"  # DeepSpec default vanilla
@@ -495,12 +497,9 @@ def check_block(spec) -> None:
     """The head: section of a DSpark / DFlash block head (HeadSpec): the block drafts something, the Markov and
     confidence heads fit together."""
     o = spec.options
-    at_least_one(spec, "block_size")
     if o.block_size < (1 if o.sample_from_anchor else 2):
         raise SpecheadsError(f"{spec.key('block_size')}: {o.block_size} drafts nothing with sample_from_anchor "
-                             f"{str(o.sample_from_anchor).lower()} (the anchor slot only drafts when true)")
-    if o.markov_rank < 0:
-        raise SpecheadsError(f"{spec.key('markov_rank')}: must be >= 0 (0 = no Markov head), got {o.markov_rank}")
+                             f"false: must be >= 2 (the anchor slot only drafts when true)")
     if o.confidence_head and o.confidence_with_markov and o.markov_rank == 0:
         raise SpecheadsError(f"{spec.key('confidence_with_markov')}: needs {spec.key('markov_rank')} > 0 (set it "
                              f"false, or confidence_head false for plain DFlash)")

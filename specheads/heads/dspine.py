@@ -58,7 +58,6 @@ from torch import nn
 from specheads.heads.base import HeadConfig
 from specheads.heads.dspark import BLOCK_KIND, BlockOptions, DSparkHead, check_block
 from specheads.heads.kinds import KindSpec, register_kind
-from specheads.heads.headspec import at_least_one
 from specheads.utils import SpecheadsError
 
 
@@ -138,7 +137,9 @@ class DSpineHead(DSparkHead):
             layer.self_attn.causal = True  # slot k reads slots <= k (SpecForge causal_block)
         self.injection = AdjacentInjection(D, s.num_layers, r, int(s.options.message_size), float(s.options.write_std))
         self.register_buffer("transfer_codes", torch.zeros(V, r))  # C, fixed: init_from_target fills it
-        self.top_k = min(int(s.options.top_k), config.out_vocab)
+        if s.options.top_k > config.out_vocab:
+            raise SpecheadsError(f"{s.key('top_k')}: {s.options.top_k} exceeds the draft vocabulary {config.out_vocab}")
+        self.top_k = int(s.options.top_k)
 
     @torch.no_grad()
     def init_from_target(self, chunk: int = 4096) -> None:
@@ -252,6 +253,8 @@ class DSpineOptions(BlockOptions):
     FLAT_KEYS: ClassVar[dict[str, str]] = {"dspine_transfer_rank": "transfer_rank",
                                            "dspine_message_size": "message_size", "dspine_top_k": "top_k",
                                            "dspine_write_std": "write_std"}
+    LIMITS: ClassVar[dict[str, str]] = {"transfer_rank": ">=1", "message_size": ">=1", "top_k": ">=1",
+                                        "write_std": ">=0"}  # transfer_rank <= min(D, V-1), top_k <= V': the head's
     transfer_rank: int = 1024  # r, width of the token codes and per-layer readouts (SpecForge transfer_rank)
     message_size: int = 512  # m, width of the gated message (SpecForge message_size 512)
     top_k: int = 16  # candidates per draft that the predecessor refinement re-scores (SpecForge top_k 16)
@@ -263,9 +266,6 @@ def check_dspine(spec) -> None:
     DSpine is built with."""
     check_block(spec)
     o = spec.options
-    at_least_one(spec, "transfer_rank", "message_size", "top_k")
-    if not o.write_std >= 0:
-        raise SpecheadsError(f"{spec.key('write_std')}: must be >= 0, got {o.write_std}")
     if o.sample_from_anchor:
         raise SpecheadsError(f"{spec.key('sample_from_anchor')}: DSpine drafts from slots 1..K-1 (slot k predicts "
                              "x_{p+k}, SpecForge's DFlash alignment): set it false")

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -42,7 +43,6 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from specheads.heads.base import (DraftHead, HeadConfig, build_draft_vocab, causal_mask_4d,  # noqa: F401 (re-export)
                                   fused_layers, last_row)
 from specheads.heads.kinds import KindSpec, register_kind
-from specheads.heads.headspec import at_least_one
 from specheads.heads.eagle import RotaryCache, build_layers
 from specheads.target import full_attention_rope
 
@@ -56,6 +56,7 @@ class Eagle3Options:
     """head.eagle3: EAGLE-3's own settings; EAGLE-3.1's two switches (speculators' Eagle3SpeculatorConfig keys of
     the same names), both false = EAGLE-3."""
 
+    LIMITS: ClassVar[dict[str, str]] = {"ttt_steps": ">=1"}
     ttt_steps: int = 7  # training-time-test unroll (EAGLE-3 repo default length 7)
     fc_norm: bool = False  # an RMSNorm on each captured target state before fc (one per feature layer)
     norm_output: bool = False  # the head's post-norm state feeds its next step (EAGLE-3: the pre-norm state)
@@ -197,7 +198,7 @@ KIND = register_kind(KindSpec(
     name="eagle3", head=Eagle3Head, family="tree", label="an EAGLE-3 head", feature_layers=fused_layers, bias=False,
     default=True,  # a head: section without `kind` builds EAGLE-3 (the field's most used drafter)
     train_step="specheads.train.kinds.eagle3:KIND", drafter="specheads.infer.drafters.eagle:EAGLE3_KIND",
-    options=Eagle3Options, check=lambda spec: at_least_one(spec, "ttt_steps"),
+    options=Eagle3Options,
     formats=("eagle3", "speculators"), needs_target=speculators_needs_target,
     gguf="specheads.heads.eagle3_gguf:EAGLE3_DRAFT",
     example={"draft_vocab_size": 100}))

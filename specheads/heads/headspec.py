@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from specheads.heads.kinds import default_kind, kind_names, kind_spec, kinds
-from specheads.utils import SpecheadsError
+from specheads.utils import SpecheadsError, check_values
 
 SHARED = ("kind", "num_layers", "draft_vocab_size", "feature_layers", "bias", "mask_token_id")
 
@@ -62,6 +63,7 @@ class HeadSpec:
             raise SpecheadsError(f"head.draft_vocab_size: must be >= 1 or null, got {self.draft_vocab_size}")
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise SpecheadsError(f"head.mask_token_id: must be a token id >= 0 or null, got {self.mask_token_id}")
+        check_options(self)
         ks = kind_spec(self.kind)
         if ks.check is not None:
             ks.check(self)
@@ -112,6 +114,47 @@ class HeadSpec:
         value; an old folder held every kind's)."""
         own = cls.section_renames(data)
         return {k: v for k, v in data.items() if k in own or k not in all_flat_keys()}
+
+
+def option_limits(options: type | None) -> dict[str, str]:
+    """{field: range} an options class declares in its LIMITS ClassVar (utils.check_values rules: ">=1", "(0,0.5)"),
+    merged over its parents (a variant's extend its parent's: DominoOptions over BlockOptions)."""
+    out: dict[str, str] = {}
+    for c in reversed(options.__mro__ if options is not None else ()):
+        out.update(vars(c).get("LIMITS", {}))
+    return out
+
+
+def check_options(spec: HeadSpec) -> None:
+    """The kind's own settings (spec.options) against their annotated types and their class's LIMITS, one
+    SpecheadsError naming head.<kind>.<field> and what it must be. A recipe or config.json has been coerced to the
+    types already (config.py); this also holds for a spec built in Python. Ranges across fields or against the
+    target stay in the kind's own check (KindSpec.check, its head's constructor)."""
+    o = spec.options
+    if o is None:
+        return
+    hints = typing.get_type_hints(type(o))
+    for f in dataclasses.fields(o):
+        _check_type(spec.key(f.name), getattr(o, f.name), hints[f.name])
+    check_values(f"head.{spec.kind}", o, option_limits(type(o)))
+
+
+def _check_type(key: str, v: Any, tp: Any) -> None:
+    """One setting's value against its annotation (int, float, bool, str, Literal; others unchecked)."""
+    if typing.get_origin(tp) is typing.Literal:
+        ok, want = v in typing.get_args(tp), f"one of {list(typing.get_args(tp))}"
+    elif tp is bool:
+        ok, want = isinstance(v, bool), "true or false"
+    elif tp is int:
+        ok, want = isinstance(v, int) and not isinstance(v, bool), "an integer"
+    elif tp is float:
+        ok, want = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), "a finite number"
+    elif tp is str:
+        ok, want = isinstance(v, str), "a string"
+    else:
+        return
+    if not ok:
+        raise SpecheadsError(f"{key}: expected {want}, got {v!r}")
 
 
 def at_least_one(spec: HeadSpec, *names: str) -> None:

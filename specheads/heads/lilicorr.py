@@ -57,7 +57,6 @@ from specheads.heads.base import HeadConfig
 from specheads.heads.dspark import (BLOCK_KIND, BlockContext, BlockOptions, DSparkHead, check_block,
                                     refuse_block_extras)
 from specheads.heads.kinds import KindSpec, register_kind
-from specheads.heads.headspec import at_least_one
 from specheads.utils import SpecheadsError
 
 NUM_FEATURES = 5  # φ: [ℓ, exp ℓ, ℓ - ℓ_0, rank fraction, is top-1]
@@ -262,6 +261,9 @@ class LiLiCorrOptions(BlockOptions):
     FLAT_KEYS: ClassVar[dict[str, str]] = {f"lilicorr_{k}": k for k in (
         "candidate_topk", "hidden_size", "num_layers", "num_heads", "mlp_ratio", "factor_dim", "vector_eps",
         "logit_scale")}
+    LIMITS: ClassVar[dict[str, str]] = {"candidate_topk": ">=1", "hidden_size": ">=0", "num_layers": ">=1",
+                                        "num_heads": ">=1", "mlp_ratio": ">0", "factor_dim": ">=1",
+                                        "vector_eps": "(0,0.5)", "logit_scale": ">0"}
     candidate_topk: int = 8  # k candidates per draft slot (vLLM / SGLang serve powers of two <= 16)
     hidden_size: int = 0  # H, the lattice transformer's width; 0 = the target's hidden size D
     num_layers: int = 2  # lattice transformer layers
@@ -276,13 +278,6 @@ def check_lilicorr(spec) -> None:
     """The head: section of a LiLiCorr head: a DFlash block (check_block) with its lattice, nothing of DSpark's."""
     check_block(spec)
     o = spec.options
-    at_least_one(spec, "candidate_topk", "num_layers", "num_heads", "factor_dim")
-    if o.hidden_size < 0:
-        raise SpecheadsError(f"{spec.key('hidden_size')}: must be >= 0 (0 = the target's), got {o.hidden_size}")
-    if not o.mlp_ratio > 0 or not o.logit_scale > 0:
-        raise SpecheadsError(f"{spec.key('mlp_ratio')} / {spec.key('logit_scale')}: must be > 0")
-    if not 0 < o.vector_eps < 0.5:
-        raise SpecheadsError(f"{spec.key('vector_eps')}: must be in (0, 0.5), got {o.vector_eps}")
     if o.sample_from_anchor:
         raise SpecheadsError(f"{spec.key('sample_from_anchor')}: LiLiCorr's lattice covers the K-1 slots after the "
                              "anchor (DFlash's layout); set it false")

@@ -24,7 +24,6 @@ from torch import nn
 
 from specheads.heads.base import DraftHead, HeadConfig, final_layer
 from specheads.heads.kinds import KindSpec, register_kind
-from specheads.heads.headspec import at_least_one
 
 
 @dataclass
@@ -32,6 +31,7 @@ class MedusaOptions:
     """head.medusa: Medusa's own settings (its residual blocks per head are head.num_layers)."""
 
     FLAT_KEYS: ClassVar[dict[str, str]] = {"medusa_lm_head": "lm_head"}  # old flat head: key -> field
+    LIMITS: ClassVar[dict[str, str]] = {"num_heads": ">=1"}  # checked by headspec.check_options
     num_heads: int = 4  # K heads (Medusa paper default 4 in the repo's training script)
     lm_head: Literal["shared", "per_head"] = "shared"  # shared frozen target lm_head, or per head (Medusa-1 repo)
 
@@ -103,4 +103,4 @@ KIND = register_kind(KindSpec(
     name="medusa", head=MedusaHead, family="tree", label="a Medusa head", feature_layers=final_layer,
     final_state_only=True, lora=True, train_step="specheads.train.kinds.medusa:KIND",
     drafter="specheads.infer.drafters.medusa:KIND", formats=("medusa-vllm",), needs_target=_needs_target,
-    options=MedusaOptions, check=lambda spec: at_least_one(spec, "num_heads"), example={"medusa": {"num_heads": 3}}))
+    options=MedusaOptions, example={"medusa": {"num_heads": 3}}))

@@ -34,6 +34,7 @@ F feature layers, V' draft vocab, S attended length.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -43,14 +44,24 @@ from specheads.kvcache import select_columns
 from specheads.heads.eagle import build_layers
 from specheads.heads.eagle3 import Eagle3Head, eagle3_layer_config, speculators_needs_target
 from specheads.heads.kinds import KindSpec, register_kind
-from specheads.heads.headspec import at_least_one
+from specheads.utils import SpecheadsError
 
 
 @dataclass
 class PEagleOptions:
     """head.peagle: P-EAGLE's own setting (its decoder layers are head.num_layers)."""
 
+    LIMITS: ClassVar[dict[str, str]] = {"num_depths": ">=1"}  # below the target's positions: check_head_config
     num_depths: int = 8  # K parallel depths = drafts per head pass (speculators PEagleArgs num_depths 8)
+
+
+def check_head_config(cfg: HeadConfig) -> None:
+    """What needs the target's sizes: the K depths after the root fit the target's positions (as a block kind's
+    slots do, HeadConfig.from_target)."""
+    spec, P = cfg.head_spec, cfg.target_config.get("max_position_embeddings")
+    if P is not None and spec.options.num_depths + 1 >= int(P):
+        raise SpecheadsError(f"{spec.key('num_depths')}: {spec.options.num_depths} does not fit the {P} positions of "
+                             f"{cfg.target_name}")
 
 
 class PEagleCache:
@@ -75,6 +86,7 @@ class PEagleHead(Eagle3Head):
     kind = "peagle"
 
     def __init__(self, config: HeadConfig):
+        check_head_config(config)
         super().__init__(config)  # fc, midlayer (layer 0), norm, lm_head, rotary
         n, F, D = self.spec.num_layers, len(config.feature_layers), config.hidden_size
         self.layer_config = eagle3_layer_config(config.target_config, config.vocab_size, num_layers=n)
@@ -183,7 +195,6 @@ KIND = register_kind(KindSpec(
     default_loss="kl",  # speculators' P-EAGLE compute_metrics: kl_div over every sampled row
     num_drafts=lambda spec: spec.options.num_depths, mask_token=True, train_step="specheads.train.kinds.peagle:KIND",
     drafter="specheads.infer.drafters.peagle:KIND", formats=("speculators",), options=PEagleOptions,
-    check=lambda spec: at_least_one(spec, "num_depths"),
     writers={"speculators": "specheads.heads.export.peagle:write_peagle"},
     unread_by={"speculators/vllm": "vLLM 0.34 refuses P-EAGLE (speculators/algos.py update_peagle: 'P-EAGLE "
                                    "(parallel drafting EAGLE-3) is not supported'); 0.32-0.33 served it through "

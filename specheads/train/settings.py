@@ -63,17 +63,17 @@ class BlockTrainConfig:
     lilicorr_w_margin: float = 0.0
     lilicorr_w_pen: float = 0.25
     lilicorr_margin: float = 2.0
+    # field -> its range (utils.check_values rules; tests/test_kind_limits.py tries a value outside each)
+    LIMITS: ClassVar[dict[str, str]] = {
+        "gamma": ">0", "w_ce": ">=0", "w_l1": ">=0", "confidence_alpha": ">=0", "max_anchors": ">=1",
+        "dpace_alpha": "(0,1]", "domino_lambda_start": "[0,1]", "domino_lambda_decay_ratio": "(0,1]",
+        "dspine_alignment_weight": ">=0", "dspine_alignment_warmup": ">=0", "dspine_replace_layers": ">=0",
+        "dspine_replace_prob": "[0,1]", "dspine_replace_hold": "[0,1)", "dspine_replace_end": "(0,1]",
+        "dspine_mass_threshold": "[0,1)", "selector_alpha": ">=0", "lilicorr_w_ce": ">=0",
+        "lilicorr_w_margin": ">=0", "lilicorr_w_pen": ">=0", "lilicorr_margin": ">0"}
 
     def __post_init__(self) -> None:
-        check_values("train.block", self, {"gamma": ">0", "w_ce": ">=0", "w_l1": ">=0", "confidence_alpha": ">=0",
-                                           "max_anchors": ">=1", "dpace_alpha": "(0,1]",
-                                           "domino_lambda_start": "[0,1]", "domino_lambda_decay_ratio": "(0,1]",
-                                           "dspine_alignment_weight": ">=0", "dspine_alignment_warmup": ">=0",
-                                           "dspine_replace_layers": ">=0", "dspine_replace_prob": "[0,1]",
-                                           "dspine_replace_hold": "[0,1)", "dspine_replace_end": "(0,1]",
-                                           "dspine_mass_threshold": "[0,1)", "selector_alpha": ">=0",
-                                           "lilicorr_w_ce": ">=0", "lilicorr_w_margin": ">=0",
-                                           "lilicorr_w_pen": ">=0", "lilicorr_margin": ">0"})
+        check_values("train.block", self, self.LIMITS)
         if self.dspine_replace_hold >= self.dspine_replace_end:
             raise SpecheadsError(f"train.block.dspine_replace_hold: {self.dspine_replace_hold} must be below "
                                  f"train.block.dspine_replace_end {self.dspine_replace_end}")
@@ -88,9 +88,10 @@ class PEagleTrainConfig:
     valid rows."""
     cod_ratio: float = 0.7  # r (speculators PEagleArgs down_sample_ratio 0.7)
     cod_ratio_min: float = 0.2  # r_min, the floor (speculators down_sample_ratio_min 0.2)
+    LIMITS: ClassVar[dict[str, str]] = {"cod_ratio": "(0,1]", "cod_ratio_min": "[0,1)"}
 
     def __post_init__(self) -> None:
-        check_values("train.peagle", self, {"cod_ratio": "(0,1]", "cod_ratio_min": "[0,1)"})
+        check_values("train.peagle", self, self.LIMITS)
         if self.cod_ratio_min > self.cod_ratio:
             raise SpecheadsError(f"train.peagle.cod_ratio_min: {self.cod_ratio_min} is above train.peagle.cod_ratio "
                                  f"{self.cod_ratio} (the floor of r^d must not exceed r)")

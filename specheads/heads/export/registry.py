@@ -64,7 +64,8 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target=None
         if fmt in ks.refused:
             raise SpecheadsError(f"--format {fmt}: {ks.refused[fmt]}")
         raise SpecheadsError(f"--format {fmt}: needs a {' or '.join(kinds_of_format(fmt))} head, {head_dir} holds "
-                             f"a {cfg.kind} head")
+                             f"a {cfg.kind} head (exported as {', '.join((NATIVE, *ks.formats))}"
+                             f"{', gguf' if ks.gguf else ''})")
     if fmt != NATIVE and ks.exporter is not None:  # the kind writes its formats itself (DSpark / DFlash blocks)
         return resolve(ks.exporter)(cfg, sd, fmt, out_dir, where, verifier_name_or_path)
     # Every key our own head would have must be present (a truncated export is worse than none).
