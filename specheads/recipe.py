@@ -18,6 +18,14 @@ class TargetConfig:
     name: str = "smollm2-135m"  # hub id, local folder, .gguf file, or alias
     dtype: str = "bfloat16"  # the frozen target runs in bf16 for features (fp32 for exactness checks)
     trust_remote_code: bool = False  # off unless asked
+    device_map: str | dict | None = None  # where prepare (regeneration, extraction), eval's heldout:RUN and online
+    # features run it: auto (split over the visible GPUs, cpu without any), cpu, cuda, cuda:N, or a mapping module
+    # name -> device as transformers' from_pretrained takes it; None = cpu, as before (specheads.target)
+
+    def __post_init__(self):
+        from specheads.target import check_device_map
+
+        check_device_map(self.device_map)
 
 
 @dataclass

@@ -44,6 +44,7 @@ class Target:
     compile: str = "auto"  # compiled steps of the owned forward (C++ kernels on a CPU, CUDA graphs): auto | on | off
     gguf: str | None = None  # the .gguf file it was converted from (recorded with its quantization by heads)
     allow_other_target: bool = False  # --allow-other-target: heads trained on other weights load, with a warning
+    placement: str = ""  # how target.device_map resolved, for the log lines (where_target_runs)
 
     @property
     def config(self):
@@ -253,14 +254,25 @@ def _known_model_type(model_type) -> bool:
 
 
 def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str | None = None,
-                trust_remote_code: bool = False, attn_implementation: str | None = "sdpa") -> Target:
-    """Load a frozen target (eval mode, no gradients). See the module docstring for what `name_or_path` may be."""
+                trust_remote_code: bool = False, attn_implementation: str | None = "sdpa", device_map=None,
+                rank: tuple[int, int] | None = None) -> Target:
+    """Load a frozen target (eval mode, no gradients). See the module docstring for what `name_or_path` may be.
+    `device_map` (target.device_map; `device` wins when both are given): auto, cpu, cuda, cuda:N or a mapping
+    module name -> device, loaded through transformers' from_pretrained(device_map=...) (accelerate's big-model
+    loading: `auto` splits a target larger than one GPU across the visible ones). `rank` (local rank, processes on
+    this node) under several processes: `auto` and `cuda` take this rank's own GPUs (resolve_device_map)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_target_path(name_or_path)
     gguf = _gguf_source(name_or_path)
     torch_dtype = resolve_dtype(dtype)
     kwargs: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
+    placement = ""
+    if device_map is not None and not device:
+        hf_map, max_memory, placement = resolve_device_map(device_map, rank)
+        kwargs["device_map"] = hf_map
+        if max_memory:
+            kwargs["max_memory"] = max_memory
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     if not Path(path).exists() and os.environ.get("HF_HUB_OFFLINE") == "1":
@@ -285,7 +297,93 @@ def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype = "
     model.requires_grad_(False)
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         tok.pad_token = tok.eos_token
-    return Target(model=model, tokenizer=tok, name=name_or_path, gguf=gguf)
+    return Target(model=model, tokenizer=tok, name=name_or_path, gguf=gguf, placement=placement)
+
+
+DEVICE_MAP_WORDS = ("auto", "cpu", "cuda", "cuda:N")
+
+
+def check_device_map(value, where: str = "target.device_map") -> None:
+    """A device map as a recipe may give it: None, one of DEVICE_MAP_WORDS (N a GPU index), or a mapping module name
+    -> cpu | cuda | cuda:N | N (accelerate's and transformers' form). Anything else is one SpecheadsError naming
+    `where`. Whether the GPUs exist is checked at load time (resolve_device_map)."""
+    if value is None:
+        return
+    if isinstance(value, dict):
+        if not value:
+            raise SpecheadsError(f"{where}: an empty mapping (give module name: device, e.g. {{'': cpu}}, or auto)")
+        for k, v in value.items():
+            if not isinstance(k, str) or _one_device(v) is None:
+                raise SpecheadsError(f"{where}.{k}: {v!r} is not a device (cpu, cuda, cuda:N or a GPU index N; "
+                                     f"every module must be placed on a real device)")
+        return
+    if not isinstance(value, str) or (value != "auto" and _one_device(value) is None):
+        raise SpecheadsError(f"{where}: {value!r} is not one of {list(DEVICE_MAP_WORDS)} (N a GPU index) or a "
+                             f"mapping module name -> device")
+
+
+def _one_device(v) -> str | None:
+    """'cpu', 'cuda' or 'cuda:N' for a device value of a map, None when it is none of them."""
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+        return f"cuda:{v}"
+    if not isinstance(v, str):
+        return None
+    if v in ("cpu", "cuda"):
+        return v
+    head, _, n = v.partition(":")
+    return v if head == "cuda" and n.isdigit() else None
+
+
+def resolve_device_map(value, rank: tuple[int, int] | None = None, where: str = "target.device_map"):
+    """target.device_map -> (device_map for from_pretrained, max_memory or None, placement note for the logs).
+    `auto` without an accelerator is cpu (the note says so); under several processes (`rank` = (local rank,
+    processes on this node)) `auto` and `cuda` mean this rank's GPUs: the node's GPUs cut into equal contiguous
+    groups, one per process (a group of several: the target split across them, through max_memory). A GPU that is
+    not there is one SpecheadsError naming `where`."""
+    check_device_map(value, where)
+    local, per_node = rank if rank is not None else (0, 1)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if value == "auto" and gpus == 0:
+        return "cpu", None, "device_map auto found no accelerator"
+    if value in ("auto", "cuda"):
+        if gpus == 0:
+            raise SpecheadsError(f"{where}: {value!r} but no CUDA device is visible (torch.cuda.is_available() is "
+                                 f"False); use auto or cpu")
+        share = gpus // max(per_node, 1)
+        if share == 0:
+            raise SpecheadsError(f"{where}: {per_node} processes on this node but {gpus} GPU(s): start at most "
+                                 f"{gpus} processes per node, or use cpu")
+        mine = list(range(local * share, local * share + share))
+        if value == "cuda" or len(mine) == 1:
+            return f"cuda:{mine[0]}", None, f"device_map {value}"
+        if rank is None:
+            return "auto", None, "device_map auto"
+        memory = {i: int(torch.cuda.mem_get_info(i)[0] * 0.9) for i in mine}  # 10% left for activations
+        return "auto", memory, f"device_map auto over this rank's GPUs {mine}"
+    wanted = [_one_device(v) for v in (value.values() if isinstance(value, dict) else [value])]
+    for d in wanted:
+        n = int(d.split(":")[1]) if ":" in d else 0
+        if d != "cpu" and n >= gpus:
+            raise SpecheadsError(f"{where}: {d} but {gpus} CUDA device(s) visible")
+    hf = {k: _one_device(v) for k, v in value.items()} if isinstance(value, dict) else value
+    return hf, None, "device_map given per module" if isinstance(value, dict) else f"device_map {value}"
+
+
+def target_devices(target) -> list[torch.device]:
+    """The devices holding the target's parameters, in module order (several: a split target)."""
+    seen: list[torch.device] = []
+    for p in target.model.parameters():
+        if p.device not in seen:
+            seen.append(p.device)
+    return seen
+
+
+def where_target_runs(target) -> str:
+    """What a stage's log line says: 'on cuda:0 (bfloat16)', 'on cpu (float32, device_map auto found no
+    accelerator)', 'split over cuda:0, cuda:1 (bfloat16, device_map auto)'."""
+    devs = [str(d) for d in target_devices(target)]
+    what = ", ".join(x for x in (str(target.dtype).removeprefix("torch."), target.placement) if x)
+    return f"{'on ' + devs[0] if len(devs) == 1 else 'split over ' + ', '.join(devs)} ({what})"
 
 
 def _gguf_source(name_or_path: str) -> str | None:

@@ -147,11 +147,10 @@ def test_killed_run_resumes_without_redoing_shards(tiny, tmp_path):
         assert (os.stat(run / f).st_mtime_ns, _sha(run / f)) == (mtime, sha)
     assert not list(run.glob(".shard-*"))  # the partial file is gone
     assert verify_features(run) == []
-    # same content as one clean run (CPU kernels are not bitwise reproducible run to run: compare with tolerance)
+    # the same bytes as one clean run: a shard's batches are cut from its own samples, and its safetensors header
+    # is written in one order (shards.save_safetensors; safetensors' own metadata order was random per write)
     assert [s["conversation_ids"] for s in done["shards"]] == [s["conversation_ids"] for s in ref["shards"]]
-    for a, b in zip(FeatureDataset(run), FeatureDataset(ref_dir)):
-        assert a["input_ids"].tolist() == b["input_ids"].tolist()
-        torch.testing.assert_close(a["hidden"].float(), b["hidden"].float(), atol=2e-2, rtol=1e-2)
+    assert [s["sha256"] for s in done["shards"]] == [s["sha256"] for s in ref["shards"]]
 
 
 def test_damaged_listed_shard_is_rewritten(tiny, tmp_path):

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 
 from specheads.commands import args as shared
 from specheads.utils import SpecheadsError
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from specheads.heads.base import load_head
     from specheads.prompts import load_prompts
-    from specheads.target import load_target
+    from specheads.target import load_target, where_target_runs
     from specheads.train.head_eval import evaluate_head_on_prompts
 
     shared.check_max_new_tokens(args.max_new_tokens)
@@ -44,8 +47,9 @@ def run(args: argparse.Namespace) -> int:
         recipe = heldout_recipe(args.dataset.split(":", 1)[1])
         dtype = shared.dtype_name(args.dtype) if args.dtype else recipe.target.dtype
         target = load_target(args.target or recipe.target.name, dtype=dtype, device=args.device,
-                             trust_remote_code=recipe.target.trust_remote_code)
+                             trust_remote_code=recipe.target.trust_remote_code, device_map=recipe.target.device_map)
         head = load_head(args.head, shared.allow_other_target(target, args)).eval()
+        log.info("eval: %s", where_target_runs(target))
         figures = evaluate_head_on_heldout(target, head, recipe)
         args.max_new_tokens = None  # the stored answers, as the run wrote them
     else:
@@ -53,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         dtype = shared.dtype_name(args.dtype or "bfloat16")
         target = load_target(args.target or "smollm2-135m", dtype=dtype, device=args.device)
         head = load_head(args.head, shared.allow_other_target(target, args)).eval()
+        log.info("eval: %s", where_target_runs(target))
         figures = evaluate_head_on_prompts(target, head, prompts, args.max_new_tokens, tree_width, tree_depth,
                                            dataset=args.dataset, block_tree_nodes=args.block_tree_nodes)
     result = {"head": args.head, "kind": head.config.kind, "dataset": args.dataset,

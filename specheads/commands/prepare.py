@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +32,14 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_config(Recipe, args.config, args.overrides)
     print(f"# specheads prepare --config {args.config} {' '.join(args.overrides)}".rstrip())
     print(format_config(recipe), flush=True)
-    with run_lock(recipe.output_dir, "prepare"):  # one writer per run folder
+    with run_lock(recipe.output_dir, "prepare"):  # one writer per run folder (rank 0 holds it for all ranks)
         summary = prepare(recipe, progress=not args.no_progress, verify=args.verify, overwrite=args.overwrite)
-    print(format_summary(summary))
-    print(f"summary written to {recipe.output_dir}/prepare_summary.json")
+    if summary:  # rank 0 (or the one process); the other ranks of a torchrun / accelerate launch return {}
+        print(format_summary(summary))
+        print(f"summary written to {recipe.output_dir}/prepare_summary.json")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # as commands/train.py: gloo's teardown can abort; leave now
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(0)
     return 0

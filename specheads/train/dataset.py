@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from specheads.train.data import is_val
-from specheads.train.shards import check_shard, read_hidden, read_manifest, sidecars_usable
+from specheads.train.shards import check_shard, read_hidden, read_manifest, sidecars_usable, verify_once
 from specheads.utils import SpecheadsError
 
 log = logging.getLogger("specheads.train.features")  # the features folder's lines under one name
@@ -65,6 +65,11 @@ class FeatureDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.index)
+
+    def verify_once(self, main: bool, wait) -> None:
+        """Several processes: the folder's checksums checked by the main process alone (shards.verify_once)."""
+        if self.verify:
+            verify_once(self.folder, self.manifest, self.has_targets, main, wait)
 
     def _handle(self, si: int):
         h = self._handles.get(si)

@@ -29,8 +29,9 @@ from typing import Sequence
 
 import torch
 
+from specheads.train.ranks import Ranks, clear_parts, read_parts, write_part
 from specheads.train.shards import (FORMAT, HIDDEN_DTYPES, MANIFEST, check_features_folder, commit_file, encode_hidden,
-                                    hidden_bytes, raise_write_error, shard_name)
+                                    hidden_bytes, raise_write_error, read_manifest, save_safetensors, shard_name)
 from specheads.utils import SpecheadsError, atomic_write_json, check_values, sha256_file
 
 log = logging.getLogger(__name__)
@@ -83,15 +84,20 @@ _SELECTS_LAYERS = _hidden_state_selection()
 def extract_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                      layers: Sequence[int]) -> torch.Tensor:
     """Hidden states [B,T,F,D] of the given layer ids (target dtype), from one call of the decoder stack without
-    the lm_head. Layer L is the post-norm state (HF's last `hidden_states` entry)."""
+    the lm_head. Layer L is the post-norm state (HF's last `hidden_states` entry). Inputs go to the embedding's
+    device; a target split across devices (target.device_map) gives layers on several devices: they are gathered
+    on the CPU (prepare stores them there anyway), else they stay where the target computed them."""
     if attention_mask is not None and bool(attention_mask.all()):
         attention_mask = None  # no padding: the causal fast path (samples cut at max_length often share a length)
-    out = target.base(input_ids=input_ids.to(target.device),
-                      attention_mask=None if attention_mask is None else attention_mask.to(target.device),
+    dev = target.embed_tokens.weight.device
+    out = target.base(input_ids=input_ids.to(dev),
+                      attention_mask=None if attention_mask is None else attention_mask.to(dev),
                       output_hidden_states=list(layers) if _SELECTS_LAYERS else True, use_cache=False,
                       return_dict=True)
-    hs = out.hidden_states  # tuple of L+1 [B,T,D] (None where not selected)
-    return torch.stack([hs[i] for i in layers], dim=2)  # [B,T,F,D]
+    hs = [out.hidden_states[i] for i in layers]  # L+1 [B,T,D] (None where not selected) -> the F asked for
+    if len({h.device for h in hs}) > 1:
+        hs = [h.to("cpu") for h in hs]
+    return torch.stack(hs, dim=2)  # [B,T,F,D]
 
 
 def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
@@ -184,17 +190,66 @@ def plan_features(target, tokens, layers: Sequence[int], cfg: FeatureConfig) -> 
 
 
 def write_features(target, tokens, folder: str | os.PathLike, layers: Sequence[int], cfg: FeatureConfig,
-                   val_fraction: float = 0.0, progress: bool = True, after_shard=None, verify: bool = False) -> dict:
+                   val_fraction: float = 0.0, progress: bool = True, after_shard=None, verify: bool = False,
+                   ranks: Ranks | None = None) -> dict:
     """Offline extraction of `tokens` (Dataset or list of dicts with input_ids, loss_mask, conversation_id) into
     `folder`. Resumable; refuses to start when free disk is short. Returns the manifest.
 
     Listed shards of the wrong size are rewritten; with `verify` (prepare --verify) so are those whose sha256 no
-    longer matches the manifest. `after_shard(k)` is called after shard k is committed (tests simulate a kill)."""
+    longer matches the manifest. `after_shard(k)` is called after shard k is committed (tests simulate a kill).
+    `ranks` (several processes, ranks.py): rank r extracts the missing shards k with k % world == r and records
+    each in a part file; rank 0 alone checks the folder first and writes the manifest, from the parts, after a
+    barrier. A shard's bytes depend only on its own samples (its batches are cut from them alone), so any rank
+    writes what one process writes, and a rerun with any number of processes redoes only the missing shards."""
     from tqdm.auto import tqdm
 
+    ranks = ranks or Ranks()
     folder = Path(folder)
     plan = plan_features(target, tokens, layers, cfg)
     manifest = check_features_folder(folder, plan.plan_key)
+    if ranks.main:  # the folder's checks and checksums: once, on rank 0
+        manifest = _start_manifest(target, plan, folder, cfg, val_fraction, manifest, verify)
+    ranks.barrier()
+    if not ranks.main:
+        manifest = read_manifest(folder)
+    done = {s["index"] for s in manifest["shards"]}
+    todo = [k for k in range(len(plan.shards)) if k not in done and k % ranks.world == ranks.rank]
+    mpath = folder / MANIFEST
+    bar = tqdm(total=sum(plan.lengths[i] for k in todo for i in plan.shards[k]), unit="tok", desc="features",
+               disable=not progress or not ranks.main)
+    for k in todo:
+        before = len(manifest["shards"])
+        try:
+            entry = _write_shard(target, plan, k, folder, cfg, bar)
+            if ranks.multi:
+                write_part(folder, shard_name(k), entry)
+            else:
+                manifest["shards"].append(entry)
+                manifest["shards"].sort(key=lambda s: s["index"])
+                atomic_write_json(mpath, manifest)
+        except BaseException as e:
+            kept = f"the {before} shard(s) written before are kept (listed in {MANIFEST})" if before else \
+                "no shard was written before it"
+            raise_write_error(e, folder / shard_name(k), kept + ": free space, then rerun `specheads prepare` to "
+                                                                  "continue")
+        if after_shard is not None:
+            after_shard(k)
+    bar.close()
+    ranks.barrier()
+    if ranks.main:
+        _merge_shard_parts(folder, manifest)
+        manifest["complete"] = len(manifest["shards"]) == len(plan.shards)
+        manifest["bytes"] = sum(s["bytes"] for s in manifest["shards"])
+        atomic_write_json(mpath, manifest)
+    ranks.barrier()
+    return manifest if ranks.main else read_manifest(folder)
+
+
+def _start_manifest(target, plan: FeaturePlan, folder: Path, cfg: FeatureConfig, val_fraction: float,
+                    manifest: dict | None, verify: bool) -> dict:
+    """Rank 0 (or the one process) before extraction: the folder, its manifest with the shards a killed run of any
+    number of processes left whole (its part files merged), the listed shards checked (size; sha256 with
+    `verify`), the disk check and the plan's log line. Returns the manifest, written."""
     folder.mkdir(parents=True, exist_ok=True)
     for stray in folder.glob(".shard-*.tmp*"):  # partial shards of a killed run: never read, removed
         stray.unlink(missing_ok=True)
@@ -204,6 +259,7 @@ def write_features(target, tokens, folder: str | os.PathLike, layers: Sequence[i
                     "dtype": cfg.dtype, "val_fraction": val_fraction, "num_samples": len(plan.lengths),
                     "num_tokens": sum(plan.lengths), "num_masked_tokens": int(sum(sum(m) for m in plan.loss_mask)),
                     "planned_shards": len(plan.shards), "complete": False, "shards": []}
+    _merge_shard_parts(folder, manifest)
     done: dict[int, dict] = {}
     for s in manifest["shards"]:
         p = folder / s["file"]
@@ -214,32 +270,29 @@ def write_features(target, tokens, folder: str | os.PathLike, layers: Sequence[i
     manifest["shards"] = [done[k] for k in sorted(done)]
     todo = [k for k in range(len(plan.shards)) if k not in done]
     todo_tokens = sum(plan.lengths[i] for k in todo for i in plan.shards[k])
-    _check_disk(folder, todo_tokens, bytes_per_token(len(plan.layers), target.hidden_size, cfg.dtype), len(todo),
-                len(plan.layers), target.hidden_size)
+    bpt = bytes_per_token(len(plan.layers), target.hidden_size, cfg.dtype)
+    _check_disk(folder, todo_tokens, bpt, len(todo), len(plan.layers), target.hidden_size)
     log.info("features: %d samples, %d tokens, layers %s -> %d shards (%d done, %d to write, ~%.1f MiB)",
              len(plan.lengths), sum(plan.lengths), plan.layers, len(plan.shards), len(done), len(todo),
-             todo_tokens * bytes_per_token(len(plan.layers), target.hidden_size, cfg.dtype) / 2**20)
-    mpath = folder / MANIFEST
-    atomic_write_json(mpath, manifest)
-    bar = tqdm(total=todo_tokens, unit="tok", desc="features", disable=not progress)
-    for k in todo:
-        before = len(manifest["shards"])
-        try:
-            manifest["shards"].append(_write_shard(target, plan, k, folder, cfg, bar))
-            manifest["shards"].sort(key=lambda s: s["index"])
-            atomic_write_json(mpath, manifest)
-        except BaseException as e:
-            kept = f"the {before} shard(s) written before are kept (listed in {MANIFEST})" if before else \
-                "no shard was written before it"
-            raise_write_error(e, folder / shard_name(k), kept + ": free space, then rerun `specheads prepare` to "
-                                                                  "continue")
-        if after_shard is not None:
-            after_shard(k)
-    bar.close()
-    manifest["complete"] = len(manifest["shards"]) == len(plan.shards)
-    manifest["bytes"] = sum(s["bytes"] for s in manifest["shards"])
-    atomic_write_json(mpath, manifest)
+             todo_tokens * bpt / 2**20)
+    atomic_write_json(folder / MANIFEST, manifest)
     return manifest
+
+
+def _merge_shard_parts(folder: Path, manifest: dict) -> None:
+    """Add the shards that ranks recorded in part files (a whole file of the entry's size) to `manifest`, in index
+    order, and remove the part files. The manifest is written by the caller."""
+    parts = read_parts(folder, "shard-")
+    have = {s["index"] for s in manifest["shards"]}
+    for entry in parts.values():
+        p = folder / entry.get("file", "")
+        if entry.get("index") not in have and p.is_file() and p.stat().st_size == entry.get("bytes"):
+            manifest["shards"].append(entry)
+            have.add(entry["index"])
+    manifest["shards"].sort(key=lambda s: s["index"])
+    if parts:
+        atomic_write_json(folder / MANIFEST, manifest)  # listed before their part files go
+    clear_parts(folder, "shard-")
 
 
 def _check_disk(folder: Path, tokens: int, bpt: int, shards: int, layers: int, hidden: int) -> None:
@@ -253,8 +306,6 @@ def _check_disk(folder: Path, tokens: int, bpt: int, shards: int, layers: int, h
 
 def _write_shard(target, plan: FeaturePlan, k: int, folder: Path, cfg: FeatureConfig, bar) -> dict:
     """Extract shard k, write it to a temporary name, fsync, rename; returns its manifest entry (with sha256)."""
-    from safetensors.torch import save_file as st_save_file
-
     idx, lengths = plan.shards[k], plan.lengths
     hidden: dict[int, torch.Tensor] = {}
     for b in length_batches([lengths[i] for i in idx], cfg.batch_tokens):
@@ -274,7 +325,7 @@ def _write_shard(target, plan: FeaturePlan, k: int, folder: Path, cfg: FeatureCo
                **encode_hidden(torch.cat([hidden[i] for i in idx], 0), cfg.dtype)}  # hidden [Ts,F,D]
     name = shard_name(k)
     meta = {"format": FORMAT, "layers": json.dumps(plan.layers)}
-    digest, size = commit_file(lambda tmp: st_save_file(tensors, tmp, metadata=meta), folder / name)
+    digest, size = commit_file(lambda tmp: save_safetensors(tensors, tmp, meta), folder / name)
     del tensors, hidden
     return {"index": k, "file": name, "num_samples": len(idx), "num_tokens": offsets[-1], "bytes": size,
             "sha256": digest, "conversation_ids": [plan.conversation_ids[i] for i in idx]}

@@ -29,7 +29,9 @@ from specheads.train.data import chat_tokenizer, load_conversations, load_texts,
 from specheads.train.features import plan_features, write_features
 from specheads.train.mix import load_mixed
 from specheads.train.layout import OVERWRITE_HINT, check_split, feature_layers_for, features_dir
-from specheads.train.regenerate import read_done_ids, read_regenerated, regenerate, text_tokens
+from specheads.target import where_target_runs
+from specheads.train.ranks import Ranks, check_shared_folder, ranks_from_env
+from specheads.train.regenerate import read_done_ids, read_regenerated, regenerate, regenerate_ranked, text_tokens
 from specheads.train.shards import check_features_folder, check_shared_features, verify_features
 from specheads.train.teacher import write_target_sidecars
 from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json
@@ -45,30 +47,36 @@ def _du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _load_target(recipe, target=None, dtype: str | None = None):
+def _load_target(recipe, target=None, dtype: str | None = None, ranks: Ranks | None = None):
+    """The recipe's target (target.device_map and dtype; with several processes each rank's own device)."""
     from specheads.target import load_target
 
     if target is not None:
         return target
+    ranks = ranks or Ranks()
     return load_target(recipe.target.name, dtype=dtype or recipe.target.dtype,
-                       trust_remote_code=recipe.target.trust_remote_code)
+                       trust_remote_code=recipe.target.trust_remote_code, device_map=recipe.target.device_map,
+                       rank=(ranks.local_rank, ranks.local_world) if ranks.multi else None)
 
 
-def _prepare_shared(recipe, target=None, verify: bool = False, progress: bool = True) -> dict:
+def _prepare_shared(recipe, target=None, verify: bool = False, progress: bool = True, ranks: Ranks | None = None
+                    ) -> dict:
     """features.dir names another recipe's finished features: check them, extract nothing (data is theirs)."""
-    out = Path(recipe.output_dir)
-    target = _load_target(recipe, target)
+    out, ranks = Path(recipe.output_dir), ranks or Ranks()
+    target = _load_target(recipe, target, ranks=ranks)
     layers = feature_layers_for(recipe, target.num_layers)
     m = check_shared_features(recipe.features.dir, target, layers)  # checked before anything is written
     t = time.perf_counter()
-    m = write_target_sidecars(target, recipe.features.dir, progress=progress, verify=verify)
+    m = write_target_sidecars(target, recipe.features.dir, progress=progress, verify=verify, ranks=ranks)
     targets_s = time.perf_counter() - t
-    bad = verify_features(recipe.features.dir) if verify else []
+    bad = verify_features(recipe.features.dir) if verify and ranks.main else []
     if bad:
         raise SpecheadsError(f"features.dir {recipe.features.dir}: {bad} differ from the manifest's sha256; run "
                              f"`specheads prepare --verify` on the recipe that writes that folder")
     log.info("features: reusing %s (layers %s; this head reads %s); data.* is that recipe's", recipe.features.dir,
              m["layers"], layers)
+    if not ranks.main:
+        return {}
     out.mkdir(parents=True, exist_ok=True)
     save_config(recipe, out / "prepare_config.yaml")
     summary = {"output_dir": str(out), "target": target.name, "feature_mode": "offline",
@@ -86,25 +94,32 @@ def _sidecar_count(manifest: dict) -> int:
 
 
 def prepare(recipe, target=None, progress: bool = True, after_shard=None, verify: bool = False,
-            overwrite: bool = False) -> dict:
+            overwrite: bool = False, ranks: Ranks | None = None) -> dict:
     """Run the whole preparation for a Recipe; returns the summary (also written to prepare_summary.json).
 
     Checks come first: a refused run (bad source, features of other data, another split, target or layers, tokens
     of other data) leaves the run folder as it was. Only the regeneration cache (data/regenerated.jsonl, keyed by
     conversation id) grows before the final check, which needs the regenerated answers. `verify`: re-hash listed
     shards (--verify). `overwrite` (--overwrite): remove what an earlier prepare wrote here first (never in a folder
-    holding a trained run)."""
+    holding a trained run).
+
+    Under torchrun / accelerate launch (`ranks`, default from the environment: ranks.py) every rank reads and
+    tokenises the same data, regenerates and extracts its own share (round-robin by conversation and by shard) and
+    rank 0 alone writes the tokens, manifests and summary, after barriers; the folder is what one process writes
+    (docs/training.md, "Several processes, GPUs and machines"). Ranks on other rank's summaries return {}."""
     if not progress:
         datasets.disable_progress_bars()
+    ranks = ranks or ranks_from_env()
+    check_shared_folder(ranks, Path(recipe.output_dir))  # before any rank reads or writes there
     if recipe.features.dir and recipe.features.mode == "offline":
-        return _prepare_shared(recipe, target, verify, progress)
+        return _prepare_shared(recipe, target, verify, progress, ranks)
     t_start = time.perf_counter()
     out, dc = Path(recipe.output_dir), recipe.data
     data_dir, feat_dir = out / "data", features_dir(recipe)
     timings: dict[str, float] = {}
     convs, summary = _read_source(recipe, timings)  # data first: a bad source fails before the target is loaded
     t = time.perf_counter()
-    target = _load_target(recipe, target)
+    target = _load_target(recipe, target, ranks=ranks)
     if target.tokenizer is None:
         raise SpecheadsError(f"target {target.name}: has no tokenizer (needed to tokenize data.source)")
     if dc.mode == "chat":  # data.chat_template, or one clear error for a target without a template
@@ -112,8 +127,9 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None, verify
                                                                        target.name, dc.chat_template_kwargs))
     timings["load_target_s"] = time.perf_counter() - t
     offline = recipe.features.mode == "offline"
-    if overwrite:
+    if overwrite and ranks.main:
         remove_prepared(out)
+    ranks.barrier()
     if offline:
         check_features_folder(feat_dir, target=target)  # another target's features: refused before regenerating
         check_split(feat_dir, dc.val_fraction)
@@ -125,29 +141,34 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None, verify
     summary.update(output_dir=str(out), target=target.name)
     if dc.regenerate and dc.mode == "chat":
         convs = _regenerate(recipe, target, convs, data_dir / "regenerated.jsonl", max_length, summary, timings,
-                            progress)
-    tokens = _tokenize(recipe, convs, target, max_length, summary, timings, progress)
+                            progress, ranks)
+    tokens = _tokenize(recipe, convs, target, max_length, summary, timings, progress, ranks)
     layers = feature_layers_for(recipe, target.num_layers)
     if offline:  # features of other data or layers in the folder: refused before anything is replaced
         check_features_folder(feat_dir, plan_features(target, tokens, layers, recipe.features).plan_key)
     else:
         check_same_tokens(data_dir / "tokens", tokens)
-    tokens = _write_tokens(recipe, tokens, data_dir)
+    tokens = _write_tokens(recipe, tokens, data_dir, ranks)
     summary.update(feature_layers=layers, feature_mode=recipe.features.mode)
     if offline:
         t = time.perf_counter()
+        log.info("features: extracting %s", where_target_runs(target))
         manifest = write_features(target, tokens, feat_dir, layers, recipe.features, val_fraction=dc.val_fraction,
-                                  progress=progress, after_shard=after_shard, verify=verify)
+                                  progress=progress, after_shard=after_shard, verify=verify, ranks=ranks)
         timings["features_s"] = time.perf_counter() - t
         if manifest["complete"]:  # one full-vocabulary lm_head pass per token, saved for every training run
             t = time.perf_counter()
-            manifest = write_target_sidecars(target, feat_dir, progress=progress, verify=verify)
+            manifest = write_target_sidecars(target, feat_dir, progress=progress, verify=verify, ranks=ranks)
             timings["targets_s"] = time.perf_counter() - t
         summary.update({"shards": len(manifest["shards"]), "features_complete": manifest["complete"],
                         "features_bytes": manifest.get("bytes", 0), "target_sidecars": _sidecar_count(manifest)})
     summary["disk_bytes"] = _du(data_dir) + _du(feat_dir)
     timings["total_s"] = time.perf_counter() - t_start
     summary["timings"] = {k: round(v, 2) for k, v in timings.items()}
+    if ranks.multi:
+        summary["processes"] = ranks.world
+    if not ranks.main:
+        return {}
     atomic_write_json(out / "prepare_summary.json", summary)
     return summary
 
@@ -204,7 +225,8 @@ def _read_source(recipe, timings: dict):
     return convs, summary
 
 
-def _regenerate(recipe, target, convs, regen_path: Path, max_length: int, summary: dict, timings: dict, progress):
+def _regenerate(recipe, target, convs, regen_path: Path, max_length: int, summary: dict, timings: dict, progress,
+                ranks: Ranks):
     """The target answers the conversations (resumable by id); returns the conversations to tokenise."""
     dc = recipe.data
     t = time.perf_counter()
@@ -217,11 +239,13 @@ def _regenerate(recipe, target, convs, regen_path: Path, max_length: int, summar
     # a copy in data.regen_dtype only when some answer is still missing (a finished rerun skips the load)
     todo = set(convs["conversation_id"]) - read_done_ids(regen_path)
     if todo and dc.regen_dtype and dc.regen_dtype != recipe.target.dtype:
-        gen_target = _load_target(recipe, dtype=dc.regen_dtype)
+        gen_target = _load_target(recipe, dtype=dc.regen_dtype, ranks=ranks)
         gen_target = dataclasses.replace(gen_target, tokenizer=target.tokenizer)  # with data.chat_template if given
-    rstats = regenerate(gen_target, convs, regen_path, max_length=max_length, max_new_tokens=dc.regen_max_new_tokens,
-                        batch_size=dc.regen_batch_size, temperature=dc.regen_temperature, top_p=dc.regen_top_p,
-                        seed=recipe.seed, progress=progress, max_turns=dc.regen_max_turns)
+    log.info("regenerate: %s", where_target_runs(gen_target))
+    rstats = regenerate_ranked(regenerate, ranks, gen_target, convs, regen_path, max_length=max_length,
+                               max_new_tokens=dc.regen_max_new_tokens, batch_size=dc.regen_batch_size,
+                               temperature=dc.regen_temperature, top_p=dc.regen_top_p, seed=recipe.seed,
+                               progress=progress, max_turns=dc.regen_max_turns)
     del gen_target
     wanted = set(convs["conversation_id"])
     convs, rl = read_regenerated(regen_path, wanted, keep)  # answers with the ids the target generated
@@ -234,16 +258,16 @@ def _regenerate(recipe, target, convs, regen_path: Path, max_length: int, summar
     return convs
 
 
-def _tokenize(recipe, convs, target, max_length: int, summary: dict, timings: dict, progress: bool):
+def _tokenize(recipe, convs, target, max_length: int, summary: dict, timings: dict, progress: bool, ranks: Ranks):
     """Chat: the template's tokens and assistant masks. Text: max_length windows, loss on every token, and with
     data.regenerate the target's continuation of each window's prefix (its time is inside tokenize_s)."""
     dc = recipe.data
     t = time.perf_counter()
     if dc.mode == "text":
         other = dc.regen_dtype and dc.regen_dtype != recipe.target.dtype
-        regen_target = lambda: _load_target(recipe, dtype=dc.regen_dtype) if other else target  # noqa: E731
+        regen_target = lambda: _load_target(recipe, dtype=dc.regen_dtype, ranks=ranks) if other else target  # noqa
         tokens, tstats, rsummary = text_tokens(dc, target, convs, Path(recipe.output_dir) / "data", max_length,
-                                               recipe.seed, progress, regen_target)
+                                               recipe.seed, progress, regen_target, ranks)
         summary.update(rsummary)
     else:
         tokens, tstats = tokenize_conversations(convs, target.tokenizer, max_length)
@@ -257,12 +281,14 @@ def _tokenize(recipe, convs, target, max_length: int, summary: dict, timings: di
     return tokens
 
 
-def _write_tokens(recipe, tokens, data_dir: Path):
-    """prepare_config.yaml and data/tokens (atomically); returns the tokens as read back from disk."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    save_config(recipe, Path(recipe.output_dir) / "prepare_config.yaml")
-    with atomic_dir(data_dir / "tokens") as tmp:
-        tokens.save_to_disk(str(tmp))
+def _write_tokens(recipe, tokens, data_dir: Path, ranks: Ranks):
+    """prepare_config.yaml and data/tokens (atomically, by rank 0); returns the tokens as read back from disk."""
+    if ranks.main:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        save_config(recipe, Path(recipe.output_dir) / "prepare_config.yaml")
+        with atomic_dir(data_dir / "tokens") as tmp:
+            tokens.save_to_disk(str(tmp))
+    ranks.barrier()
     return datasets.load_from_disk(str(data_dir / "tokens"))
 
 

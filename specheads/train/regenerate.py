@@ -342,6 +342,66 @@ def regenerate(target, conversations, out_path: str | os.PathLike, max_length: i
     return stats
 
 
+# ------------------------------------------------------------------------------------------- several processes
+
+def part_path(out_path: Path, rank: int) -> Path:
+    """Rank `rank`'s own answers file beside `out_path` (several processes: ranks.py)."""
+    return out_path.with_name(f"{out_path.name}.part-{rank}")
+
+
+def merge_regenerated_parts(out_path: Path, ids: Sequence[str]) -> None:
+    """Rank 0: the whole lines of every `<out>.part-R` file (a cut last line, left by a kill, is skipped) whose id
+    `out_path` lacks are appended to it, the file is put in `ids`' order (canonical_order, as one process leaves
+    it), then the part files are removed. Parts of a run with another number of processes merge the same way."""
+    parts = sorted(out_path.parent.glob(f"{out_path.name}.part-*"))
+    if not parts:
+        return
+    _drop_partial_tail(out_path)
+    done, lines = read_done_ids(out_path), []
+    for p in parts:
+        with open(p, encoding="utf-8") as f:
+            for _, line in bounded_lines(f, p):
+                try:
+                    key = str(json.loads(line)["id"])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue
+                if line.endswith("\n") and key not in done:
+                    done.add(key)
+                    lines.append(line)
+    with open(out_path, "a", encoding="utf-8") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
+    canonical_order(out_path, ids)
+    for p in parts:
+        p.unlink(missing_ok=True)
+
+
+def regenerate_ranked(fn: Callable, ranks, target, rows, out_path: str | os.PathLike, **kw) -> dict:
+    """`fn` (regenerate or regenerate_texts) over `rows` (a Dataset with conversation_id) into `out_path`; with
+    several processes (`ranks`, ranks.py) rank r answers the rows i % world == r not yet in `out_path` into its
+    part file, and rank 0 merges them in source order after a barrier (the file one process writes). Returns the
+    stats, new tokens summed over ranks."""
+    out_path = Path(out_path)
+    ids = [str(c) for c in rows["conversation_id"]]
+    if ranks.main:  # what a killed run of any number of processes left
+        merge_regenerated_parts(out_path, ids)
+    ranks.barrier()
+    if not ranks.multi:
+        return fn(target, rows, out_path, **kw)
+    done = read_done_ids(out_path)
+    mine = [i for i in ranks.mine(len(ids)) if ids[i] not in done]
+    stats = fn(target, rows.select(mine), part_path(out_path, ranks.rank), **kw)
+    ranks.barrier()
+    if ranks.main:
+        merge_regenerated_parts(out_path, ids)
+    every = ranks.gather(stats)
+    total = dict(stats, new_tokens=sum(s["new_tokens"] for s in every),
+                 regenerated=sum(s["regenerated"] for s in every), seconds=max(s["seconds"] for s in every))
+    total["tokens_per_s"] = round(total["new_tokens"] / total["seconds"], 1) if total["seconds"] > 0 else 0.0
+    return total
+
+
 # ------------------------------------------------------------------------------------------------- plain text
 
 def regenerate_texts(target, samples, out_path: str | os.PathLike, prefix_tokens: int, max_length: int = 2048,
@@ -422,11 +482,11 @@ def read_regenerated_texts(path: str | os.PathLike, ids: Sequence[str]):
 
 
 def text_tokens(cfg, target, texts, data_dir: Path, max_length: int, seed: int = 0,
-                progress: bool = True, regen_target=None):
+                progress: bool = True, regen_target=None, ranks=None):
     """data.mode text: windows of the texts, and with data.regenerate the target's own continuation of each
     window's first data.regen_prefix_tokens tokens (the first data.regen_conversations windows when set; the rest
     keep the source). `regen_target()`: the target that regenerates (data.regen_dtype), called only when some
-    window is not yet in the output. Returns (tokens Dataset, tokenize stats, summary fields of the regeneration)."""
+    window is not yet in the output. `ranks`: several processes share the windows (regenerate_ranked). Returns (tokens Dataset, tokenize stats, summary fields of the regeneration)."""
     import datasets
 
     tokens, stats = tokenize_texts(texts, target.tokenizer, max_length)
@@ -439,7 +499,10 @@ def text_tokens(cfg, target, texts, data_dir: Path, max_length: int, seed: int =
     path = Path(data_dir) / "regenerated-text.jsonl"
     missing = set(todo["conversation_id"]) - read_done_ids(path)
     gen = regen_target() if missing and regen_target is not None else target
-    rstats = regenerate_texts(gen, todo, path, prefix_tokens=cfg.regen_prefix_tokens, max_length=max_length,
+    from specheads.train.ranks import Ranks
+
+    rstats = regenerate_ranked(regenerate_texts, ranks or Ranks(), gen, todo, path,
+                              prefix_tokens=cfg.regen_prefix_tokens, max_length=max_length,
                               max_new_tokens=cfg.regen_max_new_tokens, batch_size=cfg.regen_batch_size,
                               temperature=cfg.regen_temperature, top_p=cfg.regen_top_p, seed=seed, progress=progress)
     regen = read_regenerated_texts(path, todo["conversation_id"])

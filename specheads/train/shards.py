@@ -131,6 +131,31 @@ def commit_file(write, final: Path) -> tuple[str, int]:
     return digest, size
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, then its header's `__metadata__` keys put in sorted order: safetensors writes that
+    map (a Rust HashMap) in a random order per call, so two writes of the same tensors differed in a few header
+    bytes (the tensors, hence the hidden states, were bit for bit equal). Sorted, one shard's bytes depend only on
+    its contents: any rank, any run writes the same file. The header keeps its length (same keys, same values)."""
+    import struct
+
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata=metadata)
+    with open(path, "rb+") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        raw = f.read(n)
+        header = json.loads(raw)
+        meta = header.get("__metadata__")
+        if not meta:
+            return
+        header["__metadata__"] = dict(sorted(meta.items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) > n:  # never longer in practice; leave the file as safetensors wrote it rather than break it
+            return
+        f.seek(8)
+        f.write(text + b" " * (n - len(text)))  # safetensors pads its header with spaces
+
+
 def raise_write_error(e: BaseException, path: Path, kept: str):
     """Re-raise `e`: as one WriteError naming `path` and what was kept when it is the OS refusing the write."""
     err = as_write_error(e, path, kept)
@@ -160,6 +185,26 @@ def check_shard(path: Path, entry: dict, full: bool = True) -> None:
         raise SpecheadsError(f"{path}: sha256 differs from the manifest's (the file is damaged); rerun `specheads "
                              f"prepare --verify` to rewrite it")
     _VERIFIED.add(key)
+
+
+def verify_once(folder: Path, manifest: dict, sidecars: bool, main: bool, wait) -> None:
+    """Several training processes reading one features folder: the main process checks every listed shard's (and,
+    with `sidecars`, sidecar's) sha256 once (check_shard), the others wait at `wait()` (a barrier) and then take
+    the files as checked (their size is still checked on open). A mismatch fails the main process with one line
+    naming the file; the launcher stops the rest. Without it every rank re-hashed the whole folder."""
+    folder = Path(folder)
+    files = [(folder / s["file"], s) for s in manifest["shards"]]
+    if sidecars:
+        files += [(folder / s["targets"]["file"], s["targets"]) for s in manifest["shards"] if s.get("targets")]
+    if main:
+        for path, entry in files:
+            check_shard(path, entry, full=True)
+    wait()
+    if not main:
+        for path, entry in files:
+            st = path.stat()
+            if st.st_size == entry["bytes"]:
+                _VERIFIED.add((str(path.resolve()), st.st_size, st.st_mtime_ns))
 
 
 def sidecar_ok(folder: Path, entry: dict, verify: bool) -> bool:

@@ -24,8 +24,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from specheads.train.ranks import Ranks, clear_parts, read_parts, write_part
 from specheads.train.shards import (MANIFEST, TARGETS_FORMAT, check_shard, commit_file, read_hidden, raise_write_error,
-                                    read_manifest, sidecar_ok, targets_name)
+                                    read_manifest, save_safetensors, sidecar_ok, targets_name)
 from specheads.utils import SpecheadsError, atomic_write_json
 
 log = logging.getLogger("specheads.train.features")  # the features folder's lines under one name
@@ -196,13 +197,11 @@ def _target_sidecar(target, path: Path, layer_index: int) -> dict[str, torch.Ten
 
 
 def _write_sidecar(target, folder: Path, entry: dict, layer_index: int, dtype: str) -> dict:
-    from safetensors.torch import save_file as st_save_file
-
     check_shard(folder / entry["file"], entry, full=False)
     tensors = _target_sidecar(target, folder / entry["file"], layer_index)
     name = targets_name(entry["index"])
     meta = {"format": TARGETS_FORMAT, "dtype": dtype, "shard_sha256": entry["sha256"]}
-    digest, size = commit_file(lambda tmp: st_save_file(tensors, tmp, metadata=meta), folder / name)
+    digest, size = commit_file(lambda tmp: save_safetensors(tensors, tmp, meta), folder / name)
     return {"file": name, "bytes": size, "sha256": digest, "shard_sha256": entry["sha256"]}
 
 
@@ -211,13 +210,16 @@ def target_dtype_name(target) -> str:
 
 
 def write_target_sidecars(target, folder: str | os.PathLike, progress: bool = True, verify: bool = False,
-                          after_shard=None) -> dict:
+                          after_shard=None, ranks: Ranks | None = None) -> dict:
     """Add the target sidecar of every listed shard that lacks a valid one (missing, of an older shard, wrong
     size, or with `verify` a sha256 that differs). Reads only the stored layer-L states: no re-extraction.
     Resumable: each sidecar is committed to the manifest as soon as it is written. A folder whose sidecars were
-    computed in another dtype keeps them (a warning says so). Returns the manifest."""
+    computed in another dtype keeps them (a warning says so). Returns the manifest.
+    `ranks` (several processes): rank 0 checks the folder; rank r computes the sidecars of shards with index %
+    world == r, each recorded in a part file; rank 0 lists them in the manifest after a barrier."""
     from tqdm.auto import tqdm
 
+    ranks = ranks or Ranks()
     folder = Path(folder)
     manifest = read_manifest(folder)
     if manifest.get("fingerprint") != target.fingerprint():
@@ -229,16 +231,25 @@ def write_target_sidecars(target, folder: str | os.PathLike, progress: bool = Tr
         log.warning("%s: target sidecars were computed in %s; this target runs in %s: they stay, and training in %s "
                     "computes the target's logits itself", folder, have, dtype, dtype)
         return manifest
-    for stray in folder.glob(".targets-*.tmp*"):
-        stray.unlink(missing_ok=True)
-    todo = [s for s in manifest["shards"] if not sidecar_ok(folder, s, verify)]
+    todo_idx = None
+    if ranks.main:
+        for stray in folder.glob(".targets-*.tmp*"):
+            stray.unlink(missing_ok=True)
+        _merge_sidecar_parts(folder, manifest, dtype)
+        todo_idx = [s["index"] for s in manifest["shards"] if not sidecar_ok(folder, s, verify)]
+    todo_idx = set(ranks.broadcast(todo_idx))
+    todo = [s for s in manifest["shards"] if s["index"] in todo_idx and s["index"] % ranks.world == ranks.rank]
     manifest["targets"] = {"format": TARGETS_FORMAT, "dtype": dtype}
     layer_index = manifest["layers"].index(target.num_layers)
-    bar = tqdm(total=sum(s["num_tokens"] for s in todo), unit="tok", desc="target sidecars", disable=not progress)
+    bar = tqdm(total=sum(s["num_tokens"] for s in todo), unit="tok", desc="target sidecars",
+               disable=not progress or not ranks.main)
     for n, entry in enumerate(todo):
         try:
             entry["targets"] = _write_sidecar(target, folder, entry, layer_index, dtype)
-            atomic_write_json(folder / MANIFEST, manifest)
+            if ranks.multi:
+                write_part(folder, targets_name(entry["index"]), entry["targets"])
+            else:
+                atomic_write_json(folder / MANIFEST, manifest)
         except BaseException as e:
             entry.pop("targets", None)
             raise_write_error(e, folder / targets_name(entry["index"]),
@@ -248,5 +259,24 @@ def write_target_sidecars(target, folder: str | os.PathLike, progress: bool = Tr
         if after_shard is not None:
             after_shard(entry["index"])
     bar.close()
-    atomic_write_json(folder / MANIFEST, manifest)
-    return manifest
+    ranks.barrier()
+    if ranks.main:
+        _merge_sidecar_parts(folder, manifest, dtype)
+        atomic_write_json(folder / MANIFEST, manifest)
+    ranks.barrier()
+    return manifest if ranks.main else read_manifest(folder)
+
+
+def _merge_sidecar_parts(folder: Path, manifest: dict, dtype: str) -> None:
+    """List the sidecars ranks recorded in part files (of this shard's sha256, a whole file) in `manifest`, then
+    remove the part files. With parts, the manifest is written before they go."""
+    parts = read_parts(folder, "targets-")
+    for entry in manifest["shards"]:
+        t = parts.get(targets_name(entry["index"]))
+        p = folder / (t or {}).get("file", "-")
+        if t and t.get("shard_sha256") == entry["sha256"] and p.is_file() and p.stat().st_size == t.get("bytes"):
+            entry["targets"] = t
+    if parts:
+        manifest["targets"] = {"format": TARGETS_FORMAT, "dtype": dtype}
+        atomic_write_json(folder / MANIFEST, manifest)
+    clear_parts(folder, "targets-")

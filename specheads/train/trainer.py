@@ -394,6 +394,9 @@ class Trainer:
         if step.check is not None:
             step.check(cfg)  # the kind's own checks of train: (Medusa's hard labels and train.loss)
         acc = self.accelerator = build_accelerator(cfg, out, self.recipe.seed)
+        for ds in (self.train_ds, self.val_ds):  # checksums once per folder, by rank 0, not once per rank
+            if acc.num_processes > 1 and isinstance(ds, FeatureDataset):
+                ds.verify_once(acc.is_main_process, acc.wait_for_everyone)
         set_seed(self.recipe.seed)
         self.target.model.to(acc.device)
         if any(p.requires_grad for p in self.target.model.parameters()):

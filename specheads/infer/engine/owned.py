@@ -57,6 +57,9 @@ def owned_reason(model) -> str:
         return "an MLP other than SwiGLU without bias"
     if getattr(cfg, "attention_bias", False) and kind != "qwen2":
         return "attention biases"
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:  # target.device_map split it: the owned forward keeps every weight on one device
+        return f"split across {len(devices)} devices (target.device_map): the HF forward runs it"
     dec = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
     for layer in getattr(dec, "layers", None) or []:  # adapters (peft LoRA) or hooks change what a module computes
         mods = [getattr(layer.self_attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
