@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make demo`: the main job on the bundled defaults, end to end on this machine:
 # prepare (ShareGPT slice -> chat tokens + masks -> SmolLM2 features) -> train a small EAGLE-3 head ->
-# bench it (alone, and with a prompt-lookup chain merged into its tree) against plain HF generate and HF prompt
+# bench it (alone, and with a prompt-lookup chain merged into its tree) against plain HF generate, our own loop
+# drafting nothing (plain: the baseline of the scheduler's expected figures) and HF prompt
 # lookup on a slice of MT-bench -> print the table.
 # Usage: scripts/demo.sh [OUT_DIR]   (expects `specheads` on PATH; `make demo` sets that up)
 set -euo pipefail
@@ -17,5 +18,5 @@ if [ -d "$OUT/checkpoints" ]; then resume=--resume; else resume=; fi
 specheads train --config "$RECIPE" "output_dir=$OUT" $resume
 echo "== 3/3 bench (MT-bench first turns: $LIMIT, $NEW_TOKENS new tokens, greedy, bf16)"
 specheads bench --target smollm2-135m --head "$OUT/best" --dataset mt-bench --limit "$LIMIT" \
-  --max-new-tokens "$NEW_TOKENS" --dtype bf16 --methods vanilla,prompt-lookup,head,head+lookup --out "$OUT/bench"
+  --max-new-tokens "$NEW_TOKENS" --dtype bf16 --methods vanilla,plain,prompt-lookup,head,head+lookup --out "$OUT/bench"
 echo "== demo finished in $(( $(date +%s) - start )) s; results: $OUT/bench/results.json, results.md, *.png"

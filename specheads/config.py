@@ -18,6 +18,7 @@ torchtune style); it is documentation and is ignored here.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import re
 import types
@@ -389,3 +390,33 @@ def save_config(cfg: Any, path: str | Path) -> None:
     from specheads.utils import atomic_write_text
 
     atomic_write_text(path, format_config(cfg) + "\n")
+
+
+def non_default_settings(cfg: Any) -> dict[str, Any]:
+    """{dotted key: value} of `cfg`'s settings that differ from its class's defaults, in the config's order. The
+    defaults are built with `cfg`'s own selectors (head.kind, ...), so a kind's own section is compared with that
+    kind's defaults; a key the defaults lack counts as differing."""
+    flat = flatten_config(config_to_dict(cfg))
+    selectors = [k for k in _selectors(type(cfg)) if k in flat]
+    picks = [f"{k}={flat[k] if isinstance(flat[k], str) else json.dumps(flat[k])}" for k in selectors]  # JSON: YAML
+    defaults = flatten_config(config_to_dict(load_config(type(cfg), None, picks)))
+    plain = flatten_config(config_to_dict(load_config(type(cfg))))  # a selector differs from these (head.kind)
+    defaults.update({k: plain.get(k) for k in selectors})
+    return {k: v for k, v in flat.items() if k not in defaults or defaults[k] != v}
+
+
+def format_changes(cfg: Any, full: str | Path, same_as: str | Path | None = None) -> str:
+    """What a command prints of its resolved config: one line when it equals the config written at `same_as` (train
+    after prepare of the same recipe), else the settings that differ from the defaults, one per line; `full` names
+    the file holding the whole resolved config."""
+    mine = yaml.safe_load(format_config(cfg))
+    if same_as is not None and Path(same_as).is_file():
+        try:
+            if yaml.safe_load(Path(same_as).read_text()) == mine:
+                return f"recipe: as prepared ({same_as}); the full resolved config: {full}"
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            pass  # unreadable: the settings below say it all
+    changed = non_default_settings(cfg)
+    show = {k: v if isinstance(v, str) else json.dumps(v) for k, v in changed.items()}
+    return "\n".join([f"recipe: {len(changed)} settings differ from the defaults (the full resolved config: {full})"]
+                     + [f"  {k}: {v}" for k, v in show.items()])

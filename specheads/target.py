@@ -7,9 +7,11 @@ Architecture facts are read from the model and its config, never from per-archit
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,6 +127,14 @@ class Target:
 
         return target_record(self)
 
+    def describe(self) -> str:
+        """What it decodes, for the load line and the bench's results header: 'smollm2-135m
+        (SmolLM2-135M-Instruct.Q4_1.gguf dequantised to bfloat16)', a folder or hub id as 'NAME (bfloat16)'."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.gguf:
+            return f"{self.name} ({Path(self.gguf).name} dequantised to {dtype})"
+        return f"{self.name} ({dtype})"
+
 
 def target_fingerprint(embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, rows: int = 8) -> dict:
     def h(w: torch.Tensor) -> str:
@@ -181,10 +191,11 @@ def convert_gguf(gguf: Path, trust_remote_code: bool = False) -> Path:
     check_gguf(gguf)
     log.info("converting %s into %s (one time, ~20 s)", gguf, out)
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                            trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
-                                                     trust_remote_code=trust_remote_code)
+        with quiet_loading():
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                         dtype=torch.float32, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, IndexError, TypeError, RuntimeError) as e:
         msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
         raise SpecheadsError(f"{gguf}: transformers cannot convert this GGUF file ({type(e).__name__}: {msg})") from None
@@ -253,16 +264,34 @@ def _known_model_type(model_type) -> bool:
     return isinstance(model_type, str) and model_type in CONFIG_MAPPING
 
 
+@contextlib.contextmanager
+def quiet_loading(local: bool = True):
+    """transformers' "Loading weights" bar off while a local model loads (the load is one log line instead,
+    `load_target`); a hub load (local False) keeps its bars, a download's progress being worth seeing."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if local and was:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if local and was:
+            hf_logging.enable_progress_bar()
+
+
 def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str | None = None,
                 trust_remote_code: bool = False, attn_implementation: str | None = "sdpa", device_map=None,
-                rank: tuple[int, int] | None = None) -> Target:
-    """Load a frozen target (eval mode, no gradients). See the module docstring for what `name_or_path` may be.
+                rank: tuple[int, int] | None = None, role: str = "target") -> Target:
+    """Load a frozen target (eval mode, no gradients), logging one line: `role`, what it decodes (`describe`) and
+    the load's seconds. See the module docstring for what `name_or_path` may be.
     `device_map` (target.device_map; `device` wins when both are given): auto, cpu, cuda, cuda:N or a mapping
     module name -> device, loaded through transformers' from_pretrained(device_map=...) (accelerate's big-model
     loading: `auto` splits a target larger than one GPU across the visible ones). `rank` (local rank, processes on
     this node) under several processes: `auto` and `cuda` take this rank's own GPUs (resolve_device_map)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    start = time.perf_counter()
     path = resolve_target_path(name_or_path)
     gguf = _gguf_source(name_or_path)
     torch_dtype = resolve_dtype(dtype)
@@ -280,8 +309,9 @@ def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype = "
     if Path(path).is_dir():
         check_target_folder(Path(path), name_or_path, trust_remote_code)
     try:  # safetensors only: a hub repo of pickled weights alone is refused too (use_safetensors)
-        model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, **kwargs)
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        with quiet_loading(Path(path).exists()):
+            model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, **kwargs)
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as e:
         raise SpecheadsError(f"target {name_or_path!r}: cannot load ({str(e).splitlines()[0]})") from None
     except ValueError as e:
@@ -297,7 +327,9 @@ def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype = "
     model.requires_grad_(False)
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         tok.pad_token = tok.eos_token
-    return Target(model=model, tokenizer=tok, name=name_or_path, gguf=gguf, placement=placement)
+    target = Target(model=model, tokenizer=tok, name=name_or_path, gguf=gguf, placement=placement)
+    log.info("%s: %s loaded in %.1f s", role, target.describe(), time.perf_counter() - start)
+    return target
 
 
 DEVICE_MAP_WORDS = ("auto", "cpu", "cuda", "cuda:N")

@@ -240,10 +240,29 @@ def check_values(section: str, obj: Any, rules: dict[str, str]) -> None:
             raise SpecheadsError(f"{section}.{name}: must be {want}, got {v!r}")
 
 
+# third-party log lines that say nothing our own lines do not: {logger name: message prefixes}. DeepSpeed's
+# "Setting accelerator to CPU" comes once per process that imports it (prepare and train each: twice in `make demo`);
+# the trainer's own line names the device
+THIRD_PARTY_NOISE = {"DeepSpeed": ("Setting accelerator to CPU",)}
+
+
+class _DropNoise(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
 def setup_logging(level: int = logging.INFO) -> None:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("specheads").setLevel(level)
+    for name, prefixes in THIRD_PARTY_NOISE.items():  # a logger's filters outlive its library's own setup
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropNoise) for f in logger.filters):
+            logger.addFilter(_DropNoise(prefixes))
 
 
 @contextlib.contextmanager

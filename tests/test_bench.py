@@ -447,14 +447,15 @@ def test_schedule_summary_expected_and_oracle_on_hand_made_records():
     assert s["sources_tau"] == pytest.approx({"head": 1.4, "lookup": 1.6})
     assert s["oracle_tau"] == pytest.approx(2.0) and s["oracle_speedup"] == pytest.approx(2.0)
     assert s["oracle_censored"] == 1
-    assert s["speedup"] == pytest.approx(2.0) and s["expected_vs_measured"] == pytest.approx(1.0)
+    assert s["speedup"] == pytest.approx(2.0)
+    assert s["expected_vs_measured"] is None and s["speedup_vs_plain"] is None  # no plain: no like-with-like ratio
     plain = compare(van, van, greedy=True)
     assert plain["expected_tau"] is None and plain["oracle_tau"] is None and plain["expected_vs_measured"] is None
     res = build_results(van + [a, b], ["vanilla", "m"], BenchSettings("t", "x", "float32"),
                         {"command": "x", "date": "d", "environment": {"cpu": "cpu", "torch_threads": 2}}, True)
     md = markdown_table(res)
     assert "| m | 10.0 | 2.00 | 2.00x | 2.00x | 100% |" in md
-    assert "| m | 2.00 | 2.00 | 2.00x | 2.00x | 1.00 | head 1.40, lookup 1.60 | 2.00 | 2.00x | 1 |" in md
+    assert "| m | 2.00 | 2.00 | n/a | 2.00x | n/a | head 1.40, lookup 1.60 | 2.00 | 2.00x | 1 |" in md
 
 
 def test_dspark_lookup_and_combo_methods_on_tiny(tiny, tmp_path, monkeypatch):

@@ -53,6 +53,7 @@ def run(args: argparse.Namespace, options) -> int:
     # a prompt that does not fit the context window: refused by its id before any method runs (as bench does)
     encoded = [(p.id, ids) for p, ids in zip(prompts, first_turn_ids(target, prompts, args.dataset))]
     methods, extra = build_batch_methods(names, target, options, calib_ids=calibration_ids(target.tokenizer, prompts))
+    extra["target_source"] = target.describe()  # the file it decodes: results.md's header says it
     settings = BatchBenchSettings(target=args.target, dataset=args.dataset, dtype=dtype, batch_sizes=sizes,
                                   temperature=args.temperature, max_new_tokens=args.max_new_tokens, limit=args.limit,
                                   seed=args.seed, warmup_tokens=min(args.warmup_tokens, BATCH_WARMUP_TOKENS))

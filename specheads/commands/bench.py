@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
     first_turn_ids(target, prompts, args.dataset)  # a prompt longer than the context window: refused before any run
     check_later_turns(target, prompts, args.dataset, args.max_new_tokens)  # --both-turns: the second turns too
     methods, extra = build_methods(names, target, options, calib_ids=calibration_ids(target.tokenizer, prompts))
+    extra["target_source"] = target.describe()  # the file it decodes: results.md's header says it
     settings = BenchSettings(target=args.target, dataset=args.dataset, dtype=dtype, temperature=args.temperature,
                              max_new_tokens=args.max_new_tokens, limit=args.limit, both_turns=args.both_turns,
                              seed=args.seed, warmup_tokens=args.warmup_tokens, engine=runner_for(target).name)

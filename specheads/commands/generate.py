@@ -8,6 +8,7 @@ from pathlib import Path
 import specheads.target
 from specheads.commands import args as shared
 from specheads.heads.base import read_head_config
+from specheads.heads.kinds import kind_names
 from specheads.heads.locate import head_folder
 from specheads.infer.drafters import build_drafter, check_lookup, drafter_kind, parse_tree
 from specheads.infer.drafters.plugins import load_plugins
@@ -21,8 +22,8 @@ from specheads.utils import SpecheadsError
 def add_arguments(p) -> None:
     shared.add_target(p)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--head", help="head folder or hub id org/name[@revision] (medusa, eagle, eagle3, dspark, domino, "
-                                    "dspine, dflash2, peagle; native layout)")
+    src.add_argument("--head", help="head folder or hub id org/name[@revision] in the native layout, of a registered "
+                                    f"kind ({', '.join(kind_names())}; --plugin adds your own)")
     src.add_argument("--drafter", default=None,
                      help="training-free drafter: plain, prompt-lookup (default when no --head), draft-model, "
                           "recycling (Token Recycling, --tree rank paths or default), layer-skip (the target drafting "

@@ -24,14 +24,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specheads.config import format_config, load_config
+    from pathlib import Path
+
+    from specheads.config import format_changes, load_config
     from specheads.recipe import Recipe
     from specheads.runlock import run_lock
     from specheads.train.prepare import format_summary, prepare
 
     recipe = load_config(Recipe, args.config, args.overrides)
     print(f"# specheads prepare --config {args.config} {' '.join(args.overrides)}".rstrip())
-    print(format_config(recipe), flush=True)
+    print(format_changes(recipe, Path(recipe.output_dir) / "prepare_config.yaml"), flush=True)
     with run_lock(recipe.output_dir, "prepare"):  # one writer per run folder (rank 0 holds it for all ranks)
         summary = prepare(recipe, progress=not args.no_progress, verify=args.verify, overwrite=args.overwrite)
     if summary:  # rank 0 (or the one process); the other ranks of a torchrun / accelerate launch return {}

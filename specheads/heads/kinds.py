@@ -191,6 +191,15 @@ def kinds_where(**want) -> tuple[str, ...]:
     return tuple(k for k, s in kinds().items() if all(getattr(s, f) == v for f, v in want.items()))
 
 
+def kind_title(name: str) -> str:
+    """How prose names kind `name`: its label without the article and "head" ("an EAGLE-3 head" -> "EAGLE-3"); the
+    package description and the docs' lists are checked against these (tests/test_derived_lists.py)."""
+    label = kind_spec(name).label
+    for article in ("a ", "an "):
+        label = label.removeprefix(article)
+    return label.removesuffix(" head")
+
+
 def resolve(ref: str | Any) -> Any:
     """A "module:attr" reference's object (anything else is returned as is)."""
     if not isinstance(ref, str):

@@ -46,7 +46,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import specheads.target
-from specheads.config import config_to_dict, format_config, renamed_keys, save_config
+from specheads.config import config_to_dict, format_changes, renamed_keys, save_config
 from specheads.heads.base import build_head
 from specheads.heads.kinds import kinds_where
 from specheads.train import checkpoint
@@ -471,7 +471,7 @@ class Trainer:
         """Resolved config (train_config.yaml), stale temporary folders removed, trackers started."""
         acc, out = run.acc, self.output_dir
         if acc.is_main_process:
-            log.info("resolved config:\n%s", format_config(self.recipe))
+            log.info("%s", format_changes(self.recipe, out / checkpoint.CONFIG_NAME, out / "prepare_config.yaml"))
             out.mkdir(parents=True, exist_ok=True)
             self._record_config(run, resume)
             checkpoint.remove_partial(out)

@@ -11,7 +11,11 @@
 - expected speedup (scheduled methods: DSpark `--tree auto`, +lookup, combo): Σ expected τ / Σ expected step cost
   in one-token target forwards, the per-step scheduler's own prediction (infer/scheduling/step.py), beside the measured
   speedup; the oracle: per step the better of the sources alone (head alone, lookup alone), priced by the same
-  cost model (`oracle_tau`, `oracle_speedup`).
+  cost model (`oracle_tau`, `oracle_speedup`);
+- speedup vs plain (with `plain` in the run): tokens/s of the method / tokens/s of `plain` (our loop drafting
+  nothing, one target forward per token): the baseline the expected speedup predicts against, so expected / measured
+  divides the predicted speedup over plain by the measured one over plain (None without plain: never a speedup over
+  vanilla, which carries HF generate's own loop).
 """
 from __future__ import annotations
 
@@ -25,12 +29,15 @@ DEFINITIONS = {
     "tau": "total new tokens / total target forwards that emit tokens (bonus included; HF's prefill emits the first "
            "token and counts, our prefill only fills the cache and does not); vanilla = 1.00",
     "speedup": "tokens_per_s(method) / tokens_per_s(vanilla) over the same prompts (ratio of totals)",
+    "speedup_vs_plain": "with plain in the run: tokens_per_s(method) / tokens_per_s(plain) over the same prompts "
+                        "(plain = our loop drafting nothing, one target forward per token)",
     "accept_hist": "number of target forwards that emitted k tokens (k = accepted draft tokens + 1 bonus)",
     "identical": "greedy runs only: share of prompt turns whose output token ids equal vanilla's",
     "expected_tau": "scheduled methods: the scheduler's expected tokens per step, Σ (1 + Σ p over verified nodes) / "
                     "scheduled steps",
     "expected_speedup": "scheduled methods: Σ expected τ / Σ expected step cost (t(n)/t(1) + drafters' and loop's "
                         "measured seconds / t(1)), i.e. the predicted speedup over one target forward per token",
+    "expected_vs_measured": "expected_speedup / speedup_vs_plain: both over plain (n/a without plain in the run)",
     "sources_tau": "greedy unions: per source, Σ tokens its own proposal alone would have emitted / the steps it "
                    "proposed on (a source whose pass does not pay rests; the target's argmax is known along every "
                    "emitted path)",
@@ -104,15 +111,20 @@ def schedule_summary(records: list[RunRecord]) -> dict[str, Any]:
     return out
 
 
-def compare(method_records: list[RunRecord], vanilla_records: list[RunRecord] | None, greedy: bool) -> dict[str, Any]:
-    """`summarize` plus speedup against vanilla and (greedy) the identical share, matched by (prompt, turn)."""
+def compare(method_records: list[RunRecord], vanilla_records: list[RunRecord] | None, greedy: bool,
+            plain_records: list[RunRecord] | None = None) -> dict[str, Any]:
+    """`summarize` plus speedup against vanilla, (greedy) the identical share, matched by (prompt, turn), and with
+    plain records the speedup against plain and expected / measured, both over plain (the same baseline)."""
     s = summarize(method_records)
     s["speedup"] = None
+    s["speedup_vs_plain"] = None
     s["identical"] = None
     s["expected_vs_measured"] = None
+    if plain_records:
+        s["speedup_vs_plain"] = ratio(s["tokens_per_s"], summarize(plain_records)["tokens_per_s"])
+        s["expected_vs_measured"] = ratio(s["expected_speedup"], s["speedup_vs_plain"])
     if vanilla_records:
         s["speedup"] = ratio(s["tokens_per_s"], summarize(vanilla_records)["tokens_per_s"])
-        s["expected_vs_measured"] = ratio(s["expected_speedup"], s["speedup"])
         if greedy:
             ref = {(r.prompt_id, r.turn): r.output_ids for r in vanilla_records}
             pairs = [(r.output_ids, ref[(r.prompt_id, r.turn)]) for r in method_records if (r.prompt_id, r.turn) in ref]

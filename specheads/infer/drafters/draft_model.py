@@ -121,7 +121,7 @@ def truncated_draft_model(target, num_layers: int = 4):
 def _draft_model(target, head, spec: TreeSpec, draft_target: str | None = None, draft_layers: int = 4) -> Drafter:
     """A separate small model sharing the target's vocabulary, or else the target's first draft_layers layers."""
     if draft_target:
-        small = load_target(draft_target, dtype=target.dtype, device=str(target.device))
+        small = load_target(draft_target, dtype=target.dtype, device=str(target.device), role="draft model")
         if small.vocab_size != target.vocab_size:
             raise SpecheadsError(f"draft model {draft_target}: vocabulary {small.vocab_size} differs from the "
                                  f"target's {target.vocab_size}")
