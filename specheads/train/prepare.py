@@ -30,6 +30,7 @@ from specheads.train.features import plan_features, write_features
 from specheads.train.layout import OVERWRITE_HINT, check_split, feature_layers_for, features_dir
 from specheads.train.regenerate import read_done_ids, read_regenerated, regenerate, text_tokens
 from specheads.train.shards import check_features_folder, check_shared_features, verify_features
+from specheads.target_parts import write_features_record
 from specheads.train.teacher import write_target_sidecars
 from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json
 
@@ -62,6 +63,7 @@ def _prepare_shared(recipe, target=None, verify: bool = False, progress: bool = 
     t = time.perf_counter()
     m = write_target_sidecars(target, recipe.features.dir, progress=progress, verify=verify)
     targets_s = time.perf_counter() - t
+    write_features_record(target, Path(recipe.features.dir))
     bad = verify_features(recipe.features.dir) if verify else []
     if bad:
         raise SpecheadsError(f"features.dir {recipe.features.dir}: {bad} differ from the manifest's sha256; run "
@@ -142,6 +144,7 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None, verify
             t = time.perf_counter()
             manifest = write_target_sidecars(target, feat_dir, progress=progress, verify=verify)
             timings["targets_s"] = time.perf_counter() - t
+            write_features_record(target, feat_dir)  # training without the decoder records this target
         summary.update({"shards": len(manifest["shards"]), "features_complete": manifest["complete"],
                         "features_bytes": manifest.get("bytes", 0), "target_sidecars": _sidecar_count(manifest)})
     summary["disk_bytes"] = _du(data_dir) + _du(feat_dir)

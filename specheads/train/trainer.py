@@ -61,7 +61,7 @@ from specheads.train.evaluate import eval_summary, evaluate
 from specheads.train.features import extract_features
 from specheads.train.kinds import head_kind
 from specheads.train.layout import check_split, feature_layers_for, features_dir, tokens_dir
-from specheads.train.parts import HeadOnly, Medusa2, initial_head
+from specheads.train.parts import HeadOnly, Medusa2, initial_head, training_target
 from specheads.train.settings import TrainConfig
 from specheads.train.steps import LossSettings
 from specheads.train.stopping import stop_requests, stopped
@@ -395,7 +395,8 @@ class Trainer:
             step.check(cfg)  # the kind's own checks of train: (Medusa's hard labels and train.loss)
         acc = self.accelerator = build_accelerator(cfg, out, self.recipe.seed)
         set_seed(self.recipe.seed)
-        self.target.model.to(acc.device)
+        if getattr(self.target.model, "hf_device_map", None) is None:  # a device-mapped target stays where it is
+            self.target.model.to(acc.device)
         if any(p.requires_grad for p in self.target.model.parameters()):
             raise SpecheadsError("target: parameters require grad; the target must be frozen (load_target does this)")
         # the noise has its own generator (one stream per process), so that no other draw shifts it
@@ -542,9 +543,8 @@ def run_training(recipe, resume: bool = False, target=None, trainer_class: type 
     if recipe.train.stage != "train" and trainer_class is None:
         raise SpecheadsError(f"train.stage {recipe.train.stage}: run it with `specheads train` (or "
                              f"specheads.train.opd.run_opd), not run_training")
-    if target is None:
-        target = specheads.target.load_target(recipe.target.name, dtype=recipe.target.dtype,
-                             trust_remote_code=recipe.target.trust_remote_code)
+    if target is None:  # offline features: embeddings, final norm and lm_head only (parts.training_target)
+        target = training_target(recipe)
     train_ds, val_ds, collate_fn, layers, extract_fn = load_training_data(recipe, target)
     counts = None
     if recipe.head.draft_vocab_size and not recipe.train.init_head:  # chosen from the training split's assistant
