@@ -27,8 +27,8 @@ def _run(argv: list[str]) -> float:
     return time.perf_counter() - t
 
 
-def arm(recipe: str, folder: Path, dtype: str) -> dict:
-    over = [f"output_dir={folder}", f"features.dtype={dtype}"]
+def arm(recipe: str, folder: Path, dtype: str, extra: list[str]) -> dict:
+    over = [f"output_dir={folder}", f"features.dtype={dtype}", *extra]
     prep = _run(["prepare", "--no-progress", "--config", recipe, *over])
     resume = ["--resume"] if (folder / "checkpoints").exists() else []
     train = _run(["train", "--config", recipe, *over, *resume])
@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recipe", default="configs/demo-eagle3-smollm2.yaml")
     ap.add_argument("--runs", default="runs/fp8-ab")
     ap.add_argument("--out", default="docs/results/fp8-features")
+    ap.add_argument("overrides", nargs="*", help="dotted recipe overrides given to both arms (e.g. target.dtype=float32)")
     a = ap.parse_args(argv)
-    rows = [arm(a.recipe, Path(a.runs) / d, d) for d in ("bfloat16", "float8_e4m3fn")]
+    rows = [arm(a.recipe, Path(a.runs) / d, d, a.overrides) for d in ("bfloat16", "float8_e4m3fn")]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = "python scripts/fp8_features_ab.py " + " ".join(argv if argv is not None else sys.argv[1:])

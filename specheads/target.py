@@ -308,6 +308,9 @@ def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype = "
         raise SpecheadsError(f"target {name_or_path!r}: not a local path and HF_HUB_OFFLINE=1")
     if Path(path).is_dir():
         check_target_folder(Path(path), name_or_path, trust_remote_code)
+        from specheads.safetensors_index import check_decoder_present  # a folder stripped for offline training
+
+        check_decoder_present(Path(path), name_or_path)
     try:  # safetensors only: a hub repo of pickled weights alone is refused too (use_safetensors)
         with quiet_loading(Path(path).exists()):
             model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, **kwargs)

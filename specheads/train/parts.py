@@ -118,3 +118,43 @@ def initial_head(recipe, target):
         raise SpecheadsError(f"train.init_head {folder}: holds a {kind} head, the recipe's head.kind is "
                              f"{recipe.head.kind}; set head.kind={kind}")
     return load_head(folder, target, dtype=torch.float32)
+
+
+def training_target(recipe):
+    """The target `specheads train` loads. Offline features of a head-only run: its embeddings, final norm and
+    lm_head alone (target_parts.load_target_parts: the decoder layers are never read), recording the full target
+    prepare wrote into the features folder (target.json). The whole target otherwise: online features, Medusa-2,
+    another stage, a hub id not on disk, or eval.dev_prompts (the dev set's answers need the decoder; a folder
+    without its decoder layers is then refused in one line)."""
+    import logging
+
+    from specheads.target import load_target, resolve_target_path
+    from specheads.target_parts import load_target_parts, read_features_record
+    from specheads.train.layout import features_dir
+
+    rt = recipe.target
+    full = lambda: load_target(rt.name, dtype=rt.dtype, trust_remote_code=rt.trust_remote_code)  # noqa: E731
+    if recipe.features.mode != "offline" or recipe.train.stage != "train" or recipe.train.lora.enabled:
+        return full()
+    folder = Path(resolve_target_path(rt.name))
+    if not folder.is_dir():
+        return full()
+    if recipe.eval.dev_prompts:
+        if not _has_decoder(folder):
+            raise SpecheadsError(f"eval.dev_prompts: the dev set's answers need the target's decoder layers, which "
+                                 f"{folder} lacks; set eval.dev_prompts=0 or give the full target folder")
+        logging.getLogger(__name__).info("eval.dev_prompts: the dev set is answered by the target: loading all of it")
+        return full()
+    target = load_target_parts(rt.name, dtype=rt.dtype, trust_remote_code=rt.trust_remote_code)
+    feat = features_dir(recipe)
+    record = read_features_record(feat)
+    if record is not None:
+        target.bind_record(record, str(feat / "target.json"))
+    return target
+
+
+def _has_decoder(folder: Path) -> bool:
+    """True when the folder's safetensors hold decoder-layer tensors (names with `.layers.`)."""
+    from specheads.target_parts import SafetensorsIndex
+
+    return any(".layers." in n or n.startswith("layers.") for n in SafetensorsIndex(folder).where)

@@ -33,6 +33,7 @@ from specheads.target import where_target_runs
 from specheads.train.ranks import Ranks, check_shared_folder, ranks_from_env
 from specheads.train.regenerate import read_done_ids, read_regenerated, regenerate, regenerate_ranked, text_tokens
 from specheads.train.shards import check_features_folder, check_shared_features, verify_features
+from specheads.target_parts import write_features_record
 from specheads.train.teacher import write_target_sidecars
 from specheads.utils import SpecheadsError, atomic_dir, atomic_write_json
 
@@ -69,6 +70,8 @@ def _prepare_shared(recipe, target=None, verify: bool = False, progress: bool = 
     t = time.perf_counter()
     m = write_target_sidecars(target, recipe.features.dir, progress=progress, verify=verify, ranks=ranks)
     targets_s = time.perf_counter() - t
+    if ranks.main:
+        write_features_record(target, Path(recipe.features.dir))
     bad = verify_features(recipe.features.dir) if verify and ranks.main else []
     if bad:
         raise SpecheadsError(f"features.dir {recipe.features.dir}: {bad} differ from the manifest's sha256; run "
@@ -160,6 +163,8 @@ def prepare(recipe, target=None, progress: bool = True, after_shard=None, verify
             t = time.perf_counter()
             manifest = write_target_sidecars(target, feat_dir, progress=progress, verify=verify, ranks=ranks)
             timings["targets_s"] = time.perf_counter() - t
+            if ranks.main:
+                write_features_record(target, feat_dir)  # training without the decoder records this target
         summary.update({"shards": len(manifest["shards"]), "features_complete": manifest["complete"],
                         "features_bytes": manifest.get("bytes", 0), "target_sidecars": _sidecar_count(manifest)})
     summary["disk_bytes"] = _du(data_dir) + _du(feat_dir)

@@ -61,7 +61,7 @@ from specheads.train.evaluate import eval_summary, evaluate
 from specheads.train.features import extract_features
 from specheads.train.kinds import head_kind
 from specheads.train.layout import check_split, feature_layers_for, features_dir, tokens_dir
-from specheads.train.parts import HeadOnly, Medusa2, initial_head
+from specheads.train.parts import HeadOnly, Medusa2, initial_head, training_target
 from specheads.train.settings import TrainConfig
 from specheads.train.steps import LossSettings
 from specheads.train.stopping import stop_requests, stopped
@@ -398,7 +398,8 @@ class Trainer:
             if acc.num_processes > 1 and isinstance(ds, FeatureDataset):
                 ds.verify_once(acc.is_main_process, acc.wait_for_everyone)
         set_seed(self.recipe.seed)
-        self.target.model.to(acc.device)
+        if getattr(self.target.model, "hf_device_map", None) is None:  # a device-mapped target stays where it is
+            self.target.model.to(acc.device)
         if any(p.requires_grad for p in self.target.model.parameters()):
             raise SpecheadsError("target: parameters require grad; the target must be frozen (load_target does this)")
         # the noise has its own generator (one stream per process), so that no other draw shifts it
@@ -545,9 +546,8 @@ def run_training(recipe, resume: bool = False, target=None, trainer_class: type 
     if recipe.train.stage != "train" and trainer_class is None:
         raise SpecheadsError(f"train.stage {recipe.train.stage}: run it with `specheads train` (or "
                              f"specheads.train.opd.run_opd), not run_training")
-    if target is None:
-        target = specheads.target.load_target(recipe.target.name, dtype=recipe.target.dtype,
-                             trust_remote_code=recipe.target.trust_remote_code)
+    if target is None:  # offline features: embeddings, final norm and lm_head only (parts.training_target)
+        target = training_target(recipe)
     if recipe.data.mode == "chat" and recipe.data.chat_template_kwargs and target.tokenizer is not None:
         import dataclasses  # the dev set's prompts render as the data did (data.chat_template_kwargs)
 
