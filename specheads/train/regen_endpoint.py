@@ -34,7 +34,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterator, Sequence
 
@@ -217,13 +216,7 @@ class EndpointDecoder:
             return self.answer(key, post_with_retries(self.s, self.path, self.body(key, prompt, cap, seed,
                                                                                   temperature, top_p)), cap)
 
-        pool = ThreadPoolExecutor(max_workers=self.s.concurrency, thread_name_prefix="regen-endpoint")
-        try:
-            futures = [pool.submit(one, item) for item in work]
-            for item, fut in zip(work, futures):
-                yield item[0], fut.result()  # in work's order, whatever order they finish in
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        yield from zip((item[0] for item in work), in_order(one, list(work), self.s.concurrency))
 
     def row_meta(self, key: Hashable) -> dict:
         """What a written row records about how it was regenerated (popped: the row is written once)."""
@@ -231,6 +224,39 @@ class EndpointDecoder:
         return {"endpoint": self.s.url, "api": self.s.api, "model": self.s.model or self.model_seen,
                 "template": "specheads" if self.s.api == "completions" else "server",
                 "token_ids": "server" if src and all(x == "server" for x in src) else "retokenized"}
+
+
+def in_order(fn: Callable, items: list, n: int) -> Iterator:
+    """fn(item) for every item, n at a time on daemon threads, yielded in items' order (an item that finished early
+    waits for those before it); the first failure is raised in order. Daemon threads: a Ctrl-C or an error does not
+    wait for the requests still in flight (a pool's threads would be joined at exit, each up to its timeout)."""
+    results: list = [None] * len(items)
+    done = [threading.Event() for _ in items]
+    order, lock, stop = iter(range(len(items))), threading.Lock(), threading.Event()
+
+    def worker() -> None:
+        while not stop.is_set():
+            with lock:
+                i = next(order, None)
+            if i is None:
+                return
+            try:
+                results[i] = (True, fn(items[i]))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller, in order
+                results[i] = (False, e)
+            done[i].set()
+
+    for _ in range(min(n, len(items))):
+        threading.Thread(target=worker, daemon=True, name="regen-endpoint").start()
+    try:
+        for i in range(len(items)):
+            done[i].wait()
+            ok, value = results[i]
+            if not ok:
+                raise value
+            yield value
+    finally:
+        stop.set()  # the workers take no new item
 
 
 def chat_message(m: dict) -> dict:
