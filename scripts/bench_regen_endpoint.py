@@ -40,19 +40,30 @@ def _answers(path: Path) -> dict[str, list[int]]:
     return {r["id"]: next(m["token_ids"] for m in r["messages"] if m["role"] == "assistant") for r in rows}
 
 
+def _first_prompt(c: dict) -> list[dict]:
+    return c["messages"][:next(i for i, m in enumerate(c["messages"]) if m["role"] == "assistant")]
+
+
+def _first_turns(tok, n: int, max_prompt: int) -> list[dict]:
+    """The first n ShareGPT conversations (file order) whose first prompt fits max_prompt tokens (a longer one
+    would be skipped by both sides alike)."""
+    convs, _ = load_conversations("sharegpt", 4 * n)
+    fits = [c for c in convs if len(history_prompt_ids(tok, _first_prompt(c), [])) <= max_prompt][:n]
+    return [{"conversation_id": c["conversation_id"], "messages": c["messages"]} for c in fits]
+
+
 def _ids_match_text(server: LlamaServer, tok, convs, stops: set[int], n: int) -> dict:
     """Ask the server for n answers directly: its returned ids re-decoded equal its returned text."""
     s = EndpointSettings(url=server.url + "/v1", concurrency=1)
-    same = 0
-    for c in list(convs)[:n]:
-        first = next(i for i, m in enumerate(c["messages"]) if m["role"] == "assistant")
-        prompt = history_prompt_ids(tok, c["messages"][:first], [])
+    same, convs = 0, list(convs)[:n]
+    for c in convs:
+        prompt = history_prompt_ids(tok, _first_prompt(c), [])
         reply = post_with_retries(s, s.url + "/completions", {"prompt": prompt, "max_tokens": 32, "temperature": 0.0,
                                                                "return_tokens": True, "verbose": True})
         text, ids, finish = reply_answer(reply, "completions")
         ids = ids[:-1] if finish == "stop" and ids and ids[-1] in stops else ids
         same += tok.decode(ids, skip_special_tokens=True) == text
-    return {"checked": n, "ids_decode_to_text": same}
+    return {"checked": len(convs), "ids_decode_to_text": same}
 
 
 def main(argv=None) -> int:
@@ -66,25 +77,29 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out)
     work = Path(tempfile.mkdtemp(prefix="regen-endpoint-"))  # fresh files: a resumed one would time nothing
-    convs, _ = load_conversations("sharegpt", a.conversations)
-    convs = [{"conversation_id": c["conversation_id"], "messages": c["messages"]} for c in convs]
     target = load_target("smollm2-135m", dtype="float32")
     tok, stops = target.tokenizer, set(stop_ids(target, target.tokenizer))
+    convs = _first_turns(tok, a.conversations, a.max_length - a.new_tokens)
     common = dict(max_length=a.max_length, max_new_tokens=a.new_tokens, batch_size=a.batch_size, max_turns=1,
                   progress=False)
+    warm = [dict(c, conversation_id=f"warm-{c['conversation_id']}") for c in convs[:2]]  # first calls: not timed
+    regenerate(target, warm, work / "warm-ours.jsonl", **dict(common, max_new_tokens=8))
     ours = regenerate(target, convs, work / "ours.jsonl", **common)
     gguf = target_gguf("smollm2-135m")
     with LlamaServer(gguf, parallel=a.slots, ctx_size=a.slots * a.max_length) as server:
+        endpoint = EndpointSettings(url=server.url + "/v1", concurrency=a.slots)
+        regenerate(target, warm, work / "warm-server.jsonl", **dict(common, max_new_tokens=8), endpoint=endpoint)
         t = time.perf_counter()
         served = regenerate(target, convs, work / "server.jsonl", **common,
-                            endpoint=EndpointSettings(url=server.url + "/v1", concurrency=a.slots))
+                            endpoint=endpoint)
         served["wall_s"] = round(time.perf_counter() - t, 3)
         check = _ids_match_text(server, tok, convs, stops, 8)
         args = server.args[1:]
     mine, theirs = _answers(work / "ours.jsonl"), _answers(work / "server.jsonl")
     rows = [json.loads(line) for line in (work / "server.jsonl").read_text().splitlines()]
     result = {
-        "what": f"{a.conversations} ShareGPT first turns x {a.new_tokens} new tokens, greedy, smollm2-135m",
+        "what": f"{len(convs)} ShareGPT first turns (the first whose prompt fits {a.max_length - a.new_tokens} "
+                f"tokens) x up to {a.new_tokens} new tokens, greedy, smollm2-135m",
         "MEASURED_ON": "a shared, loaded 2-core machine (other helpers ran tests meanwhile): timings are indicative "
                        "only; the lead may re-measure",
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
