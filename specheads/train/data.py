@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 from specheads.train.messages import (CONTEXT_FIELDS, check_template_kwargs, context_kwargs, conversation_features,
                                       has_answer, parse_turn, row_context, stored, template_message)
+from specheads.train.regen_endpoint import check_endpoint_settings
 from specheads.train.sources import SHOW_REASONS, LoadStats, Malformed, SourceSpec, open_text, rows_from_source
 from specheads.utils import CHAT_KWARGS_ATTR, DTYPE_NAMES, SpecheadsError, check_values, template_kwargs
 
@@ -80,12 +81,22 @@ class DataConfig:
     # (None = the tokenizer's own); it renders the conversations and the regeneration prompts
     regen_prefix_tokens: int = 32  # text mode + regenerate: tokens of each window kept as the prompt, the target
     # writes the rest (up to max_length). 32 tokens = a sentence or two of context: most of a window is the target's
+    regen_endpoint: str | None = None  # an OpenAI-compatible server answers instead of our engine (vLLM, SGLang,
+    # llama-server), e.g. http://127.0.0.1:8080/v1 (train/regen_endpoint.py); None = our own decoding
+    regen_model: str | None = None  # the requests' `model` (None: left out, the server's own model)
+    regen_api: Literal["completions", "chat"] = "completions"  # completions: our template's token ids as the prompt
+    # (the template applied exactly as we apply it); chat: the messages, the server applies its own template
+    regen_concurrency: int = 8  # requests in flight at once (match the server's parallel slots or more)
+    regen_timeout_s: float = 600.0  # one request's limit (s): 512 tokens at ~1 tok/s per slot on a loaded CPU
+    regen_retries: int = 5  # tries after the first on a connection error, timeout, 408 / 429 / 5xx (backoff 0.5 s,
+    # doubled per try: ~15 s in all), then one error naming the endpoint
 
     def __post_init__(self) -> None:
         check_values("data", self, {"max_conversations": ">=1|None", "max_length": ">=2", "val_fraction": "[0,1)",
                                     "regen_max_new_tokens": ">=1", "regen_batch_size": ">=1",
                                     "regen_temperature": ">=0", "regen_top_p": "(0,1]", "regen_max_turns": ">=1|None",
-                                    "regen_conversations": ">=1|None"})
+                                    "regen_conversations": ">=1|None", "regen_concurrency": ">=1",
+                                    "regen_timeout_s": ">0", "regen_retries": ">=0"})
         if self.sources is not None and self.source is not None:
             raise SpecheadsError(f"data.source and data.sources: both given ({self.source!r} and {len(self.sources)} "
                                  f"sources); keep one (data.sources lists several, data.source names one)")
@@ -101,6 +112,7 @@ class DataConfig:
         if self.regen_dtype is not None and self.regen_dtype not in REGEN_DTYPES:
             raise SpecheadsError(f"data.regen_dtype: {self.regen_dtype!r} is not one of {list(REGEN_DTYPES)} or null")
         check_mode_settings(self)
+        check_endpoint_settings(self)
 
 
 REGEN_DTYPES = tuple(DTYPE_NAMES)  # the target dtypes a recipe may name

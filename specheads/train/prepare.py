@@ -30,6 +30,7 @@ from specheads.train.features import plan_features, write_features
 from specheads.train.mix import load_mixed
 from specheads.train.layout import OVERWRITE_HINT, check_split, feature_layers_for, features_dir
 from specheads.target import where_target_runs
+from specheads.train.regen_endpoint import EndpointSettings
 from specheads.train.ranks import Ranks, check_shared_folder, ranks_from_env
 from specheads.train.regenerate import read_done_ids, read_regenerated, regenerate, regenerate_ranked, text_tokens
 from specheads.train.shards import check_features_folder, check_shared_features, verify_features
@@ -243,14 +244,18 @@ def _regenerate(recipe, target, convs, regen_path: Path, max_length: int, summar
     gen_target = target
     # a copy in data.regen_dtype only when some answer is still missing (a finished rerun skips the load)
     todo = set(convs["conversation_id"]) - read_done_ids(regen_path)
-    if todo and dc.regen_dtype and dc.regen_dtype != recipe.target.dtype:
+    endpoint = EndpointSettings.from_data(dc) if dc.regen_endpoint else None  # a server answers instead
+    if endpoint is not None and dc.regen_dtype:
+        log.warning("data.regen_dtype %s: not used, the server at data.regen_endpoint decides its dtype",
+                    dc.regen_dtype)
+    elif todo and dc.regen_dtype and dc.regen_dtype != recipe.target.dtype:
         gen_target = _load_target(recipe, dtype=dc.regen_dtype, ranks=ranks)
         gen_target = dataclasses.replace(gen_target, tokenizer=target.tokenizer)  # with data.chat_template if given
-    log.info("regenerate: %s", where_target_runs(gen_target))
+    log.info("regenerate: %s", f"through {dc.regen_endpoint}" if endpoint else where_target_runs(gen_target))
     rstats = regenerate_ranked(regenerate, ranks, gen_target, convs, regen_path, max_length=max_length,
                                max_new_tokens=dc.regen_max_new_tokens, batch_size=dc.regen_batch_size,
                                temperature=dc.regen_temperature, top_p=dc.regen_top_p, seed=recipe.seed,
-                               progress=progress, max_turns=dc.regen_max_turns)
+                               progress=progress, max_turns=dc.regen_max_turns, endpoint=endpoint)
     del gen_target
     wanted = set(convs["conversation_id"])
     convs, rl = read_regenerated(regen_path, wanted, keep)  # answers with the ids the target generated
@@ -260,6 +265,8 @@ def _regenerate(recipe, target, convs, regen_path: Path, max_length: int, summar
                     "regenerated_new_tokens": rstats["new_tokens"],
                     "regenerate_tokens_per_s": rstats["tokens_per_s"],
                     "empty_regenerated_turns": rl.empty_turns})
+    if endpoint is not None:
+        summary["regenerate_endpoint"] = {"url": endpoint.url, "api": endpoint.api, "concurrency": endpoint.concurrency}
     return convs
 
 

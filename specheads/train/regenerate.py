@@ -32,6 +32,8 @@ left of max_length after its prompt. A conversation stops at the first turn whos
 Agentic data: only assistant text turns are rewritten (`regenerated_turn`); a tool-call turn is kept as the source
 wrote it (its tool results answer that call), and tool results, `loss: false` turns, the conversation's `tools` and
 `documents` stay as context, rendered with data.chat_template_kwargs (the tokenizer carries them).
+A serving engine (data.regen_endpoint: train/regen_endpoint.py) can answer instead of the engine: the same file,
+seeds and order, the conversations sent in source order and written in it (`_Answers` writes in todo's order).
 Plain text (data.mode text): `regenerate_texts` continues the first data.regen_prefix_tokens tokens of each window
 the same way and stores token ids (`read_regenerated_texts` reads them back).
 """
@@ -51,6 +53,7 @@ from specheads.kvcache import buffered_cache
 from specheads.train.data import (chat_tokenizer, load_conversations, render_segments, render_text, special_tokens,
                                   tokenize_texts)
 from specheads.train.messages import align, context_kwargs, row_message
+from specheads.train.regen_endpoint import EndpointDecoder, EndpointSettings
 from specheads.train.sources import Malformed
 from specheads.utils import SpecheadsError, atomic_write_text, bounded_lines
 
@@ -105,10 +108,13 @@ def decode_answers(target, work: Sequence[Work], batch_size: int, temperature: f
 
 def answer_in_groups(target, n: int, begin: Callable[[int, list], None],
                      answered: Callable[[int, list[int], list], None], batch_size: int, temperature: float = 0.0,
-                     top_p: float = 1.0) -> None:
+                     top_p: float = 1.0, decode=None) -> None:
     """Answer items 0..n-1 in groups of GROUP_ROWS x batch_size: `begin(j, work)` appends item j's first Work (or
     nothing: it is already complete); `answered(j, answer, work)` takes its answer and may append its next Work (a
-    conversation's next turn), decoded in the group's next wave."""
+    conversation's next turn), decoded in the group's next wave. `decode(wave, temperature, top_p)`: who answers
+    (None: our engine, decode_answers; an endpoint: train/regen_endpoint.EndpointDecoder)."""
+    if decode is None:
+        decode = lambda wave, t, p: decode_answers(target, wave, batch_size, t, p)  # noqa: E731
     size = GROUP_ROWS * max(batch_size, 1)
     for lo in range(0, n, size):
         work: list[Work] = []
@@ -116,7 +122,7 @@ def answer_in_groups(target, n: int, begin: Callable[[int, list], None],
             begin(j, work)
         while work:
             wave, work = work, []
-            for j, answer in decode_answers(target, wave, batch_size, temperature, top_p):
+            for j, answer in decode(wave, temperature, top_p):
                 answered(j, answer, work)
 
 
@@ -174,16 +180,19 @@ def _drop_partial_tail(path: Path) -> None:
 class _Answers:
     """The conversations still to answer, their regenerated histories so far, and the JSONL they are written to
     (flushed and fsynced every `sync_every` conversations, so a kill loses at most that many). `begin` and
-    `answered` are answer_in_groups' callbacks; `seed` seeds each sampled answer (answer_seed)."""
+    `answered` are answer_in_groups' callbacks; `seed` seeds each sampled answer (answer_seed). Conversations are
+    written in todo's order (one that finishes early waits for those before it, at most a group: they all finish
+    by its end); `meta(j)`: fields recorded in conversation j's row (an endpoint's regenerated_by)."""
 
     def __init__(self, todo: list[dict], tok, f, max_length: int, max_new_tokens: int, max_turns: int | None,
-                 sync_every: int, on_done, seed: int = 0):
+                 sync_every: int, on_done, seed: int = 0, meta: Callable[[int], dict] | None = None):
         self.todo, self.tok, self.f, self.seed = todo, tok, f, seed
         self.max_length, self.max_new_tokens, self.max_turns = max_length, max_new_tokens, max_turns
         self.hist: list[list[dict]] = [[] for _ in todo]  # regenerated conversation so far
         self.specials = special_tokens(tok)  # for history_prompt_ids, found once
         self.cursor = [0] * len(todo)  # next source message index to copy
         self.sync_every, self.unsynced, self.on_done = sync_every, 0, on_done
+        self.meta, self.waiting, self.next_out = meta, {}, 0  # finished rows not yet written; next index to write
 
     def begin(self, j: int, work: list) -> None:
         """Queue conversation j's first answer, or write it out when it has none to give."""
@@ -219,11 +228,19 @@ class _Answers:
         return True
 
     def finish(self, j: int) -> None:
+        line = None
         if any(m["role"] == "assistant" for m in self.hist[j]):
-            self.f.write(json.dumps({"id": self.todo[j]["conversation_id"], "messages": self.hist[j],
-                                     **self.todo[j]["context"]}, ensure_ascii=False) + "\n")
-            self.unsynced += 1
-        self.hist[j] = []  # written: free it
+            extra = {"regenerated_by": self.meta(j)} if self.meta else {}
+            line = json.dumps({"id": self.todo[j]["conversation_id"], "messages": self.hist[j],
+                               **self.todo[j]["context"], **extra}, ensure_ascii=False) + "\n"
+        self.hist[j] = []  # kept as its line: free it
+        self.waiting[j] = line
+        while self.next_out in self.waiting:  # todo's order
+            line = self.waiting.pop(self.next_out)
+            self.next_out += 1
+            if line is not None:
+                self.f.write(line)
+                self.unsynced += 1
         self.on_done()
         if self.unsynced >= self.sync_every:
             self.sync()
@@ -288,6 +305,12 @@ def read_regenerated(path: str | os.PathLike, wanted: set[str], keep=None):
     return datasets.concatenate_datasets(align([regen, keep])), stats  # one side may lack token_ids, tool fields
 
 
+def stop_ids(target, tok) -> list[int]:
+    """The ids that end an answer on a server: the target's end-of-sequence ids and the tokenizer's special ones
+    (a server may stop on an end-of-turn token its GGUF marks end-of-generation)."""
+    return sorted(set(int(t) for t in target.eos_token_ids) | set(int(t) for t in (tok.all_special_ids or [])))
+
+
 def _first_prompt_chars(row: dict) -> int:
     """Characters before the first answer (they approximate tokens well enough to sort by length)."""
     msgs = row["messages"]
@@ -297,11 +320,13 @@ def _first_prompt_chars(row: dict) -> int:
 
 def regenerate(target, conversations, out_path: str | os.PathLike, max_length: int = 2048,
                max_new_tokens: int = 512, batch_size: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int = 0, progress: bool = True, max_turns: int | None = None) -> dict:
+               seed: int = 0, progress: bool = True, max_turns: int | None = None, endpoint=None) -> dict:
     """Regenerate every conversation's assistant turns into `out_path` (JSONL); resumable by conversation id.
     `conversations`: Dataset/list with conversation_id and messages. `max_turns`: keep only the first N exchanges
     (1 = single-turn samples). `batch_size`: the batched loop's rows (1 = the one-row loop; see the module
-    docstring) and the conversations between two fsyncs. Returns stats (tokens generated, tokens/s)."""
+    docstring) and the conversations between two fsyncs. `endpoint` (regen_endpoint.EndpointSettings): a serving
+    engine answers instead (conversations in source order, no length buckets: the server batches them itself);
+    `target` then only lends its tokenizer and end-of-sequence ids. Returns stats (tokens generated, tokens/s)."""
     from tqdm.auto import tqdm
 
     tok = chat_tokenizer(target.tokenizer, None, target.name)  # one clear error when there is no template (the
@@ -312,23 +337,30 @@ def regenerate(target, conversations, out_path: str | os.PathLike, max_length: i
     done = read_done_ids(out_path)
     rows = [{"conversation_id": c["conversation_id"], "messages": c["messages"], "context": context_kwargs(c)}
             for c in conversations]
-    todo = sorted((r for r in rows if r["conversation_id"] not in done), key=_first_prompt_chars)  # length buckets
+    todo = [r for r in rows if r["conversation_id"] not in done]
+    if endpoint is None:
+        todo.sort(key=_first_prompt_chars)  # length buckets for our batched loop
     stats = {"conversations": len(rows), "already_done": len(rows) - len(todo), "regenerated": 0,
              "new_tokens": 0, "seconds": 0.0}
     log.info("regenerate: %d conversations (%d already in %s), %s, max %d new tokens per answer, %s",
              len(rows), stats["already_done"], out_path, "greedy" if temperature <= 0 else f"T={temperature}",
-             max_new_tokens, decoding_path(target, batch_size))
+             max_new_tokens, endpoint.describe() if endpoint else decoding_path(target, batch_size))
     bar = tqdm(total=len(todo), unit="conv", desc="regenerate", disable=not progress)
     t0 = time.perf_counter()
     with open(out_path, "a", encoding="utf-8") as f:
         answers = _Answers(todo, tok, f, max_length, max_new_tokens, max_turns, batch_size, lambda: bar.update(1),
                            seed)
+        decode = None
+        if endpoint is not None:
+            decode = EndpointDecoder(endpoint, tok, stop_ids(target, tok), lambda j: answers.hist[j],
+                                     lambda j: todo[j]["context"])
+            answers.meta = decode.row_meta
 
         def answered(j: int, answer: list[int], work: list) -> None:
             stats["new_tokens"] += len(answer)
             answers.answered(j, answer, work)
 
-        answer_in_groups(target, len(todo), answers.begin, answered, batch_size, temperature, top_p)
+        answer_in_groups(target, len(todo), answers.begin, answered, batch_size, temperature, top_p, decode)
         answers.sync()
     bar.close()
     # answers were appended in the batch's order: put the file in the source's, as one run leaves it; also when
@@ -406,12 +438,13 @@ def regenerate_ranked(fn: Callable, ranks, target, rows, out_path: str | os.Path
 
 def regenerate_texts(target, samples, out_path: str | os.PathLike, prefix_tokens: int, max_length: int = 2048,
                      max_new_tokens: int = 512, batch_size: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-                     seed: int = 0, progress: bool = True) -> dict:
+                     seed: int = 0, progress: bool = True, endpoint=None) -> dict:
     """data.mode text: keep the first `prefix_tokens` tokens of each sample (Dataset[conversation_id, input_ids])
     as the prompt and let the target continue it, up to max_length tokens in all, through the engine as
     `regenerate` does (`answer_in_groups`, `batch_size` rows). Appends `{"id", "input_ids" (prompt + continuation),
     "prompt_tokens", "text"}` lines to `out_path`, fsynced every `batch_size` samples; resumable by id. The
-    end-of-sequence token that stops an answer is not kept. Returns the same stats as `regenerate`."""
+    end-of-sequence token that stops an answer is not kept. `endpoint`: a server's completions api continues the
+    prompts instead (rows add regenerated_by). Returns the same stats as `regenerate`."""
     from tqdm.auto import tqdm
 
     out_path = Path(out_path)
@@ -420,12 +453,16 @@ def regenerate_texts(target, samples, out_path: str | os.PathLike, prefix_tokens
     done = read_done_ids(out_path)
     rows = [(c, list(ids)[:prefix_tokens]) for c, ids in zip(samples["conversation_id"], samples["input_ids"])]
     todo = [r for r in rows if r[0] not in done]
-    todo.sort(key=lambda r: len(r[1]))  # equal prompt lengths batch together (little padding)
+    decode = None
+    if endpoint is None:
+        todo.sort(key=lambda r: len(r[1]))  # equal prompt lengths batch together (little padding)
+    else:
+        decode = EndpointDecoder(endpoint, target.tokenizer, stop_ids(target, target.tokenizer))
     stats = {"conversations": len(rows), "already_done": len(rows) - len(todo), "regenerated": 0, "new_tokens": 0,
              "seconds": 0.0}
     log.info("regenerate text: %d samples (%d already in %s), prompts of %d tokens, %s, %s", len(rows),
              stats["already_done"], out_path, prefix_tokens, "greedy" if temperature <= 0 else f"T={temperature}",
-             decoding_path(target, batch_size))
+             endpoint.describe() if endpoint else decoding_path(target, batch_size))
     bar = tqdm(total=len(todo), unit="sample", desc="regenerate", disable=not progress)
     t0 = time.perf_counter()
     with open(out_path, "a", encoding="utf-8") as f:
@@ -436,8 +473,9 @@ def regenerate_texts(target, samples, out_path: str | os.PathLike, prefix_tokens
         def answered(j: int, answer: list[int], work: list) -> None:
             cid, prompt = todo[j]
             ids = prompt + [int(t) for t in answer]
+            extra = {"regenerated_by": decode.row_meta(j)} if decode else {}
             f.write(json.dumps({"id": cid, "input_ids": ids, "prompt_tokens": len(prompt),
-                                "text": target.tokenizer.decode(ids)}, ensure_ascii=False) + "\n")
+                                "text": target.tokenizer.decode(ids), **extra}, ensure_ascii=False) + "\n")
             stats["regenerated"] += 1
             stats["new_tokens"] += len(answer)
             bar.update(1)
@@ -445,7 +483,7 @@ def regenerate_texts(target, samples, out_path: str | os.PathLike, prefix_tokens
                 f.flush()
                 os.fsync(f.fileno())
 
-        answer_in_groups(target, len(todo), begin, answered, batch_size, temperature, top_p)
+        answer_in_groups(target, len(todo), begin, answered, batch_size, temperature, top_p, decode)
         f.flush()
         os.fsync(f.fileno())
     bar.close()
@@ -504,7 +542,8 @@ def text_tokens(cfg, target, texts, data_dir: Path, max_length: int, seed: int =
     rstats = regenerate_ranked(regenerate_texts, ranks or Ranks(), gen, todo, path,
                               prefix_tokens=cfg.regen_prefix_tokens, max_length=max_length,
                               max_new_tokens=cfg.regen_max_new_tokens, batch_size=cfg.regen_batch_size,
-                              temperature=cfg.regen_temperature, top_p=cfg.regen_top_p, seed=seed, progress=progress)
+                              temperature=cfg.regen_temperature, top_p=cfg.regen_top_p, seed=seed, progress=progress,
+                              endpoint=EndpointSettings.from_data(cfg) if cfg.regen_endpoint else None)
     regen = read_regenerated_texts(path, todo["conversation_id"])
     tokens = regen if keep is None else datasets.concatenate_datasets([regen, keep])
     n_tokens = sum(len(x) for x in tokens["input_ids"])

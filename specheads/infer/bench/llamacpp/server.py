@@ -43,16 +43,18 @@ def _free_port() -> int:
 
 
 class LlamaServer:
-    """One llama-server process on 127.0.0.1 (one slot; `threads` None = default_threads()). Use as a context
-    manager, or `start()` / `stop()`; an exit handler stops it if the caller does not."""
+    """One llama-server process on 127.0.0.1 (`parallel` slots, default one: the bench's; `threads` None =
+    default_threads(); `ctx_size` is shared by the slots). Use as a context manager, or `start()` / `stop()`; an
+    exit handler stops it if the caller does not."""
 
     def __init__(self, model: Path, draft: Path | None = None, spec_args: tuple[str, ...] = (),
                  threads: int | None = None, ctx_size: int = CTX_SIZE, log_file: Path | None = None,
-                 startup_timeout_s: float = STARTUP_TIMEOUT_S, request_timeout_s: float = REQUEST_TIMEOUT_S):
+                 startup_timeout_s: float = STARTUP_TIMEOUT_S, request_timeout_s: float = REQUEST_TIMEOUT_S,
+                 parallel: int = 1):
         threads = default_threads() if threads is None else int(threads)
         self.binary = find_tools("llama-server").binary("llama-server")
         self.args = [str(self.binary), "-m", str(model), "--host", "127.0.0.1", "-t", str(threads),
-                     "-tb", str(threads), "-c", str(ctx_size), "-np", "1", "--no-webui", "--no-cache-prompt",
+                     "-tb", str(threads), "-c", str(ctx_size), "-np", str(int(parallel)), "--no-webui", "--no-cache-prompt",
                      "--cache-ram", "0"]
         if draft is not None:
             self.args += ["-md", str(draft)]
