@@ -19,6 +19,7 @@ COMMANDS = {
     "export": "write a head folder in another layout (eagle, eagle3, speculators, medusa-vllm) or import one",
     "generate": "speculative generation with a head (or a training-free drafter), streamed",
     "bench": "tokens/s, accepted length and speedup against plain decoding and peers, in one run",
+    "launch": "run train (or prepare) on this node of the recipe's launch: topology, through accelerate launch",
     "eval": "teacher-forced top-k and simulated accepted length of a head on the target's answers to a dataset",
 }
 

@@ -10,6 +10,7 @@ from specheads.heads.base import HeadSpec
 from specheads.train.data import DataConfig
 from specheads.train.evaluate import EvalConfig
 from specheads.train.features import FeatureConfig
+from specheads.train.launch import LaunchConfig
 from specheads.train.settings import TrainConfig
 
 
@@ -38,3 +39,4 @@ class Recipe:
     head: HeadSpec = field(default_factory=HeadSpec)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)  # nodes x processes for `specheads launch`

@@ -93,10 +93,12 @@ FINISHED = ("best", "final", "train_summary.json")  # what a trained run leaves 
 # Settings a resumed segment may change (recorded in HISTORY_NAME): when, how long and how the run is watched, not
 # what its checkpoints mean. Everything else (seed, data.*, features.*, head.*, target.name / dtype, batch size,
 # accumulation, lr and its schedule, optimizer, losses, LoRA, DeepSpeed) is refused on resume. A trailing "." names
-# a whole section.
+# a whole section. launch: its address, port, timeout and backend may change (where the nodes meet), its node
+# and process counts may not (they set the global batch with train.batch_size and grad_accum).
 RESUMABLE = ("output_dir", "train.max_steps", "train.epochs", "train.save_every", "train.keep_last",
              "train.log_every", "train.tracker", "train.num_workers", "train.mixed_precision", "train.lora.merge",
-             "target.trust_remote_code", "features.verify", "eval.")
+             "target.trust_remote_code", "features.verify", "eval.", "launch.main_process_ip",
+             "launch.main_process_port", "launch.timeout_s", "launch.backend")
 
 
 def may_change_on_resume(key: str) -> bool:
