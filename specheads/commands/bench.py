@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llamacpp-p-min", type=float, default=None, metavar="P",
                    help="llama.cpp:LABEL with a DSpark head: --spec-draft-p-min (default: chosen from the head's "
                         "confidences on calibration prompts and llama.cpp's measured verify-cost curve)")
+    p.add_argument("--vllm-eager", action="store_true",
+                   help="vllm methods: start vLLM with --enforce-eager (no torch.compile: a start of ~1 min instead of "
+                        "several on 2 cores; slower decoding)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads and llama-server's -t / -tb (default: torch's choice; llama.cpp: the cores "
                         "this process may run on; 1 is steadier on a machine shared with other jobs)")
@@ -113,7 +116,8 @@ def method_options(args: argparse.Namespace) -> MethodOptions:
                          refresh_profile=args.refresh_profile, pricing=args.pricing, lookup=args.lookup,
                          draft_model=args.draft_model, draft_tokens=draft_tokens, threads=args.threads,
                          llamacpp_target=args.llamacpp_target, llamacpp_draft_max=args.llamacpp_draft_max,
-                         llamacpp_p_min=args.llamacpp_p_min, skip_layers=args.skip_layers)
+                         llamacpp_p_min=args.llamacpp_p_min, skip_layers=args.skip_layers,
+                         vllm_eager=args.vllm_eager)
 
 
 def draft_model_chain(values: list[str] | None) -> tuple[int, list[str] | None]:

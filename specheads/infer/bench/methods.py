@@ -1,7 +1,8 @@
 """The methods of `specheads bench` (single runs): HF `generate` (`vanilla`, `prompt-lookup`), our loop with a
 drafter (`plain`, `prompt-lookup-ours`, `recycling`, `head` / `head:LABEL` with or without `+lookup`, the unions,
-`draft-model`, the self-speculative `layer-skip` and `layer-skip+lookup`) and llama.cpp (bench/llamacpp/). Names and their grammar: bench/names.py; heads and trees:
-infer/resolve.py. Each method is a `Method` (bench/records.py): `generate(input_ids, max_new_tokens) -> RunRecord`.
+`draft-model`, the self-speculative `layer-skip` and `layer-skip+lookup`), llama.cpp (bench/llamacpp/) and vLLM
+(bench/vllm/). Names and their grammar: bench/names.py; heads and trees: infer/resolve.py. Each method is a `Method`
+(bench/records.py): `generate(input_ids, max_new_tokens) -> RunRecord`.
 
 HF's target forwards are counted with a forward pre-hook (the peer users already have); ours come from the loop's
 stats. Every drafter comes from drafters.build_drafter / combine_drafters; a tree head's `--tree auto` from
@@ -21,8 +22,9 @@ from specheads.infer.bench.names import (DRAFTER_PREFIX, HEAD_LOOKUP_TOKENS, LOO
                                          PROMPT_LOOKUP_MAX_NGRAM, PROMPT_LOOKUP_NUM_TOKENS, SELF_SPEC_METHODS,
                                          UNION_METHODS,
                                          check_method_names, expand_heads, is_drafter_method, is_head_method,
-                                         is_llamacpp_method, split_lookup)
+                                         is_llamacpp_method, is_vllm_method, split_lookup)
 from specheads.infer.bench.records import Method, RunRecord
+from specheads.infer.bench.vllm.method import build_vllm_method
 from specheads.infer.drafters import build_drafter, combine_drafters, draft_model_source, parse_tree
 from specheads.infer.engine.generate import GenerationResult, generate
 from specheads.infer.resolve import HeadResolver
@@ -178,6 +180,7 @@ class MethodOptions:
     llamacpp_target: str | None = None  # llama.cpp methods: the target GGUF (None = the target converted, cached)
     llamacpp_draft_max: int | None = None  # llama.cpp:LABEL: --spec-draft-n-max (None = llama.cpp's default, 3)
     llamacpp_p_min: float | None = None  # llama.cpp:LABEL, DSpark: --spec-draft-p-min (None = chosen on calib prompts)
+    vllm_eager: bool = False  # vllm methods: --enforce-eager (no torch.compile: faster start, slower decoding)
     pricing: str = "measured"  # the schedulers' (step.PRICINGS): the run's seconds, or the cost profile alone
     skip_layers: str = "auto"  # layer-skip methods: --skip-layers (auto: the cached search, search: again, or SPEC)
 
@@ -231,6 +234,8 @@ def build_methods(names: list[str], target, options: MethodOptions, calib_ids: l
             extra.setdefault("trees", {})[m.name] = tree
         elif is_llamacpp_method(n):  # llama-server engines (bench/llamacpp/)
             m = build_llamacpp_method(n, target, options, calib_ids)
+        elif is_vllm_method(n):  # vLLM OpenAI servers (bench/vllm/)
+            m = build_vllm_method(n, target, options)
         else:
             m = build_draft_model_method(target, options)
         methods.append(m)

@@ -7,7 +7,7 @@ snapshot folder in the hub cache), checked before any model loads.
   per-step scheduler), the unions `combo`, `combo+recycling`, `lookup+recycling`, the self-speculative `layer-skip`
   (the target with a skip set of its sublayers as its own draft), `layer-skip+lookup` and `combo+layer-skip`, and the
   llama.cpp engines
-  `llama.cpp`, `llama.cpp:LABEL`, `llama.cpp-ngram`, and `drafter:NAME` (our loop with any registered
+  `llama.cpp`, `llama.cpp:LABEL`, `llama.cpp-ngram`, vLLM's `vllm` and `vllm:LABEL` (bench/vllm/), and `drafter:NAME` (our loop with any registered
   training-free drafter kind, a --plugin's own included, at its default tree);
 - the batched sweep (`--batch-sizes`): `vanilla`, `plain`, `prompt-lookup`, `recycling`, `head` / `head:LABEL`, every
   drafting one also with `+sched` (the batch verify budget).
@@ -40,6 +40,7 @@ PROMPT_LOOKUP_MAX_NGRAM = 2  # HF default max_matching_ngram_size
 HEAD_LOOKUP_TOKENS = PROMPT_LOOKUP_NUM_TOKENS  # +lookup chain length by default: the same chain as HF prompt lookup
 
 LLAMACPP_PLAIN, LLAMACPP_NGRAM, LLAMACPP_PREFIX = "llama.cpp", "llama.cpp-ngram", "llama.cpp:"
+VLLM_PLAIN, VLLM_PREFIX = "vllm", "vllm:"  # vLLM's CPU build (bench/vllm/): plain, our head LABEL as its speculator
 DRAFTER_PREFIX = "drafter:"  # drafter:NAME = our loop with the registered training-free drafter NAME
 
 BATCH_METHODS = ("vanilla", "plain", "prompt-lookup", "recycling")  # the sweep's methods besides the heads
@@ -68,6 +69,11 @@ def is_llamacpp_method(name: str) -> bool:
                                                          and len(name) > len(LLAMACPP_PREFIX))
 
 
+def is_vllm_method(name: str) -> bool:
+    """vllm, vllm:LABEL."""
+    return name == VLLM_PLAIN or (name.startswith(VLLM_PREFIX) and len(name) > len(VLLM_PREFIX))
+
+
 def is_drafter_method(name: str) -> bool:
     """drafter:NAME with NAME a registered training-free drafter kind (drafters/registry.py)."""
     kind = DRAFTERS.get(name[len(DRAFTER_PREFIX):]) if name.startswith(DRAFTER_PREFIX) else None
@@ -82,13 +88,13 @@ def needs_heads(names: list[str]) -> bool:
 def check_method_names(names: list[str]) -> None:
     """One clear error for unknown --methods names (checked before the target loads)."""
     unknown = [n for n in names if n not in KNOWN_METHODS and not is_head_method(n) and not is_llamacpp_method(n)
-               and not is_drafter_method(n)]
+               and not is_vllm_method(n) and not is_drafter_method(n)]
     if unknown:
         free = [k for k, v in DRAFTERS.items() if not v.head]
         raise SpecheadsError(f"--methods: unknown method(s) {unknown}; choose from {list(KNOWN_METHODS)} "
                              f"or head:LABEL, with {LOOKUP_SUFFIX} after a head method to schedule a prompt-lookup "
                              "chain with it, "
-                             "or llama.cpp, llama.cpp:LABEL, llama.cpp-ngram, "
+                             "or llama.cpp, llama.cpp:LABEL, llama.cpp-ngram, vllm, vllm:LABEL, "
                              f"or {DRAFTER_PREFIX}NAME for a registered drafter ({', '.join(free)}; --plugin adds "
                              "your own)")
 
