@@ -177,7 +177,7 @@ def test_refuses_when_disk_is_short(tiny, tmp_path, monkeypatch):
 
 def test_other_data_in_folder_is_refused(tiny, tmp_path):
     write_features(tiny, _rows(3), tmp_path, [4], FeatureConfig(), progress=False)
-    with pytest.raises(SpecheadsError, match="other data, target, layers or features.dtype"):
+    with pytest.raises(SpecheadsError, match="other data, target or layers"):
         write_features(tiny, _rows(3), tmp_path, [2, 4], FeatureConfig(), progress=False)
 
 

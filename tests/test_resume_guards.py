@@ -199,8 +199,8 @@ def _prepared(tiny_chat, tmp_path, *extra):
 
 @pytest.mark.parametrize("changed,match", [
     (["data.val_fraction=0.5"], r"split with data.val_fraction 0.2 \(manifest.json\), not 0.5.*--overwrite"),
-    (["features.layers=[1]"], "holds features of other data, target, layers or features.dtype"),
-    (["data.max_length=40"], "holds features of other data, target, layers or features.dtype"),
+    (["features.layers=[1]"], "holds features of other data, target or layers"),
+    (["data.max_length=40"], "holds features of other data, target or layers"),
 ], ids=["val_fraction", "layers", "data"])
 def test_prepare_of_another_split_or_layers_is_refused_unless_overwrite(tiny_chat, tmp_path, changed, match):
     from specheads.train.prepare import prepare

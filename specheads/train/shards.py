@@ -65,7 +65,7 @@ def check_features_folder(folder: str | os.PathLike, plan_key: str | None = None
         raise SpecheadsError(f"{folder}: holds features of target {manifest.get('target')!r}, not of {target.name!r} "
                              f"(fingerprints differ); remove it or choose another output_dir")
     if plan_key is not None and manifest.get("plan_key") != plan_key:
-        raise SpecheadsError(f"{folder}: holds features of other data, target, layers or features.dtype (plan_key "
+        raise SpecheadsError(f"{folder}: holds features of other data, target or layers (plan_key "
                              f"{manifest.get('plan_key')} != {plan_key}); remove it or choose another output_dir")
     return manifest
 
