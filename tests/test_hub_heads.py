@@ -145,7 +145,10 @@ def _published(tiny, tmp_path, monkeypatch, hub):
     head = _saved(tiny, tmp_path / "h")
     assert cli.main(["export", "--head", str(tmp_path / "h"), "--format", "speculators", "--out",
                      str(tmp_path / "sp"), "--target", "tiny"]) == 0
-    (tmp_path / "sp" / "export_info.json").unlink()  # ours, not a published repo's
+    from specheads.heads.export_guards import TARGET_SIDECAR
+
+    for ours in ("export_info.json", TARGET_SIDECAR):  # ours, not a published repo's
+        (tmp_path / "sp" / ours).unlink()
     shard(tmp_path / "sp")
     assert sorted(p.name for p in (tmp_path / "sp").iterdir()) == sorted(
         ["config.json", INDEX_NAME, "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"])

@@ -66,6 +66,20 @@ def test_own_settings_are_a_recipe_section_named_after_the_kind(kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_the_kind_alone_is_a_valid_head(kind):
+    """`head.kind=<kind>` with nothing else builds (the kind's defaults pass its own check), and a recipe that only
+    picks the kind differs from the defaults in head.kind alone (what train prints, config.format_changes)."""
+    from specheads.config import load_config, non_default_settings
+    from specheads.recipe import Recipe
+
+    spec = HeadSpec(kind=kind)
+    assert spec.kind == kind
+    assert kind_spec(kind).family != "block" or spec.num_drafts >= 1
+    recipe = load_config(Recipe, None, [f"head.kind={kind}"])
+    assert set(non_default_settings(recipe)) <= {"head.kind"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_save_load_round_trip(kind, tiny, tmp_path):
     head = make_head(tiny, kind)
     head.save_pretrained(tmp_path / "h")

@@ -222,6 +222,10 @@ class DFlash2Options(BlockOptions):
     conv_group_size: int = 16  # hidden channels sharing one dynamic coefficient (speculators 16)
     selector_rank: int = 256  # r of the selector's codebooks (speculators 256)
     selector_top_k: int = 16  # unary candidates the selector reranks per draft (speculators 16)
+    # BlockOptions' fields as DFlash2 is built (check_dflash2): `head.kind=dflash2` alone is a valid head
+    markov_rank: int = 0  # the selector is the sequential stage: no Markov bias
+    confidence_head: bool = False  # DFlash2 has no confidence head
+    confidence_with_markov: bool = False  # no Markov head to read
 
 
 def check_dflash2(spec) -> None:

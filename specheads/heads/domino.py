@@ -118,6 +118,10 @@ class DominoOptions(BlockOptions):
     gru_hidden: int = 1024  # G, the GRU state (SpecForge gru_hidden_dim 1024)
     emb_dim: int = 256  # E', the correction MLP's bottleneck (SpecForge emb_dim 256)
     prefix_len: int = 1  # P, the first drafts left uncorrected (SpecForge pure_draft_prefix_len 1)
+    # BlockOptions' fields as Domino is built (check_domino): `head.kind=domino` alone is a valid head
+    markov_rank: int = 0  # the GRU is the sequential stage: no Markov bias
+    confidence_head: bool = False  # SpecForge's Domino has none (true: c_j reads h_j; set confidence_with_markov false)
+    confidence_with_markov: bool = False  # no Markov head to read
 
 
 def check_domino(spec) -> None:

@@ -272,6 +272,11 @@ class LiLiCorrOptions(BlockOptions):
     factor_dim: int = 128  # F, the width of the out / in factor vectors
     vector_eps: float = 1e-6  # L2-normalisation epsilon of the factor vectors, in (0, 0.5)
     logit_scale: float = 10.0  # λ, fixed: scores are λ · cosine
+    # BlockOptions' fields as LiLiCorr is built (check_lilicorr): `head.kind=lilicorr` alone is a valid head
+    markov_rank: int = 0  # the lattice is the sequential stage: no Markov bias
+    confidence_head: bool = False  # LiLiCorr has no confidence head
+    confidence_with_markov: bool = False  # no Markov head to read
+    sample_from_anchor: bool = False  # K-1 drafts from the slots after the anchor (DFlash's alignment)
 
 
 def check_lilicorr(spec) -> None:
