@@ -9,12 +9,11 @@ tests/fake_openai.py's (an OpenAI-compatible server in a thread on 127.0.0.1: no
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import socket
-import traceback
 from typing import Callable
 
+from reliability_cli import run_in_process  # scripts/ is on sys.path (the sweep puts it there)
 from tests.fake_openai import FakeOpenAI  # ROOT is on sys.path
 
 REGEN = ["data.regenerate=true", "data.regen_max_new_tokens=4", "data.regen_retries=0"]
@@ -64,19 +63,7 @@ def _retokenized(ctx) -> str:
     return f"{len(rows)} rows say regenerated_by.token_ids: retokenized; prepare_summary.json names the endpoint"
 
 
-def _cli(argv: list[str]) -> tuple[int, str, str]:
-    from specheads import cli
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = cli.main(argv)
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 2
-        except BaseException:  # noqa: BLE001 - recorded: a traceback is a failed row
-            err.write("TRACEBACK " + traceback.format_exc())
-            rc = -1
-    return rc, out.getvalue(), err.getvalue()
+_cli = run_in_process
 
 
 def _dies_then_resumes(ctx, argv: list[str]) -> tuple[int, str, str]:

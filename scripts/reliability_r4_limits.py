@@ -7,11 +7,10 @@ chat template's system prompt alone is ~30 tokens, so every answer meets the win
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import shutil
-from pathlib import Path
+
+from reliability_cli import run_in_process  # scripts/ is on sys.path (the sweep puts it there)
 
 WINDOW = 64  # positions of the small-window copy of the fixture target
 
@@ -37,16 +36,7 @@ def setup(head: bool = False, prompts: list | None = None):
     return lambda ctx: small_window(ctx, head, prompts)
 
 
-def _cli(argv: list[str]) -> tuple[int, str, str]:
-    from specheads import cli
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = cli.main(argv)
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 2
-    return rc, out.getvalue(), err.getvalue()
+_cli = run_in_process
 
 
 def tree_equals_plain(ctx, argv: list[str]):

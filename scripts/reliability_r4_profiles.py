@@ -16,7 +16,6 @@ import io
 import json
 import logging
 import os
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -104,28 +103,22 @@ def _own_cache(ctx):
 def run_logged(ctx, argv: list[str]) -> tuple[int, str, str]:
     """specheads.cli.main(argv) in this process, in the case's own cache, its warnings captured (ctx.log) and put
     after stderr: (exit code, stdout, stderr), the profile's file name written <profile>.json."""
-    from specheads import cli
+    from reliability_cli import run_in_process  # scripts/ is on sys.path (the sweep puts it there)
 
-    out, err, log = io.StringIO(), io.StringIO(), io.StringIO()
+    log = io.StringIO()
     handler = logging.StreamHandler(log)
     handler.setLevel(logging.WARNING)
     logger = logging.getLogger("specheads")
     logger.addHandler(handler)
     try:
-        with _own_cache(ctx), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                rc = cli.main(argv)
-            except SystemExit as e:
-                rc = e.code if isinstance(e.code, int) else 2
-            except BaseException:  # noqa: BLE001 - recorded: a traceback is a failed row
-                err.write("TRACEBACK " + traceback.format_exc())
-                rc = -1
+        with _own_cache(ctx):
+            rc, out, err = run_in_process(argv)
     finally:
         logger.removeHandler(handler)
     ctx.log = log.getvalue()
     # the file's name holds the sweep's random folder (the target's name is its path): one stable name recorded
     name = Path(ctx.vars["profile"]).name
-    return rc, out.getvalue(), (err.getvalue() + ctx.log).replace(name, "<profile>.json")
+    return rc, out, (err + ctx.log).replace(name, "<profile>.json")
 
 
 def named_once_and_measured_again(ctx) -> str:

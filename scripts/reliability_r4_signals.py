@@ -13,7 +13,6 @@ ignored, and children inherit that). tests/test_signals.py runs the same functio
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal

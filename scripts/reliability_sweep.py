@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import io
 import json
 import logging
 import os
@@ -32,7 +31,6 @@ import shutil
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -44,6 +42,7 @@ for _p in (ROOT, ROOT / "scripts"):  # this checkout's specheads, and reliabilit
 
 import reliability_cases  # noqa: E402
 import reliability_table3  # noqa: E402
+from reliability_cli import run_in_process  # noqa: E402
 from reliability_doc import RISKS, merge_rows, render_markdown  # noqa: E402
 
 RECIPE = """command: specheads prepare --config {recipe}   # then: specheads train --config {recipe}
@@ -143,20 +142,7 @@ def build_fixtures(base: Path) -> None:
         (base / "prepared" / name).unlink()
 
 
-def _cli(argv: list[str]) -> tuple[int, str, str]:
-    """specheads.cli.main in this process: (exit code, stdout, stderr); an escaping exception is a traceback."""
-    from specheads import cli
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = cli.main(argv)
-        except SystemExit as e:  # argparse
-            rc = e.code if isinstance(e.code, int) else 2
-        except BaseException:  # noqa: BLE001 - recorded: a traceback is a failed row
-            err.write("TRACEBACK " + traceback.format_exc())
-            rc = -1
-    return rc, out.getvalue(), err.getvalue()
+_cli = run_in_process  # specheads.cli.main in this process: (exit code, stdout, stderr)
 
 
 def _cli_process(argv: list[str]) -> tuple[int, str, str]:

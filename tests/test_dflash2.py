@@ -207,7 +207,10 @@ def test_sampling_is_lossless_end_to_end():
 
 def test_bad_specs_are_refused(tiny):
     with pytest.raises(SpecheadsError, match=r"head\.dflash2\.markov_rank / head\.dflash2\.confidence_head"):
-        HeadSpec(kind="dflash2", block_size=4)  # the DSpark defaults: Markov and confidence heads on
+        HeadSpec(kind="dflash2", block_size=4, markov_rank=16)  # DSpark's Markov head asked for
+    with pytest.raises(SpecheadsError, match=r"head\.dflash2\.markov_rank / head\.dflash2\.confidence_head"):
+        HeadSpec(kind="dflash2", block_size=4, confidence_head=True)  # and its confidence head
+    assert HeadSpec(kind="dflash2", block_size=4).options.markov_rank == 0  # DFlash2's own defaults build
     with pytest.raises(SpecheadsError, match="head.draft_vocab_size: DFlash2 drafts over the full vocabulary"):
         HeadSpec(**{**BASE, "draft_vocab_size": 100})
     with pytest.raises(SpecheadsError, match="head.dflash2.conv_kernel_size: 5 taps exceed the block's 4 slots"):

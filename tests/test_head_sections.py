@@ -44,7 +44,7 @@ def test_section_round_trip_recipe_headspec_config_json_load(tiny, tmp_path, cap
                                           selector_top_k=4)
     assert config_to_dict(recipe)["head"] == {"bias": None, "draft_vocab_size": None, "num_layers": 1, **DFLASH2,
                                               "dflash2": {**DFLASH2["dflash2"], **{
-                                                  "markov_head_type": "vanilla", "confidence_with_markov": True,
+                                                  "markov_head_type": "vanilla", "confidence_with_markov": False,
                                                   "anchor_features": False, "conv_group_size": 16}}}
     head = build_head(spec, tiny)
     head.save_pretrained(tmp_path / "h")

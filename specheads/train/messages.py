@@ -76,13 +76,19 @@ def parse_turn(t: dict, i: int, rk: str, ck: str) -> dict:
     return m
 
 
+def _json_text(value: Any, what: str) -> Any:
+    """`value` parsed if it is JSON text (else as given); raises Malformed "{what} not JSON (why)"."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise Malformed(f"{what} not JSON ({e.msg})") from None
+
+
 def parse_tool_calls(value: Any, where: str) -> list[dict]:
     """A turn's tool calls -> [{type: function, function: {name, arguments: dict}, id?}]; raises Malformed."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise Malformed(f"bad tool_calls: {where} is not JSON ({e.msg})") from None
+    value = _json_text(value, f"bad tool_calls: {where} is")
     value = [value] if isinstance(value, dict) else value
     if not isinstance(value, list) or not value:
         raise Malformed(f"bad tool_calls: {where} is not a non-empty list of calls")
@@ -94,11 +100,7 @@ def parse_tool_calls(value: Any, where: str) -> list[dict]:
         args = fn.get("arguments", fn.get("parameters"))
         if args is None or args == "":
             args = {}
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError as e:
-                raise Malformed(f"bad tool_calls: {where} call {k} arguments are not JSON ({e.msg})") from None
+        args = _json_text(args, f"bad tool_calls: {where} call {k} arguments are")
         if not isinstance(args, dict):
             raise Malformed(f"bad tool_calls: {where} call {k} arguments are a {type(args).__name__}, not an object")
         norm = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
@@ -138,11 +140,7 @@ def row_context(row: dict) -> dict:
         v = row.get(key)
         if v is None or v == "" or v == []:
             continue
-        if isinstance(v, str):
-            try:
-                v = json.loads(v)
-            except json.JSONDecodeError as e:
-                raise Malformed(f"bad {key}: not JSON ({e.msg})") from None
+        v = _json_text(v, f"bad {key}:")
         if not isinstance(v, list):
             raise Malformed(f"bad {key}: a {type(v).__name__}, not a list")
         if key == "documents":

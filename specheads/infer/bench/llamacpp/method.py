@@ -37,6 +37,7 @@ from specheads.infer.bench.llamacpp.server import LlamaServer, default_threads
 from specheads.infer.bench.names import (LLAMACPP_NGRAM, LLAMACPP_PLAIN, LLAMACPP_PREFIX, PROMPT_LOOKUP_MAX_NGRAM,
                                          PROMPT_LOOKUP_NUM_TOKENS)
 from specheads.infer.bench.records import RunRecord
+from specheads.infer.bench.served import labelled_source
 from specheads.utils import SpecheadsError
 
 log = logging.getLogger(__name__)
@@ -86,16 +87,6 @@ class LlamaCppMethod:
 
 
 # ----------------------------------------------------------------------------------------------- bench glue
-def _draft_source(label: str, heads: dict[str, str]) -> str:
-    for key in (f"head:{label}", label):
-        if key in heads:
-            return heads[key]
-    if Path(label).exists():
-        return label
-    raise SpecheadsError(f"--methods {LLAMACPP_PREFIX}{label}: no --head labelled {label!r} and no such folder or "
-                         f".gguf file (given: {[k.removeprefix('head:') for k in heads] or 'none'})")
-
-
 def build_llamacpp_method(name: str, target, options, calib_ids: list[list[int]] | None = None) -> LlamaCppMethod:
     """`llama.cpp`, `llama.cpp:LABEL` or `llama.cpp-ngram` for `specheads bench`, its server started. `options`:
     bench.methods.MethodOptions. The target GGUF is `options.llamacpp_target` when set, else the target's folder
@@ -111,7 +102,7 @@ def build_llamacpp_method(name: str, target, options, calib_ids: list[list[int]]
     if name == LLAMACPP_NGRAM:
         spec_args = NGRAM_ARGS
     elif name != LLAMACPP_PLAIN:
-        src = _draft_source(name[len(LLAMACPP_PREFIX):], options.heads)
+        src = labelled_source(name, name[len(LLAMACPP_PREFIX):], options.heads, "folder or .gguf file")
         draft = draft_gguf(src, target=None if src.endswith(".gguf") else target.name, outtype=outtype)
         spec_args = ("--spec-type", spec_type_of(draft))
         cfg = None if src.endswith(".gguf") else read_head_config(Path(src))

@@ -34,6 +34,7 @@ from specheads.heads.kinds import kind_spec, kinds
 from specheads.heads.locate import head_folder
 from specheads.infer.bench.names import VLLM_PLAIN, VLLM_PREFIX
 from specheads.infer.bench.records import RunRecord
+from specheads.infer.bench.served import labelled_source
 from specheads.infer.bench.vllm.server import SPEC_PREFIX, VllmServer
 from specheads.infer.drafters.registry import parse_tree
 from specheads.utils import SpecheadsError, cache_root
@@ -111,17 +112,6 @@ def speculators_kinds() -> list[str]:
     return [k for k, ks in kinds().items() if SPECULATORS.name in ks.formats]
 
 
-def head_source(label: str, heads: dict[str, str]) -> str:
-    """vllm:LABEL's head folder: the --head labelled LABEL (`head` for a single unlabelled one) or a folder."""
-    for key in (f"head:{label}", label):
-        if key in heads:
-            return heads[key]
-    if Path(label).is_dir():
-        return label
-    raise SpecheadsError(f"--methods {VLLM_PREFIX}{label}: no --head labelled {label!r} and no such folder "
-                         f"(given: {[k.removeprefix('head:') for k in heads] or 'none'})")
-
-
 def draft_tokens(src: str, tree, kind: str, cfg) -> int:
     """K for vLLM's num_speculative_tokens: the head's --tree chain:K (auto: DEFAULT_DRAFT_TOKENS)."""
     text = tree.get(src, "auto") if isinstance(tree, dict) else (tree or "auto")
@@ -169,7 +159,7 @@ def build_vllm_method(name: str, target, options) -> VllmMethod:
                             "dtype": dtype, "threads": threads}
     speculative = None
     if name != VLLM_PLAIN:
-        src = head_source(name[len(VLLM_PREFIX):], options.heads)
+        src = labelled_source(name, name[len(VLLM_PREFIX):], options.heads)
         cfg = read_head_config(head_folder(src))
         if SPECULATORS.name not in kind_spec(cfg.kind).formats:
             raise SpecheadsError(f"--methods {name}: {src} holds a {cfg.kind} head, which has no speculators export "

