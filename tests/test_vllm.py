@@ -124,6 +124,7 @@ def test_vllm_serves_our_eagle3_export_losslessly(smollm2, tmp_path):
         assert 0 <= info["accepted"] <= info["drafted"] and len(info["per_position"]) in (0, 3)
         assert info["acceptance_length"] == pytest.approx(1 + info["accepted"] / info["num_drafts"])
         assert info["speculative_config"]["num_speculative_tokens"] == 3
+        assert info["speculative_config"]["method"] == "eagle3"  # vLLM would guess it from the folder name only
     finally:
         procs = [m.server.proc for m in methods if hasattr(m, "server")]
         for m in methods:

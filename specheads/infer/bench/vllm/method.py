@@ -21,6 +21,7 @@ warm-up included, as llama.cpp's).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 from pathlib import Path
@@ -126,6 +127,12 @@ def draft_tokens(src: str, tree, kind: str, cfg) -> int:
                          "tokens per step, the same chain for head:LABEL and vllm:LABEL)")
 
 
+# vLLM's speculative methods that a speculators export's speculators_model_type names as it is; without "method" vLLM
+# 0.32 finds one from the draft folder's *name* ("eagle3" in it, config/speculative.py) and otherwise runs the folder
+# as a plain "draft_model" (which then fails: Eagle3LlamaForCausalLM.forward() missing 'hidden_states')
+VLLM_METHODS = ("eagle", "eagle3", "dflash", "dspark")
+
+
 def speculators_export(src: str, target, k: int, verifier: str) -> Path:
     """The head as a `speculators` folder (vLLM's draft format) naming `verifier` (the folder vLLM serves), exported
     once into $SPECHEADS_CACHE/vllm/heads/ (keyed by the head's config and weights, K and the verifier)."""
@@ -166,8 +173,10 @@ def build_vllm_method(name: str, target, options) -> VllmMethod:
                                  f"(vLLM's draft format; kinds that have one: {', '.join(speculators_kinds())})")
         k = draft_tokens(src, options.tree, str(cfg.kind), cfg)
         export = speculators_export(src, target, k, str(model))
-        # vLLM reads the speculative method from the export's config (speculators_model_type)
         speculative = {"model": str(export), "num_speculative_tokens": k}
+        method = json.loads((export / "config.json").read_text()).get("speculators_model_type")
+        if method in VLLM_METHODS:  # said: vLLM guesses it from the folder's name only, else runs it as a draft model
+            speculative["method"] = method
         info.update(head=str(src), export=str(export), draft_tokens=k)
     info["speculative_config"] = speculative
     info["eager"] = bool(options.vllm_eager)
