@@ -531,7 +531,8 @@ def sweep(only: str | None = None, base: Path | None = None, names: list[str] | 
     try:
         if not (base / "trained").exists():
             build_fixtures(base)
-        cases = [c for c in CASES if (not only or only in c["area"] or only in c["name"])
+        terms = only.split(",") if only else []  # --only a,b: the cases of either
+        cases = [c for c in CASES if (not terms or any(t in c["area"] or t in c["name"] for t in terms))
                  and (names is None or c["name"] in names)]
         return [run_case(c, base) for c in cases]
     finally:
@@ -541,7 +542,7 @@ def sweep(only: str | None = None, base: Path | None = None, names: list[str] | 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default=None, help="run the cases whose area or name contains this")
+    ap.add_argument("--only", default=None, help="run the cases whose area or name contains this (several: comma-separated)")
     ap.add_argument("--update", action="store_true",
                     help="with --only: merge the rows run into the recorded reliability.json (the other cases keep "
                          "their recorded rows) and rewrite both pages")
