@@ -63,19 +63,16 @@ def _retokenized(ctx) -> str:
     return f"{len(rows)} rows say regenerated_by.token_ids: retokenized; prepare_summary.json names the endpoint"
 
 
-_cli = run_in_process
-
-
 def _dies_then_resumes(ctx, argv: list[str]) -> tuple[int, str, str]:
     """The server fails after 3 answers (prepare stops with its error), then serves again: the rerun finishes
     from the rows kept. Returns the first run's outcome; the check compares the rerun with one uninterrupted."""
     with ctx.server:
-        rc, out, err = _cli(argv)
+        rc, out, err = run_in_process(argv)
         ctx.kept = len(_rows(ctx))
         ctx.server.fail_after = None
-        ctx.rerun = _cli(argv)[0]
+        ctx.rerun = run_in_process(argv)[0]
         ctx.resumed = (ctx.tmp / "run" / "data" / "regenerated.jsonl").read_bytes()
-        ctx.whole = _cli([a.replace(ctx.vars["run"], ctx.vars["run"] + "-whole") for a in argv])[0]
+        ctx.whole = run_in_process([a.replace(ctx.vars["run"], ctx.vars["run"] + "-whole") for a in argv])[0]
     return rc, out, err
 
 

@@ -36,16 +36,13 @@ def setup(head: bool = False, prompts: list | None = None):
     return lambda ctx: small_window(ctx, head, prompts)
 
 
-_cli = run_in_process
-
-
 def tree_equals_plain(ctx, argv: list[str]):
     """generate --json with the EAGLE-3 tree, then with the plain drafter: the same ids, both stopped at the window."""
-    rc, out, err = _cli(argv)
+    rc, out, err = run_in_process(argv)
     plain = [a for a in argv if a not in ("--tree", "5,8,48")]
     i = plain.index("--head")
     plain[i:i + 2] = ["--drafter", "plain"]
-    rc2, out2, err2 = _cli(plain)
+    rc2, out2, err2 = run_in_process(plain)
     if rc or rc2:
         return rc or rc2, out + out2, err + err2
     a, b = json.loads(out.splitlines()[-1]), json.loads(out2.splitlines()[-1])

@@ -130,7 +130,7 @@ def build_fixtures(base: Path) -> None:
     (base / "recipe.yaml").write_text(RECIPE.format(**ctx.vars))
     for argv in (["prepare", "--config", ctx.vars["recipe"], "--no-progress"],
                  ["train", "--config", ctx.vars["recipe"]]):
-        rc, out, err = _cli(argv)
+        rc, out, err = run_in_process(argv)
         if rc != 0:
             raise SystemExit(f"fixture {' '.join(argv)} failed ({rc}):\n{err[-3000:]}")
     _check_training_moved(base / "prepared")
@@ -140,9 +140,6 @@ def build_fixtures(base: Path) -> None:
         shutil.rmtree(base / "prepared" / name)
     for name in ("train_summary.json", "train_config.yaml"):
         (base / "prepared" / name).unlink()
-
-
-_cli = run_in_process  # specheads.cli.main in this process: (exit code, stdout, stderr)
 
 
 def _cli_process(argv: list[str]) -> tuple[int, str, str]:
@@ -497,7 +494,7 @@ def run_case(case: dict, base: Path) -> dict:
         rc, out, err = case["run"](ctx, argv)
     else:
         with case["during"](ctx) if case.get("during") else contextlib.nullcontext():
-            rc, out, err = _cli_process(argv) if case.get("fresh_process") else _cli(argv)
+            rc, out, err = _cli_process(argv) if case.get("fresh_process") else run_in_process(argv)
     lines = (out + err).splitlines()
     if rc != 0:
         msg = next((ln for ln in reversed(lines) if ": error: " in ln), None)

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from specheads.heads.base import HeadConfig
-from specheads.heads.dspark import (BLOCK_KIND, BlockLayer, BlockOptions, DSparkHead, check_block,
+from specheads.heads.dspark import (BLOCK_KIND, BlockLayer, OwnStageOptions, DSparkHead, check_block,
                                     refuse_block_extras)
 from specheads.heads.kinds import KindSpec, register_kind
 from specheads.utils import SpecheadsError
@@ -212,7 +212,7 @@ class DFlash2Head(DSparkHead):
 
 
 @dataclass
-class DFlash2Options(BlockOptions):
+class DFlash2Options(OwnStageOptions):
     """head.dflash2: the DFlash block's settings (BlockOptions), a local dynamic convolution over the block and a
     top-k candidate selector; speculators' DFlash2SpeculatorConfig keys of the same names and defaults."""
 
@@ -222,10 +222,6 @@ class DFlash2Options(BlockOptions):
     conv_group_size: int = 16  # hidden channels sharing one dynamic coefficient (speculators 16)
     selector_rank: int = 256  # r of the selector's codebooks (speculators 256)
     selector_top_k: int = 16  # unary candidates the selector reranks per draft (speculators 16)
-    # BlockOptions' fields as DFlash2 is built (check_dflash2): `head.kind=dflash2` alone is a valid head
-    markov_rank: int = 0  # the selector is the sequential stage: no Markov bias
-    confidence_head: bool = False  # DFlash2 has no confidence head
-    confidence_with_markov: bool = False  # no Markov head to read
 
 
 def check_dflash2(spec) -> None:

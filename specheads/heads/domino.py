@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from specheads.heads.base import HeadConfig
-from specheads.heads.dspark import BLOCK_KIND, BlockOptions, DSparkHead, check_block
+from specheads.heads.dspark import BLOCK_KIND, OwnStageOptions, DSparkHead, check_block
 from specheads.heads.kinds import KindSpec, register_kind
 from specheads.utils import SpecheadsError
 
@@ -107,7 +107,7 @@ class DominoHead(DSparkHead):
 
 
 @dataclass
-class DominoOptions(BlockOptions):
+class DominoOptions(OwnStageOptions):
     """head.domino: the DFlash block's settings (BlockOptions) and the GRU correction's sizes (SpecForge
     configs/qwen3-8b-domino.json)."""
 
@@ -118,10 +118,6 @@ class DominoOptions(BlockOptions):
     gru_hidden: int = 1024  # G, the GRU state (SpecForge gru_hidden_dim 1024)
     emb_dim: int = 256  # E', the correction MLP's bottleneck (SpecForge emb_dim 256)
     prefix_len: int = 1  # P, the first drafts left uncorrected (SpecForge pure_draft_prefix_len 1)
-    # BlockOptions' fields as Domino is built (check_domino): `head.kind=domino` alone is a valid head
-    markov_rank: int = 0  # the GRU is the sequential stage: no Markov bias
-    confidence_head: bool = False  # SpecForge's Domino has none (true: c_j reads h_j; set confidence_with_markov false)
-    confidence_with_markov: bool = False  # no Markov head to read
 
 
 def check_domino(spec) -> None:

@@ -102,6 +102,17 @@ class BlockOptions:
 DSparkOptions = BlockOptions  # the dspark kind's own section is the block family's
 
 
+@dataclass
+class OwnStageOptions(BlockOptions):
+    """BlockOptions as the DFlash-lineage kinds with a sequential stage of their own are built (DFlash2's selector,
+    Domino's GRU, DSpine's injection, LiLiCorr's lattice): none of DSpark's Markov and confidence heads, so
+    `head.kind=<kind>` alone is a valid head (each kind's check refuses them: refuse_block_extras and its own)."""
+
+    markov_rank: int = 0  # the kind's own stage is the sequential one: no Markov bias
+    confidence_head: bool = False  # none (Domino may train one reading h_j: set confidence_with_markov false)
+    confidence_with_markov: bool = False  # no Markov head to read
+
+
 LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
               "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "rope_theta",
               "rope_scaling", "initializer_range")

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specheads.heads.base import HeadConfig
-from specheads.heads.dspark import BLOCK_KIND, BlockOptions, DSparkHead, check_block
+from specheads.heads.dspark import BLOCK_KIND, OwnStageOptions, DSparkHead, check_block
 from specheads.heads.kinds import KindSpec, register_kind
 from specheads.utils import SpecheadsError
 
@@ -246,7 +246,7 @@ class DSpineHead(DSparkHead):
 
 
 @dataclass
-class DSpineOptions(BlockOptions):
+class DSpineOptions(OwnStageOptions):
     """head.dspine: the DFlash block's settings (BlockOptions) and the adjacent causal injection's (SpecForge
     dspine_config)."""
 
@@ -259,11 +259,7 @@ class DSpineOptions(BlockOptions):
     message_size: int = 512  # m, width of the gated message (SpecForge message_size 512)
     top_k: int = 16  # candidates per draft that the predecessor refinement re-scores (SpecForge top_k 16)
     write_std: float = 0.0  # init std of the per-layer writes (SpecForge: 0, the causal DFlash at start)
-    # BlockOptions' fields as DSpine is built (check_dspine): `head.kind=dspine` alone is a valid head
-    markov_rank: int = 0  # the adjacent injection is the sequential stage: no Markov bias
-    confidence_head: bool = False  # DSpine has no confidence head
-    confidence_with_markov: bool = False  # no Markov head to read
-    sample_from_anchor: bool = False  # K-1 drafts from the slots after the anchor (DFlash's alignment)
+    sample_from_anchor: bool = False  # K-1 drafts from the slots after the anchor (DFlash's alignment; check_dspine)
 
 
 def check_dspine(spec) -> None:

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specheads.heads.base import HeadConfig
-from specheads.heads.dspark import (BLOCK_KIND, BlockContext, BlockOptions, DSparkHead, check_block,
+from specheads.heads.dspark import (BLOCK_KIND, BlockContext, OwnStageOptions, DSparkHead, check_block,
                                     refuse_block_extras)
 from specheads.heads.kinds import KindSpec, register_kind
 from specheads.utils import SpecheadsError
@@ -254,7 +254,7 @@ class LiLiCorrHead(DSparkHead):
 
 
 @dataclass
-class LiLiCorrOptions(BlockOptions):
+class LiLiCorrOptions(OwnStageOptions):
     """head.lilicorr: the DFlash block's settings (BlockOptions) and the small transformer that rescores the
     block's top-k candidate lattice (ModelOpt's dflash_architecture_config lilicorr_* keys)."""
 
@@ -272,11 +272,7 @@ class LiLiCorrOptions(BlockOptions):
     factor_dim: int = 128  # F, the width of the out / in factor vectors
     vector_eps: float = 1e-6  # L2-normalisation epsilon of the factor vectors, in (0, 0.5)
     logit_scale: float = 10.0  # λ, fixed: scores are λ · cosine
-    # BlockOptions' fields as LiLiCorr is built (check_lilicorr): `head.kind=lilicorr` alone is a valid head
-    markov_rank: int = 0  # the lattice is the sequential stage: no Markov bias
-    confidence_head: bool = False  # LiLiCorr has no confidence head
-    confidence_with_markov: bool = False  # no Markov head to read
-    sample_from_anchor: bool = False  # K-1 drafts from the slots after the anchor (DFlash's alignment)
+    sample_from_anchor: bool = False  # K-1 drafts from the slots after the anchor (DFlash's alignment; check_lilicorr)
 
 
 def check_lilicorr(spec) -> None:

@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from specheads.utils import SpecheadsError
 
@@ -32,13 +32,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def labelled_source(method: str, label: str, heads: dict[str, str], what: str = "folder") -> str:
+def labelled_source(method: str, label: str, heads: dict[str, str], what: str = "folder",
+                    usable: Callable[[Path], bool] = Path.is_dir) -> str:
     """The source `method` (`vllm:LABEL`, `llama.cpp:LABEL`) names: the --head labelled LABEL (`head` for a single
-    unlabelled one), else LABEL itself where that path exists; one line naming the labels given when neither."""
+    unlabelled one), else LABEL itself where that path is `usable` (a folder; llama.cpp: a .gguf file too); one
+    line naming the labels given when neither."""
     for key in (f"head:{label}", label):
         if key in heads:
             return heads[key]
-    if Path(label).exists():
+    if usable(Path(label)):
         return label
     raise SpecheadsError(f"--methods {method}: no --head labelled {label!r} and no such {what} (given: "
                          f"{[k.removeprefix('head:') for k in heads] or 'none'})")

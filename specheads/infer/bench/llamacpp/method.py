@@ -102,7 +102,8 @@ def build_llamacpp_method(name: str, target, options, calib_ids: list[list[int]]
     if name == LLAMACPP_NGRAM:
         spec_args = NGRAM_ARGS
     elif name != LLAMACPP_PLAIN:
-        src = labelled_source(name, name[len(LLAMACPP_PREFIX):], options.heads, "folder or .gguf file")
+        src = labelled_source(name, name[len(LLAMACPP_PREFIX):], options.heads, "folder or .gguf file",
+                              Path.exists)
         draft = draft_gguf(src, target=None if src.endswith(".gguf") else target.name, outtype=outtype)
         spec_args = ("--spec-type", spec_type_of(draft))
         cfg = None if src.endswith(".gguf") else read_head_config(Path(src))
