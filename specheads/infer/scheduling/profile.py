@@ -210,6 +210,20 @@ def cached_verify(target, sizes: Sequence[int] | None = None, context: int | Non
                           lambda p: check_verify_profile(p, sizes, clipped, PROFILE_VERSION), then)
 
 
+def _retry_line(what: str, attempt: int, noise: str) -> None:
+    """One disturbed attempt that is measured again: info only. A single timing outlier on an idle machine is
+    common (a page fault, a frequency step); only a profile that stays disturbed after PROFILE_ATTEMPTS earns a
+    warning (_warn_if_kept_noisy), so a warning always means the kept numbers are unreliable."""
+    if attempt < PROFILE_ATTEMPTS:
+        log.info("%s attempt %d/%d looks disturbed (%s); measuring again", what, attempt, PROFILE_ATTEMPTS, noise)
+
+
+def _warn_if_kept_noisy(what: str, noise: str) -> None:
+    if noise:
+        log.warning("the machine stayed busy: keeping a noisy %s for this run only (not trusted next time; %s); "
+                    "tree choices and speed figures measured now are unreliable", what, noise)
+
+
 def load_or_profile(target, refresh: bool = False, sizes: Sequence[int] | None = None,
                     context: int | None = None, repeats: int | None = None) -> dict[str, Any]:
     """The cached verification-cost profile for this machine + target + dtype, measured once if missing
@@ -231,11 +245,8 @@ def load_or_profile(target, refresh: bool = False, sizes: Sequence[int] | None =
             check_verify_profile({"version": PROFILE_VERSION, "verify": verify}, sizes, clipped, PROFILE_VERSION))
         if not noise:
             break
-        log.warning("cost profile attempt %d/%d looks disturbed by other work on this machine (%s)%s", attempt,
-                    PROFILE_ATTEMPTS, noise, "; measuring again" if attempt < PROFILE_ATTEMPTS else "")
-    if noise:
-        log.warning("the machine stayed busy: keeping a noisy cost profile for this run only (not trusted next "
-                    "time); tree choices and speed figures measured now are unreliable")
+        _retry_line("cost profile", attempt, noise)
+    _warn_if_kept_noisy("cost profile", noise)
     env = environment()
     prof = {"version": PROFILE_VERSION, "target": target.name, "dtype": str(target.dtype).replace("torch.", ""),
             "device": str(target.device), "cpu": env["cpu"], "gpu": env["gpu"], "torch_threads": env["torch_threads"],
@@ -347,8 +358,8 @@ def load_or_profile_batch(target, refresh: bool = False, rows: Sequence[int] | N
                                 BATCH_PROFILE_VERSION))
         if not noise:
             break
-        log.warning("batch cost profile attempt %d/%d looks disturbed by other work on this machine (%s)%s", attempt,
-                    PROFILE_ATTEMPTS, noise, "; measuring again" if attempt < PROFILE_ATTEMPTS else "")
+        _retry_line("batch cost profile", attempt, noise)
+    _warn_if_kept_noisy("batch cost profile", noise)
     env = environment()
     prof = {"version": BATCH_PROFILE_VERSION, "kind": "batch", "target": target.name,
             "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device), "cpu": env["cpu"],
