@@ -46,9 +46,12 @@ LLAMACPP_DIR ?= .llamacpp
 llamacpp: setup
 	PYTHON=$(BIN)/python SPECHEADS_LLAMACPP=$(LLAMACPP_DIR) bash scripts/setup_llamacpp.sh
 
+# The suite runs on every core (pytest-xdist, a test file per worker so module fixtures are built once; at most 4
+# workers: each may load the real SmolLM2, ~1 GB). TEST_PARALLEL= runs it in one process.
+TEST_PARALLEL ?= -n auto --maxprocesses=4 --dist loadfile
 # CI builds llama.cpp too (about 6 min on 2 idle cores, once), so its conversion and speculative-step tests run.
 test: setup speculators-venv specforge-venv llamacpp
-	SPECHEADS_LLAMACPP=$(LLAMACPP_DIR) $(BIN)/python -m pytest -q tests
+	SPECHEADS_LLAMACPP=$(LLAMACPP_DIR) $(BIN)/python -m pytest -q $(TEST_PARALLEL) tests
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests

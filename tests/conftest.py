@@ -7,7 +7,9 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Two intra-op threads when the suite runs in one process; one per worker when pytest-xdist runs it on several
+# (`make test` does: -n auto), so the workers do not oversubscribe the cores.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture
