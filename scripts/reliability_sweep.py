@@ -479,7 +479,7 @@ HELPERS = SimpleNamespace(TRAIN=TRAIN, PREPARE=PREPARE, GENERATE=GENERATE, EXPOR
 CASES += reliability_cases.cases(HELPERS)
 CASES += reliability_table3.cases(HELPERS)  # issue 38's classes (a third table, the same helpers)
 # issue 49's classes (round four), one module per class, each `cases(h)` over the same helpers
-for _name in ("kernels", "profiles", "limits", "fingerprint", "signals", "kinds", "hub", "data"):
+for _name in ("kernels", "profiles", "limits", "fingerprint", "signals", "kinds", "hub", "data", "launch"):
     CASES += importlib.import_module(f"reliability_r4_{_name}").cases(HELPERS)
 
 
