@@ -29,7 +29,8 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `specheads` without an install
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # the repo root
+# (`specheads` without an install) and scripts/ (gpu_check_train)
 
 import torch  # noqa: E402
 
@@ -370,24 +371,9 @@ def summarize(rec: dict) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="the JSON written (rewritten after each section)")
-    ap.add_argument("--tiny", action="store_true", help="tiny sizes on CPU (the default without CUDA)")
-    ap.add_argument("--budget-s", type=float, default=480.0, help="sections starting later are skipped (seconds)")
-    a = ap.parse_args(argv)
-    tiny = a.tiny or not torch.cuda.is_available()
-    device = "cpu" if tiny else "cuda"
-    if tiny:
-        torch.set_num_threads(1)  # tiny sequential forwards: one thread is several times faster on shared cores
-    check = Check(Path(a.out), a.budget_s, tiny)
+def serve_sections(check: Check, device: str, tiny: bool) -> None:
+    """The serving sections: exactness, cost curves, decoding speed, the training step, batched, bf16."""
     n, new = (3, 12) if tiny else (6, 48)
-    check.section("environment", environment, device)
-    import transformers
-
-    if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 24):
-        print(f"[gpu_check] transformers {transformers.__version__} is older than our 5.24 (the `cache=` argument): "
-              "carry the wheel (docs/gpu.md) and put /tmp/site first on PYTHONPATH", flush=True)
     check.section("exactness_fp32", exactness, device, torch.float32, n, new)
     check.section("verify_cost_llama-1b", verify_cost, "llama-1b", device, tiny)
     check.section("decode_llama-1b", decode_speed, "llama-1b", device, tiny)
@@ -403,6 +389,46 @@ def main(argv=None) -> int:
     check.section("decode_llama-8b", decode_speed, "llama-8b", device, tiny)
     check.section("identical_bf16", lambda: {**exactness(device, torch.bfloat16, n, new),
                                              "batched": batched(device, torch.bfloat16, n, new, cost)["drafters"]})
+
+
+def train_sections(check: Check, device: str, tiny: bool, tokenizer: str | None) -> None:
+    """prepare on the device against the CPU, a bf16 accelerate train + resume, an eval (gpu_check_train.py)."""
+    import tempfile
+
+    import gpu_check_train as gt
+
+    check.section("prepare_cuda_vs_cpu", gt.prepare_cuda_vs_cpu, device, tiny, tokenizer)
+    with tempfile.TemporaryDirectory(prefix="gpu_check_train-") as work:
+        check.section("train_accelerate", gt.train_accelerate, device, tiny, tokenizer, Path(work))
+        check.section("eval_accelerator", gt.eval_accelerator, device, Path(work))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="the JSON written (rewritten after each section)")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes on CPU (the default without CUDA)")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="sections starting later are skipped (seconds)")
+    ap.add_argument("--sections", choices=("all", "serve", "train"), default="all",
+                    help="serve: exactness, costs, decoding, batched; train: prepare on the device against the CPU, "
+                         "a bf16 accelerate train with resume, an eval (scripts/gpu_check_train.py); default all")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder for the train sections (default "
+                                                      ".gpu/tokenizer, else this machine's converted SmolLM2)")
+    a = ap.parse_args(argv)
+    tiny = a.tiny or not torch.cuda.is_available()
+    device = "cpu" if tiny else "cuda"
+    if tiny:
+        torch.set_num_threads(1)  # tiny sequential forwards: one thread is several times faster on shared cores
+    check = Check(Path(a.out), a.budget_s, tiny)
+    check.section("environment", environment, device)
+    import transformers
+
+    if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 24):
+        print(f"[gpu_check] transformers {transformers.__version__} is older than our 5.24 (the `cache=` argument): "
+              "carry the wheel (docs/gpu.md) and put /tmp/site first on PYTHONPATH", flush=True)
+    if a.sections in ("all", "serve"):
+        serve_sections(check, device, tiny)
+    if a.sections in ("all", "train"):
+        train_sections(check, device, tiny, a.tokenizer)
     check.record["summary"] = summarize(check.record)
     check.write()
     print(json.dumps(check.record["summary"], indent=1))

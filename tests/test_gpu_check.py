@@ -4,6 +4,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,7 +25,7 @@ def _exact(drafters: dict) -> None:
 def test_gpu_check_runs_every_section_on_cpu(tmp_path):
     threads = torch.get_num_threads()
     try:
-        rc = _script().main(["--tiny", "--out", str(tmp_path / "gpu_check.json")])
+        rc = _script().main(["--tiny", "--sections", "serve", "--out", str(tmp_path / "gpu_check.json")])
     finally:
         torch.set_num_threads(threads)
     rec = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -51,3 +52,23 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path):
     kinds = sec["training_bf16"]["kinds"]
     assert set(kinds) == {"medusa", "eagle", "eagle3", "dspark"}
     assert all(k["finite"] and k["params_changed"] and k["tokens_per_s"] > 0 for k in kinds.values())
+
+
+@pytest.mark.slow
+def test_gpu_check_train_sections_on_cpu(tmp_path):
+    """prepare on the device against the CPU, a bf16 accelerate train + resume and an eval, with device=cpu (tiny
+    shapes, SmolLM2's tokenizer from the converted cache)."""
+    threads = torch.get_num_threads()
+    try:
+        rc = _script().main(["--tiny", "--sections", "train", "--out", str(tmp_path / "gpu_check.json")])
+    finally:
+        torch.set_num_threads(threads)
+    sec = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
+    assert set(sec) == {"environment", "prepare_cuda_vs_cpu", "train_accelerate", "eval_accelerator"}
+    assert rc == 0 and all(v["ok"] for v in sec.values()), {k: v.get("error") for k, v in sec.items()}
+    prep = sec["prepare_cuda_vs_cpu"]
+    assert prep["regenerate"]["tokens_equal"] and prep["extract"]["within_tolerance"]
+    for kind in ("eagle3", "dspark"):
+        k = sec["train_accelerate"]["kinds"][kind]
+        assert k["finite"] and k["falling"] and k["steps"] == [3, 6] and k["checkpoints_after_3"]
+    assert sec["eval_accelerator"]["prompts"] == 3
