@@ -128,17 +128,24 @@ def prepare_cuda_vs_cpu(device: str, tiny: bool, tokenizer: str | None) -> dict:
     return out
 
 
+def _precision(tiny: bool) -> tuple[str, str]:
+    """(target.dtype, train.mixed_precision): bf16 on the device; fp32 for the CPU run of the same path (tiny=True:
+    an AVX2 CPU has no bf16 matmul, a bf16 step there took ~2 min where fp32 takes under a second)."""
+    return ("float32", "no") if tiny else ("bfloat16", "bf16")
+
+
 def _recipe(folder: Path, target_dir: Path, data: Path, kind: str, tiny: bool, *over: str):
     from specheads.config import load_config
     from specheads.recipe import Recipe
 
     own = {"eagle3": ["head.draft_vocab_size=2048", "head.eagle3.ttt_steps=3"],
            "dspark": ["head.dspark.block_size=4"]}[kind]
+    dtype, mixed = _precision(tiny)
     return load_config(Recipe, None, [
-        f"output_dir={folder}", f"target.name={target_dir}", "target.dtype=bfloat16", f"data.source={data}",
+        f"output_dir={folder}", f"target.name={target_dir}", f"target.dtype={dtype}", f"data.source={data}",
         "data.max_length=128", "data.val_fraction=0.2", f"head.kind={kind}", *own, "train.tracker=none",
         "train.batch_size=4", "train.lr=2e-3", "train.warmup_steps=1", "train.log_every=1", "train.save_every=3",
-        "train.max_steps=3", "train.mixed_precision=bf16", "eval.every_steps=0", "eval.at_start=false",
+        "train.max_steps=3", f"train.mixed_precision={mixed}", "eval.every_steps=0", "eval.at_start=false",
         "eval.max_samples=8", "eval.batch_size=4", *over])
 
 
@@ -157,7 +164,7 @@ def _train_kind(work: Path, target_dir: Path, data: Path, kind: str, device: str
 
     run = work / kind
     recipe = _recipe(run, target_dir, data, kind, tiny)
-    target = load_target(str(target_dir), dtype="bfloat16", device=device)
+    target = load_target(str(target_dir), dtype=_precision(tiny)[0], device=device)
     prep, prep_s = _timed(device, lambda: prepare(recipe, target=target, progress=False))
     del target
     first, s1 = _timed(device, lambda: run_training(recipe, trainer_class=Recording))
@@ -176,17 +183,19 @@ def _train_kind(work: Path, target_dir: Path, data: Path, kind: str, device: str
 
 
 def train_accelerate(device: str, tiny: bool, tokenizer: str | None, work: Path) -> dict:
-    """EAGLE-3 and DSpark through run_training on `device` (accelerate picks it), bf16, checkpoint + resume."""
+    """EAGLE-3 and DSpark through run_training on `device` (accelerate picks it), bf16 (fp32 on the CPU run),
+    checkpoint + resume."""
     tok = find_tokenizer(tokenizer)
     target_dir = work / "target"
-    t = random_target(TINY if tiny else TRAIN_SHAPE, tok, "cpu", torch.bfloat16, "random-train")
+    dtype, mixed = _precision(tiny)
+    t = random_target(TINY if tiny else TRAIN_SHAPE, tok, "cpu", getattr(torch, dtype), "random-train")
     t.model.save_pretrained(target_dir)
     tok.save_pretrained(target_dir)
     data = work / "convs.json"
     data.write_text(json.dumps([{"id": c["conversation_id"], "conversations": [
         {"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]} for m in c["messages"]]}
         for c in conversations(24)]))
-    out = {"shape": TINY if tiny else TRAIN_SHAPE, "mixed_precision": "bf16", "kinds": {}}
+    out = {"shape": TINY if tiny else TRAIN_SHAPE, "mixed_precision": mixed, "kinds": {}}
     for kind in ("eagle3", "dspark"):
         out["kinds"][kind] = _train_kind(work, target_dir, data, kind, device, tiny)
     return out

@@ -12,6 +12,7 @@ from specheads.commands import batchbench
 from specheads.heads.base import read_head_config
 from specheads.infer.bench import BenchSettings, MethodOptions, build_methods, markdown_table, run_bench
 from specheads.infer.bench.methods import check_lookup_tokens
+from specheads.infer.bench import names
 from specheads.infer.bench.runner import interrupted_exit
 from specheads.infer.bench.names import (HEAD_LOOKUP_TOKENS, check_method_names, default_methods, head_entries,
                                          head_trees, needs_heads)
@@ -37,9 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default="mt-bench",
                    help="mt-bench | humaneval | sharegpt:START | FILE.jsonl (\"prompt\" or \"turns\" per line)")
     p.add_argument("--methods", default=None,
-                   help="comma-separated: vanilla,prompt-lookup,head,draft-model,plain,prompt-lookup-ours,combo,"
-                        "recycling,lookup+recycling,combo+recycling; "
-                        "head:LABEL picks one --head; +lookup after a head method (head+lookup, head:LABEL+lookup) "
+                   help=f"comma-separated: {','.join(names.KNOWN_METHODS)}; the peers {names.LLAMACPP_PLAIN}, "
+                        f"{names.LLAMACPP_NGRAM}, {names.LLAMACPP_PREFIX}LABEL (llama-server, our head LABEL as its "
+                        f"draft), {names.VLLM_PLAIN} and {names.VLLM_PREFIX}LABEL (vLLM's CPU build, our head LABEL "
+                        "as its speculator); head:LABEL picks one --head; +lookup after a head method (head+lookup, head:LABEL+lookup) "
                         "puts the head and a prompt-lookup chain under one per-step scheduler, greedy only; combo: "
                         "every --head and the lookup chain under one scheduler, greedy only; recycling: Token "
                         "Recycling (training-free); lookup+recycling / combo+recycling: it as one more "
