@@ -46,7 +46,8 @@ def main() -> int:
         torch.set_num_threads(args.threads)
 
     from specheads import load_target
-    from specheads.train.data import load_conversations, tokenize_conversations
+    from specheads.train.data import tokenize_conversations
+    from specheads.conversations.load import load_conversations
     from specheads.train.features import FeatureConfig, extract_features, write_features
     from specheads.train.layout import resolve_layers
     from specheads.train.regenerate import decode_answers

@@ -26,10 +26,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from specheads.conversations.load import load_conversations  # noqa: E402
 from specheads.heads.gguf import target_gguf  # noqa: E402
 from specheads.infer.bench.llamacpp import LlamaServer, default_threads  # noqa: E402
 from specheads.target import load_target  # noqa: E402
-from specheads.train.data import load_conversations  # noqa: E402
 from specheads.train.regen_endpoint import EndpointSettings, post_with_retries, reply_answer  # noqa: E402
 from specheads.train.regenerate import history_prompt_ids, regenerate, stop_ids  # noqa: E402
 from specheads.utils import atomic_write_json  # noqa: E402

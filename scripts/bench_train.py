@@ -32,7 +32,7 @@ import torch
 
 def batch_of_ids(tokenizer, B: int, T: int) -> torch.Tensor:
     try:
-        from specheads.train.data import load_conversations
+        from specheads.conversations.load import load_conversations
 
         convs, _ = load_conversations("sharegpt", 256)
         text = "\n".join(m["content"] for c in convs["messages"] for m in c)

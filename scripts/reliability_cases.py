@@ -407,7 +407,7 @@ def _input_cases(h) -> list[dict[str, Any]]:
         {"area": "export", "risk": "traceback", "name": "--out below a file",
          "setup": lambda c: (h.head(c), (c.tmp / "f").write_text("mine")), "argv": EXPORT + ["--out", "{tmp}/f/o"],
          "rc": 2, "expect": "is a file, not a folder, so nothing can be written below it"},
-        # regenerated data (train/data.py)
+        # regenerated data (conversations/load.py reads it, train/data.py tokenises it)
         {"area": "prepare", "risk": "silent wrong result", "name": "regenerated JSONL with bad token_ids",
          "setup": regenerated(h, ["a", 1]), "argv": PREPARE + ["data.source={tmp}/regen.jsonl"], "rc": 2,
          "expect": "bad token_ids: turn 1 token_ids is not a list of integers"},

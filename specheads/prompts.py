@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specheads.conversations.load import load_conversations
 from specheads.utils import SpecheadsError, bounded_lines
 
 log = logging.getLogger(__name__)
@@ -119,8 +120,6 @@ def load_sharegpt_prompts(start: int, limit: int) -> list[BenchPrompt]:
     """First user turns (20-1500 characters) of the packaged ShareGPT conversations start, start+1, ... as chat
     prompts. Recipes train on the first `data.max_conversations`, so a START past that gives unseen prompts of the
     training distribution."""
-    from specheads.train.data import load_conversations
-
     convs, _ = load_conversations("sharegpt", start + 20 * limit)
     out = []
     for i in range(start, len(convs)):
@@ -171,8 +170,6 @@ def load_sharegpt_dev(limit: int, exclude: set[str] | frozenset = frozenset(),
     MT-bench's eight kinds of request (request_kind; round-robin, so `limit` 32 is 4 of each where the data has
     them), none whose conversation id is in `exclude` (the run's training conversations). Never benchmark prompts:
     the figures it predicts are measured on MT-bench."""
-    from specheads.train.data import load_conversations
-
     per = -(-limit // len(MT_BENCH_CATEGORIES))
     by_kind: dict[str, list[BenchPrompt]] = {k: [] for k in MT_BENCH_CATEGORIES}
     convs, _ = load_conversations("sharegpt")

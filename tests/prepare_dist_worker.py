@@ -20,7 +20,7 @@ def main() -> int:
     import torch
 
     from specheads.config import load_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
     from specheads.runlock import run_lock
     from specheads.train.prepare import prepare
 

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from specheads.train.data import chat_tokenizer, is_val, load_conversations, tokenize_conversations
+from specheads.conversations.load import load_conversations
+from specheads.train.data import chat_tokenizer, is_val, tokenize_conversations
 from specheads.utils import SpecheadsError
 
 TEMPLATE = (
@@ -200,7 +201,7 @@ def _jsonl(path, n, prefix):
 
 def test_several_sources_mixed_by_weight_seeded(tmp_path):
     from specheads.train.mix import load_mixed
-    from specheads.train.sources import SourceSpec
+    from specheads.conversations.sources import SourceSpec
 
     a, b = _jsonl(tmp_path / "a.jsonl", 10, "x"), _jsonl(tmp_path / "b.jsonl", 10, "x")  # the same ids in both
     specs = [SourceSpec(source=a, limit=6), SourceSpec(source=b, weight=0.5), SourceSpec(source=a, weight=2.0,
@@ -224,7 +225,7 @@ def test_several_sources_mixed_by_weight_seeded(tmp_path):
 
 def test_recipe_refusals_name_the_keys(tmp_path):
     from specheads.config import load_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     src = f"[{{source: {_jsonl(tmp_path / 'a.jsonl', 2, 'x')}}}]"
     with pytest.raises(SpecheadsError, match="data.source and data.sources: both given"):
@@ -242,7 +243,7 @@ def test_recipe_refusals_name_the_keys(tmp_path):
 def test_sources_round_trip_through_the_written_recipe(tmp_path):
     """prepare_config.yaml holds data.sources as plain mappings and reads back as the same recipe."""
     from specheads.config import load_config, save_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     src = f"[{{source: {_jsonl(tmp_path / 'a.jsonl', 2, 'x')}, weight: 0.5, name: mine}}]"
     r = load_config(Recipe, None, [f"data.sources={src}", "data.chat_template_kwargs={enable_thinking: false}"])

@@ -111,7 +111,7 @@ def _renames(caplog) -> list[str]:
 
 
 def test_nested_section_override_and_yaml(tmp_path):
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     p = tmp_path / "r.yaml"
     p.write_text("train:\n  lr: 1.0e-3\n  block:\n    gamma: 2.0\n    max_anchors: 16\n  lora:\n    r: 4\n")
@@ -123,7 +123,7 @@ def test_nested_section_override_and_yaml(tmp_path):
 
 
 def test_unknown_nested_key_names_it(tmp_path):
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     with pytest.raises(SpecheadsError, match=r"override 'train\.block\.gama=3': unknown key 'train\.block\.gama'; "
                                              r"known keys here: \[.*'gamma'"):
@@ -137,7 +137,7 @@ def test_unknown_nested_key_names_it(tmp_path):
 
 
 def test_old_flat_keys_map_to_the_sections_with_one_warning(tmp_path, caplog):
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     p = tmp_path / "old.yaml"
     p.write_text("train:\n  block_gamma: 2.0\n  max_anchors: 16\n  lora: true\n  lora_targets: [q_proj]\n"
@@ -159,7 +159,7 @@ def test_old_flat_keys_map_to_the_sections_with_one_warning(tmp_path, caplog):
 
 
 def test_old_key_on_the_command_line_overrides_the_file_new_key(tmp_path):
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     p = tmp_path / "r.yaml"
     p.write_text("train:\n  block:\n    gamma: 2.0\n")
@@ -174,7 +174,7 @@ def test_old_key_on_the_command_line_overrides_the_file_new_key(tmp_path):
     ("", ["train.lora.r=4", "train.lora_r=8"], r"override 'train\.lora_r=8'"),
 ], ids=["yaml-block", "yaml-lora", "flags-old-first", "flags-new-first"])
 def test_one_setting_under_both_names_is_an_error(tmp_path, yaml_text, overrides, where):
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     p = tmp_path / "r.yaml"
     p.write_text(yaml_text)
@@ -185,7 +185,7 @@ def test_one_setting_under_both_names_is_an_error(tmp_path, yaml_text, overrides
 
 def test_upgrade_flat_maps_a_written_recipe():
     from specheads.config import renamed_keys, upgrade_flat
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     renamed = renamed_keys(Recipe)
     assert renamed["train.block_gamma"] == "train.block.gamma" and renamed["train.lora"] == "train.lora.enabled"
@@ -200,7 +200,7 @@ def test_upgrade_flat_maps_a_written_recipe():
                                    "!<tag:yaml.org,2002:float> 3", "!!float 3"])
 def test_a_verbatim_yaml_tag_in_an_override_is_one_line(value, tmp_path):
     """issue 38: a tag written verbatim (`!<tag:...>`, no handle) raised a TypeError from the tag check."""
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     with pytest.raises(SpecheadsError, match=r"^override 'train.lr=.*': YAML tags are not allowed in a value "
                                              r"\(found '(!<tag:yaml.org,2002:|!!)"):
@@ -211,7 +211,7 @@ def test_a_config_that_never_ends_is_refused_with_bounded_memory(tmp_path, monke
     """An endless --config (a device or pipe; here /dev/zero behind a .yaml name) is read at most
     MAX_TEXT_BYTES, then refused naming it."""
     import specheads.utils
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     monkeypatch.setattr(specheads.utils, "MAX_TEXT_BYTES", 1 << 20)
     link = tmp_path / "r.yaml"

@@ -10,7 +10,7 @@ import yaml
 
 from specheads.config import load_config
 from specheads.heads.kinds import kind_names
-from specheads.recipe import Recipe
+from specheads.train.recipe import Recipe
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 RECIPES = sorted(CONFIGS.glob("*.yaml"))

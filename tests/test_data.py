@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from specheads.train.data import is_val, load_conversations, render_segments, tokenize_conversations
-from specheads.train.sources import LoadStats, iter_json_array
+from specheads.conversations.load import load_conversations
+from specheads.conversations.sources import LoadStats, iter_json_array
+from specheads.train.data import is_val, render_segments, tokenize_conversations
 from specheads.utils import SpecheadsError
 
 CONVS = [
@@ -232,7 +233,7 @@ def test_chat_template_as_text_or_file_renders_masks(smol_tokenizer, tmp_path):
 
 
 def test_load_texts_rows_and_txt_file(tmp_path):
-    from specheads.train.data import load_texts
+    from specheads.conversations.load import load_texts
 
     p = tmp_path / "t.jsonl"
     rows = [{"text": "def add(a, b):\n    return a + b\n"}, {"id": "x", "text": "Once upon a time"}, {"text": ""},

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 
 from specheads.config import format_changes, load_config, non_default_settings, save_config
-from specheads.recipe import Recipe
+from specheads.train.recipe import Recipe
 from specheads.target import quiet_loading, tiny_target
 from specheads.utils import setup_logging
 

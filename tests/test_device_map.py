@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from specheads.config import load_config
-from specheads.recipe import Recipe
 from specheads.target import check_device_map, load_target, resolve_device_map, where_target_runs
 from specheads.train.features import extract_features
+from specheads.train.recipe import Recipe
 from specheads.utils import SpecheadsError
 
 

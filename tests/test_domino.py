@@ -84,7 +84,7 @@ def test_bad_specs_give_one_clear_error(bad, match):
 
 def _recipe(out, steps=4, extra=()):
     from specheads.config import load_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     return load_config(Recipe, None, [
         f"output_dir={out}", "seed=0", "head.kind=domino", "head.feature_layers=[1,2,3]", "head.block_size=3",
@@ -149,7 +149,7 @@ def test_run_training_online_with_a_confidence_head_calibrates_it(tmp_path):
 
     from specheads.config import load_config
     from specheads.heads import load_head
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
     from specheads.train.trainer import run_training
     from tests.test_dspark import _greedy_samples, _sharp_target
 

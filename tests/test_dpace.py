@@ -95,7 +95,7 @@ def test_train_steps_with_dpace_on_the_tiny_target(tiny, tmp_path, kind):
     """TRL style: after a few D-PACE steps every trainable parameter moved and the frozen target did not."""
     from specheads.config import load_config
     from specheads.heads import build_head
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
     from tests.test_dspark import _greedy_samples
     from tests.trained import train_checked
 

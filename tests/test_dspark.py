@@ -289,7 +289,7 @@ def _greedy_samples(target, n, T=40, prompt=6, seed=0):
 @pytest.mark.parametrize("anchor_features", [False, True], ids=["reference", "anchor_features"])
 def test_training_run_tau_rises_and_target_stays_frozen(tmp_path, anchor_features):
     from specheads.config import load_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
     from tests.trained import train_checked
 
     target = _sharp_target()
@@ -317,7 +317,7 @@ def test_resume_gives_same_weights(tiny, tmp_path):
     """A run stopped after a checkpoint and resumed ends with the same weights as an uninterrupted one (the
     anchors come from the trainer's generator, saved in its checkpoints)."""
     from specheads.config import load_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     data, val = _greedy_samples(tiny, 10, T=24), _greedy_samples(tiny, 2, T=24, seed=1)
     assert_resume_is_exact(tiny, lambda out: load_config(Recipe, None, [
@@ -329,7 +329,7 @@ def test_resume_gives_same_weights(tiny, tmp_path):
 
 def test_run_training_calibrates_the_head_folders(tmp_path):
     from specheads.config import load_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
     from specheads.train.trainer import run_training
 
     target = _sharp_target()
@@ -504,7 +504,7 @@ def test_bad_inputs_give_one_clear_error(tiny, tmp_path):
         build_head(HeadSpec(kind="dspark", mask_token_id=999, feature_layers=[1, 2, 3]), tiny)
     with pytest.raises(SpecheadsError, match="head.markov_head_type"):
         from specheads.config import load_config
-        from specheads.recipe import Recipe
+        from specheads.train.recipe import Recipe
 
         load_config(Recipe, None, ["head.kind=dspark", "head.markov_head_type=lstm"])
     from specheads.heads.dspark import DSparkHead

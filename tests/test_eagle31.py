@@ -23,8 +23,8 @@ from specheads.heads.gguf import DRAFT_KINDS
 from specheads.heads.kinds import kind_names, kind_spec
 from specheads.infer.drafters import EagleDrafter
 from specheads.infer.engine.generate import generate
-from specheads.recipe import Recipe
 from specheads.target import tiny_target
+from specheads.train.recipe import Recipe
 from specheads.utils import SpecheadsError
 from tests.trained import train_checked
 from test_export import run_speculators_load

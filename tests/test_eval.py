@@ -85,7 +85,7 @@ def test_eval_on_a_run_without_a_held_out_split_says_why(tmp_path, capsys):
     """issue 38: `eval --dataset heldout:RUN` on a run trained with data.val_fraction 0 printed an empty table; now
     one line saying the run has no held-out split, before any model loads."""
     from specheads.config import load_config, save_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     run = tmp_path / "run"
     save_config(load_config(Recipe, None, [f"output_dir={run}", "data.val_fraction=0"]), run / "train_config.yaml")

@@ -295,7 +295,7 @@ def tiny_bf16():
 
 def test_prepare_adds_sidecars_to_a_shared_features_folder(tiny, tmp_path):
     from specheads.config import load_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
     from specheads.train.prepare import prepare
 
     shared = tmp_path / "shared"

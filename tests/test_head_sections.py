@@ -17,7 +17,7 @@ from specheads.heads.base import HeadSpec, read_head_config
 from specheads.heads.dflash2 import DFlash2Options
 from specheads.heads.domino import DominoOptions
 from specheads.heads.headspec import all_flat_keys, flat_keys
-from specheads.recipe import Recipe
+from specheads.train.recipe import Recipe
 from specheads.utils import SpecheadsError
 
 DFLASH2 = {"kind": "dflash2", "feature_layers": [1, 2, 3], "mask_token_id": 5,

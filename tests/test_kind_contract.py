@@ -51,7 +51,7 @@ def test_own_settings_are_a_recipe_section_named_after_the_kind(kind, tmp_path):
     import yaml
 
     from specheads.config import config_to_dict, load_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     ks = kind_spec(kind)
     spec = HeadSpec(kind=kind, **ks.example)
@@ -70,7 +70,7 @@ def test_the_kind_alone_is_a_valid_head(kind):
     """`head.kind=<kind>` with nothing else builds (the kind's defaults pass its own check), and a recipe that only
     picks the kind differs from the defaults in head.kind alone (what train prints, config.format_changes)."""
     from specheads.config import load_config, non_default_settings
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     spec = HeadSpec(kind=kind)
     assert spec.kind == kind
@@ -95,7 +95,7 @@ def train_one_step(kind: str, target, out):
     """One optimizer step of the real Trainer on the kind's example head -> (head, names of the changed tensors);
     train_checked asserts those are exactly the trainable parameters and the target is bit-identical."""
     from specheads.config import load_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
     from tests.test_dspark import _greedy_samples
     from tests.trained import train_checked
 

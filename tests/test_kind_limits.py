@@ -106,7 +106,7 @@ def test_python_spec_refuses_it_naming_the_field(kind, field, bad):
 @pytest.mark.parametrize("kind,field,bad", CASES, ids=[case_id(c) for c in CASES])
 def test_recipe_and_override_refuse_it_naming_the_field_and_where(kind, field, bad, tmp_path):
     from specheads.config import load_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     key = f"head.{kind}.{field}"
     (tmp_path / "r.yaml").write_text(yaml.safe_dump({"head": section(kind, **{field: bad})}))
@@ -219,7 +219,7 @@ TRAIN_CASES = train_cases()
 @pytest.mark.parametrize("sec,field,bad", TRAIN_CASES, ids=[case_id(c) for c in TRAIN_CASES])
 def test_train_settings_of_the_kinds_refuse_out_of_range_overrides(sec, field, bad):
     from specheads.config import load_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     raw = yaml.safe_dump(bad, default_flow_style=True).strip().removesuffix("...").strip()
     key = f"train.{sec}.{field}"

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from specheads.config import load_config
-from specheads.recipe import Recipe
+from specheads.train.recipe import Recipe
 from specheads.train.launch import LaunchConfig, accelerate_argv, wait_for_main
 from specheads.utils import SpecheadsError
 

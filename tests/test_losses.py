@@ -323,7 +323,7 @@ def test_parse_loss_and_the_per_kind_table():
 
 def test_train_config_validates_the_loss(tmp_path):
     from specheads.config import load_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
     from specheads.train.settings import BlockTrainConfig, LoraTrainConfig, MedusaTrainConfig, TrainConfig
     from specheads.train.kinds import head_kind
     from specheads.utils import SpecheadsError
@@ -375,7 +375,7 @@ def test_target_rows_from_full_logits():
 def test_training_with_each_loss_raises_the_held_out_tau(tmp_path, name):
     from specheads.config import load_config
     from specheads.heads.base import build_head
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
     from specheads.target import tiny_target
     from specheads.train.trainer import Trainer
 

@@ -242,7 +242,7 @@ def test_the_cli_turns_a_write_refusal_into_one_line_and_keeps_other_tracebacks(
 
 def test_non_utf8_dataset_names_the_file_and_row(tmp_path):
     from specheads.cli import _not_utf8
-    from specheads.train.data import load_conversations
+    from specheads.conversations.load import load_conversations
 
     good = b'{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "ok"}]}\n'
     (tmp_path / "d.jsonl").write_bytes(good * 2 + good.replace(b"hi", b"hi \xff"))
@@ -257,7 +257,7 @@ def test_a_dataset_that_is_one_endless_line_is_refused_with_bounded_memory(tmp_p
     """issue 38: a data source that is one endless line (a device, a pipe) grew memory until it failed. Each row
     (a JSONL line, a JSON array's element) is read at most utils.MAX_TEXT_BYTES characters, then refused."""
     import specheads.utils
-    from specheads.train.data import load_conversations
+    from specheads.conversations.load import load_conversations
 
     monkeypatch.setattr(specheads.utils, "MAX_TEXT_BYTES", 1 << 20)
     zero = tmp_path / "zero"
@@ -276,15 +276,15 @@ def test_a_dataset_that_is_one_endless_line_is_refused_with_bounded_memory(tmp_p
 def test_other_inputs_read_whole_are_bounded_too(tmp_path, monkeypatch):
     """A data.mode text .txt file (one row, read whole) past its bound, and an endless device behind a target's
     config.json: refused naming the file, not read forever."""
-    import specheads.train.data as data
+    import specheads.conversations.load as load
     import specheads.utils
     from specheads.target import check_target_folder
 
-    monkeypatch.setattr(data, "MAX_CORPUS_CHARS", 1 << 20)
+    monkeypatch.setattr(load, "MAX_CORPUS_CHARS", 1 << 20)
     monkeypatch.setattr(specheads.utils, "MAX_TEXT_BYTES", 1 << 20)
     (tmp_path / "corpus.txt").write_text("x" * (2 << 20))  # past the (lowered) bound
     with pytest.raises(SpecheadsError, match=rf"^{tmp_path / 'corpus.txt'}: more than 1 Mi characters in one .txt"):
-        data.load_texts(str(tmp_path / "corpus.txt"))
+        load.load_texts(str(tmp_path / "corpus.txt"))
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "config.json").symlink_to("/dev/zero")
     with pytest.raises(SpecheadsError, match=rf"^{tmp_path / 't' / 'config.json'}: more than 1 MiB"):

@@ -185,7 +185,7 @@ def test_pooled_loss_dpace_reduction_by_hand():
 
 def _recipe(out, steps=3, extra=()):
     from specheads.config import load_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     return load_config(Recipe, None, [
         f"output_dir={out}", "seed=0", "head.kind=peagle", "head.feature_layers=[1,2,3]", "head.num_layers=2",

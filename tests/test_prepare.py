@@ -40,7 +40,7 @@ def _sharegpt_file(tmp_path, n=20):
 
 def _recipe(tmp_path, source, *extra):
     from specheads.config import load_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     return load_config(Recipe, None, [f"output_dir={tmp_path / 'run'}", f"data.source={source}", "data.max_length=48",
                                       "data.val_fraction=0.2", "features.shard_tokens=120", "features.batch_tokens=96",
@@ -116,7 +116,7 @@ def _greedy_one_by_one(target, prompt, cap):
 
 
 def test_regenerate_resumes_by_id_and_survives_cut_line(tiny_chat, tmp_path):
-    from specheads.train.data import load_conversations
+    from specheads.conversations.load import load_conversations
     from specheads.train.regenerate import regenerate
 
     convs, _ = load_conversations(str(_sharegpt_file(tmp_path, 6)))
@@ -146,7 +146,7 @@ def test_regenerate_resumes_by_id_and_survives_cut_line(tiny_chat, tmp_path):
 
 
 def test_regenerate_max_turns_keeps_first_exchange(tiny_chat, tmp_path):
-    from specheads.train.data import load_conversations
+    from specheads.conversations.load import load_conversations
     from specheads.train.regenerate import regenerate
 
     convs, _ = load_conversations(str(_sharegpt_file(tmp_path, 6)))  # c0 and c3 have two exchanges
@@ -255,7 +255,7 @@ def test_shared_features_dir_trains_medusa_from_eagle3_extraction(tiny_chat, tmp
     its draft vocabulary is counted from the training split only."""
     from specheads.config import load_config
     from specheads.heads.base import load_head
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
     from specheads.target import tiny_target
     from specheads.train.dataset import FeatureDataset
     from specheads.train.prepare import format_summary, prepare
@@ -387,7 +387,8 @@ def test_prepare_text_mode_regenerates_from_prefixes(tiny_base, tmp_path):
     keeps the source for the windows after the first N."""
     import datasets
 
-    from specheads.train.data import load_texts, tokenize_texts
+    from specheads.train.data import tokenize_texts
+    from specheads.conversations.load import load_texts
     from specheads.train.prepare import prepare
 
     src = _text_file(tmp_path, 4)
@@ -494,7 +495,7 @@ def test_prepare_of_other_data_into_a_run_is_refused_before_anything_changes(tin
 
 
 def test_empty_assistant_turns_are_counted_and_skipped(tiny_chat, tmp_path):
-    from specheads.train.data import drop_empty_answers
+    from specheads.conversations.load import drop_empty_answers
     from specheads.train.prepare import format_summary, prepare
 
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a?"},

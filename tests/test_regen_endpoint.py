@@ -227,7 +227,7 @@ def llama():
 
 @pytest.fixture(scope="module")
 def sharegpt():
-    from specheads.train.data import load_conversations
+    from specheads.conversations.load import load_conversations
 
     convs, _ = load_conversations("sharegpt", 12)
     return [{"conversation_id": c["conversation_id"], "messages": c["messages"]} for c in convs]

@@ -42,7 +42,7 @@ def _rows(n: int = N_CONVS) -> list[dict]:
 @pytest.fixture(scope="module")
 def setup(smol_tokenizer, tmp_path_factory):
     from specheads.target import tiny_target
-    from specheads.train.data import load_conversations
+    from specheads.conversations.load import load_conversations
 
     src = tmp_path_factory.mktemp("regen") / "convs.json"
     src.write_text(json.dumps(_rows()))
@@ -121,7 +121,7 @@ import torch
 torch.set_num_threads(1)
 from transformers import AutoTokenizer
 from specheads.target import tiny_target
-from specheads.train.data import load_conversations
+from specheads.conversations.load import load_conversations
 from specheads.train.regenerate import regenerate
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 convs, _ = load_conversations(sys.argv[2])

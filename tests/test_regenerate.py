@@ -77,7 +77,7 @@ def test_regeneration_over_two_calls_writes_what_one_call_writes(tmp_path, smol_
     """A run stopped after 3 conversations and rerun (another batch_size) ends as one run: same bytes, source's
     order; multi-turn conversations (c0, c3) answered turn by turn."""
     from specheads.target import tiny_target
-    from specheads.train.data import load_conversations
+    from specheads.conversations.load import load_conversations
     from specheads.train.regenerate import regenerate
 
     target = tiny_target(vocab_size=len(smol_tokenizer), tokenizer=smol_tokenizer)

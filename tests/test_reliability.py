@@ -132,7 +132,7 @@ def test_an_out_that_is_a_link_to_nothing_yet_is_written_through(tiny, tmp_path)
 
 def test_override_error_names_the_flag_and_file_error_names_the_file(tmp_path):
     from specheads.config import load_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     cfg = tmp_path / "r.yaml"
     cfg.write_text("train:\n  batch_size: 0\n")

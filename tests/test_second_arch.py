@@ -16,8 +16,8 @@ from specheads.heads.export import export_head, import_head
 from specheads.infer.drafters import DSparkDrafter, EagleDrafter, MedusaDrafter, PEagleDrafter, combine_drafters
 from specheads.infer.engine.generate import generate
 from specheads.infer.scheduling.step import Scheduler
-from specheads.recipe import Recipe
 from specheads.target import full_attention_rope
+from specheads.train.recipe import Recipe
 from specheads.train.trainer import Trainer
 from specheads.utils import SpecheadsError
 

@@ -140,7 +140,7 @@ def Trainer_run(recipe, tiny, train, val, answers_from=None):
 
 def test_dev_set_refuses_a_benchmark_and_select_needs_it(tmp_path):
     from specheads.config import load_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
     from specheads.train.devset import load_dev_prompts
     from specheads.utils import SpecheadsError
 

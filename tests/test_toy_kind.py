@@ -127,7 +127,7 @@ def test_toy_kind_declares_its_own_recipe_section(toy, tiny, tmp_path):
 
     from specheads.config import load_config
     from specheads.heads import build_head, load_head
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
     from specheads.utils import SpecheadsError
 
     (tmp_path / "r.yaml").write_text("head:\n  kind: toy\n  toy:\n    num_heads: 2\n")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from specheads.config import load_config
-from specheads.recipe import Recipe
 from specheads.train.checkpoint import list_checkpoints
+from specheads.train.recipe import Recipe
 from specheads.train.trainer import Trainer
 from specheads.utils import SpecheadsError
 

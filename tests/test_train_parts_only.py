@@ -51,7 +51,7 @@ def _conversations(tmp_path, n=16):
 
 def _recipe(*overrides):
     from specheads.config import load_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     base = ["seed=0", "train.tracker=none", "train.batch_size=2", "train.lr=1e-2", "train.warmup_steps=1",
             "train.log_every=1", "train.max_steps=3", "eval.every_steps=2", "eval.max_samples=4",

@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from specheads.config import load_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
     from specheads.train.launch import accelerate_argv, check_port_free, wait_for_main
 
     recipe = load_config(Recipe, args.config)

@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from specheads.config import format_changes, load_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
     from specheads.runlock import run_lock
     from specheads.train.prepare import format_summary, prepare
 

@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from specheads.config import load_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
     from specheads.runlock import run_lock
 
     overrides = list(args.overrides) + ([f"train.init_head={args.init_head}"] if args.init_head else [])

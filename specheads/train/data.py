@@ -2,18 +2,19 @@
 
 Sources (`DataConfig.source`): the alias `sharegpt` (the packaged ShareGPT V3 file), a ShareGPT JSON array or JSONL
 file (`conversations: [{from, value}]`), an OpenAI-style JSONL file (`messages: [{role, content}]`), a hub dataset id,
-or a `datasets.Dataset` passed to `load_conversations` directly (their raw rows: sources.py). `data.sources` mixes
-several of them by weight (train/mix.py).
+or a `datasets.Dataset` passed to `load_conversations` directly. Reading them into normalised rows needs no target:
+it is specheads/conversations/ (load.py, sources.py, messages.py), which prompts.py reads ShareGPT prompts with too.
+`data.sources` mixes several of them by weight (train/mix.py).
 
 Normalised conversations are a `datasets.Dataset` with columns `conversation_id: str` and
 `messages: list[{role, content, ...}]` (roles `system | user | assistant | tool`), plus the tool calls, reasoning,
 tool ids and loss flags of agentic data and the `tools` / `documents` columns where the source has them
-(train/messages.py). `data.chat_template_kwargs` reach every rendering (`chat_tokenizer`, `render_text`).
+(conversations/messages.py). `data.chat_template_kwargs` reach every rendering (`chat_tokenizer`, `render_text`).
 
-Plain-text mode (`data.mode: text`, for targets without a chat template, e.g. base models): `load_texts` reads rows
-`{"text": ...}` (JSONL / JSON / hub / Dataset) or a .txt file (one text), `tokenize_texts` cuts each text into windows
-of max_length tokens with loss on every token; a target without a template and no `data.chat_template` is one
-clear error naming both ways forward (`chat_tokenizer`).
+Plain-text mode (`data.mode: text`, for targets without a chat template, e.g. base models): `load_texts`
+(conversations/load.py) reads rows `{"text": ...}` (JSONL / JSON / hub / Dataset) or a .txt file (one text),
+`tokenize_texts` cuts each text into windows of max_length tokens with loss on every token; a target without a
+template and no `data.chat_template` is one clear error naming both ways forward (`chat_tokenizer`).
 
 Loss mask: 1 on the assistant's content tokens **and on the template's end-of-turn token** that closes each
 assistant turn (`<|im_end|>` for ChatML templates such as SmolLM2's): the head must learn to predict the end of a
@@ -41,14 +42,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from specheads.train.messages import (CONTEXT_FIELDS, check_template_kwargs, context_kwargs, conversation_features,
-                                      has_answer, parse_turn, row_context, stored, template_message)
+from specheads.conversations.messages import CONTEXT_FIELDS, check_template_kwargs, context_kwargs, template_message
+from specheads.conversations.sources import SHOW_REASONS, Malformed, SourceSpec
 from specheads.train.regen_endpoint import check_endpoint_settings
-from specheads.train.sources import SHOW_REASONS, LoadStats, Malformed, SourceSpec, open_text, rows_from_source
 from specheads.utils import CHAT_KWARGS_ATTR, DTYPE_NAMES, SpecheadsError, check_values, template_kwargs
 
 log = logging.getLogger(__name__)
-MAX_CORPUS_CHARS = 1 << 30  # a data.mode text .txt file is one row read whole: bounded (an endless one is refused)
 
 
 @dataclass
@@ -116,120 +115,6 @@ class DataConfig:
 
 
 REGEN_DTYPES = tuple(DTYPE_NAMES)  # the target dtypes a recipe may name
-
-
-def normalize_row(row: Any) -> tuple[str | None, list[dict], dict]:
-    """(id or None, messages[{role, content, extras}], context {tools?, documents?}) from a ShareGPT or OpenAI row
-    (tool and reasoning fields: train/messages.py); raises Malformed(reason)."""
-    if not isinstance(row, dict):
-        raise Malformed(f"not an object: row is a {type(row).__name__}")
-    if "conversations" in row:
-        turns, rk, ck = row["conversations"], "from", "value"
-    elif "messages" in row:
-        turns, rk, ck = row["messages"], "role", "content"
-    else:
-        raise Malformed(f"missing field: no 'conversations' or 'messages' (keys {sorted(row)[:6]})")
-    if not isinstance(turns, list):
-        raise Malformed(f"not a list: turns are a {type(turns).__name__}")
-    if not turns:
-        raise Malformed("empty conversation")
-    context = row_context(row)
-    messages = []
-    for i, t in enumerate(turns):
-        if not isinstance(t, dict):
-            raise Malformed(f"not an object: turn {i} is a {type(t).__name__}")
-        messages.append(parse_turn(t, i, rk, ck))
-        ids = t.get("token_ids")  # a regenerated answer: the target's own tokens (regenerate.py)
-        if ids is not None and messages[-1]["role"] == "assistant":
-            if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
-                raise Malformed(f"bad token_ids: turn {i} token_ids is not a list of integers")
-            messages[-1]["token_ids"] = ids
-    # FastChat/Medusa convention: a conversation that opens with the assistant starts at the first user turn.
-    start = 0
-    while start < len(messages) and messages[start]["role"] == "assistant":
-        start += 1
-    messages = messages[start:]
-    if not any(m["role"] == "assistant" for m in messages):
-        raise Malformed("no assistant turn")
-    rid = row.get("id", row.get("conversation_id"))
-    return (None if rid is None else str(rid)), messages, context
-
-
-def drop_empty_answers(messages: list[dict]) -> tuple[list[dict], int]:
-    """Skip each assistant turn whose text is empty or whitespace (and that calls no tool and holds no reasoning),
-    with the user turn(s) it answers: kept, it would train the head on a sample whose only loss token is the
-    end-of-turn token. -> (messages, skipped)."""
-    out: list[dict] = []
-    pending: list[dict] = []  # user turns since the last kept answer
-    skipped = 0
-    for m in messages:
-        if m["role"] == "assistant" and not has_answer(m):
-            pending, skipped = [], skipped + 1
-        elif m["role"] == "assistant":
-            out += pending + [m]
-            pending = []
-        elif m["role"] == "system" and not out and not pending:
-            out.append(m)
-        else:
-            pending.append(m)
-    return out + pending, skipped
-
-
-def load_conversations(source: Any = "sharegpt", max_conversations: int | None = None, **select):
-    """Read and normalise conversations; returns (datasets.Dataset[conversation_id, messages, tools?, documents?],
-    LoadStats). `select`: split / subset / data_files of a hub dataset (rows_from_source).
-
-    Reading stops as soon as `max_conversations` valid ones are kept (the 125 MB ShareGPT file is not parsed past
-    that). Malformed rows are skipped and counted; the first few reasons are logged."""
-    import datasets
-
-    stats = LoadStats()
-    rows, stem = rows_from_source(source, stats, **select)
-    ids: list[str] = []
-    msgs: list[list[dict]] = []
-    ctxs: list[dict] = []
-    seen: dict[str, int] = {}
-    for i, row in enumerate(rows):
-        if max_conversations is not None and stats.kept >= max_conversations:
-            stats.stopped_early = True
-            break
-        stats.rows_read += 1
-        try:
-            rid, messages, context = normalize_row(row)
-            messages, empty = drop_empty_answers(messages)
-            stats.empty_turns += empty
-            if not any(m["role"] == "assistant" for m in messages):
-                raise Malformed("empty answers: every assistant turn is empty or whitespace")
-        except Malformed as e:
-            stats.skip(f"row {i}", str(e))
-            continue
-        rid = rid if rid is not None else f"{stem}-{i}"
-        if rid in seen:  # ids must be unique: resumable regeneration and the val split key on them
-            seen[rid] += 1
-            rid = f"{rid}~{seen[rid]}"
-        else:
-            seen[rid] = 0
-        ids.append(rid)
-        msgs.append(messages)
-        ctxs.append(context)
-        stats.kept += 1
-    log.info("read %d conversations from %s (%d kept, %d skipped)%s", stats.rows_read, stats.source, stats.kept,
-             stats.skipped, "; stopped at max_conversations" if stats.stopped_early else "")
-    if stats.truncated_tail:
-        log.warning("%s: the file ends inside a row (tail cut); read the %d complete rows before it", stats.source,
-                    stats.rows_read)
-    if stats.skipped:
-        log.warning("skipped %d malformed rows %s; first reasons: %s", stats.skipped, dict(stats.reasons),
-                    "; ".join(stats.examples))
-    if stats.empty_turns:
-        log.warning("skipped %d empty assistant turns (with the user turns they answer)", stats.empty_turns)
-    # the extras some message has (token_ids of regenerated answers, tool calls...) become fields of every message
-    msg_fields = {k for ms in msgs for m in ms for k in m} - {"role", "content"}
-    ctx_fields = {k for c in ctxs for k in c}
-    rows = [stored(ms, cx, msg_fields, ctx_fields) for ms, cx in zip(msgs, ctxs)]
-    data = {"conversation_id": ids, "messages": [r[0] for r in rows]}
-    data.update({k: [r[1][k] for r in rows] for k in CONTEXT_FIELDS if k in ctx_fields})
-    return datasets.Dataset.from_dict(data, features=conversation_features(msg_fields, ctx_fields)), stats
 
 
 REPEAT = re.compile(r"~rep\d+")  # a conversation repeated by a data.sources weight > 1 (train/mix.py)
@@ -484,73 +369,6 @@ def chat_tokenizer(tokenizer, chat_template: str | None, target_name: str, chat_
     except Exception as e:  # noqa: BLE001 - jinja errors of many kinds: one line naming the field
         raise SpecheadsError(f"data.chat_template: cannot render a conversation ({type(e).__name__}: {e})") from None
     return tok
-
-
-# ------------------------------------------------------------------------------------------------- plain text
-
-def normalize_text_row(row: Any) -> tuple[str | None, str]:
-    """(id or None, text) from a row `{"text": ...}`; raises Malformed(reason)."""
-    if not isinstance(row, dict):
-        raise Malformed(f"not an object: row is a {type(row).__name__}")
-    if "text" not in row:
-        raise Malformed(f"missing field: no 'text' (keys {sorted(row)[:6]})")
-    if not isinstance(row["text"], str):
-        raise Malformed(f"non-string value: 'text' is a {type(row['text']).__name__}")
-    if not row["text"].strip():
-        raise Malformed("empty text")
-    rid = row.get("id")
-    return (None if rid is None else str(rid)), row["text"]
-
-
-def load_texts(source: Any, max_texts: int | None = None, **select):
-    """Plain texts -> (datasets.Dataset[conversation_id, text], LoadStats). `source`: a .txt file (one text, named
-    after the file), JSONL / JSON rows {"text": ..., "id"?}, a hub dataset id or a Dataset with a 'text' column.
-    Malformed rows are skipped and counted, as for conversations."""
-    import datasets
-
-    stats = LoadStats()
-    path = Path(str(source)) if isinstance(source, (str, Path)) else None
-    if path is not None and path.name.removesuffix(".gz").endswith(".txt"):
-        if select:
-            raise SpecheadsError(f"data.sources[{source}].{next(iter(select))}: selects within a hub dataset; this "
-                                 f"source is a file")
-        if not path.is_file():
-            raise SpecheadsError(f"data.source {str(source)!r}: file not found")
-        with open_text(path) as f:  # one row, read bounded (a larger corpus: JSONL rows {"text": ...})
-            text = f.read(MAX_CORPUS_CHARS + 1)
-        if len(text) > MAX_CORPUS_CHARS:
-            raise SpecheadsError(f"{path}: more than {MAX_CORPUS_CHARS >> 20} Mi characters in one .txt file (read "
-                                 f"no further); split it, or give JSONL rows {{\"text\": ...}}")
-        rows, stem = iter([{"id": path.name.removesuffix(".gz").removesuffix(".txt"), "text": text}]), ""
-        stats.source = str(path)
-    else:
-        rows, stem = rows_from_source(source, stats, **select)
-    ids: list[str] = []
-    texts: list[str] = []
-    seen: set[str] = set()
-    for i, row in enumerate(rows):
-        if max_texts is not None and stats.kept >= max_texts:
-            stats.stopped_early = True
-            break
-        stats.rows_read += 1
-        try:
-            rid, text = normalize_text_row(row)
-        except Malformed as e:
-            stats.skip(f"row {i}", str(e))
-            continue
-        rid = rid if rid is not None else f"{stem}-{i}"
-        if rid in seen:  # unique ids: the held-out split and resumable regeneration key on them
-            rid = f"{rid}~{i}"
-        seen.add(rid)
-        ids.append(rid)
-        texts.append(text)
-        stats.kept += 1
-    log.info("read %d texts from %s (%d kept, %d skipped)", stats.rows_read, stats.source, stats.kept, stats.skipped)
-    if stats.skipped:
-        log.warning("skipped %d malformed rows %s; first reasons: %s", stats.skipped, dict(stats.reasons),
-                    "; ".join(stats.examples))
-    features = datasets.Features({"conversation_id": datasets.Value("string"), "text": datasets.Value("string")})
-    return datasets.Dataset.from_dict({"conversation_id": ids, "text": texts}, features=features), stats
 
 
 def tokenize_texts(texts, tokenizer, max_length: int, batch_size: int = 64, desc: str = "tokenize text"):

@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from specheads.config import load_config
-from specheads.recipe import Recipe
 from specheads.train.dataset import eval_indices, split_batches
 from specheads.train.evaluate import evaluate
+from specheads.train.recipe import Recipe
 from specheads.train.trainer import load_training_data
 from specheads.utils import SpecheadsError
 

@@ -18,8 +18,8 @@ import random
 from pathlib import Path
 from typing import Callable
 
-from specheads.train.messages import align
-from specheads.train.sources import SHOW_REASONS, LoadStats, SourceSpec
+from specheads.conversations.messages import align
+from specheads.conversations.sources import SHOW_REASONS, LoadStats, SourceSpec
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def weighted(n: int, weight: float, seed: int, name: str) -> list[tuple[int, int
 
 
 def load_mixed(specs: list[SourceSpec], loader: Callable, seed: int, max_total: int | None = None):
-    """Read every entry with `loader` (data.load_conversations or data.load_texts), weight, prefix, shuffle and
+    """Read every entry with `loader` (conversations.load_conversations or load_texts), weight, prefix, shuffle and
     cut -> (Dataset, LoadStats of them all, [summary row per source])."""
     import datasets
 

@@ -24,8 +24,9 @@ from typing import Any
 import datasets
 
 from specheads.config import save_config
+from specheads.conversations.load import load_conversations, load_texts
 from specheads.train.checkpoint import CKPT_DIR, FINISHED
-from specheads.train.data import chat_tokenizer, load_conversations, load_texts, tokenize_conversations
+from specheads.train.data import chat_tokenizer, tokenize_conversations
 from specheads.train.features import plan_features, write_features
 from specheads.train.mix import load_mixed
 from specheads.train.layout import OVERWRITE_HINT, check_split, feature_layers_for, features_dir

@@ -46,15 +46,15 @@ import time
 from pathlib import Path
 from typing import Callable, Hashable, Iterator, Sequence
 
+from specheads.conversations.load import load_conversations
+from specheads.conversations.messages import align, context_kwargs, row_message
+from specheads.conversations.sources import Malformed
 from specheads.infer.drafters.build import build_drafter
 from specheads.infer.engine.batch import generate_batch
 from specheads.infer.engine.generate import generate
 from specheads.kvcache import buffered_cache
-from specheads.train.data import (chat_tokenizer, load_conversations, render_segments, render_text, special_tokens,
-                                  tokenize_texts)
-from specheads.train.messages import align, context_kwargs, row_message
+from specheads.train.data import chat_tokenizer, render_segments, render_text, special_tokens, tokenize_texts
 from specheads.train.regen_endpoint import EndpointDecoder, EndpointSettings
-from specheads.train.sources import Malformed
 from specheads.utils import SpecheadsError, atomic_write_text, bounded_lines
 
 log = logging.getLogger(__name__)

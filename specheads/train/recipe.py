@@ -1,6 +1,7 @@
 """A recipe: one YAML read by both `specheads prepare` and `specheads train`.
 
-Each section's dataclass lives with the code that uses it; this file only assembles them.
+Each section's dataclass lives with the code that uses it; this file only assembles them. It is train/'s: five of its
+sections are train/'s own configs, and train/heldout reads a run's train_config.yaml back with it.
 """
 from __future__ import annotations
 

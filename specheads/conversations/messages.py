@@ -1,6 +1,6 @@
 """Agentic and reasoning turns: tool calls, tool results, a tools schema, reasoning text and retrieved documents.
 
-Read from a row (data.normalize_row calls `turn_extras` and `row_context`):
+Read from a row (load.normalize_row calls `turn_extras` and `row_context`):
 - OpenAI messages: role `tool` (also `function`, `ipython`) with `content`, `tool_call_id`, `name`; an assistant turn's
   `tool_calls` `[{id?, type: function, function: {name, arguments}}]` (arguments a JSON string or an object; its
   `content` may then be null) and `reasoning_content`; any turn may say `"loss": false` (kept in context, never
@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from specheads.train.sources import Malformed
+from specheads.conversations.sources import Malformed
 from specheads.utils import SpecheadsError
 
 TOOL_ROLES = ("tool", "function", "observation", "ipython")  # a tool's result, whichever name the source uses
