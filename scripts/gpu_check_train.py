@@ -136,7 +136,7 @@ def _precision(tiny: bool) -> tuple[str, str]:
 
 def _recipe(folder: Path, target_dir: Path, data: Path, kind: str, tiny: bool, *over: str):
     from specheads.config import load_config
-    from specheads.recipe import Recipe
+    from specheads.train.recipe import Recipe
 
     own = {"eagle3": ["head.draft_vocab_size=2048", "head.eagle3.ttt_steps=3"],
            "dspark": ["head.dspark.block_size=4"]}[kind]
