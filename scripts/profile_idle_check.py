@@ -2,7 +2,7 @@
 attempts re-measured (info) and the warnings a user would see (only a kept noisy profile warns).
 
 usage: python scripts/profile_idle_check.py [--target smollm2-135m] [--dtype float32] [--runs 4] [--threads 2]
-                                            [--out docs/results/profile-idle/results.json]
+                                            [--out docs/results/profile-idle/profile_idle.json]
 Run it alone on the machine: a benchmark beside another job is not an idle machine.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--runs", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", type=Path, default=Path("docs/results/profile-idle/results.json"))
+    p.add_argument("--out", type=Path, default=Path("docs/results/profile-idle/profile_idle.json"))
     a = p.parse_args()
     os.environ["SPECHEADS_CACHE"] = tempfile.mkdtemp(prefix="specheads-profile-idle-")
     import torch

@@ -276,14 +276,15 @@ class Slow(ScoredDrafter):
 def test_union_rests_a_source_whose_pass_does_not_pay(tiny):
     """A slow source that is never right rests (proposes on few steps, its replay counted over its own steps);
     prompt lookup, free and right on a repeated prompt, never rests; output stays greedy-exact."""
-    # t(1) = 10 ms: the slow source's 20 ms pass costs 2 forwards, more than its never-right chain returns, while
+    # t(1) = 100 ms: the slow source's 200 ms pass costs 2 forwards, more than its never-right chain returns, while
     # prompt lookup's sub-millisecond pass stays far below its gain even on a loaded machine (with t(1) = 1 ms a
-    # lookup pass slowed to ~1 ms by other work rested it on some steps)
+    # lookup pass slowed to ~1 ms by other work rested it on some steps; with t(1) = 10 ms it rested on 17 of 35
+    # steps beside a parallel suite and two other jobs)
     # the HF forward: the tiny target's owned forward takes ~0.3 ms, about a lookup pass, and then resting lookup
     # on some steps is the right call by the same rule
     tiny.engine = "hf"
-    flat = Scheduler({1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1}, 1e-2)
-    slow = Slow(delay=0.02)
+    flat = Scheduler({1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1}, 1e-1)
+    slow = Slow(delay=0.2)
     union = combine_drafters(tiny, [slow], lookup=6, scheduler=flat)
     p = [5, 6, 7, 8, 9, 10] * 3
     try:
