@@ -480,6 +480,24 @@ def test_p_min_choice_obvious_answers():
         choose_p_min([], flat, 0.0)
 
 
+def test_verify_curve_takes_each_size_at_its_fastest_repetition(tmp_path):
+    """llama-bench's mean lets one disturbed repetition price a size: the curve takes each size's fastest sample
+    (a stand-in llama-bench printing llama-bench's JSON rows, one of them with a 150x outlier)."""
+    import json
+    import stat
+
+    from specheads.infer.bench.llamacpp.pmin import verify_curve
+
+    rows = [{"n_prompt": 0, "avg_ns": 1}, {"n_prompt": 1, "avg_ns": 1000, "samples_ns": [1000, 1000, 1000]},
+            {"n_prompt": 2, "avg_ns": 1100, "samples_ns": [1100, 1100, 1100]},
+            {"n_prompt": 3, "avg_ns": 51000, "samples_ns": [1200, 150000, 1800]},
+            {"n_prompt": 4, "avg_ns": 1300}]  # an older llama-bench without samples: its mean
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"#!/bin/sh\ncat <<'EOF'\n{json.dumps(rows)}\nEOF\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    assert verify_curve(fake, tmp_path / "m.gguf", 4, 1) == pytest.approx({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3})
+
+
 @needs_tools
 def test_dspark_every_draft_accepted_gives_the_obvious_counts(repeat_smol):
     """The repeat target and a DSpark head whose one-token draft vocabulary is REPEAT: 25 tokens = the prefill's 1
@@ -491,9 +509,7 @@ def test_dspark_every_draft_accepted_gives_the_obvious_counts(repeat_smol):
     folder, target, _ = repeat_smol
     _, head_dir = _dspark_head(folder.parent, target, "repeat-dspark", markov_rank=8, draft_vocab_size=1,
                                counts=torch.nn.functional.one_hot(torch.tensor(REPEAT), V))
-    # a fixed --spec-draft-p-min: the calibrated one follows measured verify costs, and on a loaded machine a spike
-    # (t(4) measured at 150x t(1) beside other jobs) chose not to draft at all
-    options = MethodOptions(heads=head_entries([f"r={head_dir}"]), llamacpp_draft_max=K_BLOCK, llamacpp_p_min=0.5)
+    options = MethodOptions(heads=head_entries([f"r={head_dir}"]), llamacpp_draft_max=K_BLOCK)
     calib = [target.tokenizer("Hi, who are you?")["input_ids"]]
     plain, spec = (build_llamacpp_method(n, target, options, calib) for n in ("llama.cpp", "llama.cpp:r"))
     try:
