@@ -1,4 +1,4 @@
-"""Reliability sweep, round four (issue 49): the compiled kernel cache: corrupt, truncated, foreign or half-built kernels, a read-only cache, no compiler.
+"""Reliability sweep, round four (issue 49): the compiled kernel cache: corrupt, truncated, foreign or half-built kernels, a read-only cache, no compiler, a recorded failed build, pruned older builds.
 
 `cases(h)` returns rows in scripts/reliability_sweep.py's case format (area, name, argv, rc, expect, risk from
 reliability_doc.RISKS, optional setup / check / run / during); `h` is the sweep's HELPERS namespace.
@@ -172,6 +172,77 @@ def _private_left(ctx) -> str:
     return "built in a temporary folder for that process, loaded"
 
 
+def _failing_compiler(ctx) -> dict:
+    """A `g++` that records its compile calls and fails each with a compiler's error line."""
+    ctx.count, cxx = ctx.tmp / "compiles.txt", ctx.tmp / "bin" / "g++"
+    cxx.parent.mkdir()
+    cxx.write_text(f"""#!/bin/sh
+case " $* " in *" -c "*) echo "$$" >> {ctx.count}; echo "probe.cpp:1:1: error: this compiler refuses it" >&2; exit 1;; esac
+exec {shutil.which('c++')} "$@"
+""")
+    cxx.chmod(0o755)
+    return {"CXX": str(cxx)}
+
+
+def _failed_then(retry: bool):
+    """A run whose compile fails (recorded), then the probe again (with SPECHEADS_KERNELS_RETRY=1 where `retry`)."""
+    def run(ctx, argv) -> tuple[int, str, str]:
+        env = {**_failing_compiler(ctx), "SPECHEADS_KERNELS_RETRY": "0"}
+        ctx.first = _result(_probe(ctx.tmp / "cache", ctx.tmp / "first.txt", **env))
+        env["SPECHEADS_KERNELS_RETRY"] = "1" if retry else "0"
+        return _result(_probe(ctx.tmp / "cache", ctx.tmp / "out.txt", **env))
+    return run
+
+
+def _compiles(ctx) -> int:
+    return len(ctx.count.read_text().split()) if ctx.count.exists() else 0
+
+
+def _recorded_once(ctx) -> str:
+    (record,) = (ctx.tmp / "cache" / "kernels").glob("specheads_probe-*.failed.json")
+    assert "compiling failed (probe.cpp:1:1: error: this compiler refuses it)" in ctx.first[2], "no first warning"
+    assert _compiles(ctx) == 1, f"{_compiles(ctx)} compiles"
+    assert json.loads(record.read_text())["reason"] == "probe.cpp:1:1: error: this compiler refuses it"
+    return "the first run warned and recorded it (.failed.json); the second called no compiler"
+
+
+def _retried(ctx) -> str:
+    assert _compiles(ctx) == 2, f"{_compiles(ctx)} compiles"
+    assert "kernel cache probe: not loaded" in ctx.out_text(), "the probe loaded with a failing compiler"
+    return "compiled again (2 compiles in all), the failure recorded anew"
+
+
+OLD_KEY, HELD_KEY = "0" * 16, "1" * 16  # two other keys' builds of the probe (older sources or torch)
+
+
+def _older_builds(ctx) -> None:
+    """Two copies of the build under other keys, last used 8 days ago; the current key's folder absent."""
+    final = _cached(ctx)
+    old = time.time() - 8 * 86400
+    ctx.old = [final.with_name(f"specheads_probe-{k}") for k in (OLD_KEY, HELD_KEY)]
+    shutil.copytree(final, ctx.old[1])
+    final.rename(ctx.old[0])
+    for p in ctx.old:
+        os.utime(p, (old, old))
+    ctx.final = final
+
+
+def _pruning(ctx, argv) -> tuple[int, str, str]:
+    from specheads.infer.engine.kernel_upkeep import Lock
+
+    with Lock(ctx.old[1].with_name(f"{ctx.old[1].name}.lock")) as held:  # as a process building that key holds it
+        assert held.try_take()
+        return _result(_probe(ctx.tmp / "cache", ctx.tmp / "out.txt"))
+
+
+def _pruned(ctx) -> str:
+    assert "kernel cache probe: loaded, add(2, 3) = 5" in ctx.out_text(), "the probe did not load"
+    assert ctx.final.is_dir(), "the current build is not there"
+    assert not ctx.old[0].exists(), "the unused older build is still there"
+    assert ctx.old[1].is_dir(), "the older build whose lock was held was removed"
+    return "the unused older key's build removed; the held one and the new one kept"
+
+
 def _with_output(case: dict) -> dict:
     """The case's run, keeping its output for the check (ctx.out_text())."""
     run = case["run"]
@@ -212,5 +283,17 @@ def cases(h) -> list[dict]:
          "run": _run_probe(_no_compiler_env), "rc": 1,
          "expect": "no-such-c++ is not found), so it cannot be compiled; the bf16 kernels would not be built "
                    "either"},
+        {"area": "kernels", "name": "kernel compile failed on an earlier run (recorded, not retried)",
+         "risk": "unclear", "argv": ["--probe"], "command": f"CXX={{tmp}}/bin/g++ {cmd}  # twice, that g++ failing",
+         "run": _failed_then(retry=False), "rc": 1, "expect": "not compiled: its build failed here before (",
+         "check": _recorded_once},
+        {"area": "kernels", "name": "kernel compile retried (SPECHEADS_KERNELS_RETRY=1) after a recorded failure",
+         "risk": "unclear", "argv": ["--probe"],
+         "command": f"SPECHEADS_KERNELS_RETRY=1 CXX={{tmp}}/bin/g++ {cmd}  # after a recorded failure",
+         "run": _failed_then(retry=True), "rc": 1, "expect": "compiling failed (", "check": _retried},
+        {"area": "kernels", "name": "older kernel builds (other keys) beside a new build, one of them locked",
+         "risk": "data loss", "argv": ["--probe"], "setup": _older_builds,
+         "command": f"{cmd}  # two other keys' builds unused for 8 days, one's lock held", "run": _pruning,
+         "rc": 0, "expect": "compiling once into", "check": _pruned},
     ]
     return [_with_output(r) for r in rows]

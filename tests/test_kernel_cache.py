@@ -5,6 +5,7 @@ checks that the cache rebuilds it (once, one warning line) or falls back (one li
 that must die or race run as `python -m specheads.infer.engine.kernel_cache --probe`."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from specheads.infer.engine import kernel_cache, kernels
+from specheads.infer.engine import kernel_cache, kernel_upkeep, kernels
 from specheads.infer.engine.kernel_cache import PROBE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -269,3 +270,142 @@ def test_the_csrc_files_ship_as_package_data():
     engine = Path(kernels.__file__).parent
     for f in (*kernels.EXTENSION.files, *PROBE.files):
         assert f.is_file() and any(fnmatch(str(f.relative_to(engine)), g) for g in globs), f
+
+
+def _failing_compiler(tmp_path: Path) -> tuple[dict, Path]:
+    """A `g++` that counts its compile calls and fails each with a compiler's error line -> (env, count)."""
+    count, cxx = tmp_path / "failing-compiles.txt", tmp_path / "failing" / "g++"
+    cxx.parent.mkdir()
+    cxx.write_text(f"""#!/bin/sh
+case " $* " in *" -c "*) echo "$$" >> {count}; echo "probe.cpp:1:1: error: this compiler refuses it" >&2; exit 1;; esac
+exec {shutil.which('c++')} "$@"
+""")
+    cxx.chmod(0o755)
+    return {"CXX": str(cxx)}, count
+
+
+def _compiles(count: Path) -> int:
+    return len(count.read_text().split()) if count.exists() else 0
+
+
+def _skipped_line(record: Path) -> str:
+    return f"; recorded in {record}); {PROBE.fallback}. To try again: SPECHEADS_KERNELS_RETRY=1, or delete that file"
+
+
+def test_a_failed_build_is_recorded_and_not_retried_until_asked(tmp_path, monkeypatch):
+    """A compiler that fails on the sources: one warning and a record beside the key's folder; the next run calls
+    no compiler (one info line naming the record); SPECHEADS_KERNELS_RETRY=1 or a new key compiles again."""
+    env, count = _failing_compiler(tmp_path)
+    monkeypatch.setenv("CXX", env["CXX"])
+    monkeypatch.delenv("SPECHEADS_KERNELS_RETRY", raising=False)
+    cache = tmp_path / "cache"
+    mod, lines, builds = _load(cache, monkeypatch)
+    assert mod is None and builds == 1 and _compiles(count) == 1
+    (warning,) = _warnings(lines)
+    assert "compiling failed (probe.cpp:1:1: error: this compiler refuses it)" in warning, warning
+    final = cache / "kernels" / f"specheads_probe-{kernel_cache.build_key(PROBE)[:16]}"
+    record_path = final.with_name(f"{final.name}.failed.json")
+    record = json.loads(record_path.read_text())
+    assert record["key"] == kernel_cache.build_key(PROBE) and record["compiler"] == env["CXX"]
+    assert record["reason"] == "probe.cpp:1:1: error: this compiler refuses it" and record["missing_tools"] is False
+    assert not final.exists() and [p.name for p in final.parent.iterdir() if p.name.startswith(".")] == []
+
+    mod, lines, builds = _load(cache, monkeypatch)
+    assert mod is None and builds == 0 and _compiles(count) == 1
+    ((level, line),) = lines
+    assert level == "INFO" and line.startswith("kernel cache probe: not compiled: its build failed here before "
+                                               "(probe.cpp:1:1: error: this compiler refuses it")
+    assert line.endswith(_skipped_line(record_path)), line
+
+    monkeypatch.setenv("SPECHEADS_KERNELS_RETRY", "1")
+    mod, lines, builds = _load(cache, monkeypatch)
+    assert mod is None and builds == 1 and _compiles(count) == 2 and len(_warnings(lines)) == 1
+    monkeypatch.setenv("SPECHEADS_KERNELS_RETRY", "0")  # "0" / "off" / "no": not a retry
+    assert _load(cache, monkeypatch)[2] == 0 and _compiles(count) == 2
+
+    other = dataclasses.replace(PROBE, cflags=("-O1",))  # a new key: another folder, built once
+    mod, lines, builds = _load(cache, monkeypatch, other)
+    assert mod is None and builds == 1 and _compiles(count) == 3
+    assert _load(cache, monkeypatch, other)[2] == 0 and _compiles(count) == 3
+
+
+def test_no_compiler_is_recorded_until_one_is_there(tmp_path, monkeypatch):
+    """No compiler: the warning once, then one info line; a compiler since (here one that fails) compiles again."""
+    env, count = _failing_compiler(tmp_path)  # made while c++ is on PATH
+    path = os.environ["PATH"]
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("SPECHEADS_KERNELS_RETRY", raising=False)
+    cache = tmp_path / "cache"
+    mod, lines, builds = _load(cache, monkeypatch)
+    assert mod is None and builds == 0 and len(_warnings(lines)) == 1
+    (record_path,) = (cache / "kernels").glob("specheads_probe-*.failed.json")
+    assert json.loads(record_path.read_text())["missing_tools"] is True
+    mod, lines, builds = _load(cache, monkeypatch)
+    assert mod is None and builds == 0 and _warnings(lines) == [] and len(lines) == 1
+    assert lines[0][1].endswith(_skipped_line(record_path)) and "no C++ compiler (CXX=" in lines[0][1]
+
+    monkeypatch.setenv("CXX", env["CXX"])
+    monkeypatch.setenv("PATH", path)
+    mod, lines, builds = _load(cache, monkeypatch)
+    assert mod is None and builds == 1 and _compiles(count) == 1, lines
+    assert json.loads(record_path.read_text())["missing_tools"] is False
+
+
+def test_a_cache_that_cannot_record_the_failure_falls_back_each_run(tmp_path, monkeypatch):
+    """$SPECHEADS_CACHE under a regular file and no compiler: the record cannot be written; each run is the one
+    warning and None, as before records, and nothing raises."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    (tmp_path / "file").write_text("")
+    for _ in range(2):
+        mod, lines, builds = _load(tmp_path / "file" / "cache", monkeypatch)
+        assert mod is None and builds == 0 and len(_warnings(lines)) == 1 and len(lines) == 1
+
+
+def test_a_build_prunes_older_keys_but_not_the_current_a_locked_or_a_recent_one(built, tmp_path, monkeypatch):
+    """After a build: another key's folder, log and record last used over PRUNE_AGE_S before it are removed; one whose
+    lock a process holds and one used recently stay, as do the lock files; the current key's stale record (written
+    under another compiler) is removed by the build."""
+    monkeypatch.delenv("CXX", raising=False)
+    root = tmp_path / "cache" / "kernels"
+    root.mkdir(parents=True)
+    old = time.time() - kernel_upkeep.PRUNE_AGE_S - 3600
+    folders = {}
+    for tag, key in (("stale", "0" * 16), ("locked", "1" * 16), ("recent", "2" * 16)):
+        folders[tag] = root / f"specheads_probe-{key}"
+        shutil.copytree(built[0], folders[tag])
+    extras = [root / f"specheads_probe-{'0' * 16}.log", root / f"specheads_probe-{'0' * 16}.failed.json"]
+    for p in extras:
+        p.write_text("{}")
+    foreign = root / f"other_kernel-{'3' * 16}"  # another name's build: never this one's to prune
+    shutil.copytree(built[0], foreign)
+    for p in (folders["stale"], folders["locked"], foreign, *extras):
+        os.utime(p, (old, old))
+    current = root / f"specheads_probe-{kernel_cache.build_key(PROBE)[:16]}"
+    stale_record = current.with_name(f"{current.name}.failed.json")
+    stale_record.write_text(json.dumps({"layout": 1, "key": kernel_cache.build_key(PROBE), "reason": "x",
+                                        "compiler": "another-c++", "missing_tools": False, "time": "then"}))
+    with kernel_upkeep.Lock(root / f"specheads_probe-{'1' * 16}.lock") as held:
+        assert held.try_take()
+        mod, lines, builds = _load(tmp_path / "cache", monkeypatch)
+    assert mod is not None and mod.add(2, 3) == 5 and builds == 1 and _warnings(lines) == []
+    assert not folders["stale"].exists() and not any(p.exists() for p in extras)
+    assert folders["locked"].is_dir() and folders["recent"].is_dir() and foreign.is_dir() and current.is_dir()
+    assert not stale_record.exists() and (root / f"specheads_probe-{'0' * 16}.lock").exists()
+    mod, lines, builds = _load(tmp_path / "cache", monkeypatch)  # the current key loads, nothing rebuilt
+    assert mod is not None and builds == 0 and lines == []
+
+
+def test_a_load_marks_its_build_used_for_pruning(built, tmp_path, monkeypatch):
+    """A cached load refreshes its folder's mtime (its last use, which pruning goes by) where it is over TOUCH_S old,
+    and leaves it alone within TOUCH_S (no write on every load)."""
+    final = _copy(built, tmp_path)
+    then = time.time() - kernel_upkeep.TOUCH_S - 3600
+    os.utime(final, (then, then))
+    assert _load(tmp_path / "cache", monkeypatch)[2] == 0
+    refreshed = final.stat().st_mtime
+    assert refreshed > then + kernel_upkeep.TOUCH_S
+    recent = refreshed - 60
+    os.utime(final, (recent, recent))
+    assert _load(tmp_path / "cache", monkeypatch)[2] == 0 and final.stat().st_mtime == recent

@@ -5,6 +5,7 @@ cache_root()/kernels and checked on every load before anything of them is mapped
                                                          size, torch, flags, key), src/; renamed into place whole
     <cache>/kernels/<name>-<key16>.lock                  the fcntl lock of the process building it
     <cache>/kernels/.<name>-<key16>.build-<pid>-<hex>/   a build in progress, private to its process
+    <cache>/kernels/<name>-<key16>.failed.json           this key's build failed here (why, the compiler, when)
 
 The key (`build_key`) is a sha256 of the source files' bytes, torch's version and build, Python's ABI, the compile
 and link flags and the CPU flags the build targets: any change builds into a folder of its own. `load`:
@@ -19,7 +20,13 @@ and link flags and the CPU flags the build targets: any change builds into a fol
    whoever looks sees a whole build or none. Build folders of dead processes are removed;
 3. loads the .so with importlib's ExtensionFileLoader (no ninja run, no compiler needed once built).
 A cache folder that cannot be written: a build in a temporary folder for this process only, one line. No compiler,
-no ninja, a failed compile: one line naming it and what runs instead, and `load` returns None.
+no ninja, a failed compile: one warning naming it and what runs instead, and `load` returns None. The failure is
+recorded (<name>-<key16>.failed.json, atomic; kernel_upkeep.py): later runs with that key and the same $CXX skip the
+build with one info line naming the record, until SPECHEADS_KERNELS_RETRY=1, the record's deletion, a new key, or
+(where tools were missing) the tools. Not recorded: a compile killed from outside, a cache that cannot be written.
+Pruned, after each successful build into the cache and only then: the same name's other keys' folders (with their
+.log and .failed.json) last loaded PRUNE_AGE_S (7 days) or more before it, each under its own lock and skipped while
+a process holds that; never the current key, never a lock file (kernel_upkeep.prune).
 
     python -m specheads.infer.engine.kernel_cache --probe    # build and load the probe through the cache
 """
@@ -48,6 +55,8 @@ from types import ModuleType
 
 import torch
 
+from specheads.infer.engine.kernel_upkeep import (Lock, failed_before, first_line, mark_used, prune, record_failure,
+                                                  record_path, remove)
 from specheads.utils import cache_root, setup_logging
 
 log = logging.getLogger(__name__)
@@ -55,12 +64,12 @@ log = logging.getLogger(__name__)
 LAYOUT = 1  # of the cache folder and its manifest (not of any C++): a new layout builds afresh
 COMPILE_TIMEOUT_S = 900  # one build in its child process (the bf16 kernels: 20-40 s on 2 cores); then given up
 WAIT_S = COMPILE_TIMEOUT_S + 60  # the longest a second process waits for another one's build
-POLL_S = 0.25  # seconds between two tries of a lock another process holds
 MAX_MANIFEST_BYTES = 1 << 16  # a manifest is ~1 KB; a larger file is not one of ours
 MISSING = "missing"  # _problem's answer for a folder that is not there (a first build: no warning)
 SOURCE_SUFFIXES = (".cpp", ".cc", ".cxx", ".c")  # the files compiled; the others (headers) are copied beside them
 _LEFTOVER = re.compile(r"^\.(?P<final>.+)\.(?:build|old)-\d+-[0-9a-f]+$")  # .<final>.build-<pid>-<hex>
 _PRIVATE = "specheads-kernels-"  # prefix of a private build's folder in the system's temporary folder
+_EXTERNAL = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}  # a compile ended from outside: no marker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,11 +205,6 @@ def _import(ext: Extension, so: Path) -> ModuleType:
     return mod
 
 
-def _first_line(e: BaseException | str) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0][:200] if text else type(e).__name__)
-
-
 # ------------------------------------------------------------------------------------------------- loading
 
 def load(ext: Extension) -> ModuleType | None:
@@ -213,7 +217,7 @@ def load(ext: Extension) -> ModuleType | None:
     try:
         sources = _sources(ext)
     except (OSError, ValueError) as e:
-        log.warning("%s: its sources cannot be read (%s); %s", ext.label, _first_line(e), ext.fallback)
+        log.warning("%s: its sources cannot be read (%s); %s", ext.label, first_line(e), ext.fallback)
         return None
     key = build_key(ext, sources)
     final = cache_root() / "kernels" / f"{ext.name}-{key[:16]}"
@@ -221,57 +225,24 @@ def load(ext: Extension) -> ModuleType | None:
     failed = None  # the sha256 of a build that was whole yet did not load here
     if problem is None:
         try:
-            return _import(ext, final / manifest["so"])
+            mod = _import(ext, final / manifest["so"])
+            mark_used(final)
+            return mod
         except ImportError as e:  # checked whole, yet not loadable here (a library it links changed): rebuilt
-            problem, failed = f"not loadable here ({_first_line(e)})", manifest.get("sha256")
+            problem, failed = f"not loadable here ({first_line(e)})", manifest.get("sha256")
     tools = missing_tools()
+    if failed_before(ext.label, ext.fallback, final, key, tools):
+        return None
     if tools:
         damaged = f"the build in {final} is {problem}, and " if problem != MISSING else ""
         log.warning("%s: %s%s, so it cannot be compiled; %s", ext.label, damaged, tools, ext.fallback)
+        record_failure(final, key, tools, missing_tools=True)
         return None
     try:
         return _load_building(ext, sources, key, final, problem, failed)
     except (OSError, ImportError, subprocess.SubprocessError) as e:  # the cache failed midway (a full disk, ...)
-        log.warning("%s: could not be built in %s (%s); %s", ext.label, final.parent, _first_line(e), ext.fallback)
+        log.warning("%s: could not be built in %s (%s); %s", ext.label, final.parent, first_line(e), ext.fallback)
         return None
-
-
-class _Lock:
-    """An fcntl lock on `path` (created if need be), held while this process builds. The OS releases it when the
-    process ends however it ends, so a build killed midway never blocks the next run (torch's own lock file,
-    a plain file, stayed behind and made the next run wait forever)."""
-
-    def __init__(self, path: Path):
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-
-    def __enter__(self) -> "_Lock":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        os.close(self.fd)  # releases the lock
-
-    def _try(self) -> bool:
-        import fcntl  # POSIX only: imported where a build runs, so that importing this module works anywhere
-
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            return False
-
-    def take(self, label: str, what: Path) -> bool:
-        """Hold the lock, after one line and a wait where another process holds it; False after WAIT_S."""
-        if not self._try():
-            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
-            log.info("%s: another process (pid %s) is compiling %s; waiting for it", label, holder, what)
-            deadline = time.monotonic() + WAIT_S
-            while not self._try():
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(POLL_S)
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)  # for the waiting line of the next process
-        return True
 
 
 def _load_building(ext: Extension, sources, key: str, final: Path, problem: str,
@@ -281,31 +252,35 @@ def _load_building(ext: Extension, sources, key: str, final: Path, problem: str,
     root = final.parent
     try:
         root.mkdir(parents=True, exist_ok=True)
-        lock = _Lock(root / f"{final.name}.lock")
+        lock = Lock(root / f"{final.name}.lock")
     except OSError as e:
         why = f"{root} cannot be written ({e.strerror or e})"
         return _private_build(ext, sources, key, f"the build in {final} is {problem}, and {why}"
                               if problem != MISSING else why)
     with lock:
-        if not lock.take(ext.label, final):
+        if not lock.take(ext.label, final, WAIT_S):
             log.warning("%s: another process has been compiling %s for over %d s; %s", ext.label, final, WAIT_S,
                         ext.fallback)
             return None
         now, manifest = _problem(final, ext, key)
         if now is None and manifest.get("sha256") != failed:
             return _import(ext, final / manifest["so"])  # built by the process this one waited for
+        if failed_before(ext.label, ext.fallback, final, key, ""):  # by the process this one waited for
+            return None
         if now == MISSING:
             log.info("%s: compiling once into %s (%s)", ext.label, final, ext.duration)
         else:
             log.warning("%s: the build in %s is %s; rebuilding it (%s)", ext.label, final, now or problem,
                         ext.duration)
         _sweep(root, final.name)
-        built = _build(ext, sources, key, root / f".{final.name}.build-{os.getpid()}-{secrets.token_hex(4)}",
-                       root / f"{final.name}.log")
+        built = _build(ext, sources, key, root / f".{final.name}.build-{os.getpid()}-{secrets.token_hex(4)}", final)
         if built is None:
             return None
         _put(built, final)
-        return _import(ext, final / f"{ext.name}.so")
+        mod = _import(ext, final / f"{ext.name}.so")
+        remove(record_path(final))  # an earlier failure's, built now (SPECHEADS_KERNELS_RETRY, a compiler since)
+        prune(root, ext.name, final)
+        return mod
 
 
 def _private_build(ext: Extension, sources, key: str, why: str) -> ModuleType | None:
@@ -319,7 +294,7 @@ def _private_build(ext: Extension, sources, key: str, why: str) -> ModuleType | 
         log.warning("%s: no temporary folder either (%s); %s", ext.label, e.strerror or e, ext.fallback)
         return None
     try:
-        built = _build(ext, sources, key, tmp / "build", None)
+        built = _build(ext, sources, key, tmp / "build")
         return None if built is None else _import(ext, built / f"{ext.name}.so")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -355,9 +330,10 @@ if missing:
 """
 
 
-def _compile_in_child(args: dict) -> tuple[str | None, str]:
-    """Compile and import in a child process -> (None or what failed, the child's output). A timeout, Ctrl-C or
-    SIGTERM here ends the child, which ends ninja and its compilers."""
+def _compile_in_child(args: dict) -> tuple[str | None, str, bool]:
+    """Compile and import in a child process -> (None or what failed, the child's output, whether the failure would
+    recur: False where the child was ended from outside). A timeout, Ctrl-C or SIGTERM here ends the child, which
+    ends ninja and its compilers."""
     env = dict(os.environ)
     ninja = _ninja()
     if ninja:  # torch's cpp_extension runs `ninja` from PATH
@@ -374,36 +350,40 @@ def _compile_in_child(args: dict) -> tuple[str | None, str]:
             p.kill()
             p.communicate()
         if isinstance(e, subprocess.TimeoutExpired):
-            return f"no result after {COMPILE_TIMEOUT_S} s", ""
+            return f"no result after {COMPILE_TIMEOUT_S} s", "", True  # as long again next run: recorded
         raise
     if p.returncode < 0:
-        return f"the process compiling and loading it died of {signal.Signals(-p.returncode).name}", out
+        sig = signal.Signals(-p.returncode)
+        return f"the process compiling and loading it died of {sig.name}", out, sig not in _EXTERNAL
     if p.returncode != 0:
         lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
         first = next((ln for ln in lines if ": error: " in ln), lines[-1] if lines else "")  # the compiler's first
-        return (first.replace(str(Path(args["dir"]) / "src") + os.sep, "")[:240] or f"exit status {p.returncode}"), out
-    return None, out
+        why = first.replace(str(Path(args["dir"]) / "src") + os.sep, "")[:240] or f"exit status {p.returncode}"
+        return why, out, True
+    return None, out, True
 
 
-def _build(ext: Extension, sources, key: str, dest: Path, log_path: Path | None) -> Path | None:
+def _build(ext: Extension, sources, key: str, dest: Path, final: Path | None = None) -> Path | None:
     """Compile `sources` in `dest` (created: private to this process) and check the result in a child process ->
-    `dest` holding <name>.so, manifest.json and src/, or None (one line said why; `dest` is removed)."""
+    `dest` holding <name>.so, manifest.json and src/, or None (one line said why; `dest` is removed). For a build
+    into the cache's `final`, a failure's output goes to <final>.log and a lasting failure is recorded."""
     try:
-        return _build_in(ext, sources, key, dest, log_path)
+        return _build_in(ext, sources, key, dest, final)
     except BaseException:  # an OS refusal, Ctrl-C: nothing half-built is left (a killed process's is swept later)
         shutil.rmtree(dest, ignore_errors=True)
         raise
 
 
-def _build_in(ext: Extension, sources, key: str, dest: Path, log_path: Path | None) -> Path | None:
+def _build_in(ext: Extension, sources, key: str, dest: Path, final: Path | None) -> Path | None:
+    log_path = None if final is None else final.with_name(f"{final.name}.log")
     src = dest / "src"
     src.mkdir(parents=True)
     for n, data in sources:
         (src / n).write_bytes(data)
     compiled = [str(src / n) for n, _ in sources if n.endswith(SOURCE_SUFFIXES)]
-    error, output = _compile_in_child({"name": ext.name, "sources": compiled, "dir": str(dest),
-                                       "cflags": list(ext.cflags), "ldflags": list(ext.ldflags),
-                                       "names": list(ext.names)})
+    error, output, lasting = _compile_in_child({"name": ext.name, "sources": compiled, "dir": str(dest),
+                                                "cflags": list(ext.cflags), "ldflags": list(ext.ldflags),
+                                                "names": list(ext.names)})
     so = dest / f"{ext.name}.so"
     if error is None and not so.is_file():
         error = f"{so.name} was not written"
@@ -417,6 +397,8 @@ def _build_in(ext: Extension, sources, key: str, dest: Path, log_path: Path | No
                 pass
         log.warning("%s: compiling failed (%s)%s; %s", ext.label, error, where, ext.fallback)
         shutil.rmtree(dest, ignore_errors=True)
+        if final is not None and lasting:
+            record_failure(final, key, error, missing_tools=False)
         return None
     if log_path is not None:
         log_path.unlink(missing_ok=True)  # an earlier failed build's output
@@ -468,8 +450,8 @@ def _sweep(root: Path, own: str) -> None:
             shutil.rmtree(p, ignore_errors=True)
             continue
         try:
-            with _Lock(root / f"{m['final']}.lock") as other:
-                if other._try():
+            with Lock(root / f"{m['final']}.lock") as other:
+                if other.try_take():
                     shutil.rmtree(p, ignore_errors=True)
         except OSError:
             pass

@@ -22,7 +22,8 @@ the sources, torch and the compile flags (`build_key`; the cost profiles are key
 re-measure them). Each load checks the build's manifest and its .so's sha256 before mapping it: a truncated,
 corrupt or foreign build is rebuilt with one warning; two processes starting at once build it once; a cache folder
 that cannot be written gets a build for this process only. Without a compiler, ninja or AVX512-BF16, `bf16_ops()`
-returns None (one line says so) and the forward uses PyTorch's ops. SPECHEADS_KERNELS=off turns it off.
+returns None (one line says so) and the forward uses PyTorch's ops; a failed build is recorded and later runs
+skip it (one info line) until SPECHEADS_KERNELS_RETRY=1 or new sources / torch. SPECHEADS_KERNELS=off turns it off.
 """
 from __future__ import annotations
 
