@@ -5,10 +5,10 @@ regeneration, in the same run: ShareGPT first turns, greedy, the bundled target.
         --conversations 32 --new-tokens 128 --slots 4 --batch-size 32 --out docs/results/regen-endpoint
 
 Our side: train/regenerate.regenerate on the HF target (float32: bf16 kernels need AVX-512) with the batched loop
-(data.regen_batch_size rows). The server's: llama-server on 127.0.0.1 serving the target's GGUF (bf16, converted by
-llama.cpp's pinned converter) with --parallel slots, driven by the same regenerate with data.regen_endpoint
+(data.regen_batch_size rows). The server's: llama-server on 127.0.0.1 serving the target's GGUF (f32 by default, the
+dtype of our side; --server-dtype bf16 for llama.cpp's bf16; converted by llama.cpp's pinned converter) with --parallel slots, driven by the same regenerate with data.regen_endpoint
 (/v1/completions, our template's token ids as the prompt, concurrency = slots). Both write the resume file format;
-results.json holds each side's tokens, seconds and tokens/s, how many answers agree token for token (different
+regen_endpoint.json holds each side's tokens, seconds and tokens/s, how many answers agree token for token (different
 engines and dtypes: near-ties may differ), and a check that every id list the server returned re-decodes to the
 text it returned.
 """
@@ -73,6 +73,8 @@ def main(argv=None) -> int:
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--max-length", type=int, default=1024)
+    ap.add_argument("--server-dtype", default="f32", choices=("f32", "bf16"),
+                    help="the served GGUF's type (default f32: the same float32 weights our side decodes)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "regen-endpoint"))
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -85,7 +87,8 @@ def main(argv=None) -> int:
     warm = [dict(c, conversation_id=f"warm-{c['conversation_id']}") for c in convs[:2]]  # first calls: not timed
     regenerate(target, warm, work / "warm-ours.jsonl", **dict(common, max_new_tokens=8))
     ours = regenerate(target, convs, work / "ours.jsonl", **common)
-    gguf = target_gguf("smollm2-135m")
+    load_before = os.getloadavg()[0]
+    gguf = target_gguf("smollm2-135m", a.server_dtype)
     with LlamaServer(gguf, parallel=a.slots, ctx_size=a.slots * a.max_length) as server:
         endpoint = EndpointSettings(url=server.url + "/v1", concurrency=a.slots)
         regenerate(target, warm, work / "warm-server.jsonl", **dict(common, max_new_tokens=8), endpoint=endpoint)
@@ -100,10 +103,10 @@ def main(argv=None) -> int:
     result = {
         "what": f"{len(convs)} ShareGPT first turns (the first whose prompt fits {a.max_length - a.new_tokens} "
                 f"tokens) x up to {a.new_tokens} new tokens, greedy, smollm2-135m",
-        "MEASURED_ON": "a shared, loaded 2-core machine (other helpers ran tests meanwhile): timings are indicative "
-                       "only; the lead may re-measure",
+        "command": "python scripts/bench_regen_endpoint.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "threads": default_threads()},
+                    "threads": default_threads(), "load_1min_before_server": round(load_before, 2),
+                    "load_1min_after": round(os.getloadavg()[0], 2)},
         "ours": {"engine": f"specheads batched loop, {a.batch_size} rows, HF forward, float32", **ours},
         "llama_server": {"engine": f"llama-server {a.slots} slots, {gguf.name}", "args": args, **served},
         "server_token_ids": {"rows": len(rows), "from_server": sum(r["regenerated_by"]["token_ids"] == "server"
@@ -113,7 +116,7 @@ def main(argv=None) -> int:
     }
     if ours["tokens_per_s"]:
         result["server_over_ours"] = round(served["tokens_per_s"] / ours["tokens_per_s"], 2)
-    atomic_write_json(out / "results.json", result)
+    atomic_write_json(out / "regen_endpoint.json", result)
     print(json.dumps(result, indent=2))
     print(f"answers in {work}")
     return 0
