@@ -131,3 +131,20 @@ def test_vllm_serves_our_eagle3_export_losslessly(smollm2, tmp_path):
             if hasattr(m, "server"):
                 m.server.stop()
     assert len(procs) == 2 and all(p.poll() is not None for p in procs)  # the servers exited
+
+
+def test_a_refused_vllm_config_is_named_by_vllms_own_reason(tmp_path):
+    """vLLM's CPU build refuses a kind in its config check (a pydantic ValidationError whose reason is on the next,
+    indented line): the one start-failure line carries that reason, as vLLM 0.32 wrote it for a DSpark draft."""
+    from specheads.infer.bench.served import LocalServer
+
+    log = tmp_path / "server.log"
+    log.write_text("INFO starting\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+                   "pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig\n"
+                   "  Value error, Model Runner V1 does not support: dspark speculative decoding [type=value_error]\n"
+                   "    For further information visit https://errors.pydantic.dev/2.14/v/value_error\n")
+    tail = LocalServer(["true"], log, 1.0, 1.0).log_tail()
+    assert tail.startswith("pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig: ")
+    assert "Model Runner V1 does not support: dspark speculative decoding" in tail
+    log.write_text("INFO starting\nRuntimeError: Engine core initialization failed\nINFO bye\n")
+    assert LocalServer(["true"], log, 1.0, 1.0).log_tail() == "RuntimeError: Engine core initialization failed"

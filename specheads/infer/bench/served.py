@@ -128,10 +128,17 @@ class LocalServer:
             return ""
 
     def log_tail(self, errors_first: bool = True) -> str:
-        """The log's last error line (errors_first), else its last line."""
+        """The log's last error line (errors_first), else its last line. A pydantic ValidationError's reason is on
+        the indented line after its header (vLLM's config checks: "1 validation error for VllmConfig" / "  Value
+        error, Model Runner V1 does not support: ..."), so that line is added to it."""
         lines = [ln for ln in self.log_text().splitlines() if ln.strip()]
-        errors = [ln for ln in lines if "Error" in ln] if errors_first else []
-        return (errors or lines or ["(empty log)"])[-1].strip()
+        errors = [i for i, ln in enumerate(lines) if "Error" in ln] if errors_first else []
+        if not errors:
+            return (lines or ["(empty log)"])[-1].strip()
+        i = errors[-1]
+        if "validation error" in lines[i] and i + 1 < len(lines) and lines[i + 1][:1].isspace():
+            return f"{lines[i].strip()}: {lines[i + 1].strip()}"
+        return lines[i].strip()
 
     def request(self, path: str, body: dict | None = None) -> bytes:
         """GET (body None) or POST JSON to `path`; one line naming the server and path on any failure."""

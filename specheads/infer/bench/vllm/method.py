@@ -127,10 +127,14 @@ def draft_tokens(src: str, tree, kind: str, cfg) -> int:
                          "tokens per step, the same chain for head:LABEL and vllm:LABEL)")
 
 
-# vLLM's speculative methods that a speculators export's speculators_model_type names as it is; without "method" vLLM
-# 0.32 finds one from the draft folder's *name* ("eagle3" in it, config/speculative.py) and otherwise runs the folder
-# as a plain "draft_model" (which then fails: Eagle3LlamaForCausalLM.forward() missing 'hidden_states')
-VLLM_METHODS = ("eagle", "eagle3", "dflash", "dspark")
+# The speculative-config fields vLLM's own speculators reader derives from an export's speculators_model_type
+# (vllm/transformers_utils/configs/speculators/base.py, 0.32: peagle -> eagle3 with parallel drafting, dflash2 ->
+# dflash, the rest as named). They are passed explicitly: vLLM 0.32 first guesses the method from the draft folder's
+# *name* ("eagle" in "peagle-..." made it plain EAGLE and it skipped P-EAGLE's mask_hidden; a hash-named EAGLE-3
+# folder ran as a plain "draft_model" and failed: forward() missing 'hidden_states')
+VLLM_SPECULATIVE = {"eagle": {"method": "eagle"}, "eagle3": {"method": "eagle3"}, "dflash": {"method": "dflash"},
+                    "dspark": {"method": "dspark"}, "dflash2": {"method": "dflash"},
+                    "peagle": {"method": "eagle3", "parallel_drafting": True}}
 
 
 def speculators_export(src: str, target, k: int, verifier: str) -> Path:
@@ -175,8 +179,7 @@ def build_vllm_method(name: str, target, options) -> VllmMethod:
         export = speculators_export(src, target, k, str(model))
         speculative = {"model": str(export), "num_speculative_tokens": k}
         method = json.loads((export / "config.json").read_text()).get("speculators_model_type")
-        if method in VLLM_METHODS:  # said: vLLM guesses it from the folder's name only, else runs it as a draft model
-            speculative["method"] = method
+        speculative.update(VLLM_SPECULATIVE.get(method, {}))  # vLLM's own reading of that type, said explicitly
         info.update(head=str(src), export=str(export), draft_tokens=k)
     info["speculative_config"] = speculative
     info["eager"] = bool(options.vllm_eager)
