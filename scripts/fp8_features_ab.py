@@ -5,7 +5,7 @@ same head trained on each.
                                       [--out docs/results/fp8-features]
 
 Runs `specheads prepare` and `specheads train` of the recipe twice, features.dtype=bfloat16 and =float8_e4m3fn
-(everything else equal: data, seed, steps), then writes results.json and README.md (the table) into --out. τ does not
+(everything else equal: data, seed, steps), then writes fp8_features.json and README.md (the table) into --out. τ does not
 depend on other work on the machine; the timings in the table do (stated beside them).
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ def render(rows: list[dict], cmd: str) -> str:
         lines.append(f"| {r['dtype']} | {r['shard_bytes']:,} | {r['shard_bytes'] / base['shard_bytes']:.3f} | "
                      + " | ".join(f"{r[m]:.4f}" for m in METRICS) + f" | {r['steps']} |")
     lines += ["", "τ: the serving walk (a draft cycle starts after each accepted run) over the held-out split and the "
-              "serving-true dev set, at the last evaluation. prepare / train seconds are in results.json (taken "
+              "serving-true dev set, at the last evaluation. prepare / train seconds are in fp8_features.json (taken "
               "beside other work: not speed figures)."]
     return "\n".join(lines) + "\n"
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = "python scripts/fp8_features_ab.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    (out / "results.json").write_text(json.dumps({"command": cmd.strip(), "rows": rows}, indent=2) + "\n")
+    (out / "fp8_features.json").write_text(json.dumps({"command": cmd.strip(), "rows": rows}, indent=2) + "\n")
     (out / "README.md").write_text("# FP8 feature shards against bf16, same data\n\n" + render(rows, cmd.strip()))
     print((out / "README.md").read_text())
     return 0
