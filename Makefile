@@ -47,8 +47,9 @@ llamacpp: setup
 	PYTHON=$(BIN)/python SPECHEADS_LLAMACPP=$(LLAMACPP_DIR) bash scripts/setup_llamacpp.sh
 
 # The suite runs on every core (pytest-xdist, a test file per worker so module fixtures are built once; at most 4
-# workers: each may load the real SmolLM2, ~1 GB). TEST_PARALLEL= runs it in one process.
-TEST_PARALLEL ?= -n auto --maxprocesses=4 --dist loadfile
+# workers: each may load the real SmolLM2, ~1 GB); in one process where xdist is not installed, or with
+# TEST_PARALLEL= (expanded when the recipe runs, after setup installed the test extras).
+TEST_PARALLEL ?= $(shell $(BIN)/python -c "import xdist" >/dev/null 2>&1 && echo "-n auto --maxprocesses=4 --dist loadfile")
 # CI builds llama.cpp too (about 6 min on 2 idle cores, once), so its conversion and speculative-step tests run.
 test: setup speculators-venv specforge-venv llamacpp
 	SPECHEADS_LLAMACPP=$(LLAMACPP_DIR) $(BIN)/python -m pytest -q $(TEST_PARALLEL) tests
