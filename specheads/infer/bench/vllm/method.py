@@ -121,6 +121,8 @@ def draft_tokens(src: str, tree, kind: str, cfg) -> int:
         return DEFAULT_DRAFT_TOKENS
     if spec.mode == "dynamic" and spec.top_k == 1 and spec.total_tokens == spec.depth:
         return spec.depth
+    if spec.mode == "tokens" and spec.num_tokens:  # a block head's chain:K (P-EAGLE, DFlash): its first K drafts
+        return spec.num_tokens
     if spec.mode == "static" and all(len(c) == i + 1 and not any(c) for i, c in enumerate(spec.choices)):
         return len(spec.choices)
     raise SpecheadsError(f"--tree {text} for {src}: vLLM drafts a chain; give that head --tree chain:K (K draft "
