@@ -20,15 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 ERROR = re.compile(r"Error|error:|Traceback|not supported|NotImplemented|Unsupported", re.I)
-VARIANTS = {"dflash": ("dspark", {"markov_rank": 0, "confidence_head": False})}  # DFlash: DSpark without both
 
 
 def _head(target, kind: str, folder: Path) -> Path:
-    from specheads.heads.kinds import kind_spec
-    from tests.helpers import make_head
-    base, opts = VARIANTS.get(kind, (kind, None))
-    extra = {base: {**kind_spec(base).example.get(base, {}), **opts}} if opts else {}
-    make_head(target, base, scale=0.0, **extra).save_pretrained(folder)
+    from tests.helpers import make_named_head
+    make_named_head(target, kind, scale=0.0).save_pretrained(folder)
     return folder
 
 

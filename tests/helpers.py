@@ -46,6 +46,22 @@ def make_head(target, kind: str, seed: int = 3, scale: float = 0.1, **overrides)
     return perturb(build_head(spec, target, token_counts=counts), scale, seed)
 
 
+# heads a kind builds under another name: a DFlash head is DSpark's block without its Markov and confidence heads
+VARIANTS = {"dflash": ("dspark", {"markov_rank": 0, "confidence_head": False})}
+
+
+def variant_kind(name: str) -> str:
+    """The registered kind a VARIANTS name is built as (the name itself for a kind)."""
+    return VARIANTS.get(name, (name, None))[0]
+
+
+def make_named_head(target, name: str, **kw):
+    """make_head for a kind or a VARIANTS name (its kind's example options with the variant's on top)."""
+    base, opts = VARIANTS.get(name, (name, None))
+    extra = {base: {**kind_spec(base).example.get(base, {}), **opts}} if opts else {}
+    return make_head(target, base, **extra, **kw)
+
+
 def perturb(head, scale: float = 0.1, seed: int | None = 3, trainable_only: bool = False):
     """Moves the head's parameters (trainable_only: those that train; a frozen copy of the target's rows stays)
     by scale * N(0, 1), drawn after torch.manual_seed(seed) (None: from the generator as it stands), so that the

@@ -99,10 +99,9 @@ needs_vllm = pytest.mark.skipif(not _venv_ready(), reason=f"no vLLM venv ({repo_
 
 # the kinds vLLM 0.32's CPU build serves (scripts/vllm_kinds_probe.py; dspark and dflash2 it refuses: "Model Runner
 # V1 does not support"), each with the speculative fields vLLM's own speculators reader derives from its type
-SERVED = {"eagle3": ("eagle3", {"draft_vocab_size": None}, {"method": "eagle3"}),
-          "peagle": ("peagle", {}, {"method": "eagle3", "parallel_drafting": True}),
-          "dflash": ("dspark", {"dspark": {"block_size": 4, "markov_rank": 0, "confidence_head": False}},
-                     {"method": "dflash"})}
+SERVED = {"eagle3": ({"draft_vocab_size": None}, {"method": "eagle3"}),
+          "peagle": ({}, {"method": "eagle3", "parallel_drafting": True}),
+          "dflash": ({}, {"method": "dflash"})}  # tests/helpers.py VARIANTS: DSpark without Markov / confidence
 
 
 @pytest.mark.slow
@@ -111,10 +110,10 @@ SERVED = {"eagle3": ("eagle3", {"draft_vocab_size": None}, {"method": "eagle3"})
 def test_vllm_serves_our_export_losslessly(smollm2, tmp_path, name):
     from specheads.infer.bench import MethodOptions, build_methods, head_entries
     from specheads.target import chat_prompt_ids
-    from tests.helpers import make_head
+    from tests.helpers import make_named_head, variant_kind
 
-    kind, overrides, fields = SERVED[name]
-    make_head(smollm2, kind, scale=0.0, **overrides).save_pretrained(tmp_path / "h")
+    (overrides, fields), kind = SERVED[name], variant_kind(name)
+    make_named_head(smollm2, name, scale=0.0, **overrides).save_pretrained(tmp_path / "h")
     tree = {str(tmp_path / "h"): "chain:3"} if kind != "dspark" else {}  # a block head drafts its block
     options = MethodOptions(heads=head_entries([f"h={tmp_path / 'h'}"]), tree=tree,
                             vllm_eager=True)  # no torch.compile: minutes less per start

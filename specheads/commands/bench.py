@@ -12,10 +12,10 @@ from specheads.commands import batchbench
 from specheads.heads.base import read_head_config
 from specheads.infer.bench import BenchSettings, MethodOptions, build_methods, markdown_table, run_bench
 from specheads.infer.bench.methods import check_lookup_tokens
-from specheads.infer.bench import names
 from specheads.infer.bench.runner import interrupted_exit
-from specheads.infer.bench.names import (HEAD_LOOKUP_TOKENS, check_method_names, default_methods, head_entries,
-                                         head_trees, needs_heads)
+from specheads.infer.bench.names import (HEAD_LOOKUP_TOKENS, KNOWN_METHODS, LLAMACPP_NGRAM, LLAMACPP_PLAIN,
+                                         LLAMACPP_PREFIX, VLLM_PLAIN, VLLM_PREFIX, check_method_names,
+                                         default_methods, head_entries, head_trees, needs_heads)
 from specheads.infer.drafters import parse_tree
 from specheads.infer.drafters.plugins import load_plugins
 from specheads.infer.engine.runner import runner_for
@@ -38,9 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default="mt-bench",
                    help="mt-bench | humaneval | sharegpt:START | FILE.jsonl (\"prompt\" or \"turns\" per line)")
     p.add_argument("--methods", default=None,
-                   help=f"comma-separated: {','.join(names.KNOWN_METHODS)}; the peers {names.LLAMACPP_PLAIN}, "
-                        f"{names.LLAMACPP_NGRAM}, {names.LLAMACPP_PREFIX}LABEL (llama-server, our head LABEL as its "
-                        f"draft), {names.VLLM_PLAIN} and {names.VLLM_PREFIX}LABEL (vLLM's CPU build, our head LABEL "
+                   help=f"comma-separated: {','.join(KNOWN_METHODS)}; the peers {LLAMACPP_PLAIN}, {LLAMACPP_NGRAM}, "
+                        f"{LLAMACPP_PREFIX}LABEL (llama-server, our head LABEL as its draft), {VLLM_PLAIN} and "
+                        f"{VLLM_PREFIX}LABEL (vLLM's CPU build, our head LABEL "
                         "as its speculator); head:LABEL picks one --head; +lookup after a head method (head+lookup, head:LABEL+lookup) "
                         "puts the head and a prompt-lookup chain under one per-step scheduler, greedy only; combo: "
                         "every --head and the lookup chain under one scheduler, greedy only; recycling: Token "
